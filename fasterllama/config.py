@@ -1,0 +1,96 @@
+"""ModelConfig: the one description of a LLaMA-family model, whatever file it came from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(
+                f"num_attention_heads ({self.num_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(
+                f"unsupported rope scaling {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a HF config.json (LlamaForCausalLM / MistralForCausalLM)."""
+        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        if cfg.get("sliding_window") not in (None, 0) and cfg.get("use_sliding_window", True):
+            window = cfg["sliding_window"]
+            if window < cfg.get("max_position_embeddings", window):
+                raise ModelLoadError(f"sliding-window attention (window {window}) is not supported")
+        try:
+            hidden = cfg["hidden_size"]
+            heads = cfg["num_attention_heads"]
+            rope_scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+            rope_theta = cfg.get("rope_theta") or (rope_scaling or {}).get("rope_theta", 10000.0)
+            if rope_scaling is not None:
+                rope_scaling = dict(rope_scaling)
+                rope_scaling["rope_type"] = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+                if rope_scaling["rope_type"] == "default":
+                    rope_scaling = None
+            eos = cfg.get("eos_token_id")
+            return cls(
+                vocab_size=cfg["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=cfg["intermediate_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or hidden // heads,
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+                rope_theta=float(rope_theta),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            )
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim

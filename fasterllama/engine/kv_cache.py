@@ -1,0 +1,35 @@
+"""KV cache: preallocated per layer as [slots, kv_heads, max_len, head_dim]; one slot a sequence.
+
+torch.empty leaves pages untouched until written, so resident memory grows with the tokens
+actually cached, not with max_len."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+        self.layers = [
+            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+        self.num_slots, self.max_len = num_slots, max_len
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        self._free.append(slot)

@@ -1,0 +1,250 @@
+"""LLMEngine: requests in, one scheduled step at a time, token updates out.
+
+request -> Sequence -> Scheduler -> ModelRunner -> Sampler -> detokenize -> finished check."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Sequence as Seq
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ContextLengthError, FasterLlamaError
+from ..loading import open_checkpoint
+from ..model import LlamaForCausalLM
+from ..sampling_params import SamplingParams
+from ..tokenizer import Tokenizer
+from . import sampler
+from .kv_cache import KVCache
+from .model_runner import ModelRunner
+from .scheduler import ScheduledSeq, Scheduler
+from .sequence import Sequence
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise FasterLlamaError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FasterLlamaError("device 'cuda' requested but no CUDA GPU is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise FasterLlamaError(f"unsupported device {device!r} (use cpu or cuda)")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise FasterLlamaError(f"unsupported dtype {dtype}")
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise FasterLlamaError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
+    return _DTYPES[dtype]
+
+
+@dataclass
+class StepUpdate:
+    seq: Sequence
+    token_id: int
+    text_delta: str
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str | torch.dtype | None = None,
+        device: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        progress: bool = True,
+    ) -> None:
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        t0 = time.perf_counter()
+        ckpt = open_checkpoint(model)
+        self.model_path = ckpt.path
+        self.config: ModelConfig = ckpt.config
+        self.tokenizer: Tokenizer = ckpt.tokenizer
+        self.model = LlamaForCausalLM(self.config)
+        tensors = ckpt.iter_tensors()
+        if progress:
+            from tqdm import tqdm
+
+            tensors = tqdm(tensors, total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False)
+        self.model.load_weights(tensors, self.dtype, self.device)
+        self.model.eval()
+        self.load_seconds = time.perf_counter() - t0
+
+        cfg = self.config
+        if max_model_len is None:
+            max_model_len = min(cfg.max_position_embeddings, 8192)
+        if not isinstance(max_model_len, int) or max_model_len < 2:
+            raise FasterLlamaError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        self.max_model_len = max_model_len
+        self.kv_cache = KVCache(cfg, max_num_seqs, max_model_len, self.dtype, self.device)
+        self.scheduler = Scheduler(self.kv_cache, max(max_num_batched_tokens, 1))
+        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.eos_token_ids = set(cfg.eos_token_ids)
+
+    # -- requests -------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise FasterLlamaError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        if not ids:
+            raise FasterLlamaError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens, but the context is {self.max_model_len} tokens "
+                "(it must leave room for at least one generated token)"
+            )
+        return ids
+
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        ids = self.encode_prompt(prompt)
+        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seq = Sequence(ids, params, self.tokenizer, seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self) -> list[StepUpdate]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        seqs = [item.seq for item in batch if item.samples]  # before execute advances num_cached
+        logits = self.runner.execute(batch)
+        if not seqs:
+            return []
+        token_ids = sampler.sample(logits, self._sampling_batch(seqs, logits.shape[-1])).tolist()
+        want_logprobs = [s for s in seqs if s.params.logprobs is not None]
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        updates = []
+        for row, (seq, tok) in enumerate(zip(seqs, token_ids)):
+            if logprobs is not None and seq.params.logprobs is not None:
+                seq.logprobs.append(self._top_logprobs(logprobs[row], tok, seq.params.logprobs))
+            updates.append(self._append_token(seq, tok))
+        return updates
+
+    def _append_token(self, seq: Sequence, tok: int) -> StepUpdate:
+        seq.output_token_ids.append(tok)
+        p = seq.params
+        delta = seq.detokenizer.add(tok) if seq.detokenizer else ""
+        reason = None
+        if p.stop and delta:
+            window_start = max(0, len(seq.text) - max(len(s) for s in p.stop) + 1)
+            candidate = seq.text + delta
+            hits = [i for s in p.stop if (i := candidate.find(s, window_start)) >= 0]
+            if hits:
+                cut = min(hits)
+                delta = candidate[len(seq.text) : cut] if cut > len(seq.text) else ""
+                reason = "stop"
+        seq.text += delta
+        n_out = len(seq.output_token_ids)
+        if reason is None:
+            if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                reason = "stop"
+            elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return StepUpdate(seq, tok, delta)
+
+    @staticmethod
+    def _top_logprobs(row: torch.Tensor, tok: int, n: int) -> dict[int, float]:
+        out = {tok: float(row[tok])}
+        if n:
+            values, idx = row.topk(n)
+            out.update({int(i): float(v) for v, i in zip(values, idx)})
+        return out
+
+    def _sampling_batch(self, seqs: list[Sequence], vocab: int) -> sampler.SamplingBatch:
+        dev = self.device
+
+        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        ps = [s.params for s in seqs]
+        f32 = torch.float32
+
+        def padded(rows: list[list[int]]) -> torch.Tensor:
+            width = max(1, max(len(r) for r in rows))
+            return col([r + [-1] * (width - len(r)) for r in rows], torch.int64)
+
+        needs_output = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps)
+        needs_prompt = any(p.repetition_penalty != 1 for p in ps)
+        suppress = None
+        if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
+            suppress = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
+            for i, s in enumerate(seqs):
+                if len(s.output_token_ids) < s.params.min_tokens:
+                    banned = [t for t in ({*self.eos_token_ids} | set(s.params.stop_token_ids)) if t < vocab]
+                    suppress[i, banned] = True
+        return sampler.SamplingBatch(
+            temperature=col([p.temperature for p in ps], f32),
+            top_k=col([p.top_k for p in ps], torch.int64),
+            top_p=col([p.top_p for p in ps], f32),
+            min_p=col([p.min_p for p in ps], f32),
+            repetition_penalty=col([p.repetition_penalty for p in ps], f32),
+            presence_penalty=col([p.presence_penalty for p in ps], f32),
+            frequency_penalty=col([p.frequency_penalty for p in ps], f32),
+            seeds=col([s.seed for s in seqs], torch.int64),
+            steps=col([len(s.output_token_ids) for s in seqs], torch.int64),
+            prompt_tokens=padded([s.prompt_token_ids for s in seqs]) if needs_prompt else None,
+            output_tokens=padded([s.output_token_ids for s in seqs]) if needs_output else None,
+            suppress=suppress,
+        )
+
+    # -- research / tests -------------------------------------------------------------------
+    def compute_logits(self, token_ids: Seq[int]) -> torch.Tensor:
+        """fp32 logits [len, vocab] of every position of one sequence (no sampling)."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise FasterLlamaError("compute_logits needs at least one token")
+        if len(ids) > self.max_model_len:
+            raise ContextLengthError(f"{len(ids)} tokens exceed the context of {self.max_model_len}")
+        if not self.kv_cache.num_free:
+            raise FasterLlamaError("no free KV cache slot (requests are running)")
+        seq = Sequence(ids, SamplingParams(max_tokens=1), None, 0)
+        seq.slot = self.kv_cache.allocate()
+        try:
+            chunks = []
+            while seq.num_cached < len(ids):
+                n = min(len(ids) - seq.num_cached, self.scheduler.max_num_batched_tokens)
+                chunks.append(self.runner.execute([ScheduledSeq(seq, n)], all_logits=True))
+            return torch.cat(chunks)
+        finally:
+            self.kv_cache.free(seq.slot)

@@ -1,0 +1,53 @@
+"""ModelRunner: packs a step's tokens with no padding, runs the model, returns the logits of the
+positions that sample."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..model import LlamaForCausalLM
+from .kv_cache import KVCache
+from .scheduler import ScheduledSeq
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, ops.AttentionMetadata]:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slot_of_token: list[int] = []
+        offsets = [0]
+        for item in batch:
+            seq, n = item.seq, item.num_tokens
+            start = seq.num_cached
+            all_ids = seq.prompt_token_ids + seq.output_token_ids if start + n > len(seq.prompt_token_ids) else seq.prompt_token_ids
+            tokens += all_ids[start : start + n]
+            positions += range(start, start + n)
+            slot_of_token += [seq.slot] * n
+            offsets.append(offsets[-1] + n)
+        dev = self.device
+        meta = ops.AttentionMetadata(
+            slot_of_token=torch.tensor(slot_of_token, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slots=[item.seq.slot for item in batch],
+            start_positions=[item.seq.num_cached for item in batch],
+            token_offsets=offsets,
+        )
+        return torch.tensor(tokens, dtype=torch.int64, device=dev), meta
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
+        """Run one step. Returns fp32 logits [num sampling seqs, V] (or [T, V] if all_logits)."""
+        input_ids, meta = self.prepare(batch)
+        hidden = self.model(input_ids, meta, self.kv_cache.layers)
+        if not all_logits:
+            rows = [meta.token_offsets[i + 1] - 1 for i, item in enumerate(batch) if item.samples]
+            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
+        for item in batch:
+            item.seq.num_cached += item.num_tokens
+        return self.model.compute_logits(hidden).float()

@@ -1,0 +1,112 @@
+"""Sampler: logits processors and draws over the whole batch's logits at once.
+
+Order (as HF generate): repetition penalty, presence/frequency penalties, temperature, top-k,
+top-p, min-p, then a draw. Draws use a counter-based hash of (seed, step, token), so a seeded
+request gets the same tokens whatever else is in its batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+_M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
+_M3 = -7723592293110705685  # 0x94D049BB133111EB
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def hashed_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """U(0,1) noise [B, vocab] from splitmix64 of (seed, step, token index): reproducible per row."""
+    idx = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    x = (seeds[:, None] * _M1) ^ (steps[:, None] * _M2 + idx[None, :])
+    x = x * _M1
+    x = (x ^ _shr(x, 30)) * _M2
+    x = (x ^ _shr(x, 27)) * _M3
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 40).to(torch.float64) + 0.5) / float(1 << 24)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row parameters as tensors, built once per step by the engine."""
+
+    temperature: torch.Tensor  # [B] (0 = greedy)
+    top_k: torch.Tensor  # [B] int (0 = off)
+    top_p: torch.Tensor  # [B]
+    min_p: torch.Tensor  # [B]
+    repetition_penalty: torch.Tensor  # [B]
+    presence_penalty: torch.Tensor  # [B]
+    frequency_penalty: torch.Tensor  # [B]
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64 (index of the token being drawn)
+    prompt_tokens: torch.Tensor | None  # [B, Lp] padded with -1 (repetition penalty)
+    output_tokens: torch.Tensor | None  # [B, Lo] padded with -1 (all penalties)
+    suppress: torch.Tensor | None  # [B, V] bool, tokens banned this step (EOS before min_tokens)
+
+
+def _seen_mask(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    counts = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.float32, device=tokens.device)
+    counts.scatter_add_(1, tokens.clamp(min=-1) % (vocab + 1), torch.ones_like(tokens, dtype=torch.float32))
+    return counts[:, :vocab]  # index vocab is where the -1 padding landed
+
+
+def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    V = logits.shape[-1]
+    if b.output_tokens is None and b.prompt_tokens is None:
+        return logits
+    out_counts = _seen_mask(b.output_tokens, V) if b.output_tokens is not None else torch.zeros_like(logits)
+    if (b.repetition_penalty != 1).any():
+        seen = out_counts > 0
+        if b.prompt_tokens is not None:
+            seen |= _seen_mask(b.prompt_tokens, V) > 0
+        rp = b.repetition_penalty[:, None]
+        penalized = torch.where(logits < 0, logits * rp, logits / rp)
+        logits = torch.where(seen, penalized, logits)
+    if (b.presence_penalty != 0).any() or (b.frequency_penalty != 0).any():
+        logits = logits - b.frequency_penalty[:, None] * out_counts - b.presence_penalty[:, None] * (out_counts > 0)
+    return logits
+
+
+def apply_temperature_and_filters(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p masks (-inf outside the kept set), HF semantics."""
+    temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
+    logits = logits / temp[:, None]
+    neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    if (b.top_k > 0).any():
+        V = logits.shape[-1]
+        k = torch.where(b.top_k > 0, b.top_k.clamp(max=V), torch.full_like(b.top_k, V))
+        kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        logits = torch.where(logits < kth, neg_inf, logits)
+    if (b.top_p < 1).any():
+        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove = cum <= (1 - b.top_p[:, None])
+        remove[:, -1] = False
+        remove = remove.scatter(1, sorted_idx, remove)
+        logits = torch.where(remove, neg_inf, logits)
+    if (b.min_p > 0).any():
+        probs = logits.softmax(dim=-1)
+        threshold = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = torch.where(probs < threshold, neg_inf, logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Next token per row: argmax for greedy rows, an exponential race (Gumbel-max) otherwise."""
+    logits = logits.float()
+    if b.suppress is not None:
+        logits = logits.masked_fill(b.suppress, float("-inf"))
+    logits = apply_penalties(logits, b)
+    greedy = b.temperature == 0
+    if bool(greedy.all()):
+        return logits.argmax(dim=-1)
+    processed = apply_temperature_and_filters(logits, b)
+    probs = processed.softmax(dim=-1)
+    noise = -torch.log(hashed_uniform(b.seeds, b.steps, logits.shape[-1])).to(probs.dtype)
+    drawn = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn)

@@ -1,0 +1,49 @@
+"""Sequence: one request's tokens, sampling params, status and place in the KV cache."""
+
+from __future__ import annotations
+
+import itertools
+from enum import Enum, auto
+
+from ..sampling_params import SamplingParams
+from ..tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, prompt_token_ids: list[int], params: SamplingParams, tokenizer: Tokenizer | None, seed: int) -> None:
+        self.seq_id = next(_ids)
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.seed = seed
+        self.status = SequenceStatus.WAITING
+        self.slot: int | None = None
+        self.num_cached = 0  # tokens whose K/V are in the cache
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict[int, float]] = []
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
+        self.text = ""  # output text so far (truncated before a stop string)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def uncached_token_ids(self) -> list[int]:
+        return (self.prompt_token_ids + self.output_token_ids)[self.num_cached :]

@@ -1,0 +1,122 @@
+"""LLM: the offline Python API, a thin layer over LLMEngine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence as Seq
+
+import torch
+
+from .engine.llm_engine import LLMEngine
+from .engine.sequence import Sequence
+from .errors import FasterLlamaError
+from .sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+    prompt: str | None = None
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence, prompt: Prompt) -> "RequestOutput":
+        return cls(
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=list(seq.output_token_ids),
+            text=seq.text,
+            finish_reason=seq.finish_reason,
+            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+
+
+class LLM:
+    """`LLM(model=None)` loads the default model; `generate`, `chat`, `compute_logits`."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str | torch.dtype | None = None,
+        device: str | None = None,
+        quantization: str | None = None,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        progress: bool = True,
+    ) -> None:
+        if quantization is not None:
+            raise FasterLlamaError(f"quantization {quantization!r} is not supported yet")
+        self.engine = LLMEngine(
+            model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            progress=progress,
+        )
+        self.tokenizer = self.engine.tokenizer
+        self.config = self.engine.config
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or a list of token ids); one output per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise FasterLlamaError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        engine = self.engine
+        seqs = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                seqs.append(engine.add_request(prompt, p))
+            while engine.has_unfinished():
+                engine.step()
+        except BaseException:
+            for seq in seqs:
+                engine.abort(seq)
+            raise
+        return [RequestOutput.from_sequence(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Generate for one prompt, yielding text deltas as they become printable."""
+        engine = self.engine
+        seq = engine.add_request(prompt, params)
+        try:
+            while not seq.is_finished:
+                for update in engine.step():
+                    if update.seq is seq and update.text_delta:
+                        yield update.text_delta
+        finally:
+            engine.abort(seq)
+        self.last_output = RequestOutput.from_sequence(seq, prompt)
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self.chat_prompt(c) for c in conversations], params)
+
+    def compute_logits(self, token_ids: Seq[int]) -> torch.Tensor:
+        """fp32 logits [len, vocab] at every position of one token sequence."""
+        return self.engine.compute_logits(token_ids)

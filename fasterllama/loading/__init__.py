@@ -1,0 +1,60 @@
+"""Loading: GGUF files and HF folders -> one canonical set of named tensors + ModelConfig + Tokenizer.
+
+Nothing downstream knows which format a model came from."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+from ..tokenizer import Tokenizer
+from .gguf_file import open_gguf
+from .hf_folder import open_hf_folder
+from .registry import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_path
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    format: str  # "gguf" | "hf"
+    config: ModelConfig
+    tokenizer: Tokenizer
+    tensor_names: list[str]
+    iter_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+def open_checkpoint(model: str | None) -> Checkpoint:
+    """Open a model by path or known name; tensors are read lazily by `iter_tensors()`."""
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        ckpt = open_hf_folder(path)
+        tokenizer = Tokenizer.from_folder(path)
+        fmt = "hf"
+    elif path.endswith(".gguf") or _has_gguf_magic(path):
+        ckpt = open_gguf(path)
+        tokenizer = Tokenizer.from_gguf(ckpt.metadata)
+        fmt = "gguf"
+    else:
+        raise ModelLoadError(f"{path}: not a GGUF file or a HF checkpoint folder")
+    cfg = ckpt.config
+    if cfg.bos_token_id is None:
+        cfg.bos_token_id = tokenizer.bos_token_id
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in cfg.eos_token_ids:
+        cfg.eos_token_ids.append(tokenizer.eos_token_id)
+    return Checkpoint(path, fmt, cfg, tokenizer, ckpt.tensor_names(), ckpt.iter_tensors)
+
+
+def _has_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"GGUF"
+    except OSError as e:
+        raise ModelLoadError(f"{path}: cannot read ({e.strerror})") from None
+
+
+__all__ = ["Checkpoint", "open_checkpoint", "resolve_model_path", "KNOWN_MODELS", "DEFAULT_MODEL"]

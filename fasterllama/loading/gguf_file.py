@@ -1,0 +1,177 @@
+"""Read a GGUF file of the `llama` architecture into canonical tensors + ModelConfig + tokenizer fields."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+
+SUPPORTED_ARCHS = ("llama", "mistral")
+
+# GGUF tensor name -> canonical (HF) tensor name.
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    """Canonical name of a GGUF tensor, or None for tensors the model does not use."""
+    m = _LAYER_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part not in _LAYER_NAMES:
+            return None
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    return None
+
+
+def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's row permutation of q/k weights (interleaved RoPE -> rotate-half RoPE)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's permutation of q/k rows (what its converter writes); inverse of unpermute_rope_rows."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, dim, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass
+class GGUFCheckpoint:
+    path: str
+    config: ModelConfig
+    metadata: dict[str, Any]
+    reader: Any
+
+    def tensor_names(self) -> list[str]:
+        return [t.name for t in self.reader.tensors if canonical_name(t.name)]
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (canonical name, float32 tensor) one at a time, so only one is expanded at once."""
+        from gguf import GGMLQuantizationType, quants
+
+        cfg = self.config
+        for t in self.reader.tensors:
+            name = canonical_name(t.name)
+            if name is None:
+                continue
+            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                arr = np.array(t.data, dtype=np.float32)  # a writable copy of the memory map
+            else:
+                arr = quants.dequantize(t.data, t.tensor_type)
+            shape = tuple(int(d) for d in reversed(t.shape))
+            arr = arr.reshape(shape)
+            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+                arr = unpermute_rope_rows(arr, cfg.num_heads)
+            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+                arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
+            yield name, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
+
+def _field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K")
+
+
+def open_gguf(path: str) -> GGUFCheckpoint:
+    """Open and validate a GGUF file; tensors are read lazily (memory-mapped)."""
+    from gguf import GGUFReader
+
+    with open(path, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # the gguf package raises ValueError/IndexError/etc. on corrupt files
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.size * t.data.itemsize < t.n_bytes:
+            raise ModelLoadError(f"{path}: truncated GGUF file (tensor {t.name} extends past the end)")
+        if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(f"{path}: unsupported GGUF tensor type {t.tensor_type.name} ({t.name})")
+
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    metadata = {k: f for k, f in reader.fields.items()}
+    config = _config_from_gguf(reader, arch, path)
+    return GGUFCheckpoint(path=path, config=config, metadata=metadata, reader=reader)
+
+
+def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
+    def get(key: str, default: Any = None) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    try:
+        hidden = int(get("embedding_length"))
+        heads = int(get("attention.head_count"))
+        kv_heads = int(get("attention.head_count_kv", heads))
+        n_layers = int(get("block_count"))
+        ffn = int(get("feed_forward_length"))
+    except TypeError:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks the {arch} hyperparameters") from None
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    names = {t.name for t in reader.tensors}
+    if vocab is None:
+        vocab = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
+    rope_scaling = None
+    scaling_type = get("rope.scaling.type")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"{path}: unsupported rope scaling {scaling_type!r}")
+    rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if rope_freqs is not None:  # llama.cpp writes llama3 scaling as per-frequency divisors
+        rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(rope_freqs.data)]}
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    return ModelConfig(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=list(dict.fromkeys(eos_ids)),
+    )

@@ -1,0 +1,76 @@
+"""Read a HF checkpoint folder: config.json + (sharded) safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+
+
+@dataclass
+class HFCheckpoint:
+    path: str
+    config: ModelConfig
+    shards: dict[str, list[str]]  # shard file -> tensor names in it
+
+    def tensor_names(self) -> list[str]:
+        return [n for names in self.shards.values() for n in names]
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for shard, names in self.shards.items():
+            try:
+                with safe_open(shard, framework="pt") as f:
+                    for name in names:
+                        yield name, f.get_tensor(name)
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f"{shard}: cannot read safetensors ({e})") from None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+
+
+def open_hf_folder(path: str) -> HFCheckpoint:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ModelLoadError(f"{path}: no config.json (expected a HF checkpoint folder or a .gguf file)")
+    config = ModelConfig.from_hf_dict(_read_json(cfg_path))
+    gen_cfg_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_cfg_path):
+        eos = _read_json(gen_cfg_path).get("eos_token_id")
+        if eos is not None:
+            eos = [eos] if isinstance(eos, int) else list(eos)
+            config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + eos))
+
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    single_path = os.path.join(path, "model.safetensors")
+    shards: dict[str, list[str]] = {}
+    if os.path.isfile(index_path):
+        for name, shard in _read_json(index_path)["weight_map"].items():
+            shards.setdefault(os.path.join(path, shard), []).append(name)
+        for shard in shards:
+            if not os.path.isfile(shard):
+                raise ModelLoadError(f"{path}: missing shard {os.path.basename(shard)}")
+    elif os.path.isfile(single_path):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(single_path, framework="pt") as f:
+                shards[single_path] = list(f.keys())
+        except Exception as e:
+            raise ModelLoadError(f"{single_path}: cannot read safetensors ({e})") from None
+    else:
+        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return HFCheckpoint(path=path, config=config, shards=shards)

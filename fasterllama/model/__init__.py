@@ -1,0 +1,3 @@
+from .llama import LlamaForCausalLM
+
+__all__ = ["LlamaForCausalLM"]

@@ -1,0 +1,205 @@
+"""The decoder-only LLaMA family (LLaMA 2/3, Mistral without sliding window, SmolLM, TinyLlama).
+
+One forward for both phases: the step's tokens of all sequences are packed into one [T] batch
+(prefill chunks and single decode tokens alike), K/V go into a preallocated cache, and
+attention reads each sequence's own cache rows (see ops.AttentionMetadata)."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from ..errors import ModelLoadError
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Quantized linears keep this call signature."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim/2], with linear / llama3 / per-frequency-factor scaling."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "freq_factors":  # llama.cpp's rope_freqs tensor: theta = pos * inv_freq / factor
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = ops.apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
+        k = ops.apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv
+        ops.store_kv(k_cache, v_cache, k, v, meta)
+        out = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# canonical checkpoint name suffix -> (fused parameter, shard index among its parts)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for the packed tokens `input_ids` [T]."""
+        freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        h = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            h = layer(h, cos, sin, kv, meta)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    # -- loading ------------------------------------------------------------------------------
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> None:
+        """Fill parameters from canonical (HF-named) tensors, one at a time, converting dtype.
+
+        Fused projections (qkv, gate_up) are allocated once and filled slice by slice, so the
+        load never holds a second full copy of the weights."""
+        cfg = self.config
+        params = dict(self.named_parameters(remove_duplicate=False))
+        seen: set[str] = set()
+        split_sizes = {
+            "qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
+            "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
+        }
+        for name, tensor in tensors:
+            target = name.removeprefix("model.")
+            part = None
+            for src, (fused, idx) in _FUSED.items():
+                if f".{src}." in target:
+                    target, part = target.replace(f".{src}.", f".{fused}."), (fused, idx)
+                    break
+            if target not in params:
+                if "rotary_emb" in target:
+                    continue
+                raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+            param = params[target]
+            if param.device.type == "meta":
+                param = self._materialize(target, dtype, device)
+                params[target] = param
+            if part is None:
+                expected = tuple(param.shape)
+                if tuple(tensor.shape) != expected:
+                    raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+                param.data.copy_(tensor)
+                seen.add(target)
+            else:
+                sizes = split_sizes[part[0]]
+                lo = sum(sizes[: part[1]])
+                dst = param.data[lo : lo + sizes[part[1]]]
+                if tuple(tensor.shape) != tuple(dst.shape):
+                    raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                seen.add(f"{target}#{part[1]}")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in seen:
+            self.lm_head.weight = self.embed_tokens.weight
+            seen.add("lm_head.weight")
+        missing = []
+        for pname, p in self.named_parameters():
+            fused = next((f for f in split_sizes if f".{f}." in pname), None)
+            keys = [f"{pname}#{i}" for i in range(len(split_sizes[fused]))] if fused else [pname]
+            missing += [k for k in keys if k not in seen]
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}")
+        self.inv_freq = self.inv_freq.to(device)
+
+    def _materialize(self, target: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+        module_name, _, attr = target.rpartition(".")
+        module = self.get_submodule(module_name)
+        old = getattr(module, attr)
+        new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=device), requires_grad=False)
+        setattr(module, attr, new)
+        return new

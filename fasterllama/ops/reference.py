@@ -1,0 +1,88 @@
+"""PyTorch reference ops: readable, run on every device, and the oracle for faster backends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, then scaled in the input dtype (as HF LLaMA does)."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
+    cos = cos.unsqueeze(1).to(x.dtype)
+    sin = sin.unsqueeze(1).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up for a fused [.., 2*intermediate] projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the step's packed tokens go in the KV cache and which tokens each sequence owns.
+
+    Tokens of all sequences are packed with no padding: sequence i owns rows
+    token_offsets[i]:token_offsets[i+1] of the step, sits in cache slot slots[i], and has
+    start_positions[i] tokens already cached."""
+
+    slot_of_token: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slots: list[int]
+    start_positions: list[int]
+    token_offsets: list[int]  # len = num_seqs + 1
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.slots)
+
+
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Write this step's K/V ([T, kv_heads, head_dim]) into caches [slots, kv_heads, max_len, head_dim]."""
+    k_cache[meta.slot_of_token, :, meta.positions] = k
+    v_cache[meta.slot_of_token, :, meta.positions] = v
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence's new queries ([T, heads, head_dim]) over its cached K/V.
+
+    No attention crosses sequences. New tokens sit at the end of their sequence, so the causal
+    mask is aligned bottom-right (query j of n new tokens sees start + j + 1 keys)."""
+    out = torch.empty_like(q)
+    for i in range(meta.num_seqs):
+        lo, hi = meta.token_offsets[i], meta.token_offsets[i + 1]
+        n, start, slot = hi - lo, meta.start_positions[i], meta.slots[i]
+        total = start + n
+        qi = q[lo:hi].transpose(0, 1)  # [heads, n, d]
+        ki = k_cache[slot, :, :total]  # [kv_heads, total, d]
+        vi = v_cache[slot, :, :total]
+        if n == 1:
+            mask, causal = None, False
+        elif start == 0:
+            mask, causal = None, True
+        else:
+            cols = torch.arange(total, device=q.device)
+            rows = torch.arange(start, total, device=q.device)
+            mask, causal = cols[None, :] <= rows[:, None], False
+        oi = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=ki.shape[0] != qi.shape[0]
+        )
+        out[lo:hi] = oi.transpose(0, 1)
+    return out

@@ -1,0 +1,332 @@
+"""Tokenizer: HF-identical encode/decode built with the `tokenizers` library, chat templates
+rendered with jinja2 the way transformers renders them, and incremental detokenization."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, Sequence
+
+from tokenizers import AddedToken, Regex, Tokenizer as BackendTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from .errors import FasterLlamaError, ModelLoadError
+
+# GGUF token types (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer split patterns named by a GGUF's `tokenizer.ggml.pre` (the ones llama.cpp and
+# transformers agree on); any other name uses GPT-2's byte-level split.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_PRE_TOKENIZER_SPLITS = {
+    name: _LLAMA3_SPLIT
+    for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe")
+}
+
+
+@lru_cache(maxsize=1)
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs)))
+
+
+def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Recover BPE merges from a sentencepiece vocabulary: every split of a token into two known
+    tokens is a merge, ranked by the merged token's score (higher merges first)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for token, score in zip(tokens, scores):
+        local = [(token[:i], token[i:], score) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        merges.extend(local)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(a, b) for a, b, _ in merges]
+
+
+def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str | None) -> BackendTokenizer:
+    """GPT-2 style byte-level BPE (LLaMA-3, SmolLM, ...)."""
+    spelling = bytes_to_unicode()
+    alphabet = set(spelling.values())
+    vocab = {
+        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
+    }
+    merge_pairs = [tuple(m.split(" ")) for m in merges]
+    tok = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
+    split = _PRE_TOKENIZER_SPLITS.get(pre or "")
+    if split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], merges: Sequence[str] | None = None) -> BackendTokenizer:
+    """LLaMA-1/2 style sentencepiece BPE with byte fallback, as HF's LlamaTokenizer builds it."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merge_pairs = [tuple(m.split(" ")) for m in merges] if merges else merges_from_scores(tokens, scores)
+    tok = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=True, byte_fallback=True, unk_token=tokens[0] if tokens else None))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
+    )
+    return tok
+
+
+def _token_str(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+class Tokenizer:
+    """encode/decode/apply_chat_template with the same results as the HF tokenizer of the model."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        add_bos_token: bool | None,
+        add_eos_token: bool | None,
+        extra_tokens: dict[str, str | None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(extra_tokens or {})}
+        if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
+            self._set_template(bool(add_bos_token), bool(add_eos_token))
+
+    def _set_template(self, add_bos: bool, add_eos: bool) -> None:
+        """Make encode(add_special_tokens=True) add BOS/EOS exactly as the model's settings say."""
+        if add_bos and self.bos_token is None:
+            add_bos = False
+        if add_eos and self.eos_token is None:
+            add_eos = False
+        single = " ".join(([f"{self.bos_token}:0"] if add_bos else []) + ["$A:0"] + ([f"{self.eos_token}:0"] if add_eos else []))
+        pair = single + " " + " ".join(([f"{self.bos_token}:1"] if add_bos else []) + ["$B:1"] + ([f"{self.eos_token}:1"] if add_eos else []))
+        special = []
+        for use, token in ((add_bos, self.bos_token), (add_eos, self.eos_token)):
+            if use and token is not None:
+                special.append((token, self.backend.token_to_id(token)))
+        self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
+        self.add_bos_token = add_bos
+
+    # -- construction -----------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, fields: dict[str, Any]) -> "Tokenizer":
+        """Build from GGUF metadata fields (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
+
+        def get(key: str, default: Any = None) -> Any:
+            f = fields.get(key)
+            return default if f is None else f.contents()
+
+        kind = get("tokenizer.ggml.model")
+        tokens = get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise ModelLoadError("GGUF file has no tokenizer vocabulary")
+        token_types = get("tokenizer.ggml.token_type") or []
+        merges = get("tokenizer.ggml.merges")
+        if kind == "gpt2":
+            backend = byte_level_bpe(tokens, merges or [], get("tokenizer.ggml.pre"))
+            add_bos_default = False
+        elif kind == "llama":
+            backend = sentencepiece_bpe(tokens, get("tokenizer.ggml.scores") or [0.0] * len(tokens), merges)
+            add_bos_default = True
+        else:
+            raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+        spelled = set(bytes_to_unicode().values()) if kind == "gpt2" else None
+        control = [
+            AddedToken(t, normalized=False, special=True)
+            for t, ty in zip(tokens, token_types)
+            if ty == _CONTROL and (spelled is None or set(t) <= spelled)
+        ]
+        backend.add_special_tokens(control)
+        vocab = backend.get_vocab()
+        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED and t in vocab])
+
+        def token(key: str) -> str | None:
+            idx = get(f"tokenizer.ggml.{key}")
+            return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
+
+        add_bos = get("tokenizer.ggml.add_bos_token")
+        return cls(
+            backend,
+            bos_token=token("bos_token_id"),
+            eos_token=token("eos_token_id"),
+            chat_template=get("tokenizer.chat_template"),
+            add_bos_token=add_bos_default if add_bos is None else bool(add_bos),
+            add_eos_token=bool(get("tokenizer.ggml.add_eos_token", False)),
+            extra_tokens={"unk_token": token("unknown_token_id"), "pad_token": token("padding_token_id")},
+        )
+
+    @classmethod
+    def from_folder(cls, path: str) -> "Tokenizer":
+        """Build from a HF folder: tokenizer.json or tokenizer.model, plus tokenizer_config.json."""
+        cfg: dict[str, Any] = {}
+        cfg_path = os.path.join(path, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path, encoding="utf-8") as fh:
+                cfg = json.load(fh)
+        special_map_path = os.path.join(path, "special_tokens_map.json")
+        if os.path.isfile(special_map_path):
+            with open(special_map_path, encoding="utf-8") as fh:
+                for k, v in json.load(fh).items():
+                    cfg.setdefault(k, v)
+        json_path = os.path.join(path, "tokenizer.json")
+        sp_path = os.path.join(path, "tokenizer.model")
+        if os.path.isfile(json_path):
+            try:
+                backend = BackendTokenizer.from_file(json_path)
+            except Exception as e:
+                raise ModelLoadError(f"{json_path}: cannot read tokenizer ({e})") from None
+            add_bos_default = None
+        elif os.path.isfile(sp_path):
+            backend = _sentencepiece_file_backend(sp_path)
+            add_bos_default = True
+        else:
+            raise ModelLoadError(f"{path}: no tokenizer.json or tokenizer.model")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: use the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        jinja_path = os.path.join(path, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as fh:
+                template = fh.read()
+        add_bos = cfg.get("add_bos_token", add_bos_default)
+        return cls(
+            backend,
+            bos_token=_token_str(cfg.get("bos_token")),
+            eos_token=_token_str(cfg.get("eos_token")),
+            chat_template=template,
+            add_bos_token=add_bos,
+            add_eos_token=cfg.get("add_eos_token"),
+            extra_tokens={"unk_token": _token_str(cfg.get("unk_token")), "pad_token": _token_str(cfg.get("pad_token"))},
+        )
+
+    # -- encode / decode --------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.token_to_id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.token_to_id(self.eos_token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- chat templates ---------------------------------------------------------------------
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render messages with the model's template (as transformers does); ids if tokenize."""
+        if not self.chat_template:
+            raise FasterLlamaError("this model has no chat template; use plain generation instead")
+        for m in messages:
+            if not isinstance(m, dict) or "role" not in m:
+                raise FasterLlamaError("each chat message must be a dict with 'role' and 'content'")
+        text = _compiled_template(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
+        )
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _sentencepiece_file_backend(path: str) -> BackendTokenizer:
+    """tokenizer.model (sentencepiece BPE) -> the same BPE + byte fallback HF converts it to."""
+    import sentencepiece as spm
+
+    try:
+        sp = spm.SentencePieceProcessor(model_file=path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot read sentencepiece model ({e})") from None
+    tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    scores = [sp.get_score(i) for i in range(sp.get_piece_size())]
+    backend = sentencepiece_bpe(tokens, scores)
+    backend.add_special_tokens(
+        [AddedToken(tokens[i], normalized=False, special=True) for i in range(len(tokens)) if sp.is_control(i) or sp.is_unknown(i)]
+    )
+    return backend
+
+
+@lru_cache(maxsize=8)
+def _compiled_template(source: str) -> Any:
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise FasterLlamaError(f"chat template: {message}")
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise ModelLoadError(f"invalid chat template: {e}") from None
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas that never end in a broken UTF-8 character.
+
+    Decodes a small window (prefix..end) and emits what it adds beyond (prefix..read), so each
+    step costs O(window) and byte-fallback / multi-byte tokens are held until complete."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        new_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            self.text += delta
+            return delta
+        return ""
