@@ -57,6 +57,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return _DTYPES[dtype]
 
 
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of a stop string."""
+    best = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:n]):
+                best = n
+                break
+    return best
+
+
 @dataclass
 class StepUpdate:
     seq: Sequence
@@ -162,26 +173,36 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, tok: int) -> StepUpdate:
         seq.output_token_ids.append(tok)
         p = seq.params
-        delta = seq.detokenizer.add(tok) if seq.detokenizer else ""
+        if seq.detokenizer:
+            seq.text += seq.detokenizer.add(tok)
         reason = None
-        if p.stop and delta:
-            window_start = max(0, len(seq.text) - max(len(s) for s in p.stop) + 1)
-            candidate = seq.text + delta
-            hits = [i for s in p.stop if (i := candidate.find(s, window_start)) >= 0]
-            if hits:
-                cut = min(hits)
-                delta = candidate[len(seq.text) : cut] if cut > len(seq.text) else ""
-                reason = "stop"
-        seq.text += delta
-        n_out = len(seq.output_token_ids)
+        if p.stop and seq.text:
+            reason = self._truncate_at_stop(seq)
         if reason is None:
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = "stop"
-            elif n_out >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
+            safe_end = len(seq.text)
+        else:  # hold back a tail that may still grow into a stop string
+            safe_end = len(seq.text) - _stop_prefix_len(seq.text, p.stop)
+        delta = seq.text[seq.num_emitted : safe_end]
+        seq.num_emitted = max(seq.num_emitted, safe_end)
         return StepUpdate(seq, tok, delta)
+
+    @staticmethod
+    def _truncate_at_stop(seq: Sequence) -> str | None:
+        """Cut seq.text before the first stop string (which may span tokens); "stop" if found."""
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, seq.num_checked - longest + 1)
+        hits = [i for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+        seq.num_checked = len(seq.text)
+        if not hits:
+            return None
+        seq.text = seq.text[: min(hits)]
+        return "stop"
 
     @staticmethod
     def _top_logprobs(row: torch.Tensor, tok: int, n: int) -> dict[int, float]:

@@ -32,6 +32,8 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.text = ""  # output text so far (truncated before a stop string)
+        self.num_emitted = 0  # chars of text already streamed
+        self.num_checked = 0  # chars of text already searched for stop strings
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,206 @@
+"""The `fasterllama` command: generate, chat, models."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from .errors import FasterLlamaError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, no usage dump
+        print(f"error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", "-m", default=None, help="GGUF file, HF folder or known name (default: smollm2-135m-instruct)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", "-t", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens, 0 = off (default 40)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min_p * p(max) (default 0.05)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def _sampling_params(args: argparse.Namespace) -> Any:
+    from .sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .llm import LLM
+
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=1,
+        progress=not args.quiet,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)  # validate before the (slow) load
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise FasterLlamaError("empty prompt")
+    llm = _load(args)
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
+        prompt_ids: Any = llm.chat_prompt(messages)
+    else:
+        prompt_ids = prompt
+    for delta in llm.stream(prompt_ids, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.verbose:
+        out = llm.last_output
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling_params(args)
+    llm = _load(args)
+    interactive = sys.stdin.isatty()
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = []
+    if interactive:
+        print("Chatting with the model. /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr)
+    while True:
+        if interactive:
+            try:
+                line = input("> ")
+            except EOFError:
+                print(file=sys.stderr)
+                break
+        else:
+            raw = sys.stdin.readline()
+            if not raw:
+                break
+            line = raw.rstrip("\n")
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history.clear()
+            print("(history cleared)", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        prompt_ids = _fit_history(llm, system, history, params.max_tokens)
+        reply = []
+        for delta in llm.stream(prompt_ids, params):
+            reply.append(delta)
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def _fit_history(llm: Any, system: list[dict[str, str]], history: list[dict[str, str]], max_tokens: int) -> list[int]:
+    """Chat prompt ids for the history, dropping the oldest turns when it outgrows the context."""
+    limit = llm.engine.max_model_len - 1
+    while True:
+        ids = llm.chat_prompt(system + history)
+        if len(ids) + min(max_tokens, limit // 2) <= limit or len(history) <= 1:
+            return ids
+        del history[: 2 if len(history) > 2 else 1]
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .loading.registry import DEFAULT_MODEL, KNOWN_MODELS
+
+    for name, known in KNOWN_MODELS.items():
+        path = known.path()
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"{name}{default}: {known.description}")
+        print(f"  installed: {path}" if path else f"  not installed: {known.install}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fasterllama", description="Fast, hackable inference for LLaMA-family models.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate a continuation of PROMPT (streamed to stdout)")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message with the chat template")
+    g.add_argument("--system", default=None, help="system message (with --chat)")
+    g.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    g.add_argument("--verbose", "-v", action="store_true", help="print token count and finish reason to stderr")
+    g.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat (also reads piped input, one message a line)")
+    _add_model_args(c)
+    _add_sampling_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    c.set_defaults(func=cmd_chat)
+
+    m = sub.add_parser("models", help="list known model names, which are installed, and where")
+    m.set_defaults(func=cmd_models)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("FASTERLLAMA_DEBUG") == "1"
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as e:
+        if debug:
+            raise
+        if isinstance(e, FasterLlamaError):
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            print(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

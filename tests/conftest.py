@@ -1,0 +1,39 @@
+"""Shared fixtures. The default model (and HF transformers on the same GGUF) load once a session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.manual_seed(0)
+
+
+def default_model_path() -> str | None:
+    from fasterllama.loading.registry import KNOWN_MODELS, DEFAULT_MODEL
+
+    return KNOWN_MODELS[DEFAULT_MODEL].path()
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    from fasterllama import LLM
+
+    if default_model_path() is None:
+        pytest.skip("default model not installed")
+    return LLM(progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_default():
+    """(model, tokenizer) of HF transformers loading the default GGUF in fp32: the reference."""
+    path = default_model_path()
+    if path is None:
+        pytest.skip("default model not installed")
+    transformers = pytest.importorskip("transformers")
+    folder, name = os.path.split(path)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return model, tok

@@ -1,0 +1,168 @@
+"""The `fasterllama` command end to end, as subprocesses: generation, piped chat, and errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+
+from conftest import default_model_path
+
+needs_model = pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
+
+
+def run_cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "fasterllama", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ")
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+@needs_model
+def test_generate_streams_greedy_text(default_llm):
+    from fasterllama import SamplingParams
+
+    proc = run_cli("generate", "-q", "--temperature", "0", "--max-tokens", "16", "--ignore-eos", "The capital of France is")
+    assert proc.returncode == 0, proc.stderr
+    expected = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].text
+    assert proc.stdout == expected + "\n"
+
+
+@needs_model
+def test_generate_chat_flag_uses_template(default_llm):
+    from fasterllama import SamplingParams
+
+    proc = run_cli("generate", "-q", "--chat", "--temperature", "0", "--max-tokens", "24", "What is 2+2?")
+    assert proc.returncode == 0, proc.stderr
+    expected = default_llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0, max_tokens=24))[0].text
+    assert proc.stdout == expected + "\n"
+
+
+@needs_model
+def test_chat_piped_keeps_history(default_llm):
+    from fasterllama import SamplingParams
+
+    proc = run_cli("chat", "-q", "--temperature", "0", "--max-tokens", "20", stdin="My name is Ada.\n/reset\nWhat is 2+2?\n/exit\nnever read\n")
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.split("\n")]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    first = default_llm.chat([{"role": "user", "content": "My name is Ada."}], params)[0].text
+    second = default_llm.chat([{"role": "user", "content": "What is 2+2?"}], params)[0].text  # history was reset
+    assert proc.stdout == first + "\n" + second + "\n", lines
+
+
+@needs_model
+def test_chat_piped_multi_turn_history(default_llm):
+    from fasterllama import SamplingParams
+
+    proc = run_cli("chat", "-q", "--temperature", "0", "--max-tokens", "12", stdin="Hi there\nThanks!\n")
+    assert proc.returncode == 0, proc.stderr
+    params = SamplingParams(temperature=0, max_tokens=12)
+    h = [{"role": "user", "content": "Hi there"}]
+    first = default_llm.chat(h, params)[0].text
+    h += [{"role": "assistant", "content": first}, {"role": "user", "content": "Thanks!"}]
+    second = default_llm.chat(h, params)[0].text
+    assert proc.stdout == first + "\n" + second + "\n"
+
+
+def test_models_lists_default():
+    proc = run_cli("models")
+    assert proc.returncode == 0
+    assert "smollm2-135m-instruct (default)" in proc.stdout
+
+
+def test_error_missing_path(tmp_path):
+    assert_clean_error(run_cli("generate", "--model", str(tmp_path / "nope.gguf"), "hi"), "no such model")
+
+
+def test_error_not_a_gguf(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_text("definitely not a model")
+    assert_clean_error(run_cli("generate", "--model", str(bad), "hi"), "not a GGUF")
+
+
+@needs_model
+def test_error_truncated_gguf(tmp_path):
+    data = open(default_model_path(), "rb").read()
+    for size in (2_000, len(data) // 2):
+        cut = tmp_path / f"cut{size}.gguf"
+        cut.write_bytes(data[:size])
+        assert_clean_error(run_cli("generate", "--model", str(cut), "hi"), "truncated")
+
+
+def _write_gguf(path, arch: str, tensor_type=gguf.GGMLQuantizationType.F32) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(2)
+    if tensor_type == gguf.GGMLQuantizationType.F32:
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    else:  # raw bytes of a type we do not run
+        block, type_size = gguf.GGML_QUANT_SIZES[tensor_type]
+        w.add_tensor("token_embd.weight", np.zeros((4, 256 // block * type_size), dtype=np.uint8), raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_error_unsupported_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    _write_gguf(path, "gpt2")
+    assert_clean_error(run_cli("generate", "--model", str(path), "hi"), "unsupported architecture", "gpt2")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "n_embd": 8}))
+    assert_clean_error(run_cli("generate", "--model", str(folder), "hi"), "unsupported architecture", "GPT2LMHeadModel")
+
+
+def test_error_unsupported_tensor_type(tmp_path):
+    path = tmp_path / "iq.gguf"
+    _write_gguf(path, "llama", gguf.GGMLQuantizationType.IQ2_XXS)
+    assert_clean_error(run_cli("generate", "--model", str(path), "hi"), "unsupported GGUF tensor type", "IQ2_XXS")
+
+
+@needs_model
+def test_error_prompt_longer_than_context():
+    proc = run_cli("generate", "-q", "--max-model-len", "64", "word " * 100)
+    assert_clean_error(proc, "context")
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "1.5"], "top_p"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--max-tokens", "abc"], "max-tokens"),
+        (["--top-k", "-3"], "top_k"),
+        (["--dtype", "float8"], "dtype"),
+    ],
+)
+def test_error_invalid_parameters(args, fragment):
+    assert_clean_error(run_cli("generate", *args, "hi"), fragment)
+
+
+def test_debug_shows_traceback(tmp_path):
+    proc = run_cli("--debug", "generate", "--model", str(tmp_path / "nope"), "hi")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr

@@ -1,0 +1,118 @@
+"""The default model (SmolLM2-135M-Instruct Q4_1 GGUF) against HF transformers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fasterllama import SamplingParams
+
+TRICKY_STRINGS = [
+    "Hello world",
+    " leading space",
+    "   three leading spaces and trailing  ",
+    "emoji 🤖🎉👩‍👩‍👧 done",
+    "中文字符测试，标点。",
+    "日本語のテキストと한국어",
+    "def f(x):\n\treturn x ** 2  # square\n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "café naïve façade Ωμέγα",
+    "numbers 1234567 and 3.14159, 1e-9",
+    "\n\n\nnewlines\r\nand tabs\t\there",
+    "ünïcödé ⅞ ∑ ∫ √ ≠",
+    "<|endoftext|>special in the middle<|im_end|>",
+    "",
+]
+
+PLAIN_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+CHAT_PROMPTS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
+]
+
+
+@pytest.mark.parametrize("text", TRICKY_STRINGS)
+def test_tokenizer_matches_hf(default_llm, hf_default, text):
+    _, hf_tok = hf_default
+    ours = default_llm.tokenizer
+    hf_ids = hf_tok(text)["input_ids"]
+    assert ours.encode(text) == hf_ids
+    assert ours.decode(hf_ids) == hf_tok.decode(hf_ids)
+    assert ours.decode(hf_ids, skip_special_tokens=True) == hf_tok.decode(hf_ids, skip_special_tokens=True)
+
+
+def test_chat_template_matches_hf(default_llm, hf_default):
+    _, hf_tok = hf_default
+    for messages in CHAT_PROMPTS + [CHAT_PROMPTS[0] + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]]:
+        for gen in (True, False):
+            expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert default_llm.tokenizer.apply_chat_template(messages, add_generation_prompt=gen) == expected
+        ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        assert default_llm.chat_prompt(messages) == list(ids)
+
+
+@pytest.mark.parametrize("prompt", PLAIN_PROMPTS)
+def test_logits_match_hf(default_llm, hf_default, prompt):
+    model, tok = hf_default
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].float()
+    ours = default_llm.compute_logits(ids)
+    assert ours.shape == ref.shape
+    assert (ours[-1] - ref[-1]).abs().max().item() < 1e-3
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+def _hf_greedy(model, ids, n):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("case", range(len(PLAIN_PROMPTS) + len(CHAT_PROMPTS)))
+def test_greedy_matches_hf(default_llm, hf_default, case):
+    model, tok = hf_default
+    if case < len(PLAIN_PROMPTS):
+        ids = tok(PLAIN_PROMPTS[case])["input_ids"]
+    else:
+        ids = default_llm.chat_prompt(CHAT_PROMPTS[case - len(PLAIN_PROMPTS)])
+    expected = _hf_greedy(model, ids, 16)
+    out = default_llm.generate([ids], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert out.token_ids == expected
+    assert out.finish_reason == "length"
+
+
+def test_batch_equals_single(default_llm):
+    prompts = PLAIN_PROMPTS + ["Water boils at", "Write a haiku about rain."]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched = default_llm.generate(prompts, params)
+    for prompt, out in zip(prompts, batched):
+        assert default_llm.generate([prompt], params)[0].token_ids == out.token_ids
+
+
+def test_chat_stops_at_eos(default_llm):
+    out = default_llm.chat(CHAT_PROMPTS[0], SamplingParams(temperature=0, max_tokens=64))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids[-1] in default_llm.config.eos_token_ids
+    assert "<|im_end|>" not in out.text and "4" in out.text
+
+
+def test_stop_string_truncates_text(default_llm):
+    full = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    stop = full.text[5:9]
+    out = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.find(stop)]
+
+
+def test_streaming_text_equals_decode(default_llm):
+    deltas = list(default_llm.stream("Write three emoji and a Chinese word:", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
+    out = default_llm.last_output
+    assert "".join(deltas) == out.text
+    assert out.text == default_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert all("\ufffd" not in d for d in deltas)
