@@ -38,6 +38,7 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     elif path.endswith(".gguf") or _has_gguf_magic(path):
         ckpt = open_gguf(path)
         tokenizer = Tokenizer.from_gguf(ckpt.metadata)
+        ckpt.drop_metadata()
         fmt = "gguf"
     else:
         raise ModelLoadError(f"{path}: not a GGUF file or a HF checkpoint folder")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 from dataclasses import dataclass
@@ -73,24 +74,52 @@ class GGUFCheckpoint:
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (canonical name, float32 tensor) one at a time, so only one is expanded at once."""
-        from gguf import GGMLQuantizationType, quants
-
         cfg = self.config
         for t in self.reader.tensors:
             name = canonical_name(t.name)
             if name is None:
                 continue
-            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                arr = np.array(t.data, dtype=np.float32)  # a writable copy of the memory map
-            else:
-                arr = quants.dequantize(t.data, t.tensor_type)
             shape = tuple(int(d) for d in reversed(t.shape))
-            arr = arr.reshape(shape)
+            arr = _dequantize(t.data, t.tensor_type).reshape(shape)
             if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
                 arr = unpermute_rope_rows(arr, cfg.num_heads)
             elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
                 arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
-            yield name, torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+            yield name, torch.from_numpy(arr)
+            self._release_pages(t.data_offset, t.n_bytes)
+
+    def _release_pages(self, offset: int, length: int) -> None:
+        """Drop the file pages of a tensor already copied, so they do not add to peak memory."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mm, "madvise"):
+            return
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
+        except (OSError, ValueError):
+            pass
+
+    def drop_metadata(self) -> None:
+        """Free the parsed metadata (the vocabulary alone is ~100 MB of small arrays) once the
+        config and tokenizer are built."""
+        self.reader.fields.clear()
+        self.metadata = {}
+
+
+def _dequantize(data: np.ndarray, qtype: Any, rows_per_chunk: int = 2048) -> np.ndarray:
+    """float32 copy of a GGUF tensor, expanded a block of rows at a time so the only large
+    allocation is the result (dequantizing a whole embedding at once needs several copies)."""
+    from gguf import GGMLQuantizationType, quants
+
+    if qtype == GGMLQuantizationType.F32:
+        return np.array(data, dtype=np.float32)  # a writable copy of the memory map
+    if data.ndim == 1:
+        return np.asarray(quants.dequantize(data, qtype), dtype=np.float32)
+    first = quants.dequantize(data[:1], qtype)
+    out = np.empty((data.shape[0], first.shape[-1]), dtype=np.float32)
+    for lo in range(0, data.shape[0], rows_per_chunk):
+        out[lo : lo + rows_per_chunk] = quants.dequantize(data[lo : lo + rows_per_chunk], qtype)
+    return out
 
 
 def _field(reader: Any, key: str, default: Any = None) -> Any:

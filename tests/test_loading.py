@@ -1,0 +1,71 @@
+"""Loading details: llama.cpp's q/k permutation, peak memory during load, clear load errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import default_model_path
+from fasterllama.errors import ModelLoadError
+from fasterllama.loading import open_checkpoint
+from fasterllama.loading.gguf_file import permute_rope_rows, unpermute_rope_rows
+
+
+@pytest.mark.parametrize("heads", [1, 3, 8])
+def test_unpermute_inverts_llama_cpp_permutation(heads):
+    w = np.random.default_rng(0).standard_normal((heads * 16, 24)).astype(np.float32)
+    p = permute_rope_rows(w, heads)
+    assert not np.array_equal(p, w)
+    assert np.array_equal(unpermute_rope_rows(p, heads), w)
+    # llama.cpp interleaves the two rotate-half halves of every head
+    assert np.array_equal(p[1], w[8]) and np.array_equal(p[2], w[1])
+
+
+MEASURE = r"""
+import resource, sys, psutil, torch
+from fasterllama import LLM
+base = psutil.Process().memory_info().rss
+llm = LLM(progress=False)
+weights = sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print((peak - base) / weights)
+"""
+
+
+@pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
+def test_peak_load_memory_is_near_the_weights():
+    pytest.importorskip("psutil")
+    out = subprocess.run([sys.executable, "-c", MEASURE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    ratio = float(out.stdout.strip().splitlines()[-1])
+    assert ratio <= 1.5, f"peak load memory is {ratio:.2f}x the weights"
+
+
+def test_hf_folder_errors(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        open_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
+        "intermediate_size": 16, "vocab_size": 10,
+    }))
+    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+        open_checkpoint(str(tmp_path))
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(ModelLoadError, match="safetensors"):
+        open_checkpoint(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="invalid JSON"):
+        open_checkpoint(str(tmp_path))
+
+
+def test_sliding_window_rejected(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["MistralForCausalLM"], "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
+        "intermediate_size": 16, "vocab_size": 10, "sliding_window": 16, "max_position_embeddings": 64,
+    }))
+    with pytest.raises(ModelLoadError, match="sliding-window"):
+        open_checkpoint(str(tmp_path))

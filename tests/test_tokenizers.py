@@ -1,0 +1,126 @@
+"""Tokenizers from every source match HF: sentencepiece GGUF vocab, tokenizer.model, tokenizer.json;
+and incremental detokenization never emits broken UTF-8."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+
+from fasterllama.tokenizer import IncrementalDetokenizer, Tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+STRINGS = [
+    "Hello world",
+    " leading space",
+    "  two  spaces   ",
+    "emoji 🤖🎉 done",
+    "中文字符 and 日本語",
+    "def f(x):\n\treturn x ** 2\n",
+    "<s>special</s> tokens",
+    "café naïve",
+    "numbers 1234567 3.14",
+    "\n\nnewlines\r\n",
+]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+LLAMA2_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'system' %}{{ '<<SYS>>\\n' + message['content'] + '\\n<</SYS>>\\n\\n' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def sp_model(tmp_path_factory) -> str:
+    """A LLaMA-style sentencepiece BPE model (byte fallback) trained on the license texts."""
+    spm = pytest.importorskip("sentencepiece")
+    d = tmp_path_factory.mktemp("sp")
+    corpus = d / "corpus.txt"
+    texts = [open(p, encoding="utf-8", errors="ignore").read() for p in sorted(glob.glob("/usr/share/common-licenses/*")) if os.path.isfile(p)]
+    corpus.write_text("\n".join(texts) or "hello world " * 1000, encoding="utf-8")
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(d / "m"), vocab_size=1000, model_type="bpe", byte_fallback=True,
+        normalization_rule_name="identity", add_dummy_prefix=True, split_digits=True, allow_whitespace_only_pieces=True,
+        remove_extra_whitespaces=False, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
+    )
+    return str(d / "m.model")
+
+
+def _assert_same(ours: Tokenizer, hf) -> None:
+    for s in STRINGS:
+        ids = hf(s)["input_ids"]
+        assert ours.encode(s) == ids, s
+        assert ours.decode(ids) == hf.decode(ids), s
+        assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), s
+
+
+def test_tokenizer_model_folder(sp_model, tmp_path):
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(open(sp_model, "rb").read())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer", "chat_template": LLAMA2_TEMPLATE}
+    ))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ours = Tokenizer.from_folder(str(folder))
+    _assert_same(ours, hf)
+    assert ours.encode("x")[0] == 1  # BOS
+    assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
+
+
+def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=sp_model)
+    n = sp.get_piece_size()
+    tokens = [sp.id_to_piece(i) for i in range(n)]
+    types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
+    path = tmp_path / "sp.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([sp.get_score(i) for i in range(n)])
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_chat_template(LLAMA2_TEMPLATE)
+    w.add_tensor("token_embd.weight", np.zeros((n, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
+    reader = gguf.GGUFReader(str(path))
+    ours = Tokenizer.from_gguf(dict(reader.fields))
+    _assert_same(ours, hf)
+    assert ours.encode("x")[0] == 1  # llama.cpp adds BOS to sentencepiece vocabularies by default
+    assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
+
+
+def test_tokenizer_json_folder(default_llm, hf_default, tmp_path):
+    """The default model's tokenizer saved as a HF folder (tokenizer.json + config) loads identically."""
+    _, hf_tok = hf_default
+    hf_tok.save_pretrained(str(tmp_path))
+    assert os.path.isfile(tmp_path / "tokenizer.json")
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    ours = Tokenizer.from_folder(str(tmp_path))
+    _assert_same(ours, hf)
+    msgs = CHAT[1:]
+    assert ours.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def test_incremental_detokenizer_never_breaks_utf8(default_llm):
+    tok = default_llm.tokenizer
+    text = "Emoji 🤖🎉👩‍👩‍👧, CJK 中文字符, accents café, math ∑∫√ and plain words."
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add(i) for i in ids]
+    assert "".join(deltas) == tok.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert any(d == "" for d in deltas)  # some tokens were partial characters and were held back
