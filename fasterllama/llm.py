@@ -16,23 +16,59 @@ Prompt = str | list[int]
 
 
 @dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
+class CompletionOutput:
+    """One generated continuation (one of `n` samples, or one beam)."""
+
+    index: int
     text: str
+    token_ids: list[int]
     finish_reason: str | None
     logprobs: list[dict[int, float]] | None = None
-    prompt: str | None = None
+    cumulative_logprob: float | None = None
 
     @classmethod
-    def from_sequence(cls, seq: Sequence, prompt: Prompt) -> "RequestOutput":
+    def from_sequence(cls, index: int, seq: Sequence) -> "CompletionOutput":
+        asked = seq.params.logprobs is not None
+        return cls(index, seq.text, list(seq.output_token_ids), seq.finish_reason,
+                   seq.logprobs if asked else None, seq.cumulative_logprob if asked else None)
+
+
+@dataclass
+class RequestOutput:
+    """All continuations of one prompt; `.text`, `.token_ids`, ... are those of the first (best)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        return self.outputs[0].cumulative_logprob
+
+    @classmethod
+    def from_sequences(cls, prompt: Prompt, seqs: list[Sequence]) -> "RequestOutput":
         return cls(
-            prompt_token_ids=seq.prompt_token_ids,
-            token_ids=list(seq.output_token_ids),
-            text=seq.text,
-            finish_reason=seq.finish_reason,
-            logprobs=seq.logprobs if seq.params.logprobs is not None else None,
             prompt=prompt if isinstance(prompt, str) else None,
+            prompt_token_ids=seqs[0].prompt_token_ids,
+            outputs=[CompletionOutput.from_sequence(i, s) for i, s in enumerate(seqs)],
+            prompt_logprobs=seqs[0].prompt_logprobs,
         )
 
 
@@ -80,17 +116,17 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise FasterLlamaError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
-        seqs = []
+        groups: list[list[Sequence]] = []
         try:
             for prompt, p in zip(prompts, params_list):
-                seqs.append(engine.add_request(prompt, p))
+                groups.append([engine.add_request(prompt, p, sample_index=i) for i in range(p.n)])
             while engine.has_unfinished():
                 engine.step()
         except BaseException:
-            for seq in seqs:
+            for seq in (s for g in groups for s in g):
                 engine.abort(seq)
             raise
-        return [RequestOutput.from_sequence(seq, prompt) for seq, prompt in zip(seqs, prompts)]
+        return [RequestOutput.from_sequences(prompt, g) for prompt, g in zip(prompts, groups)]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text deltas as they become printable."""
@@ -103,7 +139,7 @@ class LLM:
                         yield update.text_delta
         finally:
             engine.abort(seq)
-        self.last_output = RequestOutput.from_sequence(seq, prompt)
+        self.last_output = RequestOutput.from_sequences(prompt, [seq])
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)

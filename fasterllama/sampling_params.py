@@ -23,6 +23,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token
+    prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token
+    n: int = 1  # independent samples per prompt
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -43,6 +45,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"),
+            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
         ]
         for ok, message in checks:

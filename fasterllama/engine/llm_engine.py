@@ -136,10 +136,11 @@ class LLMEngine:
             )
         return ids
 
-    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Sequence:
+    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, sample_index: int = 0) -> Sequence:
+        """Queue one sequence; sample_index picks an independent random stream for each of n samples."""
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
-        seed = params.seed if params.seed is not None else random.getrandbits(62)
+        seed = params.seed + sample_index if params.seed is not None else random.getrandbits(62)
         seq = Sequence(ids, params, self.tokenizer, seed)
         self.scheduler.add(seq)
         return seq
@@ -156,19 +157,53 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        # Rows whose logits we need: each sampling sequence's last token, and every prompt
+        # row of sequences that asked for prompt logprobs.
+        rows: list[int] = []
+        sample_rows: list[int] = []
+        prompt_rows: list[tuple[ScheduledSeq, int]] = []
+        offset = 0
+        for item in batch:
+            n = item.num_tokens
+            if item.seq.params.prompt_logprobs is not None and item.seq.num_cached < len(item.seq.prompt_token_ids):
+                prompt_rows.append((item, len(rows)))
+                rows.extend(range(offset, offset + n))
+                if item.samples:
+                    sample_rows.append(len(rows) - 1)
+            elif item.samples:
+                sample_rows.append(len(rows))
+                rows.append(offset + n - 1)
+            offset += n
+        starts = {id(item): item.seq.num_cached for item in batch}
         seqs = [item.seq for item in batch if item.samples]  # before execute advances num_cached
-        logits = self.runner.execute(batch)
+        all_logits = self.runner.execute(batch, rows)
+        for item, first in prompt_rows:
+            self._add_prompt_logprobs(item.seq, starts[id(item)], all_logits[first : first + item.num_tokens])
         if not seqs:
             return []
+        logits = all_logits[sample_rows]
         token_ids = sampler.sample(logits, self._sampling_batch(seqs, logits.shape[-1])).tolist()
-        want_logprobs = [s for s in seqs if s.params.logprobs is not None]
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        need_logprobs = any(s.params.logprobs is not None for s in seqs)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         updates = []
         for row, (seq, tok) in enumerate(zip(seqs, token_ids)):
             if logprobs is not None and seq.params.logprobs is not None:
-                seq.logprobs.append(self._top_logprobs(logprobs[row], tok, seq.params.logprobs))
+                top = self._top_logprobs(logprobs[row], tok, seq.params.logprobs)
+                seq.logprobs.append(top)
+                seq.cumulative_logprob += top[tok]
             updates.append(self._append_token(seq, tok))
         return updates
+
+    def _add_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """Logprob of each prompt token given the ones before it (None for the first)."""
+        if start == 0:
+            seq.prompt_logprobs = [None]
+        lp = torch.log_softmax(logits, dim=-1)
+        prompt = seq.prompt_token_ids
+        for i in range(logits.shape[0]):
+            nxt = start + i + 1
+            if nxt < len(prompt):
+                seq.prompt_logprobs.append(self._top_logprobs(lp[i], prompt[nxt], seq.params.prompt_logprobs))
 
     def _append_token(self, seq: Sequence, tok: int) -> StepUpdate:
         seq.output_token_ids.append(tok)
@@ -265,7 +300,7 @@ class LLMEngine:
             chunks = []
             while seq.num_cached < len(ids):
                 n = min(len(ids) - seq.num_cached, self.scheduler.max_num_batched_tokens)
-                chunks.append(self.runner.execute([ScheduledSeq(seq, n)], all_logits=True))
+                chunks.append(self.runner.execute([ScheduledSeq(seq, n)]))
             return torch.cat(chunks)
         finally:
             self.kv_cache.free(seq.slot)

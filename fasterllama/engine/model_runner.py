@@ -41,12 +41,11 @@ class ModelRunner:
         return torch.tensor(tokens, dtype=torch.int64, device=dev), meta
 
     @torch.inference_mode()
-    def execute(self, batch: list[ScheduledSeq], all_logits: bool = False) -> torch.Tensor:
-        """Run one step. Returns fp32 logits [num sampling seqs, V] (or [T, V] if all_logits)."""
+    def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
+        """Run one step; fp32 logits of the given packed-token rows (default: every row)."""
         input_ids, meta = self.prepare(batch)
         hidden = self.model(input_ids, meta, self.kv_cache.layers)
-        if not all_logits:
-            rows = [meta.token_offsets[i + 1] - 1 for i, item in enumerate(batch) if item.samples]
+        if rows is not None:
             hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
         for item in batch:
             item.seq.num_cached += item.num_tokens

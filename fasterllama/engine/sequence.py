@@ -30,6 +30,8 @@ class Sequence:
         self.num_cached = 0  # tokens whose K/V are in the cache
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] = []
+        self.cumulative_logprob = 0.0  # sum of chosen tokens' logprobs (when logprobs are asked)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.text = ""  # output text so far (truncated before a stop string)
         self.num_emitted = 0  # chars of text already streamed

@@ -1,0 +1,258 @@
+"""Parity of fasterllama with HF transformers on tiny random LLaMA-family models.
+
+Every model is built here (tests/tiny_models.py), saved as a HF safetensors folder and exported
+to GGUF, then fasterllama's fp32 logits and greedy tokens are compared with the HF model's:
+MHA / GQA / MQA, tied and untied embeddings, head_dim != hidden/heads, LLaMA-3 rope scaling,
+Mistral (no sliding window), a sharded checkpoint, quantized GGUF tensors and chunked prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+gguf = pytest.importorskip("gguf")
+
+import tiny_models as tm  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
+from fasterllama import LLM, SamplingParams  # noqa: E402
+
+FORMATS = ("safetensors", "gguf")
+LOGITS_ATOL = 1e-4
+N_GREEDY = 32
+
+
+def _prompt(length: int, seed: int, vocab: int = 320) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(len(tm.SPECIAL_TOKENS), vocab, (length,), generator=g).tolist()
+
+
+PROMPT = _prompt(20, seed=100)  # the main prompt (logits and greedy)
+LONG_PROMPT = _prompt(64, seed=101)  # positions well past llama3's original context of 32
+BATCH_PROMPTS = [_prompt(5, seed=102), _prompt(20, seed=103), _prompt(11, seed=104)]
+
+
+class Zoo:
+    """Builds each tiny model, its checkpoints, LLMs and HF greedy references once per module."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self._hf: dict[str, torch.nn.Module] = {}
+        self._paths: dict[tuple[str, str], str] = {}
+        self._llms: dict[tuple[str, str], LLM] = {}
+        self._greedy: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+    def hf(self, name: str) -> torch.nn.Module:
+        if name not in self._hf:
+            self._hf[name] = tm.build_hf_model(tm.SPECS[name])
+        return self._hf[name]
+
+    def path(self, name: str, fmt: str) -> str:
+        key = (name, fmt)
+        if key not in self._paths:
+            model = self.hf(name)
+            if fmt == "safetensors":
+                self._paths[key] = tm.save_hf_checkpoint(model, os.path.join(self.root, name))
+            else:
+                self._paths[key] = tm.write_gguf(model, os.path.join(self.root, f"{name}.gguf"))
+        return self._paths[key]
+
+    def llm(self, name: str, fmt: str) -> LLM:
+        key = (name, fmt)
+        if key not in self._llms:
+            self._llms[key] = LLM(model=self.path(name, fmt), progress=False)
+        return self._llms[key]
+
+    def hf_greedy(self, name: str, prompt: list[int]) -> list[int]:
+        key = (name, tuple(prompt))
+        if key not in self._greedy:
+            self._greedy[key] = tm.hf_greedy(self.hf(name), prompt, N_GREEDY)
+        return self._greedy[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads, and spinning OpenMP workers make them
+    many times slower on a busy 2-core machine; restore the setting afterwards."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Zoo:
+    return Zoo(str(tmp_path_factory.mktemp("tiny_models")))
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int = N_GREEDY) -> list[list[int]]:
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert len(outs) == len(prompts)
+    for out in outs:
+        assert out.finish_reason == "length"
+        assert len(out.token_ids) == n
+    return [out.token_ids for out in outs]
+
+
+def assert_logits_close(got: torch.Tensor, ref: torch.Tensor, atol: float = LOGITS_ATOL) -> None:
+    assert got.dtype == torch.float32
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    diff = (got - ref).abs().max().item()
+    assert diff < atol, f"max |logits - HF| = {diff:.3g} (tolerance {atol})"
+    # the positions' argmax agree too (the logits are far from degenerate, see test_references_are_informative)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+SPEC_FMT = [pytest.param(name, fmt, id=f"{name}-{fmt}") for name in tm.SPECS for fmt in FORMATS]
+
+
+# -- the fixtures themselves are meaningful -----------------------------------------------------
+@pytest.mark.parametrize("name", list(tm.SPECS))
+def test_references_are_informative(zoo: Zoo, name: str) -> None:
+    """The HF references vary: logits spread out and greedy decoding does not collapse to a loop
+    of one or two tokens, so token-exact comparisons really test the model."""
+    model = zoo.hf(name)
+    logits = tm.hf_logits(model, PROMPT)
+    assert logits.std().item() > 0.3
+    assert len(set(logits.argmax(-1).tolist())) >= 8
+    for prompt in [PROMPT, *BATCH_PROMPTS]:
+        assert len(set(zoo.hf_greedy(name, prompt))) >= 4, f"{name}: HF greedy output is degenerate"
+
+
+def test_llama3_rope_scaling_matters(zoo: Zoo) -> None:
+    """The llama3 config's scaling changes the logits a lot, so its parity test would catch a
+    loader that ignored rope scaling (or rope_freqs.weight in the GGUF)."""
+    name = "llama3_rope"
+    scaled = zoo.hf(name)
+    spec = dataclasses.replace(tm.SPECS[name], rope_scaling=None)
+    plain = tm.build_hf_model(spec)
+    plain.load_state_dict(scaled.state_dict())
+    diff = (tm.hf_logits(scaled, LONG_PROMPT) - tm.hf_logits(plain, LONG_PROMPT)).abs()
+    assert diff[32:].max().item() > 0.1
+    # the GGUF's rope_freqs.weight (llama.cpp's per-frequency divisors) reproduces HF's scaled
+    # inverse frequencies, and covers the high (1), medium and low (factor 8) frequency bands
+    spec = tm.SPECS[name]
+    reader = gguf.GGUFReader(zoo.path(name, "gguf"))
+    freqs = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    factors = np.array(freqs.data, dtype=np.float32)
+    dim = spec.real_head_dim
+    assert factors.shape == (dim // 2,)
+    assert factors.min() == 1.0 and factors.max() == 8.0
+    assert ((factors > 1.0) & (factors < 8.0)).any()
+    base = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    hf_inv_freq = scaled.model.rotary_emb.inv_freq.float()
+    torch.testing.assert_close(base / torch.from_numpy(factors), hf_inv_freq, rtol=1e-6, atol=0)
+
+
+def test_gguf_permutation_matches_fasterllama() -> None:
+    """fasterllama's unpermute inverts llama.cpp's permutation (and its permute equals it)."""
+    from fasterllama.loading.gguf_file import permute_rope_rows, unpermute_rope_rows
+
+    w = np.arange(2 * 3 * 8 * 5, dtype=np.float32).reshape(2 * 3 * 8, 5)
+    for n_head in (1, 2, 3, 6):
+        p = tm.llama_cpp_permute(w, n_head)
+        assert not np.array_equal(p, w)
+        np.testing.assert_array_equal(permute_rope_rows(w, n_head), p)
+        np.testing.assert_array_equal(unpermute_rope_rows(p, n_head), w)
+
+
+# -- parity: configs x formats ------------------------------------------------------------------
+@pytest.mark.parametrize("name,fmt", SPEC_FMT)
+def test_config_read(zoo: Zoo, name: str, fmt: str) -> None:
+    spec = tm.SPECS[name]
+    cfg = zoo.llm(name, fmt).config
+    assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
+        spec.vocab_size, spec.hidden_size, spec.intermediate_size, spec.num_layers
+    )
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (spec.num_heads, spec.num_kv_heads, spec.real_head_dim)
+    assert cfg.tie_word_embeddings == spec.tie_word_embeddings
+    assert cfg.rms_norm_eps == pytest.approx(spec.rms_norm_eps)
+    assert cfg.rope_theta == pytest.approx(spec.rope_theta)
+
+
+@pytest.mark.parametrize("length", [20, 64])
+@pytest.mark.parametrize("name,fmt", SPEC_FMT)
+def test_logits_match_hf(zoo: Zoo, name: str, fmt: str, length: int) -> None:
+    prompt = PROMPT if length == 20 else LONG_PROMPT
+    got = zoo.llm(name, fmt).compute_logits(prompt)
+    assert_logits_close(got, tm.hf_logits(zoo.hf(name), prompt))
+
+
+@pytest.mark.parametrize("name,fmt", SPEC_FMT)
+def test_greedy_matches_hf(zoo: Zoo, name: str, fmt: str) -> None:
+    [tokens] = greedy(zoo.llm(name, fmt), [PROMPT])
+    assert tokens == zoo.hf_greedy(name, PROMPT)
+
+
+@pytest.mark.parametrize("name,fmt", SPEC_FMT)
+def test_batch_matches_single(zoo: Zoo, name: str, fmt: str) -> None:
+    llm = zoo.llm(name, fmt)
+    batched = greedy(llm, BATCH_PROMPTS)
+    alone = [greedy(llm, [p])[0] for p in BATCH_PROMPTS]
+    assert batched == alone
+    assert alone == [zoo.hf_greedy(name, p) for p in BATCH_PROMPTS]
+
+
+@pytest.mark.parametrize("name", ["mha", "tied"])
+def test_tokenizers_agree_across_formats(zoo: Zoo, name: str) -> None:
+    """The helper's HF tokenizer folder and GGUF vocabulary describe the same tokenizer, and
+    generated text is the decoded tokens (so other tests may compare .text too)."""
+    text = "the cat sat on the mat, ünïcode!"
+    a, b = zoo.llm(name, "safetensors"), zoo.llm(name, "gguf")
+    ids = a.tokenizer.encode(text)
+    assert ids == b.tokenizer.encode(text)
+    assert any(i >= 3 + 256 for i in ids)  # merges were applied
+    assert a.tokenizer.decode(ids) == b.tokenizer.decode(ids) == text
+    for llm in (a, b):
+        [out] = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        assert out.text == llm.tokenizer.decode(out.token_ids)
+
+
+# -- checkpoint variants ------------------------------------------------------------------------
+def test_sharded_safetensors(zoo: Zoo, tmp_path) -> None:
+    name = "gqa"
+    model = zoo.hf(name)
+    folder = tm.save_hf_checkpoint(model, str(tmp_path / "sharded"), max_shard_size="40KB")
+    with open(os.path.join(folder, "model.safetensors.index.json")) as fh:
+        weight_map = json.load(fh)["weight_map"]
+    shards = sorted(glob.glob(os.path.join(folder, "model-*.safetensors")))
+    assert len(shards) >= 3 and set(map(os.path.basename, shards)) == set(weight_map.values())
+    assert not os.path.exists(os.path.join(folder, "model.safetensors"))
+    llm = LLM(model=folder, progress=False)
+    assert_logits_close(llm.compute_logits(PROMPT), tm.hf_logits(model, PROMPT))
+    assert greedy(llm, [PROMPT]) == [zoo.hf_greedy(name, PROMPT)]
+
+
+@pytest.mark.parametrize("weight_type", [t for t in tm.WEIGHT_TYPES if t != "f32"])
+def test_quantized_gguf(tmp_path, weight_type: str) -> None:
+    """GGUF with F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights vs the HF model holding exactly the
+    dequantized values."""
+    name = "head_dim"  # q/k/v/o in-dims 64 and 96: whole 32-element blocks
+    spec = tm.SPECS[name]
+    model = tm.build_hf_model(spec)
+    original = tm.hf_logits(model, PROMPT)
+    tm.quantize_roundtrip_(model, weight_type)
+    ref = tm.hf_logits(model, PROMPT)
+    assert (ref - original).abs().max().item() > 1e-5  # the round trip really changed the weights
+    path = tm.write_gguf(model, str(tmp_path / f"{name}-{weight_type}.gguf"), weight_type=weight_type)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == weight_type.upper()
+    assert types["blk.1.ffn_norm.weight"] == "F32"
+    llm = LLM(model=path, progress=False)
+    assert_logits_close(llm.compute_logits(PROMPT), ref)
+    assert greedy(llm, [PROMPT]) == [tm.hf_greedy(model, PROMPT, N_GREEDY)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_chunked_prefill_matches_hf(zoo: Zoo, fmt: str) -> None:
+    """A 7-token step budget splits prompts into chunks (mixed with other sequences' decodes)."""
+    name = "gqa"
+    llm = LLM(model=zoo.path(name, fmt), progress=False, max_num_batched_tokens=7)
+    assert_logits_close(llm.compute_logits(LONG_PROMPT), tm.hf_logits(zoo.hf(name), LONG_PROMPT))
+    assert greedy(llm, BATCH_PROMPTS) == [zoo.hf_greedy(name, p) for p in BATCH_PROMPTS]
