@@ -7,6 +7,7 @@ from typing import Any, Iterator, Sequence as Seq
 
 import torch
 
+from .engine.beam_search import BeamSearch
 from .engine.llm_engine import LLMEngine
 from .engine.sequence import Sequence
 from .errors import FasterLlamaError
@@ -116,17 +117,36 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise FasterLlamaError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
-        groups: list[list[Sequence]] = []
+        results: dict[int, RequestOutput] = {}
+        beam_groups: dict[int, list[int]] = {}  # prompts sharing one beam-search params object run batched
+        for i, p in enumerate(params_list):
+            if p.beam_width > 1:
+                beam_groups.setdefault(id(p), []).append(i)
+        for idx in beam_groups.values():
+            for i, out in zip(idx, self._beam_search([prompts[i] for i in idx], params_list[idx[0]])):
+                results[i] = out
+        groups: dict[int, list[Sequence]] = {}
         try:
-            for prompt, p in zip(prompts, params_list):
-                groups.append([engine.add_request(prompt, p, sample_index=i) for i in range(p.n)])
+            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+                if p.beam_width == 1:
+                    groups[i] = [engine.add_request(prompt, p, sample_index=k) for k in range(p.n)]
             while engine.has_unfinished():
                 engine.step()
         except BaseException:
-            for seq in (s for g in groups for s in g):
+            for seq in (s for g in groups.values() for s in g):
                 engine.abort(seq)
             raise
-        return [RequestOutput.from_sequences(prompt, g) for prompt, g in zip(prompts, groups)]
+        for i, g in groups.items():
+            results[i] = RequestOutput.from_sequences(prompts[i], g)
+        return [results[i] for i in range(len(prompts))]
+
+    def _beam_search(self, prompts: list[Prompt], params: SamplingParams) -> list[RequestOutput]:
+        ids = [self.engine.encode_prompt(p) for p in prompts]
+        outs = []
+        for prompt, prompt_ids, beams in zip(prompts, ids, BeamSearch(self.engine).run(ids, params)):
+            outputs = [CompletionOutput(k, b.text, b.token_ids, b.finish_reason, None, b.cumulative_logprob) for k, b in enumerate(beams)]
+            outs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outputs))
+        return outs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text deltas as they become printable."""

@@ -24,7 +24,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token
     prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token
-    n: int = 1  # independent samples per prompt
+    n: int = 1  # independent samples per prompt (with beam search: beams returned)
+    beam_width: int = 1  # > 1: beam search (deterministic; sampling knobs are ignored)
+    length_penalty: float = 1.0  # beams ranked by cumulative logprob / length ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never", as in HF generate
+    diversity_rate: float = 0.0  # FasterTransformer: r-th best continuation of a beam loses rate * r
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -47,6 +51,10 @@ class SamplingParams:
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
             (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"),
             (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
+            (isinstance(self.beam_width, int) and self.beam_width >= 1, f"beam_width must be an integer >= 1, got {self.beam_width!r}"),
+            (self.beam_width == 1 or self.n <= self.beam_width, f"n ({self.n}) cannot exceed beam_width ({self.beam_width})"),
+            (self.early_stopping in (True, False, "never"), f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"),
+            (self.diversity_rate >= 0, f"diversity_rate must be >= 0, got {self.diversity_rate}"),
             (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
         ]
         for ok, message in checks:

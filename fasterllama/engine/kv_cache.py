@@ -31,5 +31,13 @@ class KVCache:
     def allocate(self) -> int:
         return self._free.pop()
 
+    def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
+        """Make slots dst[i] hold the first `length` cached tokens of src[i] (src may overlap dst)."""
+        src_t = torch.tensor(src, device=self.layers[0][0].device)
+        dst_t = torch.tensor(dst, device=self.layers[0][0].device)
+        for k, v in self.layers:
+            k[dst_t, :, :length] = k[src_t, :, :length]
+            v[dst_t, :, :length] = v[src_t, :, :length]
+
     def free(self, slot: int) -> None:
         self._free.append(slot)

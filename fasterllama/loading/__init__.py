@@ -45,7 +45,7 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     cfg = ckpt.config
     if cfg.bos_token_id is None:
         cfg.bos_token_id = tokenizer.bos_token_id
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in cfg.eos_token_ids:
+    if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:  # the config's list wins, as in HF
         cfg.eos_token_ids.append(tokenizer.eos_token_id)
     return Checkpoint(path, fmt, cfg, tokenizer, ckpt.tensor_names(), ckpt.iter_tensors)
 

@@ -1,0 +1,164 @@
+"""Beam search above the model runner: HF `generate(num_beams=W, do_sample=False)` semantics
+(length_penalty, early_stopping True/False/"never") plus FasterTransformer's diversity_rate.
+
+Each beam owns a KV-cache slot; the prompt is prefilled once and copied to the other beams'
+slots, and after every step the caches follow their beams (`KVCache.copy_slots`). The beams of
+all prompts run as one packed batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling_params import SamplingParams
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+NEG = -1.0e9
+
+
+@dataclass
+class BeamHypothesis:
+    token_ids: list[int]
+    text: str
+    cumulative_logprob: float  # sum of the tokens' log-probabilities
+    score: float  # what beams are ranked by (cumulative logprob / length ** length_penalty)
+    finish_reason: str
+
+
+@dataclass
+class _BeamState:
+    prompt: list[int]
+    seqs: list[Sequence]  # one per beam, each with its own slot
+    max_length: int
+    tokens: list[list[int]] = field(default_factory=list)  # running beams' generated tokens
+    scores: torch.Tensor | None = None  # running beams' ranking scores [W]
+    logprobs: list[float] = field(default_factory=list)  # running beams' true cumulative logprobs
+    finished: list[tuple[float, float, list[int], bool]] = field(default_factory=list)  # (score, cum lp, tokens, by eos)
+    improvable: bool = True
+    done: bool = False
+
+
+class BeamSearch:
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def run(self, prompts: list[list[int]], params: SamplingParams) -> list[list[BeamHypothesis]]:
+        W = params.beam_width
+        kv = self.engine.kv_cache
+        if kv.num_slots < W:
+            from ..errors import FasterLlamaError
+
+            raise FasterLlamaError(f"beam_width {W} needs {W} KV cache slots; the engine has {kv.num_slots} (raise max_num_seqs)")
+        results: list[list[BeamHypothesis]] = []
+        per_round = max(1, kv.num_free // W)
+        for lo in range(0, len(prompts), per_round):
+            results += self._run_group(prompts[lo : lo + per_round], params)
+        return results
+
+    def _run_group(self, prompts: list[list[int]], params: SamplingParams) -> list[list[BeamHypothesis]]:
+        engine, kv, W = self.engine, self.engine.kv_cache, params.beam_width
+        states = []
+        for prompt in prompts:
+            seqs = [Sequence(prompt, params, None, 0) for _ in range(W)]
+            for s in seqs:
+                s.slot = kv.allocate()
+            max_length = min(len(prompt) + params.max_tokens, engine.max_model_len)
+            states.append(_BeamState(prompt, seqs, max_length, tokens=[[] for _ in range(W)],
+                                     scores=torch.tensor([0.0] + [NEG] * (W - 1)), logprobs=[0.0] * W))
+        try:
+            first = True
+            while True:
+                active = [st for st in states if not st.done]
+                if not active:
+                    break
+                if first:  # prefill each prompt once, in beam 0's slot
+                    batch = [ScheduledSeq(st.seqs[0], len(st.prompt)) for st in active]
+                else:
+                    batch = [ScheduledSeq(s, 1) for st in active for s in st.seqs]
+                rows, offset = [], 0
+                for item in batch:
+                    offset += item.num_tokens
+                    rows.append(offset - 1)
+                logits = engine.runner.execute(batch, rows)
+                row = 0
+                for st in active:
+                    n = 1 if first else W
+                    if first:
+                        kv.copy_slots([st.seqs[0].slot] * (W - 1), [s.slot for s in st.seqs[1:]], len(st.prompt))
+                        for s in st.seqs[1:]:
+                            s.num_cached = len(st.prompt)
+                    self._advance(st, logits[row : row + n].expand(W, -1), params)
+                    row += n
+                first = False
+        finally:
+            for st in states:
+                for s in st.seqs:
+                    kv.free(s.slot)
+        tok = engine.tokenizer
+        out = []
+        for st in states:
+            ranked = sorted(st.finished, key=lambda f: -f[0])[: params.n]
+            out.append([
+                BeamHypothesis(t, tok.decode(t, skip_special_tokens=params.skip_special_tokens), lp, sc, "stop" if eos else "length")
+                for sc, lp, t, eos in ranked
+            ])
+        return out
+
+    def _advance(self, st: _BeamState, logits: torch.Tensor, p: SamplingParams) -> None:
+        """One beam step for one prompt (HF's top-k continuations / running / finished update)."""
+        W, V = logits.shape
+        eos = set() if p.ignore_eos else set(self.engine.eos_token_ids) | set(p.stop_token_ids)
+        K = max(2, 1 + len(eos)) * W
+        prompt_len = len(st.prompt)
+        cur_len = prompt_len + len(st.tokens[0])
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        if p.diversity_rate:  # penalize each beam's r-th best continuation by rate * r
+            top_lp, top_tok = lp.topk(min(K, V), dim=-1)
+            ranked = top_lp - p.diversity_rate * torch.arange(top_lp.shape[1], dtype=lp.dtype)
+            cand_scores, flat = (ranked + st.scores[:, None]).reshape(-1).topk(K)
+            beam = flat // top_lp.shape[1]
+            token = top_tok.reshape(-1)[flat]
+            true_lp = top_lp.reshape(-1)[flat]
+        else:
+            cand_scores, flat = (lp + st.scores[:, None]).reshape(-1).topk(K)
+            beam, token = flat // V, flat % V
+            true_lp = lp.reshape(-1)[flat]
+        beam_l, token_l, true_l = beam.tolist(), token.tolist(), true_lp.tolist()
+        new_len = cur_len + 1
+        hits = torch.tensor([t in eos or new_len >= st.max_length for t in token_l])
+
+        # finished hypotheses: only among the top W candidates
+        if st.improvable and not (p.early_stopping is True and len(st.finished) >= W):
+            norm = (new_len - prompt_len) ** p.length_penalty
+            for j in range(W):
+                if hits[j]:
+                    b = beam_l[j]
+                    st.finished.append((float(cand_scores[j]) / norm, st.logprobs[b] + true_l[j], st.tokens[b] + [token_l[j]], token_l[j] in eos))
+            st.finished = sorted(st.finished, key=lambda f: -f[0])[:W]
+
+        # running beams for the next step: best W candidates that did not finish
+        running = (cand_scores + hits.float() * NEG).topk(W)
+        pick = running.indices.tolist()
+        src_beams = [beam_l[j] for j in pick]
+        new_tokens = [st.tokens[beam_l[j]] + [token_l[j]] for j in pick]
+        new_logprobs = [st.logprobs[beam_l[j]] + true_l[j] for j in pick]
+        slots = [s.slot for s in st.seqs]
+        if src_beams != list(range(W)):
+            self.engine.kv_cache.copy_slots([slots[b] for b in src_beams], slots, cur_len)
+        st.tokens, st.logprobs, st.scores = new_tokens, new_logprobs, running.values
+        for s, t in zip(st.seqs, new_tokens):
+            s.output_token_ids = t
+
+        # stopping: can running beams still beat the worst kept hypothesis?
+        if p.early_stopping == "never" and p.length_penalty > 0:
+            best_len = st.max_length - prompt_len
+        else:
+            best_len = new_len - prompt_len
+        best_possible = float(st.scores[0]) / (best_len**p.length_penalty)
+        all_finished = len(st.finished) >= W
+        worst = min(f[0] for f in st.finished) if all_finished else NEG
+        st.improvable = st.improvable and (not all_finished or best_possible > worst)
+        open_beam = not (all_finished and p.early_stopping is True)
+        st.done = not (st.improvable and open_beam and not bool(hits.all())) or new_len >= st.max_length
