@@ -1,0 +1,170 @@
+"""Decoding with real models: packed mixed-length batches, seeded determinism, n samples,
+logprobs, beam search against HF, and the finish conditions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tiny_models as tm
+from fasterllama import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = (
+    "The history of computing is a story of abstraction. Early machines were programmed by "
+    "rewiring, then by punched cards, then by assembly language, and finally by high-level "
+    "languages that let people describe what they wanted rather than how to do it. Each layer "
+    "hid the details of the one below, and each made programmers more productive. "
+) * 6
+
+
+def mixed_prompts(llm: LLM) -> list[list[int]]:
+    ids = llm.tokenizer.encode(TEXT)
+    lengths = [3, 200, 17, 64, 5, 120, 33, 90]
+    return [ids[i : i + n] for i, n in zip(range(0, 80, 10), lengths)]
+
+
+def test_mixed_length_batch_equals_alone(default_llm):
+    prompts = mixed_prompts(default_llm)
+    assert min(map(len, prompts)) == 3 and max(map(len, prompts)) == 200
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    batched = default_llm.generate(prompts, params)
+    for prompt, out in zip(prompts, batched):
+        alone = default_llm.generate([prompt], params)[0]
+        assert out.token_ids == alone.token_ids
+        assert out.prompt_token_ids == prompt  # the prompt is not part of the output
+
+
+def test_finished_sequences_leave_the_batch(default_llm):
+    prompts = mixed_prompts(default_llm)[:4]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (2, 9, 4, 6)]
+    outs = default_llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [2, 9, 4, 6]
+    assert all(o.finish_reason == "length" for o in outs)
+    for prompt, p, out in zip(prompts, params, outs):
+        assert default_llm.generate([prompt], p)[0].token_ids == out.token_ids
+
+
+def test_seeded_request_is_independent_of_its_batch(default_llm):
+    target = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = default_llm.generate(["Tell me a story about a cat."], target)[0].token_ids
+    others = [SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True) for n in (3, 12, 7)]
+    prompts = ["Hello", "Tell me a story about a cat.", "def f(x):", "A long time ago in a galaxy far, far away"]
+    outs = default_llm.generate(prompts, [others[0], target, others[1], others[2]])
+    assert outs[1].token_ids == alone
+    assert default_llm.generate(["Tell me a story about a cat."] * 3, target)[2].token_ids == alone
+    different = default_llm.generate(["Tell me a story about a cat."], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=10, seed=99, ignore_eos=True))[0]
+    assert different.token_ids != alone
+
+
+def test_n_samples_are_distinct_and_reproducible(default_llm):
+    params = SamplingParams(temperature=1.0, max_tokens=8, n=3, seed=7, ignore_eos=True)
+    out = default_llm.generate(["My favourite colour is"], params)[0]
+    assert len(out.outputs) == 3
+    assert len({tuple(o.token_ids) for o in out.outputs}) == 3
+    again = default_llm.generate(["My favourite colour is"], params)[0]
+    assert [o.token_ids for o in again.outputs] == [o.token_ids for o in out.outputs]
+
+
+def test_logprobs_equal_log_softmax_of_logits(default_llm):
+    ids = default_llm.tokenizer.encode("The quick brown fox")
+    out = default_llm.generate([ids], SamplingParams(temperature=0.9, max_tokens=6, logprobs=3, prompt_logprobs=2, seed=3, ignore_eos=True))[0]
+    ref = torch.log_softmax(default_llm.compute_logits(ids + out.token_ids), dim=-1)
+    assert len(out.logprobs) == len(out.token_ids)
+    total = 0.0
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        row = ref[len(ids) - 1 + i]
+        assert abs(lp[tok] - row[tok].item()) < 1e-4
+        top = row.topk(3)
+        for v, t in zip(top.values.tolist(), top.indices.tolist()):
+            assert abs(lp[t] - v) < 1e-4
+        total += row[tok].item()
+    assert abs(out.cumulative_logprob - total) < 1e-3
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(out.prompt_logprobs[i][ids[i]] - ref[i - 1, ids[i]].item()) < 1e-4
+
+
+def test_min_tokens_and_stop_token_ids(default_llm):
+    chat = default_llm.chat_prompt([{"role": "user", "content": "What is 2+2?"}])
+    short = default_llm.generate([chat], SamplingParams(temperature=0, max_tokens=64))[0]
+    assert short.finish_reason == "stop"
+    n = len(short.token_ids)
+    longer = default_llm.generate([chat], SamplingParams(temperature=0, max_tokens=80, min_tokens=n + 3))[0]
+    assert len(longer.token_ids) >= n + 3
+    assert not set(longer.token_ids[: n + 2]) & set(default_llm.config.eos_token_ids)
+    stop_id = short.token_ids[1]
+    cut = default_llm.generate([chat], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]))[0]
+    assert cut.token_ids == short.token_ids[:2] and cut.finish_reason == "stop"
+
+
+# -- beam search --------------------------------------------------------------------------------
+BEAM_CASES = [(1.0, False), (0.6, True), (2.0, "never"), (-0.5, False)]
+
+
+def _hf_beam(model, ids, n_new, length_penalty, early_stopping, eos):
+    out = model.generate(
+        torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), num_beams=4, do_sample=False,
+        max_new_tokens=n_new, length_penalty=length_penalty, early_stopping=early_stopping, eos_token_id=eos,
+        pad_token_id=0, num_return_sequences=1,
+    )
+    return out[0, len(ids):].tolist()
+
+
+def _same_beam(ref: list[int], ours: list[int]) -> bool:
+    """HF pads a shorter best beam; compare up to our length and require padding after it."""
+    return ref[: len(ours)] == ours and all(t == 0 for t in ref[len(ours):])
+
+
+@pytest.fixture(scope="module")
+def tiny_beam_model(tmp_path_factory):
+    """A tiny random model whose EOS is a token it emits often, so beams end at many lengths."""
+    torch.set_num_threads(1)
+    spec = tm.SPECS["gqa"]
+    model = tm.build_hf_model(spec)
+    prompt = list(range(10, 26))
+    greedy = tm.hf_greedy(model, prompt, 24)
+    eos = max(set(greedy), key=greedy.count)
+    model.config.eos_token_id = eos
+    model.generation_config.eos_token_id = eos
+    folder = tm.save_hf_checkpoint(model, str(tmp_path_factory.mktemp("beam") / "hf"))
+    yield model, LLM(folder, progress=False), prompt, eos
+    torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("length_penalty,early_stopping", BEAM_CASES)
+def test_beam_search_matches_hf_tiny(tiny_beam_model, length_penalty, early_stopping):
+    model, llm, prompt, eos = tiny_beam_model
+    finished_early = 0
+    for p in (prompt, prompt[3:11], [40, 41, 42]):
+        ref = _hf_beam(model, p, 24, length_penalty, early_stopping, eos)
+        out = llm.generate([p], SamplingParams(beam_width=4, max_tokens=24, length_penalty=length_penalty, early_stopping=early_stopping))[0]
+        assert _same_beam(ref, out.token_ids), (ref, out.token_ids)
+        finished_early += out.finish_reason == "stop"
+    if length_penalty <= 1.0:  # (a large penalty rightly prefers beams that run to max_tokens)
+        assert finished_early >= 1  # EOS really took part
+
+
+def test_beam_search_returns_ranked_beams(tiny_beam_model):
+    _, llm, prompt, _ = tiny_beam_model
+    out = llm.generate([prompt], SamplingParams(beam_width=4, n=4, max_tokens=10))[0]
+    assert len(out.outputs) == 4
+    scores = [o.cumulative_logprob / len(o.token_ids) for o in out.outputs]
+    assert scores == sorted(scores, reverse=True)
+    ref = torch.log_softmax(llm.compute_logits(prompt + out.outputs[0].token_ids), dim=-1)
+    true_lp = sum(ref[len(prompt) - 1 + i, t].item() for i, t in enumerate(out.outputs[0].token_ids))
+    assert abs(true_lp - out.outputs[0].cumulative_logprob) < 1e-3
+    diverse = llm.generate([prompt], SamplingParams(beam_width=4, n=4, max_tokens=10, diversity_rate=2.0))[0]
+    assert [o.token_ids for o in diverse.outputs] != [o.token_ids for o in out.outputs]
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.5])
+def test_beam_search_matches_hf_default_model(default_llm, hf_default, length_penalty):
+    model, _ = hf_default
+    for messages in ([{"role": "user", "content": "What is 2+2?"}], [{"role": "user", "content": "Name a colour."}]):
+        ids = default_llm.chat_prompt(messages)
+        eos = default_llm.config.eos_token_ids
+        ref = _hf_beam(model, ids, 24, length_penalty, False, eos)
+        out = default_llm.generate([ids], SamplingParams(beam_width=4, max_tokens=24, length_penalty=length_penalty))[0]
+        assert _same_beam(ref, out.token_ids), (ref, out.token_ids)
