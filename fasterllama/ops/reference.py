@@ -41,13 +41,29 @@ class AttentionMetadata:
 
     Tokens of all sequences are packed with no padding: sequence i owns rows
     token_offsets[i]:token_offsets[i+1] of the step, sits in cache slot slots[i], and has
-    start_positions[i] tokens already cached."""
+    start_positions[i] tokens already cached. Built once a step and shared by every layer."""
 
     slot_of_token: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slots: list[int]
     start_positions: list[int]
     token_offsets: list[int]  # len = num_seqs + 1
+
+    def __post_init__(self) -> None:
+        # Sequences with one new token (decodes) are attended together in one batched call.
+        single = [i for i in range(self.num_seqs) if self.token_offsets[i + 1] - self.token_offsets[i] == 1]
+        self.multi_token_seqs = [i for i in range(self.num_seqs) if self.token_offsets[i + 1] - self.token_offsets[i] != 1]
+        dev = self.positions.device
+        self.decode_rows = torch.tensor([self.token_offsets[i] for i in single], dtype=torch.int64, device=dev)
+        self.decode_slots = [self.slots[i] for i in single]
+        lengths = [self.start_positions[i] + 1 for i in single]
+        self.decode_lengths = torch.tensor(lengths, dtype=torch.int64, device=dev)
+        self.decode_max_len = max(lengths, default=0)
+        first = self.decode_slots[0] if single else 0
+        # consecutive slots can be read as a view of the cache, others are gathered
+        self.decode_slot_range = (first, first + len(single)) if self.decode_slots == list(range(first, first + len(single))) else None
+        self.decode_slot_index = torch.tensor(self.decode_slots, dtype=torch.int64, device=dev)
+        self.all_decode = not self.multi_token_seqs
 
     @property
     def num_seqs(self) -> int:
@@ -60,22 +76,45 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[meta.slot_of_token, :, meta.positions] = v
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One new query per sequence ([B, heads, head_dim]) against its cache, all sequences at once.
+
+    Grouped-query heads share their K/V without copies: q is viewed as [B, kv_heads, group, d]."""
+    B, H, D = q.shape
+    L = meta.decode_max_len
+    if meta.decode_slot_range is not None:
+        lo, hi = meta.decode_slot_range
+        k, v = k_cache[lo:hi, :, :L], v_cache[lo:hi, :, :L]
+    else:
+        k, v = k_cache[meta.decode_slot_index, :, :L], v_cache[meta.decode_slot_index, :, :L]
+    kv_heads = k.shape[1]
+    qg = q.view(B, kv_heads, H // kv_heads, D)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kv_heads, group, L]
+    if B > 1:
+        pad = torch.arange(L, device=q.device)[None, :] >= meta.decode_lengths[:, None]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    return torch.matmul(probs, v).view(B, H, D)
+
+
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Causal attention of each sequence's new queries ([T, heads, head_dim]) over its cached K/V.
 
     No attention crosses sequences. New tokens sit at the end of their sequence, so the causal
     mask is aligned bottom-right (query j of n new tokens sees start + j + 1 keys)."""
+    if meta.all_decode:
+        return decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    for i in range(meta.num_seqs):
+    if meta.decode_slots:
+        out[meta.decode_rows] = decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+    for i in meta.multi_token_seqs:
         lo, hi = meta.token_offsets[i], meta.token_offsets[i + 1]
         n, start, slot = hi - lo, meta.start_positions[i], meta.slots[i]
         total = start + n
         qi = q[lo:hi].transpose(0, 1)  # [heads, n, d]
         ki = k_cache[slot, :, :total]  # [kv_heads, total, d]
         vi = v_cache[slot, :, :total]
-        if n == 1:
-            mask, causal = None, False
-        elif start == 0:
+        if start == 0:
             mask, causal = None, True
         else:
             cols = torch.arange(total, device=q.device)
