@@ -35,6 +35,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    p.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens before EOS may end it")
+    p.add_argument("--stop-token-id", type=int, action="append", default=[], help="token id that ends generation (repeatable)")
+    p.add_argument("--beam-width", type=int, default=1, help="beam search with this many beams (deterministic; no streaming)")
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = logprob / length**penalty")
+    p.add_argument("--early-stopping", choices=["true", "false", "never"], default="false", help="beam search stopping rule (as HF)")
+    p.add_argument("--diversity-rate", type=float, default=0.0, help="beam search: penalize a beam's r-th continuation by rate*r")
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
@@ -52,6 +58,12 @@ def _sampling_params(args: argparse.Namespace) -> Any:
         seed=args.seed,
         stop=args.stop,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
+        stop_token_ids=args.stop_token_id,
+        beam_width=args.beam_width,
+        length_penalty=args.length_penalty,
+        early_stopping={"true": True, "false": False, "never": "never"}[args.early_stopping],
+        diversity_rate=args.diversity_rate,
     )
 
 
@@ -63,9 +75,23 @@ def _load(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        max_num_seqs=1,
+        max_num_seqs=max(1, getattr(args, "beam_width", 1)),
         progress=not args.quiet,
     )
+
+
+def _print_reply(llm: Any, prompt: Any, params: Any) -> str:
+    """Stream the reply to stdout (beam search prints it whole); sets llm.last_output."""
+    if params.beam_width > 1:
+        llm.last_output = llm.generate([prompt], params)[0]
+        sys.stdout.write(llm.last_output.text)
+    else:
+        for delta in llm.stream(prompt, params):
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return llm.last_output.text
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -81,10 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids: Any = llm.chat_prompt(messages)
     else:
         prompt_ids = prompt
-    for delta in llm.stream(prompt_ids, params):
-        sys.stdout.write(delta)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    _print_reply(llm, prompt_ids, params)
     if args.verbose:
         out = llm.last_output
         print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
@@ -122,14 +145,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         prompt_ids = _fit_history(llm, system, history, params.max_tokens)
-        reply = []
-        for delta in llm.stream(prompt_ids, params):
-            reply.append(delta)
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        history.append({"role": "assistant", "content": _print_reply(llm, prompt_ids, params)})
     return 0
 
 

@@ -166,3 +166,19 @@ def test_error_invalid_parameters(args, fragment):
 def test_debug_shows_traceback(tmp_path):
     proc = run_cli("--debug", "generate", "--model", str(tmp_path / "nope"), "hi")
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+@needs_model
+def test_generate_sampling_and_beam_flags(default_llm):
+    from fasterllama import SamplingParams
+
+    args = ("generate", "-q", "--seed", "11", "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.0",
+            "--repetition-penalty", "1.1", "--max-tokens", "12", "--ignore-eos", "Once upon a time")
+    first, second = run_cli(*args), run_cli(*args)
+    assert first.returncode == 0, first.stderr
+    params = SamplingParams(seed=11, temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.1, max_tokens=12, ignore_eos=True)
+    assert first.stdout == second.stdout == default_llm.generate(["Once upon a time"], params)[0].text + "\n"
+    beam = run_cli("generate", "-q", "--beam-width", "3", "--max-tokens", "10", "The capital of France is")
+    assert beam.returncode == 0, beam.stderr
+    expected = default_llm.generate(["The capital of France is"], SamplingParams(beam_width=3, max_tokens=10))[0].text
+    assert beam.stdout == expected + "\n"
