@@ -86,9 +86,10 @@ class LLM:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
         progress: bool = True,
+        calibration_text: str | None = None,
     ) -> None:
-        if quantization is not None:
-            raise FasterLlamaError(f"quantization {quantization!r} is not supported yet")
+        """quantization: None (float), or a spec such as "w8", "w8-g32", "w4", "w4-g64", "w8a8",
+        "w8a8-static-mse", "w8a8-static-percentile99.99-sq0.5" (see fasterllama.quant.config)."""
         self.engine = LLMEngine(
             model,
             dtype=dtype,
@@ -97,6 +98,8 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             progress=progress,
+            quantization=quantization,
+            calibration_text=calibration_text,
         )
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config

@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
 from ..loading import open_checkpoint
 from ..model import LlamaForCausalLM
+from ..quant import QuantConfig, quantize_model
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from . import sampler
@@ -68,6 +69,14 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
     return best
 
 
+def default_calibration_text() -> str:
+    """A few paragraphs of mixed English prose, dialogue and code shipped with the package."""
+    import os
+
+    with open(os.path.join(os.path.dirname(__file__), "..", "quant", "calibration.txt"), encoding="utf-8") as fh:
+        return fh.read()
+
+
 @dataclass
 class StepUpdate:
     seq: Sequence
@@ -86,6 +95,9 @@ class LLMEngine:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
         progress: bool = True,
+        quantization: "str | QuantConfig | None" = None,
+        calibration_text: str | None = None,
+        calibration_tokens: int = 2048,
     ) -> None:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
@@ -117,6 +129,23 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache, max(max_num_batched_tokens, 1))
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.eos_token_ids = set(cfg.eos_token_ids)
+        self.quant_config = None
+        if quantization is not None:
+            self.quantize(quantization, calibration_text, calibration_tokens)
+
+    def quantize(self, spec: "str | QuantConfig", calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
+        """Quantize the loaded float model in place (calibrating on a text when the mode needs it)."""
+        qcfg = QuantConfig.parse(spec)
+        chunks = None
+        if qcfg.needs_calibration:
+            text = calibration_text if calibration_text is not None else default_calibration_text()
+            ids = self.tokenizer.encode(text)[:calibration_tokens]
+            if len(ids) < 16:
+                raise FasterLlamaError("the calibration text is too short (need at least 16 tokens)")
+            step = min(512, self.max_model_len)
+            chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
+        quantize_model(self.model, qcfg, self.compute_logits, chunks)
+        self.quant_config = qcfg
 
     # -- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:

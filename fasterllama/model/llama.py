@@ -74,7 +74,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
+        T = cos.shape[0]  # x may be a quantized (int8, scale) pair under w8a8
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = ops.apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
         k = ops.apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
@@ -85,14 +85,20 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(T, self.q_size))
 
 
+class SiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return ops.silu_and_mul(gate_up)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from . import reference
+from . import quantized, reference
 
 _BACKENDS: dict[str, dict[str, Callable]] = {}
 
@@ -21,7 +21,10 @@ def register(device_type: str, name: str, fn: Callable) -> None:
 
 def get_op(name: str, device: torch.device | str) -> Callable:
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-    return _BACKENDS.get(device_type, {}).get(name) or getattr(reference, name)
+    fn = _BACKENDS.get(device_type, {}).get(name)
+    if fn is None:
+        fn = getattr(reference, name, None) or getattr(quantized, name)
+    return fn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,4 +51,36 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
     return get_op("attention", q.device)(q, k_cache, v_cache, meta, scale)
 
 
+# -- quantized ops (see quantized.py) -----------------------------------------------------------
+def int8_weight_linear(x, qweight, scale, bias=None):
+    return get_op("int8_weight_linear", x.device)(x, qweight, scale, bias)
+
+
+def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
+    return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
+
+
+def quantize_per_token(x, static_scale=None):
+    return get_op("quantize_per_token", x.device)(x, static_scale)
+
+
+def int8_gemm(xq, qweight_t):
+    return get_op("int8_gemm", xq.device)(xq, qweight_t)
+
+
+def dequantize_gemm(acc, x_scale, w_scale, bias, dtype):
+    return get_op("dequantize_gemm", acc.device)(acc, x_scale, w_scale, bias, dtype)
+
+
+def rms_norm_quant(x, weight, eps, static_scale=None):
+    return get_op("rms_norm_quant", x.device)(x, weight, eps, static_scale)
+
+
+def silu_and_mul_quant(gate_up, static_scale=None):
+    return get_op("silu_and_mul_quant", gate_up.device)(gate_up, static_scale)
+
+
+pack_int4 = quantized.pack_int4
+unpack_int4 = quantized.unpack_int4
+unpack_int4_rows = quantized.unpack_int4_rows
 AttentionMetadata = reference.AttentionMetadata

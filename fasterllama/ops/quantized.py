@@ -1,0 +1,150 @@
+"""Reference quantized ops: the int8/int4 matmuls and the seeds' fused quantize/dequantize ops,
+each beside its float twin in reference.py and tested against the unfused composition."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+
+# -- int4 packing: per group of g values, byte j holds value j (low nibble) and j + g/2 (high) -------
+def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """q int [N, K] in 0..15 -> uint8 [N, K/2]; unpacking a group is one concat, no interleave."""
+    N, K = q.shape
+    g = q.to(torch.uint8).view(N, K // group_size, group_size)
+    half = group_size // 2
+    return (g[..., :half] | (g[..., half:] << 4)).reshape(N, K // 2).contiguous()
+
+
+def unpack_int4_rows(packed: torch.Tensor, rows: torch.Tensor | slice, group_size: int) -> torch.Tensor:
+    """The 4-bit values of some rows, as uint8 [rows, K/g, g]."""
+    b = packed[rows]
+    b = b.view(b.shape[0], -1, group_size // 2)
+    return torch.cat((b & 15, b >> 4), dim=-1)
+
+
+def unpack_int4(packed: torch.Tensor, group_size: int) -> torch.Tensor:
+    return unpack_int4_rows(packed, slice(None), group_size)
+
+
+# -- weight-only matmuls ----------------------------------------------------------------------------
+_ROWS_PER_CHUNK_ELEMS = 1 << 20  # dequantize ~1M weights (4 MB fp32) at a time: stays in cache
+
+
+def _chunked_dequant_linear(x2: torch.Tensor, n: int, dequant_rows, bias: torch.Tensor | None) -> torch.Tensor:
+    k = x2.shape[1]
+    step = max(64, _ROWS_PER_CHUNK_ELEMS // k)
+    out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        out[:, lo:hi] = F.linear(x2, dequant_rows(lo, hi))
+    return out if bias is None else out + bias
+
+
+def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (q * scale)^T for int8 q with per-channel [N] or per-group [N, K/g] scales.
+
+    Dequantizes a block of rows at a time into cache-sized float tiles and runs the float GEMM:
+    on AVX2 CPUs this beats torch's int8-weight kernel with float activations by far."""
+    N, K = qweight.shape
+    G = 1 if scale.dim() == 1 else scale.shape[1]
+    sc = scale.view(N, G, 1).to(x.dtype)
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        return (qweight[lo:hi].view(hi - lo, G, K // G).to(x.dtype) * sc[lo:hi]).view(hi - lo, K)
+
+    return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
+
+
+def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T with W = scale * q + min per group of `group_size` input columns, q in 0..15."""
+    N, G = scales.shape
+    K = G * group_size
+
+    def rows(lo: int, hi: int) -> torch.Tensor:
+        q = unpack_int4_rows(packed, slice(lo, hi), group_size).to(x.dtype)
+        return torch.addcmul(mins[lo:hi, :, None].to(x.dtype), q, scales[lo:hi, :, None].to(x.dtype)).view(hi - lo, K)
+
+    return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
+
+
+# -- W8A8 (FasterLLaMA) --------------------------------------------------------------------------------
+def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows with a dynamic absmax/127 scale per token, or one static (calibrated) scale."""
+    x = x.float()
+    if static_scale is None:
+        scale = x.abs().amax(dim=-1).clamp(min=1e-12) / 127
+    else:
+        scale = static_scale.float().expand(x.shape[:-1])
+    return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_gemm(xq: torch.Tensor, qweight_t: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] x int8 [K, N] -> exact int32 [M, N]."""
+    M = xq.shape[0]
+    if xq.device.type == "cuda" and M <= 16:  # cuBLASLt int8 needs M > 16
+        padded = torch.zeros(17, xq.shape[1], dtype=torch.int8, device=xq.device)
+        padded[:M] = xq
+        return torch._int_mm(padded, qweight_t)[:M]
+    return torch._int_mm(xq, qweight_t)
+
+
+def dequantize_gemm(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    y = acc.float() * x_scale[:, None] * w_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)
+
+
+# -- the seeds' fused ops (FasterLLaMA), reference versions ---------------------------------------------
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """resNormQuantized: RMSNorm, then per-token int8 quantization."""
+    return quantize_per_token(reference.rms_norm(x, weight, eps), static_scale)
+
+
+def dequantize_residual(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """DequantizedResidual: int32 GEMM output -> float, plus the residual stream."""
+    return residual + dequantize_gemm(acc, x_scale, w_scale, None, residual.dtype)
+
+
+def dequantize_residual_rms_norm_quant(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    static_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DequantizedResidualResNormQuantized: dequantize O, add the residual, RMSNorm, quantize.
+    Returns (new residual, int8 normed activations, their scales)."""
+    h = dequantize_residual(acc, x_scale, w_scale, residual)
+    q, s = rms_norm_quant(h, weight, eps, static_scale)
+    return h, q, s
+
+
+def dequantize_qkv_rope(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """QKRoteEmbeddingTranspose + DequantizedVTranspose: dequantize the fused QKV GEMM output,
+    rotate Q and K, and lay out [T, heads, head_dim] (our packed layout needs no transpose)."""
+    T = acc.shape[0]
+    qkv = dequantize_gemm(acc, x_scale, w_scale, None, dtype)
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = reference.apply_rope(q.reshape(T, num_heads, head_dim), cos, sin)
+    k = reference.apply_rope(k.reshape(T, num_kv_heads, head_dim), cos, sin)
+    return q, k, v.reshape(T, num_kv_heads, head_dim)
+
+
+def silu_and_mul_quant(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(gate)*up then per-token quantization (the float half of DequantizedSiluMultifyQuantized)."""
+    return quantize_per_token(reference.silu_and_mul(gate_up), static_scale)
+
+
+def dequantize_silu_and_mul_quant(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DequantizedSiluMultifyQuantized: dequantize the W1|W3 GEMM, SiLU(w1)*w3, quantize."""
+    return silu_and_mul_quant(dequantize_gemm(acc, x_scale, w_scale, None, torch.float32), static_scale)
+
+
+def attention_output_quant(attn: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """AttnQuantizedTranspose: attention output [T, heads, d] -> [T, heads*d] int8 per token."""
+    return quantize_per_token(attn.reshape(attn.shape[0], -1), static_scale)

@@ -1,0 +1,105 @@
+"""Calibration for static activation scales (FasterTransformer v3.0): run the float model over a
+calibration text, record what enters each int8 GEMM, and pick a clipping threshold per tensor
+with max, percentile, MSE-minimizing or entropy (KL) calibration. Also SmoothQuant smoothing."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+SAMPLES_PER_BATCH = 1 << 15
+HIST_BINS = 2048
+
+
+class ActivationStats:
+    """Absmax (global and per input channel) and a random sample of |x| entering one linear."""
+
+    def __init__(self, in_features: int) -> None:
+        self.amax = 0.0
+        self.channel_amax = torch.zeros(in_features)
+        self.samples: list[torch.Tensor] = []
+        self._gen = torch.Generator().manual_seed(0)
+
+    def add(self, x: torch.Tensor) -> None:
+        a = x.detach().float().abs().reshape(-1, x.shape[-1]).cpu()
+        self.amax = max(self.amax, float(a.max()))
+        self.channel_amax = torch.maximum(self.channel_amax, a.amax(dim=0))
+        flat = a.reshape(-1)
+        if flat.numel() > SAMPLES_PER_BATCH:
+            flat = flat[torch.randint(flat.numel(), (SAMPLES_PER_BATCH,), generator=self._gen)]
+        self.samples.append(flat.clone())
+
+    def values(self) -> np.ndarray:
+        return torch.cat(self.samples).numpy().astype(np.float64)
+
+
+def collect_stats(model: nn.Module, run: Callable[[list[int]], object], chunks: Iterable[list[int]], targets: dict[str, nn.Module]) -> dict[str, ActivationStats]:
+    """Run `run(chunk)` for every token chunk with hooks recording the inputs of `targets`."""
+    stats: dict[str, ActivationStats] = {}
+    handles = []
+    for name, module in targets.items():
+        stats[name] = ActivationStats(module.in_features)
+        handles.append(module.register_forward_pre_hook(lambda m, args, _s=stats[name]: _s.add(args[0])))
+    try:
+        for chunk in chunks:
+            run(chunk)
+    finally:
+        for h in handles:
+            h.remove()
+    return stats
+
+
+def _fake_quant_mse(v: np.ndarray, clip: float) -> float:
+    s = clip / 127
+    q = np.clip(np.round(v / s), -127, 127) * s
+    return float(np.mean((v - q) ** 2))
+
+
+def threshold(stats: ActivationStats, method: str, percentile: float = 99.99) -> float:
+    """The |x| clipping threshold for int8 (scale = threshold / 127)."""
+    if stats.amax == 0:
+        return 1e-6
+    if method == "max":
+        return stats.amax
+    v = stats.values()
+    if method == "percentile":
+        return max(float(np.percentile(v, percentile)), 1e-6)
+    if method == "mse":
+        candidates = stats.amax * np.linspace(0.02, 1.0, 100)
+        errors = [_fake_quant_mse(v, c) for c in candidates]
+        return float(candidates[int(np.argmin(errors))])
+    if method == "entropy":
+        return _kl_threshold(v, stats.amax)
+    raise ValueError(method)
+
+
+def _kl_threshold(v: np.ndarray, amax: float, levels: int = 128) -> float:
+    """TensorRT's entropy calibration: the threshold whose 128-level quantized histogram has the
+    smallest KL divergence from the clipped reference histogram."""
+    hist, edges = np.histogram(v, bins=HIST_BINS, range=(0, amax))
+    hist = hist.astype(np.float64)
+    best, best_kl = HIST_BINS, np.inf
+    for i in range(levels, HIST_BINS + 1, 16):
+        ref = hist[:i].copy()
+        ref[-1] += hist[i:].sum()  # clipped outliers land in the last bin
+        # quantize the first i bins into `levels` bins, then expand back over the non-empty bins
+        chunks = np.array_split(hist[:i], levels)
+        q = np.concatenate([np.where(c > 0, c.sum() / max((c > 0).sum(), 1), 0.0) for c in chunks])
+        p = ref / ref.sum()
+        qn = q / max(q.sum(), 1e-12)
+        mask = p > 0
+        kl = np.sum(p[mask] * np.log(p[mask] / np.maximum(qn[mask], 1e-12)))
+        if kl < best_kl:
+            best, best_kl = i, kl
+    return float(edges[best] if best < len(edges) else amax)
+
+
+def smooth(norm_weight: torch.Tensor, linear_weight: torch.Tensor, act_channel_amax: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """SmoothQuant: move activation outliers into the weights with s_j = amax_x^a / amax_w^(1-a).
+    x/s is folded into the preceding RMSNorm weight, W*s into the linear. Returns new (norm w, W)."""
+    w_amax = linear_weight.abs().amax(dim=0).clamp(min=1e-5)
+    s = (act_channel_amax.clamp(min=1e-5) ** alpha / w_amax ** (1 - alpha)).clamp(min=1e-5)
+    return norm_weight / s.to(norm_weight.dtype), linear_weight * s.to(linear_weight.dtype)[None, :]

@@ -1,0 +1,84 @@
+"""QuantConfig: which quantization mode, parsed from a short spec string.
+
+    w8            int8 weights, per output channel        w8-g32    int8 weights, groups of 32
+    w4            4-bit weights, groups of 32 (-g64/-g128) w8a8      int8 weights + dynamic per-token int8 activations
+    w8a8-static[-max|-percentile[P]|-mse|-entropy][-sqALPHA]  static per-tensor activation scales from calibration
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from ..errors import FasterLlamaError
+
+MODES = ("w8", "w4", "w8a8")
+CALIBRATORS = ("max", "percentile", "mse", "entropy")
+
+
+@dataclass
+class QuantConfig:
+    mode: str
+    group_size: int | None = None  # w8: None = per channel; w4: 32/64/128
+    static_activations: bool = False  # w8a8 only
+    calibrator: str = "percentile"
+    percentile: float = 99.99
+    smoothquant_alpha: float | None = None  # w8a8 only: SmoothQuant migration strength
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise FasterLlamaError(f"unknown quantization mode {self.mode!r} (use {', '.join(MODES)})")
+        if self.mode == "w4" and self.group_size is None:
+            self.group_size = 32
+        if self.group_size is not None and self.group_size not in (32, 64, 128):
+            raise FasterLlamaError(f"group size must be 32, 64 or 128, got {self.group_size}")
+        if self.mode == "w8a8" and self.group_size is not None:
+            raise FasterLlamaError("w8a8 uses per-channel weight scales (no group size)")
+        if self.calibrator not in CALIBRATORS:
+            raise FasterLlamaError(f"unknown calibrator {self.calibrator!r} (use {', '.join(CALIBRATORS)})")
+        if not 50 < self.percentile <= 100:
+            raise FasterLlamaError(f"percentile must be in (50, 100], got {self.percentile}")
+        if self.smoothquant_alpha is not None and not 0 <= self.smoothquant_alpha <= 1:
+            raise FasterLlamaError(f"SmoothQuant alpha must be in [0, 1], got {self.smoothquant_alpha}")
+        if self.mode != "w8a8" and (self.static_activations or self.smoothquant_alpha is not None):
+            raise FasterLlamaError("static activation scales and SmoothQuant apply to w8a8 only")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.static_activations or self.smoothquant_alpha is not None
+
+    @classmethod
+    def parse(cls, spec: "str | QuantConfig") -> "QuantConfig":
+        if isinstance(spec, QuantConfig):
+            return spec
+        parts = spec.strip().lower().split("-")
+        kw: dict = {"mode": parts[0]}
+        for part in parts[1:]:
+            if m := re.fullmatch(r"g(\d+)", part):
+                kw["group_size"] = int(m.group(1))
+            elif part == "static":
+                kw["static_activations"] = True
+            elif part == "dynamic":
+                kw["static_activations"] = False
+            elif m := re.fullmatch(r"percentile([\d.]+)?", part):
+                kw["calibrator"] = "percentile"
+                if m.group(1):
+                    kw["percentile"] = float(m.group(1))
+            elif part in CALIBRATORS:
+                kw["calibrator"] = part
+            elif m := re.fullmatch(r"sq([\d.]+)", part):
+                kw["smoothquant_alpha"] = float(m.group(1))
+            else:
+                raise FasterLlamaError(f"cannot read quantization spec {spec!r} at {part!r} (e.g. w8, w8-g32, w4-g64, w8a8, w8a8-static-mse-sq0.5)")
+        return cls(**kw)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        s = self.mode + (f"-g{self.group_size}" if self.group_size else "")
+        if self.static_activations:
+            s += "-static-" + (f"percentile{self.percentile:g}" if self.calibrator == "percentile" else self.calibrator)
+        if self.smoothquant_alpha is not None:
+            s += f"-sq{self.smoothquant_alpha:g}"
+        return s

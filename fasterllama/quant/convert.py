@@ -1,0 +1,110 @@
+"""Turn a loaded float model into a quantized one, module by module (same call signatures)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .. import ops
+from ..model.llama import Linear, LlamaForCausalLM, RMSNorm
+from . import calibrate
+from .config import QuantConfig
+from .linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear
+from .quantize import pick_group_size, quantize_int4, quantize_int8
+
+LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class QuantRMSNorm(nn.Module):
+    """RMSNorm fused with per-token int8 quantization (FasterLLaMA's resNormQuantized)."""
+
+    def __init__(self, norm: RMSNorm, static_scale: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+        self.static_scale = None if static_scale is None else nn.Parameter(static_scale, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm_quant(x, self.weight, self.eps, self.static_scale)
+
+
+class SiluAndMulQuant(nn.Module):
+    """SiLU(gate)*up fused with per-token int8 quantization for the int8 down projection."""
+
+    def __init__(self, static_scale: torch.Tensor | None) -> None:
+        super().__init__()
+        self.static_scale = None if static_scale is None else nn.Parameter(static_scale, requires_grad=False)
+
+    def forward(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.silu_and_mul_quant(gate_up, self.static_scale)
+
+
+def quantize_linear(lin: nn.Module, cfg: QuantConfig, input_scale: torch.Tensor | None = None) -> nn.Module:
+    w, b = lin.weight.data.float(), None if lin.bias is None else lin.bias.data
+    if cfg.mode == "w8a8":
+        q, s = quantize_int8(w)
+        return W8A8Linear(q, s, input_scale, b, dtype=lin.weight.dtype)
+    group = pick_group_size(w.shape[1], cfg.group_size) if cfg.group_size else None
+    if cfg.mode == "w8" or group is None:  # (w4 falls back to int8 per channel where no group fits)
+        q, s = quantize_int8(w, group)
+        return Int8Linear(q, s, b)
+    q, s, z = quantize_int4(w, group)
+    return Int4Linear(q, s, z, b)
+
+
+def quantize_model(
+    model: LlamaForCausalLM,
+    cfg: QuantConfig,
+    run: Callable[[list[int]], object] | None = None,
+    calibration_chunks: list[list[int]] | None = None,
+) -> None:
+    """Quantize in place. `run(token_ids)` runs the float model (for calibration and smoothing)."""
+    if cfg.needs_calibration and (run is None or not calibration_chunks):
+        raise ValueError("static activation scales and SmoothQuant need calibration tokens")
+    layers = list(model.layers)
+    if cfg.smoothquant_alpha is not None:
+        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+        stats = calibrate.collect_stats(model, run, calibration_chunks, targets)
+        for i, layer in enumerate(layers):
+            for norm, lin_name in ((layer.input_layernorm, "self_attn.qkv_proj"), (layer.post_attention_layernorm, "mlp.gate_up_proj")):
+                lin = layer.get_submodule(lin_name)
+                new_norm, new_w = calibrate.smooth(norm.weight.data, lin.weight.data, stats[f"{i}.{lin_name}"].channel_amax, cfg.smoothquant_alpha)
+                norm.weight.data.copy_(new_norm)
+                lin.weight.data.copy_(new_w)
+    scales: dict[str, torch.Tensor] = {}
+    if cfg.static_activations:
+        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
+        stats = calibrate.collect_stats(model, run, calibration_chunks, targets)
+        scales = {k: torch.tensor(calibrate.threshold(s, cfg.calibrator, cfg.percentile) / 127) for k, s in stats.items()}
+
+    for i, layer in enumerate(layers):
+        for name in LINEARS:
+            parent_name, attr = name.split(".")
+            parent = getattr(layer, parent_name)
+            setattr(parent, attr, quantize_linear(getattr(parent, attr), cfg, scales.get(f"{i}.{name}")))
+        if cfg.mode == "w8a8":
+            layer.input_layernorm = QuantRMSNorm(layer.input_layernorm, scales.get(f"{i}.self_attn.qkv_proj"))
+            layer.post_attention_layernorm = QuantRMSNorm(layer.post_attention_layernorm, scales.get(f"{i}.mlp.gate_up_proj"))
+            layer.mlp.act = SiluAndMulQuant(scales.get(f"{i}.mlp.down_proj"))
+    if cfg.mode in ("w8", "w4"):  # weight-only: the (often tied) embedding / lm_head too
+        dtype = model.embed_tokens.weight.dtype
+        tied = model.lm_head.weight is model.embed_tokens.weight
+        model.lm_head = quantize_linear(model.lm_head, cfg)
+        if tied:
+            model.embed_tokens = QuantizedEmbedding(model.lm_head, dtype)
+        else:
+            table = Linear(model.config.hidden_size, model.config.vocab_size)
+            table.weight = model.embed_tokens.weight
+            model.embed_tokens = QuantizedEmbedding(quantize_linear(table, cfg), dtype)
+    model.quant_config = cfg
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Resident bytes of the model's parameters (shared tensors counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total

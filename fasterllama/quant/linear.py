@@ -1,0 +1,100 @@
+"""Quantized linear layers. Each has the call signature of model.llama.Linear (x -> y) and keeps
+its weights quantized in memory; `dequantize()` gives the float weight back (tests, embedding)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from .quantize import dequantize_int4, dequantize_int8
+
+
+def _buffer(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 (mode `w8`): per output channel, or per group of input columns (Q8_0-like)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.qweight = _buffer(qweight.contiguous())
+        self.weight_scale = _buffer(scale.float().contiguous())
+        self.bias = None if bias is None else _buffer(bias)
+        self.group_size = None if scale.dim() == 1 else self.in_features // scale.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.int8_weight_linear(x, self.qweight, self.weight_scale, self.bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int8(self.qweight, self.weight_scale, dtype)
+
+    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_int8(self.qweight[rows], self.weight_scale[rows], dtype)
+
+
+class Int4Linear(nn.Module):
+    """Weight-only 4-bit, group-wise (mode `w4`; GGUF Q4_0/Q4_1 repacked exactly):
+    w = scale * q + min per group, q in 0..15, scale and min stored in fp16."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.group_size = self.in_features // scale.shape[1]
+        self.qweight = _buffer(ops.pack_int4(q, self.group_size))
+        self.scales = _buffer(scale.to(torch.float16).contiguous())  # [N, K/g]
+        self.mins = _buffer(mins.to(torch.float16).contiguous())
+        self.bias = None if bias is None else _buffer(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.int4_weight_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int4(ops.unpack_int4(self.qweight, self.group_size).view(self.out_features, -1), self.scales, self.mins, dtype)
+
+    def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        q = ops.unpack_int4_rows(self.qweight, rows, self.group_size).view(len(rows), -1)
+        return dequantize_int4(q, self.scales[rows], self.mins[rows], dtype)
+
+
+class W8A8Linear(nn.Module):
+    """FasterLLaMA's INT8 GEMM (mode `w8a8`): int8 weights with per-output-channel scales, int8
+    activations with per-token dynamic scales (input_scale None) or one static calibrated scale;
+    int8 x int8 -> int32, dequantized by x_scale * w_scale. Accepts a float input or an already
+    quantized (int8, scale) pair from a fused op (RMSNorm+quant, SiLU*mul+quant)."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.out_features, self.in_features = qweight.shape
+        self.dtype = dtype
+        self.qweight = _buffer(qweight.contiguous())
+        self.weight_scale = _buffer(scale.float().contiguous())
+        self.input_scale = None if input_scale is None else _buffer(input_scale.float().reshape(()))
+        self.bias = None if bias is None else _buffer(bias)
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ops.quantize_per_token(x, self.input_scale)
+
+    def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        xq, xs = x if isinstance(x, tuple) else self.quantize_input(x)
+        acc = ops.int8_gemm(xq, self.qweight.t())
+        dtype = out_dtype or (x.dtype if isinstance(x, torch.Tensor) else self.dtype)
+        return ops.dequantize_gemm(acc, xs, self.weight_scale, self.bias, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return dequantize_int8(self.qweight, self.weight_scale, dtype)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding that reads rows of a quantized matrix (tied with the quantized lm_head, or
+    its own), so the table is never expanded to float."""
+
+    def __init__(self, table: nn.Module, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.dequantize_rows(ids, self.dtype)

@@ -1,0 +1,67 @@
+"""Quantize / dequantize tensors: symmetric int8 per output channel or per group, and 4-bit
+group-wise (asymmetric, like GGUF Q4_1; symmetric Q4_0 is the zero = 8*scale case)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8: scale = absmax/127 per output row (group_size None) or per group of
+    `group_size` input columns. Returns (int8 [N, K], fp32 scales [N] or [N, K/group])."""
+    w = w.float()
+    if group_size is None:
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        return q, scale
+    N, K = w.shape
+    g = w.view(N, K // group_size, group_size)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127
+    q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).view(N, K)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    N, K = q.shape
+    if scale.dim() == 1:
+        return (q.to(dtype) * scale.to(dtype)[:, None])
+    groups = scale.shape[1]
+    return (q.view(N, groups, K // groups).to(dtype) * scale.to(dtype)[..., None]).view(N, K)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group (like GGUF Q4_1): w ~ scale * q + min, q in 0..15.
+    Returns (q int32 [N, K], scale [N, K/g], min [N, K/g])."""
+    w = w.float()
+    N, K = w.shape
+    g = w.view(N, K // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(N, K)
+    return q, scale, lo
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    N, K = q.shape
+    groups = scale.shape[1]
+    g = q.view(N, groups, K // groups).to(dtype) * scale.to(dtype)[..., None] + mins.to(dtype)[..., None]
+    return g.view(N, K)
+
+
+def quantize_per_token(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 activations: a dynamic scale per row (token) = absmax/127, or a given static scale."""
+    x = x.float()
+    if scale is None:
+        scale = x.abs().amax(dim=-1).clamp(min=1e-12) / 127
+    else:
+        scale = scale.float().expand(x.shape[:-1])
+    q = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def pick_group_size(k: int, preferred: int) -> int | None:
+    """The largest of preferred, 128, 64, 32 (not above preferred) that divides k, or None."""
+    for g in (preferred, 128, 64, 32):
+        if g <= preferred and k % g == 0:
+            return g
+    return None

@@ -1,0 +1,194 @@
+"""Quantization: error bounds per mode, the int8 GEMM exact against int32, every fused op equal to
+its unfused composition, calibrators, and quantized models against their float twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fasterllama import ops
+from fasterllama.ops import quantized as qops
+from fasterllama.ops import reference as ref
+from fasterllama.quant import QuantConfig
+from fasterllama.quant.calibrate import ActivationStats, smooth, threshold
+from fasterllama.quant.linear import Int4Linear, Int8Linear, W8A8Linear
+from fasterllama.quant.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+torch.manual_seed(0)
+W = torch.randn(192, 256) * 0.05
+X = torch.randn(7, 256)
+
+
+def test_int8_per_channel_error_bound():
+    q, s = quantize_int8(W)
+    assert q.dtype == torch.int8 and s.shape == (192,)
+    err = (dequantize_int8(q, s) - W).abs()
+    assert torch.all(err <= s[:, None] / 2 + 1e-7)  # round-to-nearest: half a step per row
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int8_group_error_bound(group):
+    q, s = quantize_int8(W, group)
+    assert s.shape == (192, 256 // group)
+    err = (dequantize_int8(q, s) - W).abs().view(192, -1, group)
+    assert torch.all(err <= s[..., None] / 2 + 1e-7)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_group_error_bound(group):
+    q, s, m = quantize_int4(W, group)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    err = (dequantize_int4(q, s, m) - W).abs().view(192, -1, group)
+    assert torch.all(err <= s[..., None] / 2 + 1e-6)
+    lin = Int4Linear(q, s, m)
+    assert lin.qweight.dtype == torch.uint8 and lin.qweight.numel() == W.numel() // 2
+    w_fp16_scales = dequantize_int4(q, s.half(), m.half())
+    torch.testing.assert_close(lin.dequantize(), w_fp16_scales)
+    torch.testing.assert_close(lin(X), X @ w_fp16_scales.t(), rtol=1e-5, atol=1e-5)
+    rows = torch.tensor([5, 0, 191, 64])
+    torch.testing.assert_close(lin.dequantize_rows(rows, torch.float32), w_fp16_scales[rows])
+
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_linear_matches_dequantized_weights(group):
+    q, s = quantize_int8(W, group)
+    lin = Int8Linear(q, s, bias=torch.randn(192))
+    torch.testing.assert_close(lin(X), X @ dequantize_int8(q, s).t() + lin.bias, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_gemm_is_exact():
+    a = torch.randint(-127, 128, (9, 256), dtype=torch.int8)
+    b = torch.randint(-127, 128, (256, 40), dtype=torch.int8)
+    assert torch.equal(ops.int8_gemm(a, b), a.int() @ b.int())
+
+
+def test_w8a8_linear_dynamic_and_static():
+    q, s = quantize_int8(W)
+    lin = W8A8Linear(q, s)
+    xq, xs = qops.quantize_per_token(X)
+    expected = (xq.int() @ q.int().t()).float() * xs[:, None] * s[None, :]
+    torch.testing.assert_close(lin(X), expected)
+    rel = (lin(X) - X @ W.t()).norm() / (X @ W.t()).norm()
+    assert rel < 0.02
+    static = W8A8Linear(q, s, input_scale=X.abs().max() / 127)
+    assert (static(X) - X @ W.t()).norm() / (X @ W.t()).norm() < 0.05
+
+
+def test_quantize_per_token_bounds():
+    q, s = qops.quantize_per_token(X)
+    assert torch.all((q.float() * s[:, None] - X).abs() <= s[:, None] / 2 + 1e-6)
+    assert torch.all(q.abs().amax(dim=1) == 127)
+
+
+# -- fused ops == unfused compositions -------------------------------------------------------------
+def _acc_and_scales(n_out: int, k: int = 64, t: int = 5):
+    xq = torch.randint(-127, 128, (t, k), dtype=torch.int8)
+    wq = torch.randint(-127, 128, (n_out, k), dtype=torch.int8)
+    xs, ws = torch.rand(t) * 0.01, torch.rand(n_out) * 0.01
+    return ops.int8_gemm(xq, wq.t()), xs, ws
+
+
+def test_rms_norm_quant_is_norm_then_quant():
+    x, w = torch.randn(6, 64), torch.rand(64) + 0.5
+    q, s = qops.rms_norm_quant(x, w, 1e-5)
+    q2, s2 = qops.quantize_per_token(ref.rms_norm(x, w, 1e-5))
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+
+
+def test_dequantize_residual_and_norm_quant_fused():
+    acc, xs, ws = _acc_and_scales(64)
+    residual, w = torch.randn(5, 64), torch.rand(64) + 0.5
+    h = residual + acc.float() * xs[:, None] * ws[None, :]
+    torch.testing.assert_close(qops.dequantize_residual(acc, xs, ws, residual), h)
+    h2, q, s = qops.dequantize_residual_rms_norm_quant(acc, xs, ws, residual, w, 1e-5)
+    q_ref, s_ref = qops.quantize_per_token(ref.rms_norm(h, w, 1e-5))
+    torch.testing.assert_close(h2, h)
+    assert torch.equal(q, q_ref) and torch.allclose(s, s_ref)
+
+
+def test_dequantize_qkv_rope_fused():
+    heads, kv_heads, d = 4, 2, 16
+    acc, xs, ws = _acc_and_scales((heads + 2 * kv_heads) * d)
+    angles = torch.rand(5, d // 2) * 3
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    q, k, v = qops.dequantize_qkv_rope(acc, xs, ws, cos, sin, heads, kv_heads, d, torch.float32)
+    qkv = acc.float() * xs[:, None] * ws[None, :]
+    q0, k0, v0 = qkv.split([heads * d, kv_heads * d, kv_heads * d], -1)
+    torch.testing.assert_close(q, ref.apply_rope(q0.view(5, heads, d), cos, sin))
+    torch.testing.assert_close(k, ref.apply_rope(k0.view(5, kv_heads, d), cos, sin))
+    torch.testing.assert_close(v, v0.view(5, kv_heads, d))
+
+
+def test_silu_mul_quant_fused():
+    acc, xs, ws = _acc_and_scales(128)
+    q, s = qops.dequantize_silu_and_mul_quant(acc, xs, ws)
+    q_ref, s_ref = qops.quantize_per_token(ref.silu_and_mul(acc.float() * xs[:, None] * ws[None, :]))
+    assert torch.equal(q, q_ref) and torch.allclose(s, s_ref)
+    gu = torch.randn(5, 128)
+    q1, s1 = qops.silu_and_mul_quant(gu, torch.tensor(0.02))
+    q2, s2 = qops.quantize_per_token(ref.silu_and_mul(gu), torch.tensor(0.02))
+    assert torch.equal(q1, q2) and torch.equal(s1, s2)
+
+
+def test_attention_output_quant_fused():
+    attn = torch.randn(5, 4, 16)
+    q, s = qops.attention_output_quant(attn)
+    q2, s2 = qops.quantize_per_token(attn.reshape(5, 64))
+    assert torch.equal(q, q2) and torch.equal(s, s2)
+
+
+# -- calibration -------------------------------------------------------------------------------------
+def _stats_with_outliers() -> ActivationStats:
+    st = ActivationStats(64)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(256, 64, generator=g)
+        x[0, 3] = 40.0  # one rare outlier
+        st.add(x)
+    return st
+
+
+def test_calibrators_order_and_range():
+    st = _stats_with_outliers()
+    t_max = threshold(st, "max")
+    assert t_max == pytest.approx(40.0)
+    t_pct = threshold(st, "percentile", 99.9)
+    t_mse = threshold(st, "mse")
+    t_kl = threshold(st, "entropy")
+    for t in (t_pct, t_mse, t_kl):
+        assert 1.0 < t < t_max  # all clip the outlier, none clips the bulk
+    assert threshold(st, "percentile", 100.0) == pytest.approx(40.0)
+
+
+def test_mse_calibrator_minimizes_error():
+    st = _stats_with_outliers()
+    v = st.values()
+    import numpy as np
+
+    def err(c):
+        s = c / 127
+        return float(np.mean((v - np.clip(np.round(v / s), -127, 127) * s) ** 2))
+
+    best = threshold(st, "mse")
+    assert err(best) <= err(st.amax) and err(best) <= err(best * 0.8) and err(best) <= err(min(best * 1.2, st.amax))
+
+
+def test_smoothquant_preserves_the_product():
+    x = torch.randn(10, 64)
+    x[:, 5] *= 30
+    norm_w, lin_w = torch.rand(64) + 0.5, torch.randn(32, 64)
+    new_norm, new_w = smooth(norm_w, lin_w, (x * norm_w).abs().amax(0), 0.5)
+    torch.testing.assert_close((x * new_norm) @ new_w.t(), (x * norm_w) @ lin_w.t(), rtol=1e-4, atol=1e-4)
+    assert (x * new_norm).abs().amax(0)[5] < (x * norm_w).abs().amax(0)[5]
+
+
+def test_quant_config_parse():
+    c = QuantConfig.parse("w8a8-static-percentile99.9-sq0.5")
+    assert (c.mode, c.static_activations, c.calibrator, c.percentile, c.smoothquant_alpha) == ("w8a8", True, "percentile", 99.9, 0.5)
+    assert QuantConfig.parse("w4").group_size == 32 and QuantConfig.parse("w4-g128").group_size == 128
+    assert QuantConfig.parse(str(c)) == c
+    from fasterllama.errors import FasterLlamaError
+
+    for bad in ("w3", "w4-g48", "w8-static", "w8a8-g32", "w8a8-bogus"):
+        with pytest.raises(FasterLlamaError):
+            QuantConfig.parse(bad)
