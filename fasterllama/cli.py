@@ -21,6 +21,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
+    p.add_argument("--quantization", default=None, help="w8, w8-g32, w4[-g32|-g64|-g128], w8a8, w8a8-static[-max|-percentile|-mse|-entropy][-sqALPHA]")
+    p.add_argument("--calibration-file", default=None, help="text to calibrate static activation scales on (default: a built-in sample)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -70,8 +72,17 @@ def _sampling_params(args: argparse.Namespace) -> Any:
 def _load(args: argparse.Namespace) -> Any:
     from .llm import LLM
 
+    calibration_text = None
+    if getattr(args, "calibration_file", None):
+        try:
+            with open(args.calibration_file, encoding="utf-8", errors="replace") as fh:
+                calibration_text = fh.read()
+        except OSError as e:
+            raise FasterLlamaError(f"cannot read {args.calibration_file}: {e.strerror}") from None
     return LLM(
         model=args.model,
+        quantization=args.quantization,
+        calibration_text=calibration_text,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
@@ -170,6 +181,29 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval_perplexity(args: argparse.Namespace) -> int:
+    import json
+
+    from .evaluate import perplexity
+
+    try:
+        with open(args.file, encoding="utf-8", errors="replace") as fh:
+            text = fh.read()
+    except OSError as e:
+        raise FasterLlamaError(f"cannot read {args.file}: {e.strerror}") from None
+    llm = _load(args)
+    ids = llm.tokenizer.encode(text)
+    if args.max_tokens:
+        ids = ids[: args.max_tokens]
+    result = perplexity(llm, ids, args.context, args.stride or args.context // 2, progress=not args.quiet)
+    result.update(model=llm.engine.model_path, quantization=str(llm.engine.quant_config) if llm.engine.quant_config else "none", file=args.file, context=args.context)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=2)
+    print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens ({result['quantization']})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fasterllama", description="Fast, hackable inference for LLaMA-family models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -191,6 +225,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     c.set_defaults(func=cmd_chat)
+
+    e = sub.add_parser("eval", help="evaluate a model")
+    esub = e.add_subparsers(dest="eval_command", required=True, parser_class=_Parser)
+    pp = esub.add_parser("perplexity", help="perplexity of a text file (sliding window)")
+    _add_model_args(pp)
+    pp.add_argument("file", help="a UTF-8 text file")
+    pp.add_argument("--context", type=int, default=512, help="window length in tokens (default 512)")
+    pp.add_argument("--stride", type=int, default=None, help="window step (default context/2)")
+    pp.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens of the file")
+    pp.add_argument("--json", default=None, help="also write the result as JSON to this file")
+    pp.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
+    pp.set_defaults(func=cmd_eval_perplexity)
 
     m = sub.add_parser("models", help="list known model names, which are installed, and where")
     m.set_defaults(func=cmd_models)

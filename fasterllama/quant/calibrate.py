@@ -97,9 +97,17 @@ def _kl_threshold(v: np.ndarray, amax: float, levels: int = 128) -> float:
     return float(edges[best] if best < len(edges) else amax)
 
 
+def smoothing_factors_from_amax(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-channel s_j = amax_x^a / amax_w^(1-a): x/s is easier to quantize, W*s harder."""
+    s = act_amax.float().clamp(min=1e-5) ** alpha / weight_amax.float().clamp(min=1e-5) ** (1 - alpha)
+    return s.clamp(min=1e-5)
+
+
+def smoothing_factors(act_amax: torch.Tensor, linear_weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    return smoothing_factors_from_amax(act_amax, linear_weight.abs().amax(dim=0), alpha)
+
+
 def smooth(norm_weight: torch.Tensor, linear_weight: torch.Tensor, act_channel_amax: torch.Tensor, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """SmoothQuant: move activation outliers into the weights with s_j = amax_x^a / amax_w^(1-a).
-    x/s is folded into the preceding RMSNorm weight, W*s into the linear. Returns new (norm w, W)."""
-    w_amax = linear_weight.abs().amax(dim=0).clamp(min=1e-5)
-    s = (act_channel_amax.clamp(min=1e-5) ** alpha / w_amax ** (1 - alpha)).clamp(min=1e-5)
+    """SmoothQuant folded into a preceding RMSNorm: returns the new (norm weight, linear weight)."""
+    s = smoothing_factors(act_channel_amax, linear_weight, alpha)
     return norm_weight / s.to(norm_weight.dtype), linear_weight * s.to(linear_weight.dtype)[None, :]

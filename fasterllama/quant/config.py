@@ -2,7 +2,9 @@
 
     w8            int8 weights, per output channel        w8-g32    int8 weights, groups of 32
     w4            4-bit weights, groups of 32 (-g64/-g128) w8a8      int8 weights + dynamic per-token int8 activations
-    w8a8-static[-max|-percentile[P]|-mse|-entropy][-sqALPHA]  static per-tensor activation scales from calibration
+    w8a8-static[-max|-percentile[P]|-mse|-entropy]  static per-tensor activation scales from calibration
+    w8a8 modes smooth activations with SmoothQuant (alpha 0.5 dynamic, 0.75 static); -sqALPHA
+    sets alpha, -nosq turns it off
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ class QuantConfig:
     mode: str
     group_size: int | None = None  # w8: None = per channel; w4: 32/64/128
     static_activations: bool = False  # w8a8 only
-    calibrator: str = "percentile"
+    calibrator: str = "max"
     percentile: float = 99.99
-    smoothquant_alpha: float | None = None  # w8a8 only: SmoothQuant migration strength
+    smoothquant_alpha: float | None = None  # w8a8 only: SmoothQuant migration strength (None: 0.5 for w8a8)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise FasterLlamaError(f"unknown quantization mode {self.mode!r} (use {', '.join(MODES)})")
         if self.mode == "w4" and self.group_size is None:
             self.group_size = 32
+        if self.mode == "w8a8" and self.smoothquant_alpha is None:
+            self.smoothquant_alpha = 0.75 if self.static_activations else 0.5
+        if self.smoothquant_alpha is not None and self.smoothquant_alpha < 0:  # "nosq"
+            self.smoothquant_alpha = None
         if self.group_size is not None and self.group_size not in (32, 64, 128):
             raise FasterLlamaError(f"group size must be 32, 64 or 128, got {self.group_size}")
         if self.mode == "w8a8" and self.group_size is not None:
@@ -38,7 +44,7 @@ class QuantConfig:
             raise FasterLlamaError(f"unknown calibrator {self.calibrator!r} (use {', '.join(CALIBRATORS)})")
         if not 50 < self.percentile <= 100:
             raise FasterLlamaError(f"percentile must be in (50, 100], got {self.percentile}")
-        if self.smoothquant_alpha is not None and not 0 <= self.smoothquant_alpha <= 1:
+        if self.smoothquant_alpha is not None and not 0 < self.smoothquant_alpha <= 1:
             raise FasterLlamaError(f"SmoothQuant alpha must be in [0, 1], got {self.smoothquant_alpha}")
         if self.mode != "w8a8" and (self.static_activations or self.smoothquant_alpha is not None):
             raise FasterLlamaError("static activation scales and SmoothQuant apply to w8a8 only")
@@ -68,6 +74,8 @@ class QuantConfig:
                 kw["calibrator"] = part
             elif m := re.fullmatch(r"sq([\d.]+)", part):
                 kw["smoothquant_alpha"] = float(m.group(1))
+            elif part == "nosq":
+                kw["smoothquant_alpha"] = -1.0
             else:
                 raise FasterLlamaError(f"cannot read quantization spec {spec!r} at {part!r} (e.g. w8, w8-g32, w4-g64, w8a8, w8a8-static-mse-sq0.5)")
         return cls(**kw)
@@ -79,6 +87,6 @@ class QuantConfig:
         s = self.mode + (f"-g{self.group_size}" if self.group_size else "")
         if self.static_activations:
             s += "-static-" + (f"percentile{self.percentile:g}" if self.calibrator == "percentile" else self.calibrator)
-        if self.smoothquant_alpha is not None:
-            s += f"-sq{self.smoothquant_alpha:g}"
+        if self.mode == "w8a8":
+            s += f"-sq{self.smoothquant_alpha:g}" if self.smoothquant_alpha is not None else "-nosq"
         return s

@@ -64,14 +64,10 @@ def quantize_model(
         raise ValueError("static activation scales and SmoothQuant need calibration tokens")
     layers = list(model.layers)
     if cfg.smoothquant_alpha is not None:
-        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in ("self_attn.qkv_proj", "mlp.gate_up_proj")}
+        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
         stats = calibrate.collect_stats(model, run, calibration_chunks, targets)
         for i, layer in enumerate(layers):
-            for norm, lin_name in ((layer.input_layernorm, "self_attn.qkv_proj"), (layer.post_attention_layernorm, "mlp.gate_up_proj")):
-                lin = layer.get_submodule(lin_name)
-                new_norm, new_w = calibrate.smooth(norm.weight.data, lin.weight.data, stats[f"{i}.{lin_name}"].channel_amax, cfg.smoothquant_alpha)
-                norm.weight.data.copy_(new_norm)
-                lin.weight.data.copy_(new_w)
+            smooth_layer(layer, model.config, {n: stats[f"{i}.{n}"].channel_amax for n in LINEARS}, cfg.smoothquant_alpha)
     scales: dict[str, torch.Tensor] = {}
     if cfg.static_activations:
         targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
@@ -98,6 +94,36 @@ def quantize_model(
             table.weight = model.embed_tokens.weight
             model.embed_tokens = QuantizedEmbedding(quantize_linear(table, cfg), dtype)
     model.quant_config = cfg
+
+
+def smooth_layer(layer: nn.Module, config, act_amax: dict[str, torch.Tensor], alpha: float) -> None:
+    """SmoothQuant on all four GEMMs of a decoder layer, each folded into what produces its input:
+    qkv and gate_up into the RMSNorm weights, o_proj into the v rows of qkv (per KV channel, shared
+    by the query heads of a group), down_proj into the `up` rows of gate_up (SiLU(g)*u/s = SiLU(g)*(u/s))."""
+    attn, mlp = layer.self_attn, layer.mlp
+    for norm, lin, name in ((layer.input_layernorm, attn.qkv_proj, "self_attn.qkv_proj"), (layer.post_attention_layernorm, mlp.gate_up_proj, "mlp.gate_up_proj")):
+        s = calibrate.smoothing_factors(act_amax[name], lin.weight.data, alpha)
+        norm.weight.data.div_(s.to(norm.weight.dtype))
+        lin.weight.data.mul_(s.to(lin.weight.dtype)[None, :])
+    # o_proj: input channel (head h, dim d) comes from v channel (h // group, d)
+    groups = config.num_heads // config.num_kv_heads
+    d = config.head_dim
+    o_w = attn.o_proj.weight.data
+    amax_v = act_amax["self_attn.o_proj"].view(config.num_kv_heads, groups, d).amax(dim=1)
+    w_v = o_w.abs().amax(dim=0).view(config.num_kv_heads, groups, d).amax(dim=1)
+    s_v = calibrate.smoothing_factors_from_amax(amax_v.reshape(-1), w_v.reshape(-1), alpha)  # [kv_size]
+    v_rows = slice(config.q_size + config.kv_size, config.q_size + 2 * config.kv_size)
+    attn.qkv_proj.weight.data[v_rows].div_(s_v[:, None].to(o_w.dtype))
+    if attn.qkv_proj.bias is not None:
+        attn.qkv_proj.bias.data[v_rows].div_(s_v.to(o_w.dtype))
+    o_w.mul_(s_v.view(config.num_kv_heads, 1, d).expand(-1, groups, -1).reshape(1, -1).to(o_w.dtype))
+    # down_proj: input channel j is SiLU(gate_j) * up_j
+    inter = config.intermediate_size
+    s_d = calibrate.smoothing_factors(act_amax["mlp.down_proj"], mlp.down_proj.weight.data, alpha)
+    mlp.gate_up_proj.weight.data[inter:].div_(s_d[:, None].to(o_w.dtype))
+    if mlp.gate_up_proj.bias is not None:
+        mlp.gate_up_proj.bias.data[inter:].div_(s_d.to(o_w.dtype))
+    mlp.down_proj.weight.data.mul_(s_d[None, :].to(o_w.dtype))
 
 
 def weight_bytes(model: nn.Module) -> int:
