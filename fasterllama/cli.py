@@ -204,6 +204,21 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from .quant import QuantConfig
+    from .quant.checkpoint import save_quantized
+
+    args.model, args.quantization = args.src, str(QuantConfig.parse(args.mode))  # validate first
+    if os.path.exists(args.output) and os.listdir(args.output) and not args.force:
+        raise FasterLlamaError(f"{args.output} exists and is not empty (use --force to overwrite)")
+    llm = _load(args)
+    save_quantized(llm.engine, args.output)
+    from .quant import weight_bytes
+
+    print(f"wrote {args.output} ({args.quantization}, {weight_bytes(llm.engine.model) / 1e6:.1f} MB of weights)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fasterllama", description="Fast, hackable inference for LLaMA-family models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -237,6 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json", default=None, help="also write the result as JSON to this file")
     pp.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     pp.set_defaults(func=cmd_eval_perplexity)
+
+    qz = sub.add_parser("quantize", help="quantize a model once and save it (safetensors + config + tokenizer)")
+    qz.add_argument("src", help="GGUF file, HF folder or known name")
+    qz.add_argument("--mode", required=True, help="w8, w8-g32, w4[-g32|-g64|-g128], w8a8, w8a8-static[-max|-percentile|-mse|-entropy][-sqALPHA]")
+    qz.add_argument("--output", "-o", required=True, help="output folder")
+    qz.add_argument("--calibration-file", default=None, help="text to calibrate on (static w8a8 / SmoothQuant; default: a built-in sample)")
+    qz.add_argument("--dtype", default=None)
+    qz.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
+    qz.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    qz.set_defaults(func=cmd_quantize, device="cpu", max_model_len=None)
 
     m = sub.add_parser("models", help="list known model names, which are installed, and where")
     m.set_defaults(func=cmd_models)

@@ -17,6 +17,8 @@ from ..errors import ContextLengthError, FasterLlamaError
 from ..loading import open_checkpoint
 from ..model import LlamaForCausalLM
 from ..quant import QuantConfig, quantize_model
+from ..quant.checkpoint import load_quantized
+from ..quant.gguf_native import load_gguf_native
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from . import sampler
@@ -69,6 +71,13 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
     return best
 
 
+def _counted(items, bar):
+    for item in items:
+        if bar is not None:
+            bar.update(1)
+        yield item
+
+
 def default_calibration_text() -> str:
     """A few paragraphs of mixed English prose, dialogue and code shipped with the package."""
     import os
@@ -110,12 +119,25 @@ class LLMEngine:
         self.config: ModelConfig = ckpt.config
         self.tokenizer: Tokenizer = ckpt.tokenizer
         self.model = LlamaForCausalLM(self.config)
-        tensors = ckpt.iter_tensors()
+        bar = None
         if progress:
             from tqdm import tqdm
 
-            tensors = tqdm(tensors, total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False)
-        self.model.load_weights(tensors, self.dtype, self.device)
+            bar = tqdm(total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False)
+        native = quantization == "gguf"
+        saved_quant = getattr(ckpt.source, "quantization", None)
+        if saved_quant is not None:  # written by `fasterllama quantize`: load as saved
+            if quantization is not None:
+                raise FasterLlamaError("this checkpoint is quantized already; load it without --quantization")
+            loaded_quant = load_quantized(self.model, saved_quant, _counted(ckpt.iter_tensors(), bar), self.dtype, self.device)
+        elif native:  # keep the file's Q8_0/Q4_0/Q4_1 tensors quantized
+            if ckpt.format != "gguf":
+                raise FasterLlamaError("quantization 'gguf' keeps a GGUF file's quantized tensors; this model is not a GGUF file")
+            load_gguf_native(self.model, ckpt.source, self.dtype, self.device, bar)
+        else:
+            self.model.load_weights(_counted(ckpt.iter_tensors(), bar), self.dtype, self.device)
+        if bar is not None:
+            bar.close()
         self.model.eval()
         self.load_seconds = time.perf_counter() - t0
 
@@ -129,8 +151,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv_cache, max(max_num_batched_tokens, 1))
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.eos_token_ids = set(cfg.eos_token_ids)
-        self.quant_config = None
-        if quantization is not None:
+        self.quant_config: "QuantConfig | str | None" = "gguf" if native else (loaded_quant if saved_quant is not None else None)
+        if quantization is not None and not native:
             self.quantize(quantization, calibration_text, calibration_tokens)
 
     def quantize(self, spec: "str | QuantConfig", calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:

@@ -26,6 +26,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     tensor_names: list[str]
     iter_tensors: Callable[[], Iterator[tuple[str, torch.Tensor]]]
+    source: object = None  # the format's own reader (GGUFCheckpoint / HFCheckpoint)
 
 
 def open_checkpoint(model: str | None) -> Checkpoint:
@@ -47,7 +48,7 @@ def open_checkpoint(model: str | None) -> Checkpoint:
         cfg.bos_token_id = tokenizer.bos_token_id
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:  # the config's list wins, as in HF
         cfg.eos_token_ids.append(tokenizer.eos_token_id)
-    return Checkpoint(path, fmt, cfg, tokenizer, ckpt.tensor_names(), ckpt.iter_tensors)
+    return Checkpoint(path, fmt, cfg, tokenizer, ckpt.tensor_names(), ckpt.iter_tensors, ckpt)
 
 
 def _has_gguf_magic(path: str) -> bool:

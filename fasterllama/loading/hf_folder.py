@@ -18,6 +18,7 @@ class HFCheckpoint:
     path: str
     config: ModelConfig
     shards: dict[str, list[str]]  # shard file -> tensor names in it
+    quantization: dict | None = None  # quantization_config of a `fasterllama quantize` checkpoint
 
     def tensor_names(self) -> list[str]:
         return [n for names in self.shards.values() for n in names]
@@ -46,7 +47,11 @@ def open_hf_folder(path: str) -> HFCheckpoint:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path}: no config.json (expected a HF checkpoint folder or a .gguf file)")
-    config = ModelConfig.from_hf_dict(_read_json(cfg_path))
+    raw_config = _read_json(cfg_path)
+    config = ModelConfig.from_hf_dict(raw_config)
+    quantization = raw_config.get("quantization_config")
+    if quantization is not None and quantization.get("quant_method") != "fasterllama":
+        raise ModelLoadError(f"{path}: unsupported quantization method {quantization.get('quant_method')!r} (quantize with `fasterllama quantize` instead)")
     gen_cfg_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_cfg_path):
         eos = _read_json(gen_cfg_path).get("eos_token_id")
@@ -73,4 +78,4 @@ def open_hf_folder(path: str) -> HFCheckpoint:
             raise ModelLoadError(f"{single_path}: cannot read safetensors ({e})") from None
     else:
         raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    return HFCheckpoint(path=path, config=config, shards=shards)
+    return HFCheckpoint(path=path, config=config, shards=shards, quantization=quantization)

@@ -149,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     # -- loading ------------------------------------------------------------------------------
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device, skip: Iterable[str] = ()) -> None:
         """Fill parameters from canonical (HF-named) tensors, one at a time, converting dtype.
 
         Fused projections (qkv, gate_up) are allocated once and filled slice by slice, so the
@@ -161,6 +161,10 @@ class LlamaForCausalLM(nn.Module):
             "qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
             "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
         }
+        for name in skip:
+            target = name.removeprefix("model.")
+            fused = next((f for f in split_sizes if f".{f}." in target), None)
+            seen.update([f"{target}#{i}" for i in range(len(split_sizes[fused]))] if fused else [target])
         for name, tensor in tensors:
             target = name.removeprefix("model.")
             part = None
@@ -190,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
                     raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
                 dst.copy_(tensor)
                 seen.add(f"{target}#{part[1]}")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in seen:
+        if "embed_tokens.weight" in seen and self.embed_tokens.weight.device.type == "meta":
+            seen.add("lm_head.weight")  # the caller provides the embedding (and ties lm_head to it)
+        elif cfg.tie_word_embeddings or "lm_head.weight" not in seen:
             self.lm_head.weight = self.embed_tokens.weight
             seen.add("lm_head.weight")
         missing = []

@@ -58,21 +58,27 @@ def quantize_model(
     cfg: QuantConfig,
     run: Callable[[list[int]], object] | None = None,
     calibration_chunks: list[list[int]] | None = None,
+    placeholders: bool = False,
 ) -> None:
-    """Quantize in place. `run(token_ids)` runs the float model (for calibration and smoothing)."""
-    if cfg.needs_calibration and (run is None or not calibration_chunks):
+    """Quantize in place. `run(token_ids)` runs the float model (for calibration and smoothing).
+    placeholders: only build the quantized structure (static scales = 1), to load saved tensors into."""
+    smooth_alpha = None if placeholders else cfg.smoothquant_alpha  # saved weights are smoothed already
+    calibrate_static = cfg.static_activations and not placeholders
+    if (smooth_alpha is not None or calibrate_static) and (run is None or not calibration_chunks):
         raise ValueError("static activation scales and SmoothQuant need calibration tokens")
     layers = list(model.layers)
-    if cfg.smoothquant_alpha is not None:
+    if smooth_alpha is not None:
         targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
         stats = calibrate.collect_stats(model, run, calibration_chunks, targets)
         for i, layer in enumerate(layers):
-            smooth_layer(layer, model.config, {n: stats[f"{i}.{n}"].channel_amax for n in LINEARS}, cfg.smoothquant_alpha)
+            smooth_layer(layer, model.config, {n: stats[f"{i}.{n}"].channel_amax for n in LINEARS}, smooth_alpha)
     scales: dict[str, torch.Tensor] = {}
-    if cfg.static_activations:
+    if calibrate_static:
         targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
         stats = calibrate.collect_stats(model, run, calibration_chunks, targets)
         scales = {k: torch.tensor(calibrate.threshold(s, cfg.calibrator, cfg.percentile) / 127) for k, s in stats.items()}
+    elif cfg.static_activations:  # placeholders, overwritten by the saved scales
+        scales = {f"{i}.{n}": torch.tensor(1.0) for i in range(len(layers)) for n in LINEARS}
 
     for i, layer in enumerate(layers):
         for name in LINEARS:
