@@ -1,7 +1,7 @@
 """Every quantization mode on the default model: perplexity on license texts that every Debian
 machine has (no downloads), resident weight bytes, and decode / prefill speed, in one run.
 
-    python benchmarks/quantization.py [--max-tokens 20480] [--modes none,w8,...] [--json out.json]
+    python benchmarks/quantization.py [--max-tokens 20480] [--modes none,w8,...] [--json out.json] [--no-ppl]
 
 Calibration (static w8a8, SmoothQuant) uses the Apache-2.0 text, which is not in the eval text."""
 
@@ -24,7 +24,7 @@ EVAL_FILES = ["GPL-3", "GPL-2", "LGPL-2.1", "GFDL-1.3", "MPL-2.0"]
 CALIBRATION_FILE = "Apache-2.0"
 MODES = [
     "none", "w8", "w8-g32", "w4-g32", "w4-g64", "w4-g128", "w8a8-nosq", "w8a8",
-    "w8a8-static-max", "w8a8-static-percentile99.99", "w8a8-static-mse", "w8a8-static-entropy",
+    "w8a8-static-max", "w8a8-static-percentile99.99", "w8a8-static-mse", "w8a8-static-entropy", "gguf",
 ]
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-ppl", action="store_true", help="speed and memory only")
     args = ap.parse_args()
     text = "\n\n".join(read(f) for f in EVAL_FILES)
     calibration = read(CALIBRATION_FILE)
@@ -68,7 +69,7 @@ def main() -> None:
         llm = LLM(args.model, quantization=quant, calibration_text=calibration, progress=False)
         load = time.perf_counter() - t0
         ids = llm.tokenizer.encode(text)[: args.max_tokens]
-        result = perplexity(llm, ids, args.context, args.context // 2, progress=False)
+        result = {"perplexity": float("nan"), "tokens": 0} if args.no_ppl else perplexity(llm, ids, args.context, args.context // 2, progress=False)
         wb = weight_bytes(llm.engine.model)
         prefill, decode = speed(llm, ids[:128])
         if mode == "none":

@@ -3,7 +3,7 @@
     w8            int8 weights, per output channel        w8-g32    int8 weights, groups of 32
     w4            4-bit weights, groups of 32 (-g64/-g128) w8a8      int8 weights + dynamic per-token int8 activations
     w8a8-static[-max|-percentile[P]|-mse|-entropy]  static per-tensor activation scales from calibration
-    w8a8 modes smooth activations with SmoothQuant (alpha 0.5 dynamic, 0.75 static); -sqALPHA
+    w8a8 modes smooth activations with SmoothQuant (alpha 0.6 dynamic, 0.75 static); -sqALPHA
     sets alpha, -nosq turns it off
 """
 
@@ -25,7 +25,7 @@ class QuantConfig:
     static_activations: bool = False  # w8a8 only
     calibrator: str = "max"
     percentile: float = 99.99
-    smoothquant_alpha: float | None = None  # w8a8 only: SmoothQuant migration strength (None: 0.5 for w8a8)
+    smoothquant_alpha: float | None = None  # w8a8 only: SmoothQuant migration strength (None: 0.6 dynamic, 0.75 static)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -33,7 +33,7 @@ class QuantConfig:
         if self.mode == "w4" and self.group_size is None:
             self.group_size = 32
         if self.mode == "w8a8" and self.smoothquant_alpha is None:
-            self.smoothquant_alpha = 0.75 if self.static_activations else 0.5
+            self.smoothquant_alpha = 0.75 if self.static_activations else 0.6
         if self.smoothquant_alpha is not None and self.smoothquant_alpha < 0:  # "nosq"
             self.smoothquant_alpha = None
         if self.group_size is not None and self.group_size not in (32, 64, 128):
