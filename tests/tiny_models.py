@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from fasterllama.tokenizer import bytes_to_unicode  # GPT-2's byte alphabet
+
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 
@@ -161,19 +163,6 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], n: int) -> list[int]:
 
 
 # -- tokenizer --------------------------------------------------------------------------------
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
-
-
 def tiny_vocab(vocab_size: int) -> tuple[list[str], list[str]]:
     """(tokens, merges): 3 special tokens, the 256 byte characters, then two-character merges.
 

@@ -48,17 +48,6 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, dt
     return g.view(N, K)
 
 
-def quantize_per_token(x: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 activations: a dynamic scale per row (token) = absmax/127, or a given static scale."""
-    x = x.float()
-    if scale is None:
-        scale = x.abs().amax(dim=-1).clamp(min=1e-12) / 127
-    else:
-        scale = scale.float().expand(x.shape[:-1])
-    q = torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
 def pick_group_size(k: int, preferred: int) -> int | None:
     """The largest of preferred, 128, 64, 32 (not above preferred) that divides k, or None."""
     for g in (preferred, 128, 64, 32):
