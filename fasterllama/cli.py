@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from typing import Any
 
 from .errors import FasterLlamaError
@@ -69,7 +70,7 @@ def _sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
     from .llm import LLM
 
     calibration_text = None
@@ -86,7 +87,7 @@ def _load(args: argparse.Namespace) -> Any:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        max_num_seqs=max(1, getattr(args, "beam_width", 1)),
+        max_num_seqs=max_num_seqs or max(1, getattr(args, "beam_width", 1)),
         progress=not args.quiet,
     )
 
@@ -219,6 +220,41 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import json
+
+    from .bench import run_bench
+
+    if args.decode_steps < 1 or args.repeats < 1:
+        raise FasterLlamaError("--decode-steps and --repeats must be >= 1")
+    t = time.perf_counter()
+    llm = _load(args, max_num_seqs=max(args.batch_sizes))
+    load_s = time.perf_counter() - t
+    result = run_bench(llm, args.prompt_lens, args.batch_sizes, args.decode_steps, args.repeats)
+    result.update(model=llm.engine.model_path, quantization=str(llm.engine.quant_config or "none"), load_s=load_s,
+                  dtype=str(llm.engine.dtype).removeprefix("torch."), device=str(llm.engine.device))
+    for n, r in result["prefill"].items():
+        print(f"prefill {n:>5} tokens: {r['tokens_per_s']:8.1f} tok/s   time to first token {r['time_to_first_token_s'] * 1000:7.1f} ms")
+    print(f"decode  batch 1:     {result['decode_tokens_per_s']:8.1f} tok/s ({args.decode_steps} steps)")
+    for b, v in result["throughput_tokens_per_s"].items():
+        print(f"throughput batch {b:>3}: {v:8.1f} tok/s")
+    print(f"load {load_s:.1f} s, peak RSS {result['peak_rss_mb']:.0f} MB ({result['quantization']}, {result['dtype']}, {result['device']})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fasterllama", description="Fast, hackable inference for LLaMA-family models.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -262,6 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
     qz.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     qz.set_defaults(func=cmd_quantize, device="cpu", max_model_len=None)
+
+    b = sub.add_parser("bench", help="prefill/decode speed, batch throughput, time to first token, peak memory")
+    _add_model_args(b)
+    b.add_argument("--batch-sizes", type=_int_list, default=[1, 4, 8, 16], help="decode batch sizes (default 1,4,8,16)")
+    b.add_argument("--prompt-lens", type=_int_list, default=[128, 512], help="prefill prompt lengths (default 128,512)")
+    b.add_argument("--decode-steps", type=int, default=128, help="decode steps per measurement (default 128)")
+    b.add_argument("--repeats", type=int, default=3, help="medians of this many runs (default 3)")
+    b.add_argument("--json", default=None, help="also write the results as JSON")
+    b.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    b.set_defaults(func=cmd_bench)
 
     m = sub.add_parser("models", help="list known model names, which are installed, and where")
     m.set_defaults(func=cmd_models)

@@ -182,3 +182,23 @@ def test_generate_sampling_and_beam_flags(default_llm):
     assert beam.returncode == 0, beam.stderr
     expected = default_llm.generate(["The capital of France is"], SamplingParams(beam_width=3, max_tokens=10))[0].text
     assert beam.stdout == expected + "\n"
+
+
+@needs_model
+def test_bench_reports_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "-q", "--batch-sizes", "1,2", "--prompt-lens", "16,32", "--decode-steps", "4", "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["prefill"]) == {"16", "32"} and all(r["tokens_per_s"] > 0 and r["time_to_first_token_s"] > 0 for r in result["prefill"].values())
+    assert set(result["throughput_tokens_per_s"]) == {"1", "2"} and result["decode_tokens_per_s"] > 0
+    assert result["peak_rss_mb"] > 100 and result["quantization"] == "none"
+    assert "prefill" in proc.stdout and "throughput batch" in proc.stdout
+
+
+def test_bench_fixed_prompt_ids_are_deterministic():
+    from fasterllama.bench import fixed_prompt_ids
+
+    a = fixed_prompt_ids(64, 49152)
+    assert a == fixed_prompt_ids(64, 49152) and a != fixed_prompt_ids(64, 49152, seed=1)
+    assert all(100 <= t < 49152 for t in a) and len(set(a)) > 50
