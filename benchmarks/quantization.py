@@ -83,7 +83,7 @@ def main() -> None:
         del llm
         gc.collect()
     base = rows[0]
-    print(f"\n| mode | perplexity | vs fp32 | weights MB | % of fp32 | prefill tok/s | decode tok/s |")
+    print("\n| mode | perplexity | vs fp32 | weights MB | % of fp32 | prefill tok/s | decode tok/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['mode']} | {r['ppl']:.3f} | {r.get('ppl_delta_pct', 0):+.2f}% | {r['weight_mb']:.0f} | {r.get('weight_pct', 100):.1f}% "

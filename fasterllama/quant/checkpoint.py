@@ -13,6 +13,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import FasterLlamaError
 from ..tokenizer import Tokenizer
+from .config import QuantConfig
 
 QUANT_METHOD = "fasterllama"
 
@@ -81,7 +82,6 @@ def save_quantized(engine: Any, out_dir: str) -> None:
 
 def load_quantized(model: torch.nn.Module, quant: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> "QuantConfig":
     """Rebuild the quantized module structure (on placeholder weights) and load the saved tensors."""
-    from .config import QuantConfig
     from .convert import quantize_model
 
     fields = {k: v for k, v in quant.items() if k in QuantConfig.__dataclass_fields__}
