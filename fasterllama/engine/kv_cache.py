@@ -20,10 +20,6 @@ class KVCache:
         self.num_slots, self.max_len = num_slots, max_len
         self._free = list(range(num_slots - 1, -1, -1))
 
-    @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-        return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
-
     @property
     def num_free(self) -> int:
         return len(self._free)

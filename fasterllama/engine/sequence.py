@@ -42,12 +42,5 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
-    def last_token(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
-
-    def uncached_token_ids(self) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[self.num_cached :]
