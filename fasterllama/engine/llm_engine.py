@@ -12,6 +12,7 @@ from typing import Sequence as Seq
 
 import torch
 
+from .. import ops
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
 from ..loading import open_checkpoint
@@ -113,6 +114,8 @@ class LLMEngine:
                 raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if self.device.type == "cpu":
+            ops.use_cpu_kernels()
         t0 = time.perf_counter()
         ckpt = open_checkpoint(model)
         self.model_path = ckpt.path

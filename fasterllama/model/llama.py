@@ -75,13 +75,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
         T = cos.shape[0]  # x may be a quantized (int8, scale) pair under w8a8
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = ops.apply_rope(q.view(T, self.num_heads, self.head_dim), cos, sin)
-        k = ops.apply_rope(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv
-        ops.store_kv(k_cache, v_cache, k, v, meta)
-        out = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        q = ops.rope_and_store_kv(self.qkv_proj(x), cos, sin, kv, meta, self.num_heads, self.num_kv_heads, self.head_dim)
+        out = ops.attention(q, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

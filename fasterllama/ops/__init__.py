@@ -19,6 +19,13 @@ def register(device_type: str, name: str, fn: Callable) -> None:
     _BACKENDS.setdefault(device_type, {})[name] = fn
 
 
+def use_cpu_kernels() -> bool:
+    """Register the C kernels (cpu_kernels.py) for CPU tensors; False where they cannot be built."""
+    from . import cpu_kernels
+
+    return cpu_kernels.register(register)
+
+
 def get_op(name: str, device: torch.device | str) -> Callable:
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     fn = _BACKENDS.get(device_type, {}).get(name)
@@ -31,10 +38,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return get_op("rms_norm", x.device)(x, weight, eps)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return get_op("apply_rope", x.device)(x, cos, sin)
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return get_op("silu_and_mul", gate_up.device)(gate_up)
 
@@ -43,8 +46,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return get_op("linear", x.device)(x, weight, bias)
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: "reference.AttentionMetadata") -> None:
-    get_op("store_kv", k.device)(k_cache, v_cache, k, v, meta)
+def rope_and_store_kv(qkv, cos, sin, kv, meta, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    return get_op("rope_and_store_kv", qkv.device)(qkv, cos, sin, kv[0], kv[1], meta, num_heads, num_kv_heads, head_dim)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "reference.AttentionMetadata", scale: float) -> torch.Tensor:

@@ -63,32 +63,6 @@ def dequantize_int4_tile(packed: torch.Tensor, scales: torch.Tensor, mins: torch
     return torch.addcmul(mins[..., None].to(dtype), q, scales[..., None].to(dtype))
 
 
-_int4_tile = dequantize_int4_tile
-
-
-def compile_int4_dequant() -> bool:
-    """Fuse the int4 tile dequantization into one inductor-generated loop (several times faster
-    than the eager ops on CPU). Compiles once, for all tile shapes; falls back to eager on any
-    failure or when FASTERLLAMA_NO_COMPILE=1. Returns whether the compiled version is in use."""
-    global _int4_tile
-    import os
-
-    if _int4_tile is not dequantize_int4_tile:
-        return True
-    if os.environ.get("FASTERLLAMA_NO_COMPILE") == "1":
-        return False
-    try:
-        fn = torch.compile(dequantize_int4_tile, dynamic=True)
-        b = torch.zeros(3, 2, 16, dtype=torch.uint8)
-        s = torch.ones(3, 2, dtype=torch.float16)
-        if not torch.equal(fn(b, s, s, torch.float32), dequantize_int4_tile(b, s, s, torch.float32)):
-            return False
-        _int4_tile = fn
-        return True
-    except Exception:  # no compiler, unsupported platform...: the eager path is always correct
-        return False
-
-
 def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T with W = scale * q + min per group of `group_size` input columns, q in 0..15."""
     N, G = scales.shape
@@ -96,7 +70,7 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
     def rows(lo: int, hi: int) -> torch.Tensor:
         tile = packed[lo:hi].view(hi - lo, G, group_size // 2)
-        return _int4_tile(tile, scales[lo:hi], mins[lo:hi], x.dtype).view(hi - lo, K)
+        return dequantize_int4_tile(tile, scales[lo:hi], mins[lo:hi], x.dtype).view(hi - lo, K)
 
     return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
 

@@ -76,6 +76,19 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache[meta.slot_of_token, :, meta.positions] = v
 
 
+def rope_and_store_kv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> torch.Tensor:
+    """Split a fused qkv projection [T, (H + 2 KVH) * D], rotate q and k, cache k and v; returns q [T, H, D]."""
+    T = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = apply_rope(q.reshape(T, num_heads, head_dim), cos, sin)
+    k = apply_rope(k.reshape(T, num_kv_heads, head_dim), cos, sin)
+    store_kv(k_cache, v_cache, k, v.reshape(T, num_kv_heads, head_dim), meta)
+    return q
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """One new query per sequence ([B, heads, head_dim]) against its cache, all sequences at once.
 
@@ -97,16 +110,17 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.matmul(probs, v).view(B, H, D)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, decode=decode_attention) -> torch.Tensor:
     """Causal attention of each sequence's new queries ([T, heads, head_dim]) over its cached K/V.
 
     No attention crosses sequences. New tokens sit at the end of their sequence, so the causal
-    mask is aligned bottom-right (query j of n new tokens sees start + j + 1 keys)."""
+    mask is aligned bottom-right (query j of n new tokens sees start + j + 1 keys). `decode` attends
+the single-token sequences (a backend passes its kernel)."""
     if meta.all_decode:
-        return decode_attention(q, k_cache, v_cache, meta, scale)
+        return decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     if meta.decode_slots:
-        out[meta.decode_rows] = decode_attention(q[meta.decode_rows], k_cache, v_cache, meta, scale)
+        out[meta.decode_rows] = decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
     for i in meta.multi_token_seqs:
         lo, hi = meta.token_offsets[i], meta.token_offsets[i + 1]
         n, start, slot = hi - lo, meta.start_positions[i], meta.slots[i]

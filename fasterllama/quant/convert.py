@@ -8,7 +8,6 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops import quantized as quantized_ops
 from ..model.llama import Linear, LlamaForCausalLM, RMSNorm
 from . import calibrate
 from .config import QuantConfig
@@ -101,8 +100,6 @@ def quantize_model(
             table.weight = model.embed_tokens.weight
             model.embed_tokens = QuantizedEmbedding(quantize_linear(table, cfg), dtype)
     model.quant_config = cfg
-    if cfg.mode == "w4":
-        quantized_ops.compile_int4_dequant()
 
 
 def smooth_layer(layer: nn.Module, config, act_amax: dict[str, torch.Tensor], alpha: float) -> None:

@@ -10,7 +10,6 @@ from torch import nn
 
 from ..loading.gguf_file import GGUFCheckpoint, _dequantize, canonical_name, unpermute_rope_rows
 from ..model.llama import LlamaForCausalLM
-from ..ops.quantized import compile_int4_dequant
 from .linear import Int4Linear, Int8Linear, QuantizedEmbedding
 
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
@@ -102,8 +101,6 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
         else:
             parent, _, attr = path.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, module)
-    if any(isinstance(m, Int4Linear) for m in quantized.values()):
-        compile_int4_dequant()
     if "model.embed_tokens.weight" in quantized and "lm_head.weight" not in quantized and "lm_head.weight" not in {n for n, _ in floats}:
         model.lm_head = model.embed_tokens.table  # tied: one quantized matrix serves both
 

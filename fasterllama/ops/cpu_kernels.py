@@ -1,0 +1,225 @@
+"""The C kernels of csrc/cpu_kernels.c: built once per machine with the system C compiler, loaded
+with ctypes, and registered as the CPU versions of the op layer's matmuls.
+
+Why C: at decode time every linear is a matrix-vector product that must stream its weights at
+memory speed on all cores; MKL's fp32 GEMV uses one core for these shapes and torch has no fast
+AVX2 kernel for 4-bit or int8 weights with float activations. The build takes about a second and
+is cached (FASTERLLAMA_CACHE, default ~/.cache/fasterllama). Without a compiler or AVX2, or with
+FASTERLLAMA_NO_COMPILE=1, `load()` returns None and the PyTorch reference ops run instead."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import quantized, reference
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+GEMV_MAX_ROWS = 16  # up to this many activation rows, the kernels beat dequantize + sgemm
+DEQUANT_TILE_ELEMS = 1 << 20  # larger inputs: dequantize ~4 MB of rows at a time, then sgemm
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_SIGNATURES = {
+    "fl_q4_linear": [_P, _I, _I, _P, _P, _P, _I, _I, _P],
+    "fl_q4_dequant": [_P, _P, _P, _I, _I, _I, _I, _P],
+    "fl_q8_linear": [_P, _I, _I, _P, _P, _I, _I, _P],
+    "fl_q8_dequant": [_P, _P, _I, _I, _I, _I, _P],
+    "fl_f32_linear": [_P, _I, _I, _P, _I, _P],
+    "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
+    "fl_silu_and_mul": [_P, _I, _I, _P],
+    "fl_rope_store_kv": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
+    "fl_decode_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+}
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_signature() -> str:
+    """Flags of this CPU: -march=native code must not be reused on a different CPU."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return os.uname().machine
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("FASTERLLAMA_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "fasterllama")
+    return Path(base)
+
+
+def _build() -> Path:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler found")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "compiler failed")
+        os.replace(out, target)  # atomic: concurrent builders never load a half-written file
+    return target
+
+
+def load() -> ctypes.CDLL | None:
+    """The kernel library, built on first use; None where it cannot run (then torch ops run)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    if os.environ.get("FASTERLLAMA_NO_COMPILE") == "1":
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build()))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+        _lib = lib
+    except Exception as exc:  # no compiler, no AVX2, read-only cache...: the reference ops are correct
+        log.warning("fasterllama: C kernels unavailable (%s); using PyTorch ops", exc)
+    return _lib
+
+
+def _usable(x: torch.Tensor, k: int) -> bool:
+    return _lib is not None and x.dtype == torch.float32 and k % 32 == 0 and not x.requires_grad
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    return x.reshape(-1, k).contiguous()
+
+
+def _dequant_linear(x2: torch.Tensor, n: int, dequant_into) -> torch.Tensor:
+    """Large-M path: float weight tiles from the kernel, then the float GEMM on each tile."""
+    k = x2.shape[1]
+    step = max(64, DEQUANT_TILE_ELEMS // k)
+    out = torch.empty(x2.shape[0], n, dtype=x2.dtype)
+    tile = torch.empty(min(step, n), k, dtype=torch.float32)
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        dequant_into(lo, hi, tile)
+        out[:, lo:hi] = x2 @ tile[: hi - lo].t()
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    n, k = weight.shape
+    if not _usable(x, k) or weight.dtype != torch.float32 or not weight.is_contiguous() or x.numel() // k > GEMV_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    x2 = _rows(x, k)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    _lib.fl_f32_linear(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, y.data_ptr())
+    y = y.view(*x.shape[:-1], n)
+    return y if bias is None else y + bias
+
+
+def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    n, k = qweight.shape
+    g = k if scale.dim() == 1 else k // scale.shape[1]
+    if not _usable(x, k) or g % 32 != 0 or scale.dtype != torch.float32:
+        return quantized.int8_weight_linear(x, qweight, scale, bias)
+    x2 = _rows(x, k)
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        _lib.fl_q8_linear(x2.data_ptr(), x2.shape[0], k, qweight.data_ptr(), scale.data_ptr(), n, g, y.data_ptr())
+    else:
+        y = _dequant_linear(x2, n, lambda lo, hi, t: _lib.fl_q8_dequant(qweight.data_ptr(), scale.data_ptr(), k, g, lo, hi, t.data_ptr()))
+    y = y.view(*x.shape[:-1], n)
+    return y if bias is None else y + bias
+
+
+def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    n = scales.shape[0]
+    k = packed.shape[1] * 2
+    if not _usable(x, k) or group_size % 32 != 0 or scales.dtype != torch.float16:
+        return quantized.int4_weight_linear(x, packed, scales, mins, group_size, bias)
+    x2 = _rows(x, k)
+    args = (packed.data_ptr(), scales.data_ptr(), mins.data_ptr())
+    if x2.shape[0] <= GEMV_MAX_ROWS:
+        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+        _lib.fl_q4_linear(x2.data_ptr(), x2.shape[0], k, *args, n, group_size, y.data_ptr())
+    else:
+        y = _dequant_linear(x2, n, lambda lo, hi, t: _lib.fl_q4_dequant(*args, k, group_size, lo, hi, t.data_ptr()))
+    y = y.view(*x.shape[:-1], n)
+    return y if bias is None else y + bias
+
+
+def _f32(*tensors: torch.Tensor) -> bool:
+    return _lib is not None and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    k = x.shape[-1]
+    if not _f32(x, weight) or k % 8 != 0:
+        return reference.rms_norm(x, weight, eps)
+    out = torch.empty_like(x)
+    _lib.fl_rms_norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // k, k, out.data_ptr())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    i = gate_up.shape[-1] // 2
+    if not _f32(gate_up) or i % 8 != 0:
+        return reference.silu_and_mul(gate_up)
+    out = torch.empty(*gate_up.shape[:-1], i, dtype=torch.float32)
+    _lib.fl_silu_and_mul(gate_up.data_ptr(), gate_up.numel() // (2 * i), i, out.data_ptr())
+    return out
+
+
+def rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    if not _f32(qkv, cos, sin, k_cache, v_cache) or head_dim % 2 != 0:
+        return reference.rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim)
+    T = qkv.shape[0]
+    q = torch.empty(T, num_heads, head_dim, dtype=torch.float32)
+    _lib.fl_rope_store_kv(
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slot_of_token.data_ptr(), meta.positions.data_ptr(),
+        T, num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], q.data_ptr(),
+    )
+    return q
+
+
+def decode_attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    B, H, D = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _lib.fl_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.decode_slot_index.data_ptr(), meta.decode_lengths.data_ptr(),
+        B, H, k_cache.shape[1], D, k_cache.shape[2], scale, out.data_ptr(),
+    )
+    return out
+
+
+def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
+    if not _f32(k_cache, v_cache) or q.dtype != torch.float32 or q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
+        return reference.attention(q, k_cache, v_cache, meta, scale)
+    return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention)
+
+
+OPS = {
+    "linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear,
+    "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
+}
+
+
+def register(register_op) -> bool:
+    """Build/load the library and register its ops for CPU tensors; False if unavailable."""
+    if load() is None:
+        return False
+    for name, fn in OPS.items():
+        register_op("cpu", name, fn)
+    return True

@@ -1,0 +1,359 @@
+/* fasterllama CPU kernels: the decode-time hot loops, AVX2 + FMA + F16C, threaded with OpenMP.
+ *
+ * Built at first use by ops/cpu_kernels.py (gcc -O3 -march=native -fopenmp) and called through
+ * ctypes. The library links libgomp.so.1, which resolves to the runtime torch already loaded, so
+ * these kernels and torch's own ops share one thread pool instead of stalling each other.
+ * Every kernel has a PyTorch reference in ops/reference.py or ops/quantized.py: the tests'
+ * oracle. All matrices are row-major and contiguous; weights are [N, K] (out x in), as in
+ * F.linear. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "fasterllama CPU kernels need AVX2, FMA and F16C"
+#endif
+
+#define MT 8 /* activation rows processed together per weight row */
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline __m256 u8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+static inline __m256 i8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+
+/* The matmul kernels work on 32 weights at a time, as two 16-float halves: one 512-bit register
+ * each where the CPU has AVX-512, two 256-bit ones otherwise. */
+#if defined(__AVX512F__)
+typedef __m512 vf;
+#define VZERO() _mm512_setzero_ps()
+#define VSET1(v) _mm512_set1_ps(v)
+#define VLOAD(p) _mm512_loadu_ps(p)
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
+#define VHSUM(v) _mm512_reduce_add_ps(v)
+/* 16 unsigned / signed bytes -> 16 floats */
+#define U8X16(b, w) w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
+#define I8X16(b, w) w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
+#define F32X16(p, w) w[0] = _mm512_loadu_ps(p)
+#define HALF_DOT(w, xp) VMUL(w[0], VLOAD(xp))
+#define HALF_FMA(w, xp, acc) VFMA(w[0], VLOAD(xp), acc)
+#else
+typedef __m256 vf;
+#define VZERO() _mm256_setzero_ps()
+#define VSET1(v) _mm256_set1_ps(v)
+#define VLOAD(p) _mm256_loadu_ps(p)
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
+#define VHSUM(v) hsum8(v)
+#define U8X16(b, w) (w[0] = u8x8_to_ps(b), w[1] = u8x8_to_ps(_mm_srli_si128(b, 8)))
+#define I8X16(b, w) (w[0] = i8x8_to_ps(b), w[1] = i8x8_to_ps(_mm_srli_si128(b, 8)))
+#define F32X16(p, w) (w[0] = _mm256_loadu_ps(p), w[1] = _mm256_loadu_ps((p) + 8))
+#define HALF_DOT(w, xp) _mm256_fmadd_ps(w[1], _mm256_loadu_ps((xp) + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xp)))
+#define HALF_FMA(w, xp, acc) _mm256_fmadd_ps(w[1], _mm256_loadu_ps((xp) + 8), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xp), acc))
+#endif
+
+/* acc[r] += s * (wa . x[r, oa:oa+16] + wb . x[r, ob:ob+16]) for `rows` activation rows of stride K.
+ * Few rows: a short dot-product tree per row, so one row's FMAs do not wait on each other. Many
+ * rows: the rows' accumulator chains are independent, so scale the weights once and chain. */
+#define CHAIN_ROWS 4
+#define DOT32(rows, xb, K, oa, ob, wa, wb, s, acc, scaled)                                          \
+    if ((rows) < CHAIN_ROWS) {                                                                      \
+        for (int r = 0; r < (rows); r++) {                                                          \
+            const float *xr = (xb) + (int64_t)r * (K);                                              \
+            acc[r] = VFMA(HALF_FMA(wb, xr + (ob), HALF_DOT(wa, xr + (oa))), s, acc[r]);             \
+        }                                                                                           \
+    } else {                                                                                        \
+        if (scaled) for (int i = 0; i < (int)(sizeof(wa) / sizeof(wa[0])); i++) wa[i] = VMUL(wa[i], s), wb[i] = VMUL(wb[i], s); \
+        for (int r = 0; r < (rows); r++) {                                                          \
+            const float *xr = (xb) + (int64_t)r * (K);                                              \
+            acc[r] = HALF_FMA(wb, xr + (ob), HALF_FMA(wa, xr + (oa), acc[r]));                      \
+        }                                                                                           \
+    }
+
+/* ---- 4-bit group-wise weights: w = scale * q + min, q in 0..15 ---------------------------------
+ * packed [N, K/2]: in each group of g values, byte j holds value j (low nibble) and j + g/2 (high),
+ * which is GGUF Q4_0/Q4_1's block layout for g = 32. scales, mins: fp16 [N, K/g]. */
+static inline __attribute__((always_inline)) void q4_row(
+    const float *x, int64_t K, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t g,
+    const float *xsum, int64_t G, float *y, int64_t N, const int rows) {
+    vf acc[MT], wa[2], wb[2];
+    float macc[MT];
+    for (int r = 0; r < rows; r++) { acc[r] = VZERO(); macc[r] = 0.f; }
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    const int64_t half = g / 2;
+    for (int64_t grp = 0; grp < G; grp++) {
+        const uint8_t *qb = q + grp * half;
+        const float *xb = x + grp * g;
+        const vf s = VSET1(_cvtsh_ss(sc[grp]));
+        for (int64_t j = 0; j < half; j += 16) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(qb + j));
+            U8X16(_mm_and_si128(b, low4), wa);
+            U8X16(_mm_and_si128(_mm_srli_epi16(b, 4), low4), wb);
+            DOT32(rows, xb, K, j, half + j, wa, wb, s, acc, 1)
+        }
+        const float m = _cvtsh_ss(mn[grp]);
+        for (int r = 0; r < rows; r++) macc[r] += m * xsum[r * G + grp];
+    }
+    for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc[r]) + macc[r];
+}
+
+/* y [M, N] = x [M, K] @ W^T for 4-bit W. Meant for small M (decode); large M dequantizes tiles. */
+void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *scales,
+                  const uint16_t *mins, int64_t N, int64_t g, float *y) {
+    const int64_t G = K / g;
+    float *xsum = malloc(sizeof(float) * M * G); /* per-group sums of x, for the min term */
+    for (int64_t i = 0; i < M * G; i++) {
+        const float *xg = x + (i / G) * K + (i % G) * g;
+        float s = 0.f;
+        for (int64_t j = 0; j < g; j++) s += xg[j];
+        xsum[i] = s;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *q = packed + n * (K / 2);
+        const uint16_t *sc = scales + n * G, *mn = mins + n * G;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const float *xm = x + m0 * K, *sm = xsum + m0 * G;
+            float *ym = y + m0 * N + n;
+            switch (M - m0 >= MT ? MT : M - m0) {
+                case 8: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 8); break;
+                case 7: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 7); break;
+                case 6: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 6); break;
+                case 5: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 5); break;
+                case 4: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 4); break;
+                case 3: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 3); break;
+                case 2: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 2); break;
+                default: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 1); break;
+            }
+        }
+    }
+    free(xsum);
+}
+
+/* Float weights of rows [n0, n1) of a 4-bit matrix into out [n1 - n0, K] (large-M path). */
+void fl_q4_dequant(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins, int64_t K, int64_t g,
+                   int64_t n0, int64_t n1, float *out) {
+    const int64_t G = K / g, half = g / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *q = packed + n * (K / 2);
+        float *o = out + (n - n0) * K;
+        for (int64_t grp = 0; grp < G; grp++) {
+            const float s = _cvtsh_ss(scales[n * G + grp]), m = _cvtsh_ss(mins[n * G + grp]);
+            for (int64_t j = 0; j < half; j++) {
+                const uint8_t b = q[grp * half + j];
+                o[grp * g + j] = s * (float)(b & 15) + m;
+                o[grp * g + half + j] = s * (float)(b >> 4) + m;
+            }
+        }
+    }
+}
+
+/* ---- int8 weights, per output channel (G = 1) or per group of g input columns ------------------ */
+static inline __attribute__((always_inline)) void q8_row(
+    const float *x, int64_t K, const int8_t *q, const float *sc, int64_t g, float *y, int64_t N, const int rows) {
+    vf acc[MT], wa[2], wb[2];
+    for (int r = 0; r < rows; r++) acc[r] = VZERO();
+    for (int64_t k = 0; k < K; k += 32) {
+        const vf s = VSET1(sc[k / g]);
+        I8X16(_mm_loadu_si128((const __m128i *)(q + k)), wa);
+        I8X16(_mm_loadu_si128((const __m128i *)(q + k + 16)), wb);
+        DOT32(rows, x, K, k, k + 16, wa, wb, s, acc, 1)
+    }
+    for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc[r]);
+}
+
+/* y [M, N] = x [M, K] @ (q * scale)^T; K and g multiples of 32; g = K for per-channel scales. */
+void fl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qweight, const float *scales, int64_t N,
+                  int64_t g, float *y) {
+    const int64_t G = K / g;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *q = qweight + n * K;
+        const float *sc = scales + n * G;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const float *xm = x + m0 * K;
+            float *ym = y + m0 * N + n;
+            switch (M - m0 >= MT ? MT : M - m0) {
+                case 8: q8_row(xm, K, q, sc, g, ym, N, 8); break;
+                case 7: q8_row(xm, K, q, sc, g, ym, N, 7); break;
+                case 6: q8_row(xm, K, q, sc, g, ym, N, 6); break;
+                case 5: q8_row(xm, K, q, sc, g, ym, N, 5); break;
+                case 4: q8_row(xm, K, q, sc, g, ym, N, 4); break;
+                case 3: q8_row(xm, K, q, sc, g, ym, N, 3); break;
+                case 2: q8_row(xm, K, q, sc, g, ym, N, 2); break;
+                default: q8_row(xm, K, q, sc, g, ym, N, 1); break;
+            }
+        }
+    }
+}
+
+void fl_q8_dequant(const int8_t *qweight, const float *scales, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out) {
+    const int64_t G = K / g;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = n0; n < n1; n++)
+        for (int64_t k = 0; k < K; k++) out[(n - n0) * K + k] = scales[n * G + k / g] * (float)qweight[n * K + k];
+}
+
+/* ---- fp32 weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 -------------------
+ * MKL runs this shape (GEMV) on one core; here both cores stream the weight rows. */
+static inline __attribute__((always_inline)) void f32_row(const float *x, int64_t K, const float *w, float *y, int64_t N, const int rows) {
+    vf acc[MT], wa[2], wb[2];
+    const vf one = VSET1(1.f);
+    for (int r = 0; r < rows; r++) acc[r] = VZERO();
+    for (int64_t k = 0; k < K; k += 32) {
+        F32X16(w + k, wa);
+        F32X16(w + k + 16, wb);
+        DOT32(rows, x, K, k, k + 16, wa, wb, one, acc, 0)
+    }
+    for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc[r]);
+}
+
+void fl_f32_linear(const float *x, int64_t M, int64_t K, const float *weight, int64_t N, float *y) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *w = weight + n * K;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const float *xm = x + m0 * K;
+            float *ym = y + m0 * N + n;
+            switch (M - m0 >= MT ? MT : M - m0) {
+                case 8: f32_row(xm, K, w, ym, N, 8); break;
+                case 7: f32_row(xm, K, w, ym, N, 7); break;
+                case 6: f32_row(xm, K, w, ym, N, 6); break;
+                case 5: f32_row(xm, K, w, ym, N, 5); break;
+                case 4: f32_row(xm, K, w, ym, N, 4); break;
+                case 3: f32_row(xm, K, w, ym, N, 3); break;
+                case 2: f32_row(xm, K, w, ym, N, 2); break;
+                default: f32_row(xm, K, w, ym, N, 1); break;
+            }
+        }
+    }
+}
+
+/* ---- the small ops of a decode step: one call each instead of a handful of torch ops ---------- */
+
+/* exp(x) for 8 floats (Cephes' polynomial; within 2 ulp of expf over the float range). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762f));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* out [M, K] = x * rsqrt(mean(x^2) + eps) * weight, in fp32 (K a multiple of 8). */
+void fl_rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t K, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        float *o = out + m * K;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        const __m256 r = _mm256_set1_ps(1.f / sqrtf(hsum8(ss) / (float)K + eps));
+        for (int64_t k = 0; k < K; k += 8)
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(xr + k), r)));
+    }
+}
+
+/* out [M, I] = silu(gate_up[:, :I]) * gate_up[:, I:] (I a multiple of 8). */
+void fl_silu_and_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gate_up + m * 2 * I, *u = g + I;
+        for (int64_t i = 0; i < I; i += 8) {
+            __m256 x = _mm256_loadu_ps(g + i);
+            __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+            _mm256_storeu_ps(out + m * I + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+/* Rotate-half RoPE on the q and k parts of a fused qkv row, k and v stored into the cache.
+ * qkv [T, (H + 2 KVH) * D]; cos, sin [T, D]; caches [slots, KVH, max_len, D]; q_out [T, H, D]. */
+void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slot_of_token,
+                      const int64_t *positions, int64_t T, int64_t H, int64_t KVH, int64_t D, float *k_cache,
+                      float *v_cache, int64_t max_len, float *q_out) {
+    const int64_t half = D / 2, row = (H + 2 * KVH) * D;
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos + t * D, *s = sin + t * D, *src = qkv + t * row;
+        const int64_t base = slot_of_token[t] * KVH * max_len + positions[t];
+        for (int64_t h = 0; h < H + KVH; h++) {
+            const float *x = src + h * D;
+            float *o = h < H ? q_out + (t * H + h) * D : k_cache + (base + (h - H) * max_len) * D;
+            for (int64_t i = 0; i < half; i++) {
+                o[i] = x[i] * c[i] - x[i + half] * s[i];
+                o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
+            }
+        }
+        for (int64_t h = 0; h < KVH; h++) {
+            const float *x = src + (H + KVH + h) * D;
+            float *o = v_cache + (base + h * max_len) * D;
+            for (int64_t i = 0; i < D; i++) o[i] = x[i];
+        }
+    }
+}
+
+/* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
+ * cache slot slots[b] rows 0..lengths[b]-1; query head h uses kv head h / (H / KVH). D % 8 == 0,
+ * D <= 256. Small steps run on one thread: a fork/join costs more than they do. */
+void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
+                         const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
+                         float scale, float *out) {
+    const int64_t group = H / KVH;
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; b++) work += lengths[b] * H * D;
+#pragma omp parallel for schedule(static) if (work > (1 << 14))
+    for (int64_t bh = 0; bh < B * H; bh++) {
+        const int64_t b = bh / H, h = bh % H, L = lengths[b];
+        const int64_t off = (slots[b] * KVH + h / group) * max_len * D;
+        const float *qv = q + bh * D, *K = k_cache + off, *V = v_cache + off;
+        float stack_p[L <= 4096 ? L + 8 : 1], *p = L <= 4096 ? stack_p : malloc(sizeof(float) * (L + 8));
+        float mx = -INFINITY;
+        for (int64_t l = 0; l < L; l++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(K + l * D + d), acc);
+            p[l] = hsum8(acc) * scale;
+            mx = p[l] > mx ? p[l] : mx;
+        }
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t l = 0;
+        for (; l + 8 <= L; l += 8) {
+            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + l), vmx));
+            _mm256_storeu_ps(p + l, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum8(vsum);
+        for (; l < L; l++) {
+            float tail[8] = {p[l] - mx};
+            _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
+            p[l] = tail[0];
+            sum += tail[0];
+        }
+        __m256 acc[32];
+        for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            const __m256 pj = _mm256_set1_ps(p[j]);
+            for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(V + j * D + d), acc[d / 8]);
+        }
+        const __m256 inv = _mm256_set1_ps(1.f / sum);
+        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + bh * D + d, _mm256_mul_ps(acc[d / 8], inv));
+        if (p != stack_p) free(p);
+    }
+}

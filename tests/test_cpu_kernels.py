@@ -1,0 +1,114 @@
+"""The C kernels (ops/cpu_kernels.py) against their PyTorch references, op by op and through a model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fasterllama import ops
+from fasterllama.ops import cpu_kernels as ck
+from fasterllama.ops import quantized as qops
+from fasterllama.ops import reference as ref
+
+pytestmark = pytest.mark.skipif(ck.load() is None, reason="C kernels cannot be built here")
+torch.manual_seed(0)
+
+ROWS = [1, 2, 3, 4, 5, 8, 16, 17, 40]  # tails of the 4-row tiles, and the large-M dequantize path
+SHAPES = [(96, 64, 32), (70, 256, 64), (33, 256, 128)]  # (N, K, group)
+
+
+def _close(out: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
+    assert out.shape == expected.shape
+    assert (out - expected).abs().max().item() <= tol * max(1.0, expected.abs().max().item())
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k,g", SHAPES)
+def test_int4_linear(m, n, k, g):
+    x = torch.randn(m, k)
+    packed = qops.pack_int4(torch.randint(0, 16, (n, k)), g)
+    scales, mins = (torch.rand(n, k // g) * 0.1).half(), (-torch.rand(n, k // g) * 0.1).half()
+    bias = torch.randn(n)
+    _close(ck.int4_weight_linear(x, packed, scales, mins, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n,k,g", SHAPES)
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_int8_linear(m, n, k, g, per_channel):
+    x = torch.randn(m, k)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+    scale = torch.rand(n) if per_channel else torch.rand(n, k // g)
+    _close(ck.int8_weight_linear(x, q, scale), qops.int8_weight_linear(x, q, scale))
+
+
+@pytest.mark.parametrize("m", ROWS)
+def test_f32_linear(m):
+    x, w, b = torch.randn(2, m, 128), torch.randn(72, 128), torch.randn(72)
+    _close(ck.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_rms_norm_and_silu():
+    x, w = torch.randn(5, 3, 96) * 3, torch.randn(96)
+    _close(ck.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    gate_up = torch.randn(7, 2 * 40) * 6
+    _close(ck.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
+    extreme = torch.tensor([[-100.0, -30, -1e-3, 0, 1e-3, 30, 100, 88] * 2])
+    _close(ck.silu_and_mul(extreme), ref.silu_and_mul(extreme))
+
+
+def _meta(starts: list[int], news: list[int], slots: list[int]) -> ops.AttentionMetadata:
+    positions, slot_of_token, offsets = [], [], [0]
+    for start, n, slot in zip(starts, news, slots):
+        positions += range(start, start + n)
+        slot_of_token += [slot] * n
+        offsets.append(offsets[-1] + n)
+    return ops.AttentionMetadata(torch.tensor(slot_of_token), torch.tensor(positions), slots, starts, offsets)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
+def test_rope_store_and_attention(heads, kv_heads):
+    """A mixed step (two decodes, one prefill chunk, one fresh prompt) through both op sets."""
+    d, max_len, slots = 16, 80, [3, 0, 2, 1]
+    meta = _meta([40, 7, 20, 0], [1, 1, 9, 13], slots)
+    T = meta.token_offsets[-1]
+    qkv = torch.randn(T, (heads + 2 * kv_heads) * d)
+    ang = meta.positions.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    caches = [torch.randn(4, kv_heads, max_len, d) for _ in range(2)]
+    mine = [c.clone() for c in caches]
+    q_ref = ref.rope_and_store_kv(qkv, cos, sin, *caches, meta, heads, kv_heads, d)
+    q = ck.rope_and_store_kv(qkv, cos, sin, *mine, meta, heads, kv_heads, d)
+    _close(q, q_ref)
+    _close(mine[0], caches[0])
+    _close(mine[1], caches[1])
+    _close(ck.attention(q, *mine, meta, d**-0.5), ref.attention(q_ref, *caches, meta, d**-0.5))
+    decode_only = _meta([40, 7], [1, 1], [3, 0])
+    qd = torch.randn(2, heads, d)
+    _close(ck.attention(qd, *mine, decode_only, 0.3), ref.attention(qd, *caches, decode_only, 0.3))
+
+
+def test_model_same_with_and_without_kernels(tmp_path):
+    """A tiny GQA model generates the same tokens and logits whether the C kernels or the
+    PyTorch ops run (the C ops are registered by LLM on CPU)."""
+    import tiny_models as tm
+
+    from fasterllama import LLM, SamplingParams
+
+    spec = tm.TinySpec("gqa", num_heads=4, num_kv_heads=2, intermediate_size=96)
+    path = tm.save_hf_checkpoint(tm.build_hf_model(spec), str(tmp_path / "hf"))
+    prompts = [list(range(3, 40)), [5, 9, 11]]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(path)
+    with_kernels = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    logits = llm.compute_logits(prompts[0])
+    saved = dict(ops._BACKENDS.get("cpu", {}))
+    ops._BACKENDS["cpu"] = {}
+    try:
+        without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        logits_ref = llm.compute_logits(prompts[0])
+    finally:
+        ops._BACKENDS["cpu"] = saved
+    assert with_kernels == without
+    _close(logits, logits_ref, 1e-4)
