@@ -89,26 +89,60 @@ def test_rope_store_and_attention(heads, kv_heads):
     _close(ck.attention(qd, *mine, decode_only, 0.3), ref.attention(qd, *caches, decode_only, 0.3))
 
 
-def test_model_same_with_and_without_kernels(tmp_path):
-    """A tiny GQA model generates the same tokens and logits whether the C kernels or the
-    PyTorch ops run (the C ops are registered by LLM on CPU)."""
+@pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32"])
+def test_model_same_with_and_without_kernels(tmp_path, quantization):
+    """A tiny GQA model generates the same tokens and logits three ways: decode steps as one C call
+    (the default on CPU), the C kernels op by op, and the PyTorch reference ops."""
     import tiny_models as tm
 
     from fasterllama import LLM, SamplingParams
 
-    spec = tm.TinySpec("gqa", num_heads=4, num_kv_heads=2, intermediate_size=96)
-    path = tm.save_hf_checkpoint(tm.build_hf_model(spec), str(tmp_path / "hf"))
-    prompts = [list(range(3, 40)), [5, 9, 11]]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    llm = LLM(path)
-    with_kernels = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    logits = llm.compute_logits(prompts[0])
+    spec = tm.TinySpec("bias", num_heads=4, num_kv_heads=2, intermediate_size=96, attention_bias=True, mlp_bias=True)
+    hf = tm.build_hf_model(spec)
+    path = tm.save_hf_checkpoint(hf, str(tmp_path / "hf"))
+    prompts = [list(range(3, 40)), [5, 9, 11], [7] * 20]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
+    llm = LLM(path, quantization=quantization)
+    runner = llm.engine.runner
+    assert runner.decode_plan is not None
+
+    def run() -> tuple[list[list[int]], list]:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+    one_call, one_call_lp = run()
+    runner.decode_plan, plan = None, runner.decode_plan
+    op_by_op, op_by_op_lp = run()
     saved = dict(ops._BACKENDS.get("cpu", {}))
     ops._BACKENDS["cpu"] = {}
     try:
-        without = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-        logits_ref = llm.compute_logits(prompts[0])
+        reference, reference_lp = run()
     finally:
         ops._BACKENDS["cpu"] = saved
-    assert with_kernels == without
-    _close(logits, logits_ref, 1e-4)
+        runner.decode_plan = plan
+    assert one_call == op_by_op == reference
+    if quantization is None:  # and the float model is HF's
+        assert one_call == [tm.hf_greedy(hf, p, 12) for p in prompts]
+    for a, b, c in zip(one_call_lp, op_by_op_lp, reference_lp):
+        for sa, sb, sc in zip(a, b, c):
+            for tok in sc:
+                assert abs(sa[tok] - sc[tok]) < 1e-4 and abs(sb[tok] - sc[tok]) < 1e-4
+
+
+def test_decode_attention_ignores_rows_past_each_sequence():
+    """Cache rows past a sequence's length may hold anything (torch.empty), NaN included; batched
+    decode attention must not read them into the result (0 * NaN = NaN)."""
+    d, lengths, slots = 16, [5, 30, 12], [2, 0, 1]
+    k_cache = torch.full((3, 2, 40, d), float("nan"))
+    v_cache = torch.full((3, 2, 40, d), float("nan"))
+    for slot, n in zip(slots, lengths):
+        k_cache[slot, :, :n] = torch.randn(2, n, d)
+        v_cache[slot, :, :n] = torch.randn(2, n, d)
+    meta = _meta([n - 1 for n in lengths], [1, 1, 1], slots)
+    q = torch.randn(3, 4, d)
+    expected = torch.stack([
+        F.scaled_dot_product_attention(q[i, :, None], k_cache[s, :, :n].repeat_interleave(2, 0), v_cache[s, :, :n].repeat_interleave(2, 0), scale=0.25)[:, 0]
+        for i, (s, n) in enumerate(zip(slots, lengths))
+    ])
+    _close(ref.attention(q, k_cache, v_cache, meta, 0.25), expected)
+    _close(ck.attention(q, k_cache, v_cache, meta, 0.25), expected)

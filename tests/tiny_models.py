@@ -45,6 +45,8 @@ class TinySpec:
     max_position_embeddings: int = 512
     rms_norm_eps: float = 1e-5
     initializer_range: float = 0.1
+    attention_bias: bool = False  # llama only
+    mlp_bias: bool = False
     seed: int = 0
 
     @property
@@ -111,7 +113,7 @@ def hf_config(spec: TinySpec):
     else:
         if spec.rope_scaling is not None:
             common["rope_scaling"] = dict(spec.rope_scaling)
-        cfg = LlamaConfig(**common)
+        cfg = LlamaConfig(attention_bias=spec.attention_bias, mlp_bias=spec.mlp_bias, **common)
         cfg.architectures = ["LlamaForCausalLM"]
     return cfg
 
@@ -131,6 +133,8 @@ def build_hf_model(spec: TinySpec) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):  # HF initializes biases to zero
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     gc = model.generation_config
     gc.eos_token_id = None  # greedy references never stop early
     gc.pad_token_id = UNK_ID

@@ -170,6 +170,7 @@ class LLMEngine:
             step = min(512, self.max_model_len)
             chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
         quantize_model(self.model, qcfg, self.compute_logits, chunks)
+        self.runner.refresh_decode_plan()
         self.quant_config = qcfg
 
     # -- requests -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import torch
 
 from .. import ops
 from ..model import LlamaForCausalLM
+from .cpu_decode_plan import CPUDecodePlan
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
 
@@ -16,6 +17,12 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.decode_plan: CPUDecodePlan | None = None
+        self.refresh_decode_plan()
+
+    def refresh_decode_plan(self) -> None:
+        """(Re)collect the weights for the one-call CPU decode step; needed after modules change."""
+        self.decode_plan = CPUDecodePlan.build(self.model, self.kv_cache.layers) if self.device.type == "cpu" else None
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, ops.AttentionMetadata]:
         tokens: list[int] = []
@@ -44,7 +51,10 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; fp32 logits of the given packed-token rows (default: every row)."""
         input_ids, meta = self.prepare(batch)
-        hidden = self.model(input_ids, meta, self.kv_cache.layers)
+        if self.decode_plan is not None and self.decode_plan.covers(meta):
+            hidden = self.decode_plan.forward(input_ids, meta)
+        else:
+            hidden = self.model(input_ids, meta, self.kv_cache.layers)
         if rows is not None:
             hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
         for item in batch:

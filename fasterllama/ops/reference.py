@@ -106,6 +106,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if B > 1:
         pad = torch.arange(L, device=q.device)[None, :] >= meta.decode_lengths[:, None]
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        v = v.masked_fill(pad[:, None, :, None], 0)  # rows past a sequence's end may be uninitialized: 0 * NaN = NaN
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v).view(B, H, D)
 

@@ -79,6 +79,34 @@ typedef __m256 vf;
 /* ---- 4-bit group-wise weights: w = scale * q + min, q in 0..15 ---------------------------------
  * packed [N, K/2]: in each group of g values, byte j holds value j (low nibble) and j + g/2 (high),
  * which is GGUF Q4_0/Q4_1's block layout for g = 32. scales, mins: fp16 [N, K/g]. */
+#if defined(__AVX512F__)
+/* AVX-512: a group's 16 possible weight values scale * q + min sit in one register, and
+ * vpermps looks each nibble up directly (it reads only the low 4 bits of an index). */
+static inline __attribute__((always_inline)) void q4_row(
+    const float *x, int64_t K, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t g,
+    const float *xsum, int64_t G, float *y, int64_t N, const int rows) {
+    (void)xsum;
+    __m512 acc[MT][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int64_t half = g / 2;
+    for (int64_t grp = 0; grp < G; grp++) {
+        const uint8_t *qb = q + grp * half;
+        const float *xb = x + grp * g;
+        const __m512 lut = _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(sc[grp])), _mm512_set1_ps(_cvtsh_ss(mn[grp])));
+        for (int64_t j = 0; j < half; j += 16) {
+            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + j)));
+            const __m512 wa = _mm512_permutexvar_ps(idx, lut), wb = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
+            for (int r = 0; r < rows; r++) {
+                const float *xr = xb + (int64_t)r * K;
+                acc[r][0] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(xr + j), acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(xr + half + j), acc[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+}
+#else
 static inline __attribute__((always_inline)) void q4_row(
     const float *x, int64_t K, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t g,
     const float *xsum, int64_t G, float *y, int64_t N, const int rows) {
@@ -102,6 +130,7 @@ static inline __attribute__((always_inline)) void q4_row(
     }
     for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc[r]) + macc[r];
 }
+#endif
 
 /* y [M, N] = x [M, K] @ W^T for 4-bit W. Meant for small M (decode); large M dequantizes tiles. */
 void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *scales,
@@ -356,4 +385,63 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
         for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + bh * D + d, _mm256_mul_ps(acc[d / 8], inv));
         if (p != stack_p) free(p);
     }
+}
+
+/* ---- a whole decode step over all layers in one call ------------------------------------------
+ * What the model's forward does for B single-token sequences (see model/llama.py), without a
+ * Python round trip per op: ~300 ops a step would otherwise cost more than the attention. */
+typedef struct {
+    int64_t kind; /* 0: fp32 weights, 1: int8 + float scales, 2: 4-bit + fp16 scales/mins */
+    int64_t n, k, g;
+    const void *w, *scales, *mins;
+    const float *bias; /* or NULL */
+} fl_linear_t;
+
+typedef struct {
+    const float *attn_norm, *mlp_norm;
+    fl_linear_t qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} fl_layer_t;
+
+static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y) {
+    if (L->kind == 0) fl_f32_linear(x, M, L->k, (const float *)L->w, L->n, y);
+    else if (L->kind == 1) fl_q8_linear(x, M, L->k, (const int8_t *)L->w, (const float *)L->scales, L->n, L->g, y);
+    else fl_q4_linear(x, M, L->k, (const uint8_t *)L->w, (const uint16_t *)L->scales, (const uint16_t *)L->mins, L->n, L->g, y);
+    if (L->bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < L->n; n++) y[m * L->n + n] += L->bias[n];
+}
+
+static void add_into(float *h, const float *d, int64_t n) {
+    for (int64_t i = 0; i < n; i++) h[i] += d[i];
+}
+
+/* h [B, hidden]: the embedded tokens in, the residual stream out; out [B, hidden]: after the final
+ * norm. cos/sin [B, D]; slots, positions [B] (lengths = positions + 1). */
+void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, float *h, int64_t B, int64_t hidden, int64_t H,
+                       int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, const float *cos,
+                       const float *sin, const int64_t *slots, const int64_t *positions, const int64_t *lengths,
+                       const float *final_norm, float *out) {
+    const int64_t qkv_n = (H + 2 * KVH) * D;
+    float *x = malloc(sizeof(float) * B * hidden), *y = malloc(sizeof(float) * B * hidden);
+    float *qkv = malloc(sizeof(float) * B * qkv_n), *q = malloc(sizeof(float) * B * H * D);
+    float *att = malloc(sizeof(float) * B * H * D), *gu = malloc(sizeof(float) * B * 2 * inter);
+    float *act = malloc(sizeof(float) * B * inter);
+    const float scale = 1.f / sqrtf((float)D);
+    for (int64_t i = 0; i < n_layers; i++) {
+        const fl_layer_t *L = layers + i;
+        fl_rms_norm(h, L->attn_norm, eps, B, hidden, x);
+        run_linear(&L->qkv, x, B, qkv);
+        fl_rope_store_kv(qkv, cos, sin, slots, positions, B, H, KVH, D, L->k_cache, L->v_cache, max_len, q);
+        fl_decode_attention(q, L->k_cache, L->v_cache, slots, lengths, B, H, KVH, D, max_len, scale, att);
+        run_linear(&L->o, att, B, y);
+        add_into(h, y, B * hidden);
+        fl_rms_norm(h, L->mlp_norm, eps, B, hidden, x);
+        run_linear(&L->gate_up, x, B, gu);
+        fl_silu_and_mul(gu, B, inter, act);
+        run_linear(&L->down, act, B, y);
+        add_into(h, y, B * hidden);
+    }
+    fl_rms_norm(h, final_norm, eps, B, hidden, out);
+    free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act);
 }

