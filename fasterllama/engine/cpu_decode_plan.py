@@ -56,6 +56,16 @@ class CPUDecodePlan:
         cfg = model.config
         self.dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, kv_caches[0][0].shape[2])
         self.eps = ctypes.c_float(cfg.rms_norm_eps)
+        self.profile: ctypes.Array | None = None  # set by start_profile(): seconds per stage
+
+    STAGES = ("rms_norm", "qkv_proj", "rope+store_kv", "attention", "o_proj", "gate_up_proj", "silu*mul", "down_proj", "residual add")
+
+    def start_profile(self) -> None:
+        """Accumulate the time of each stage of the C decode step from now on (see profile_report)."""
+        self.profile = (ctypes.c_double * len(self.STAGES))()
+
+    def profile_report(self) -> dict[str, float]:
+        return dict(zip(self.STAGES, self.profile)) if self.profile is not None else {}
 
     @classmethod
     def build(cls, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> CPUDecodePlan | None:
@@ -93,6 +103,6 @@ class CPUDecodePlan:
         cpu_kernels.load().fl_decode_forward(
             ctypes.addressof(self.layers), len(self.layers), h.data_ptr(), B, hidden, H, KVH, D, inter, max_len, self.eps,
             cos.data_ptr(), sin.data_ptr(), meta.slot_of_token.data_ptr(), meta.positions.data_ptr(), meta.decode_lengths.data_ptr(),
-            model.norm.weight.data_ptr(), out.data_ptr(),
+            model.norm.weight.data_ptr(), out.data_ptr(), None if self.profile is None else ctypes.addressof(self.profile),
         )
         return out

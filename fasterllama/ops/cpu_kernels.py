@@ -41,7 +41,7 @@ _SIGNATURES = {
     "fl_silu_and_mul": [_P, _I, _I, _P],
     "fl_rope_store_kv": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
     "fl_decode_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
-    "fl_decode_forward": [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P],
+    "fl_decode_forward": [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False

@@ -8,6 +8,7 @@
  * F.linear. */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -16,12 +17,32 @@
 #endif
 
 #define MT 8 /* activation rows processed together per weight row */
+/* Software prefetch distance into the weight stream: the hardware prefetcher alone leaves the
+ * batched (several-row) kernels waiting on DRAM. */
+#ifndef PF_BYTES
+#define PF_BYTES 8192
+#endif
+#define PREFETCH(p) _mm_prefetch((const char *)(p) + PF_BYTES, _MM_HINT_T0)
 
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+}
+
+/* [sum(a[0]), ..., sum(a[7])] */
+static inline __m256 hsum8x8(const __m256 *a) {
+    const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
 }
 
 static inline __m256 u8x8_to_ps(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
@@ -95,6 +116,7 @@ static inline __attribute__((always_inline)) void q4_row(
         const float *xb = x + grp * g;
         const __m512 lut = _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(sc[grp])), _mm512_set1_ps(_cvtsh_ss(mn[grp])));
         for (int64_t j = 0; j < half; j += 16) {
+            if (j % 64 == 0) PREFETCH(qb + j);
             const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + j)));
             const __m512 wa = _mm512_permutexvar_ps(idx, lut), wb = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
             for (int r = 0; r < rows; r++) {
@@ -120,6 +142,7 @@ static inline __attribute__((always_inline)) void q4_row(
         const float *xb = x + grp * g;
         const vf s = VSET1(_cvtsh_ss(sc[grp]));
         for (int64_t j = 0; j < half; j += 16) {
+            if (j % 64 == 0) PREFETCH(qb + j);
             __m128i b = _mm_loadu_si128((const __m128i *)(qb + j));
             U8X16(_mm_and_si128(b, low4), wa);
             U8X16(_mm_and_si128(_mm_srli_epi16(b, 4), low4), wb);
@@ -191,6 +214,7 @@ static inline __attribute__((always_inline)) void q8_row(
     for (int r = 0; r < rows; r++) acc[r] = VZERO();
     for (int64_t k = 0; k < K; k += 32) {
         const vf s = VSET1(sc[k / g]);
+        if (k % 64 == 0) PREFETCH(q + k);
         I8X16(_mm_loadu_si128((const __m128i *)(q + k)), wa);
         I8X16(_mm_loadu_si128((const __m128i *)(q + k + 16)), wb);
         DOT32(rows, x, K, k, k + 16, wa, wb, s, acc, 1)
@@ -237,6 +261,8 @@ static inline __attribute__((always_inline)) void f32_row(const float *x, int64_
     const vf one = VSET1(1.f);
     for (int r = 0; r < rows; r++) acc[r] = VZERO();
     for (int64_t k = 0; k < K; k += 32) {
+        PREFETCH(w + k);
+        PREFETCH(w + k + 16);
         F32X16(w + k, wa);
         F32X16(w + k + 16, wb);
         DOT32(rows, x, K, k, k + 16, wa, wb, one, acc, 0)
@@ -353,8 +379,22 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
         const int64_t off = (slots[b] * KVH + h / group) * max_len * D;
         const float *qv = q + bh * D, *K = k_cache + off, *V = v_cache + off;
         float stack_p[L <= 4096 ? L + 8 : 1], *p = L <= 4096 ? stack_p : malloc(sizeof(float) * (L + 8));
-        float mx = -INFINITY;
-        for (int64_t l = 0; l < L; l++) {
+        /* scores, 8 keys at a time: 8 independent accumulators, then one transposing reduction */
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        int64_t l0 = 0;
+        for (; l0 + 8 <= L; l0 += 8) {
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qd = _mm256_loadu_ps(qv + d);
+                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(K + (l0 + j) * D + d), a[j]);
+            }
+            const __m256 sc = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(p + l0, sc);
+            vmax = _mm256_max_ps(vmax, sc);
+        }
+        float mx = hmax8(vmax);
+        for (int64_t l = l0; l < L; l++) {
             __m256 acc = _mm256_setzero_ps();
             for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(K + l * D + d), acc);
             p[l] = hsum8(acc) * scale;
@@ -417,11 +457,14 @@ static void add_into(float *h, const float *d, int64_t n) {
 }
 
 /* h [B, hidden]: the embedded tokens in, the residual stream out; out [B, hidden]: after the final
- * norm. cos/sin [B, D]; slots, positions [B] (lengths = positions + 1). */
+ * norm. cos/sin [B, D]; slots, positions [B] (lengths = positions + 1). profile: NULL, or 9
+ * doubles that accumulate the seconds spent in each stage (STAGE order below). */
+enum { ST_NORM, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_GATE_UP, ST_SILU, ST_DOWN, ST_RESIDUAL };
+#define STAGE(id, call) do { double t0_ = profile ? omp_get_wtime() : 0; call; if (profile) profile[id] += omp_get_wtime() - t0_; } while (0)
 void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, float *h, int64_t B, int64_t hidden, int64_t H,
                        int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, const float *cos,
                        const float *sin, const int64_t *slots, const int64_t *positions, const int64_t *lengths,
-                       const float *final_norm, float *out) {
+                       const float *final_norm, float *out, double *profile) {
     const int64_t qkv_n = (H + 2 * KVH) * D;
     float *x = malloc(sizeof(float) * B * hidden), *y = malloc(sizeof(float) * B * hidden);
     float *qkv = malloc(sizeof(float) * B * qkv_n), *q = malloc(sizeof(float) * B * H * D);
@@ -430,18 +473,18 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, float *h, int
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < n_layers; i++) {
         const fl_layer_t *L = layers + i;
-        fl_rms_norm(h, L->attn_norm, eps, B, hidden, x);
-        run_linear(&L->qkv, x, B, qkv);
-        fl_rope_store_kv(qkv, cos, sin, slots, positions, B, H, KVH, D, L->k_cache, L->v_cache, max_len, q);
-        fl_decode_attention(q, L->k_cache, L->v_cache, slots, lengths, B, H, KVH, D, max_len, scale, att);
-        run_linear(&L->o, att, B, y);
-        add_into(h, y, B * hidden);
-        fl_rms_norm(h, L->mlp_norm, eps, B, hidden, x);
-        run_linear(&L->gate_up, x, B, gu);
-        fl_silu_and_mul(gu, B, inter, act);
-        run_linear(&L->down, act, B, y);
-        add_into(h, y, B * hidden);
+        STAGE(ST_NORM, fl_rms_norm(h, L->attn_norm, eps, B, hidden, x));
+        STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv));
+        STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos, sin, slots, positions, B, H, KVH, D, L->k_cache, L->v_cache, max_len, q));
+        STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, slots, lengths, B, H, KVH, D, max_len, scale, att));
+        STAGE(ST_O, run_linear(&L->o, att, B, y));
+        STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
+        STAGE(ST_NORM, fl_rms_norm(h, L->mlp_norm, eps, B, hidden, x));
+        STAGE(ST_GATE_UP, run_linear(&L->gate_up, x, B, gu));
+        STAGE(ST_SILU, fl_silu_and_mul(gu, B, inter, act));
+        STAGE(ST_DOWN, run_linear(&L->down, act, B, y));
+        STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
     }
-    fl_rms_norm(h, final_norm, eps, B, hidden, out);
+    STAGE(ST_NORM, fl_rms_norm(h, final_norm, eps, B, hidden, out));
     free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act);
 }

@@ -1,0 +1,73 @@
+"""Where a decode step's time goes: the stages of the one-call C decode step, the lm_head, and
+the Python around them (scheduling, embedding, rope tables, sampling).
+
+    python benchmarks/profile_decode.py [--model M] [--quantization Q] [--batch 1] [--steps 100]
+
+Prints milliseconds per step and the share of each part."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from fasterllama import LLM, SamplingParams
+from fasterllama.bench import fixed_prompt_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=100)
+    args = ap.parse_args()
+    llm = LLM(args.model, quantization=args.quantization, progress=False)
+    engine, runner = llm.engine, llm.engine.runner
+    plan = runner.decode_plan
+    if plan is None:
+        raise SystemExit("this model/device does not use the one-call CPU decode step")
+    vocab = llm.config.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=args.steps + 20, ignore_eos=True)
+    seqs = [engine.add_request(fixed_prompt_ids(args.prompt_len, vocab, seed=i), params) for i in range(args.batch)]
+    while any(not s.output_token_ids for s in seqs):
+        engine.step()
+    for _ in range(10):  # warm-up
+        engine.step()
+
+    timings = {"forward (C decode step + embedding, rope tables)": 0.0, "lm_head": 0.0}
+    model = runner.model
+
+    def timed(key, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            timings[key] += time.perf_counter() - t
+            return out
+        return wrapper
+
+    plan.forward = timed("forward (C decode step + embedding, rope tables)", plan.forward)
+    model.compute_logits = timed("lm_head", model.compute_logits)
+    plan.start_profile()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    total = (time.perf_counter() - t0) / args.steps
+    per_step = {k: v / args.steps for k, v in timings.items()}
+    stages = {k: v / args.steps for k, v in plan.profile_report().items()}
+    print(f"decode step, batch {args.batch}, {args.quantization or 'fp32'}, threads={torch.get_num_threads()}: "
+          f"{total * 1e3:.2f} ms ({args.batch / total:.1f} tok/s)")
+    c_total = sum(stages.values())
+    rows = [(f"  C: {k}", v) for k, v in stages.items()]
+    rows.append(("  Python around the C step (embedding, cos/sin, ctypes)", per_step["forward (C decode step + embedding, rope tables)"] - c_total))
+    rows.append(("lm_head", per_step["lm_head"]))
+    rows.append(("scheduler, sampler, bookkeeping", total - sum(per_step.values())))
+    print(f"{'part':58s} {'ms/step':>8s} {'share':>6s}")
+    for name, secs in rows:
+        print(f"{name:58s} {secs * 1e3:8.3f} {secs / total:6.1%}")
+
+
+if __name__ == "__main__":
+    main()
