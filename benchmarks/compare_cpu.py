@@ -30,15 +30,29 @@ from fasterllama.bench import _decode_rate, fixed_prompt_ids
 from fasterllama.loading.registry import resolve_model_path
 
 
-def machine_limits(threads: int) -> dict[str, float]:
-    """Best-of-5 read bandwidth over 1 GiB, and fp32 GEMM GFLOP/s (2048^3), with `threads`."""
-    x = torch.ones(1 << 28)
-    x.sum()
-    read = min(_timed(x.sum) for _ in range(5))
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
-    mm = min(_timed(lambda: a @ b) for _ in range(5))
-    return {"read_gb_per_s": x.numel() * 4 / read / 1e9, "fp32_gemm_gflop_per_s": 2 * 2048**3 / mm / 1e9}
+class MachineLimits:
+    """Memory read bandwidth and fp32 GEMM rate with the benchmark's threads, measured in every
+    repeat between the engines (this machine's bandwidth drifts with its neighbours' load)."""
+
+    def __init__(self) -> None:
+        from fasterllama.ops import cpu_kernels
+
+        self.buffer = torch.ones(1 << 18, 1024)  # 1 GiB: far beyond any cache
+        self.x = torch.ones(1, 1024)
+        self.gemv = cpu_kernels.linear if cpu_kernels.load() is not None else None
+        self.a, self.b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+        self.read: list[float] = []
+        self.gemm: list[float] = []
+
+    def measure(self) -> None:
+        """Read bandwidth: the faster of a 1 GiB sum and a 1 GiB matrix-vector product (the
+        decode kernels' own access pattern); GEMM: a 2048^3 fp32 matmul. Best of 3 each."""
+        readers = [self.buffer.sum] + ([lambda: self.gemv(self.x, self.buffer)] if self.gemv else [])
+        self.read.append(max(self.buffer.numel() * 4 / min(_timed(r) for _ in range(3)) / 1e9 for r in readers))
+        self.gemm.append(2 * 2048**3 / min(_timed(lambda: self.a @ self.b) for _ in range(3)) / 1e9)
+
+    def summary(self) -> dict[str, float]:
+        return {"read_gb_per_s": statistics.median(self.read), "fp32_gemm_gflop_per_s": statistics.median(self.gemm)}
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -175,26 +189,33 @@ def main() -> None:
             notes.append("HF transformers skipped: not installed")
 
     ids = fixed_prompt_ids(args.prompt_len, engines[0].llm.config.vocab_size)
-    limits = machine_limits(args.threads)
+    machine = MachineLimits()
+    machine.measure()
     prefill: dict[str, list[float]] = {e.name: [] for e in engines}
     decode: dict[str, list[float]] = {e.name: [] for e in engines}
     tokens: dict[str, list[int]] = {}
     for e in engines:  # warm-up: first-call allocations, kernel builds
         e.prefill(ids[:16])
+    fl = engines[0]
+    batch_runs: dict[int, list[float]] = {1: [], args.batch: []}
     for rep in range(args.repeats):
         for e in engines:
             prefill[e.name].append(len(ids) / e.prefill(ids))
             secs, toks = e.decode(ids, args.decode_steps)
             decode[e.name].append(args.decode_steps / secs)
             tokens[e.name] = toks
+        for b in batch_runs:
+            batch_runs[b].append(fl.batch_throughput(args.prompt_len, b, args.decode_steps))
+        machine.measure()
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
-    fl = engines[0]
-    batch_rates = {b: fl.batch_throughput(args.prompt_len, b, args.decode_steps) for b in (1, args.batch)}
+    limits = machine.summary()
+    batch_rates = {b: statistics.median(r) for b, r in batch_runs.items()}
 
     med = {name: (statistics.median(prefill[name]), statistics.median(decode[name])) for name in prefill}
     print(f"\n{time.strftime('%Y-%m-%d')}  {os.path.basename(path)}  threads={args.threads}  prompt={len(ids)} tokens  "
           f"decode={args.decode_steps} greedy steps  medians of {args.repeats}")
-    print(f"machine: read {limits['read_gb_per_s']:.1f} GB/s, fp32 GEMM {limits['fp32_gemm_gflop_per_s']:.0f} GFLOP/s")
+    print(f"machine (medians over the run): read {limits['read_gb_per_s']:.1f} GB/s, fp32 GEMM {limits['fp32_gemm_gflop_per_s']:.0f} GFLOP/s; "
+          "decode ceiling = read bandwidth / weight bytes")
     peers = [n for n in ("llama.cpp", "HF transformers fp32") if n in med]
     header = "| engine | prefill tok/s | decode tok/s | weights MB | decode ceiling tok/s | of ceiling |" + "".join(
         f" prefill / {p} | decode / {p} |" for p in peers)

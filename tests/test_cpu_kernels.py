@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,8 +48,9 @@ def test_int8_linear(m, n, k, g, per_channel):
 
 
 @pytest.mark.parametrize("m", ROWS)
-def test_f32_linear(m):
-    x, w, b = torch.randn(2, m, 128), torch.randn(72, 128), torch.randn(72)
+@pytest.mark.parametrize("k", [128, 1056])  # 1056: long rows, walked in column blocks when m > 4
+def test_f32_linear(m, k):
+    x, w, b = torch.randn(2, m, k), torch.randn(72, k), torch.randn(72)
     _close(ck.linear(x, w, b), F.linear(x, w, b))
 
 
@@ -146,3 +151,15 @@ def test_decode_attention_ignores_rows_past_each_sequence():
     ])
     _close(ref.attention(q, k_cache, v_cache, meta, 0.25), expected)
     _close(ck.attention(q, k_cache, v_cache, meta, 0.25), expected)
+
+
+@pytest.mark.skipif(bool(os.environ.get("FASTERLLAMA_CFLAGS")), reason="already a custom build")
+def test_avx2_build_matches_reference():
+    """The AVX2 code paths (the CI machine may lack AVX-512) pass the same op tests, built with
+    -mno-avx512f into their own cached library."""
+    env = {**os.environ, "FASTERLLAMA_CFLAGS": "-mno-avx512f"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not model and not avx2"],
+        env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__),
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -26,7 +26,7 @@ from . import quantized, reference
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]  # + FASTERLLAMA_CFLAGS, e.g. -mno-avx512f
 GEMV_MAX_ROWS = 16  # up to this many activation rows, the kernels beat dequantize + sgemm
 DEQUANT_TILE_ELEMS = 1 << 20  # larger inputs: dequantize ~4 MB of rows at a time, then sgemm
 
@@ -64,14 +64,15 @@ def _build() -> Path:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler found")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    flags = CFLAGS + os.environ.get("FASTERLLAMA_CFLAGS", "").split()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "compiler failed")
         os.replace(out, target)  # atomic: concurrent builders never load a half-written file

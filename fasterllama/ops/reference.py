@@ -135,8 +135,8 @@ the single-token sequences (a backend passes its kernel)."""
             cols = torch.arange(total, device=q.device)
             rows = torch.arange(start, total, device=q.device)
             mask, causal = cols[None, :] <= rows[:, None], False
-        oi = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=ki.shape[0] != qi.shape[0]
+        oi = F.scaled_dot_product_attention(  # 4-D inputs: CPU's flash kernel takes only those
+            qi[None], ki[None], vi[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=ki.shape[0] != qi.shape[0]
         )
-        out[lo:hi] = oi.transpose(0, 1)
+        out[lo:hi] = oi[0].transpose(0, 1)
     return out

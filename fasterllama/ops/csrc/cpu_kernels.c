@@ -103,30 +103,44 @@ typedef __m256 vf;
 #if defined(__AVX512F__)
 /* AVX-512: a group's 16 possible weight values scale * q + min sit in one register, and
  * vpermps looks each nibble up directly (it reads only the low 4 bits of an index). */
+/* One group of g weights of a 4-bit row against `rows` activation rows: acc0[r] += low half,
+ * acc1[r] += high half. */
+static inline __attribute__((always_inline)) void q4_group512(
+    const uint8_t *qb, const float *xb, int64_t K, int64_t half, __m512 lut, __m512 *acc0, __m512 *acc1, const int rows) {
+    for (int64_t j = 0; j < half; j += 16) {
+        if (j % 64 == 0) PREFETCH(qb + j);
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + j)));
+        const __m512 wa = _mm512_permutexvar_ps(idx, lut), wb = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
+        for (int r = 0; r < rows; r++) {
+            const float *xr = xb + (int64_t)r * K;
+            acc0[r] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(xr + j), acc0[r]);
+            acc1[r] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(xr + half + j), acc1[r]);
+        }
+    }
+}
+
+static inline __m512 q4_lut(const uint16_t *sc, const uint16_t *mn, int64_t grp) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(sc[grp])), _mm512_set1_ps(_cvtsh_ss(mn[grp])));
+}
+
 static inline __attribute__((always_inline)) void q4_row(
     const float *x, int64_t K, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t g,
     const float *xsum, int64_t G, float *y, int64_t N, const int rows) {
     (void)xsum;
-    __m512 acc[MT][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 a0[MT], a1[MT], a2[MT], a3[MT]; /* for 1-2 rows, groups alternate between (a0, a1) and
+                                              (a2, a3), so one row's FMA chains overlap */
+    for (int r = 0; r < rows; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
     const int64_t half = g / 2;
-    for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qb = q + grp * half;
-        const float *xb = x + grp * g;
-        const __m512 lut = _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(sc[grp])), _mm512_set1_ps(_cvtsh_ss(mn[grp])));
-        for (int64_t j = 0; j < half; j += 16) {
-            if (j % 64 == 0) PREFETCH(qb + j);
-            const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + j)));
-            const __m512 wa = _mm512_permutexvar_ps(idx, lut), wb = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
-            for (int r = 0; r < rows; r++) {
-                const float *xr = xb + (int64_t)r * K;
-                acc[r][0] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(xr + j), acc[r][0]);
-                acc[r][1] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(xr + half + j), acc[r][1]);
-            }
-        }
+    int64_t grp = 0;
+    for (; rows <= 2 && grp + 1 < G; grp += 2) { /* more rows overlap by themselves (and need the registers) */
+        q4_group512(q + grp * half, x + grp * g, K, half, q4_lut(sc, mn, grp), a0, a1, rows);
+        q4_group512(q + (grp + 1) * half, x + (grp + 1) * g, K, half, q4_lut(sc, mn, grp + 1), a2, a3, rows);
     }
-    for (int r = 0; r < rows; r++) y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    for (; rows > 2 && grp < G; grp++) q4_group512(q + grp * half, x + grp * g, K, half, q4_lut(sc, mn, grp), a0, a1, rows);
+    if (grp < G) q4_group512(q + grp * half, x + grp * g, K, half, q4_lut(sc, mn, grp), a0, a1, rows);
+    for (int r = 0; r < rows; r++)
+        y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
 }
 #else
 static inline __attribute__((always_inline)) void q4_row(
@@ -210,16 +224,24 @@ void fl_q4_dequant(const uint8_t *packed, const uint16_t *scales, const uint16_t
 /* ---- int8 weights, per output channel (G = 1) or per group of g input columns ------------------ */
 static inline __attribute__((always_inline)) void q8_row(
     const float *x, int64_t K, const int8_t *q, const float *sc, int64_t g, float *y, int64_t N, const int rows) {
-    vf acc[MT], wa[2], wb[2];
-    for (int r = 0; r < rows; r++) acc[r] = VZERO();
-    for (int64_t k = 0; k < K; k += 32) {
-        const vf s = VSET1(sc[k / g]);
-        if (k % 64 == 0) PREFETCH(q + k);
-        I8X16(_mm_loadu_si128((const __m128i *)(q + k)), wa);
-        I8X16(_mm_loadu_si128((const __m128i *)(q + k + 16)), wb);
-        DOT32(rows, x, K, k, k + 16, wa, wb, s, acc, 1)
+    vf acc0[MT], acc1[MT], wa[2], wb[2]; /* 32-column steps alternate between two accumulator sets */
+    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = VZERO();
+#define Q8_STEP(k, acc)                                                     \
+    {                                                                       \
+        const vf s = VSET1(sc[(k) / g]);                                    \
+        if ((k) % 64 == 0) PREFETCH(q + (k));                               \
+        I8X16(_mm_loadu_si128((const __m128i *)(q + (k))), wa);             \
+        I8X16(_mm_loadu_si128((const __m128i *)(q + (k) + 16)), wb);        \
+        DOT32(rows, x, K, (k), (k) + 16, wa, wb, s, acc, 1)                 \
     }
-    for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc[r]);
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        Q8_STEP(k, acc0)
+        Q8_STEP(k + 32, acc1)
+    }
+    if (k < K) Q8_STEP(k, acc0)
+#undef Q8_STEP
+    for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc0[r]) + VHSUM(acc1[r]);
 }
 
 /* y [M, N] = x [M, K] @ (q * scale)^T; K and g multiples of 32; g = K for per-channel scales. */
@@ -256,36 +278,51 @@ void fl_q8_dequant(const int8_t *qweight, const float *scales, int64_t K, int64_
 
 /* ---- fp32 weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 -------------------
  * MKL runs this shape (GEMV) on one core; here both cores stream the weight rows. */
-static inline __attribute__((always_inline)) void f32_row(const float *x, int64_t K, const float *w, float *y, int64_t N, const int rows) {
+static inline __attribute__((always_inline)) void f32_row(const float *x, int64_t K, const float *w, int64_t len, int64_t pf,
+                                                           float *y, int64_t N, const int rows, int accumulate) {
     vf acc[MT], wa[2], wb[2];
     const vf one = VSET1(1.f);
     for (int r = 0; r < rows; r++) acc[r] = VZERO();
-    for (int64_t k = 0; k < K; k += 32) {
-        PREFETCH(w + k);
-        PREFETCH(w + k + 16);
+    for (int64_t k = 0; k < len; k += 32) {
+        _mm_prefetch((const char *)(w + k + pf), _MM_HINT_T0);
+        _mm_prefetch((const char *)(w + k + pf + 16), _MM_HINT_T0);
         F32X16(w + k, wa);
         F32X16(w + k + 16, wb);
         DOT32(rows, x, K, k, k + 16, wa, wb, one, acc, 0)
     }
-    for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc[r]);
+    for (int r = 0; r < rows; r++) y[r * N] = (accumulate ? y[r * N] : 0.f) + VHSUM(acc[r]);
 }
 
+/* With many activation rows and long ones, the rows' x no longer fit in L1 beside the weight
+ * stream: then each thread walks its weight rows once per K block of KB columns. */
+#define KB 512
+
 void fl_f32_linear(const float *x, int64_t M, int64_t K, const float *weight, int64_t N, float *y) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *w = weight + n * K;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const float *xm = x + m0 * K;
-            float *ym = y + m0 * N + n;
-            switch (M - m0 >= MT ? MT : M - m0) {
-                case 8: f32_row(xm, K, w, ym, N, 8); break;
-                case 7: f32_row(xm, K, w, ym, N, 7); break;
-                case 6: f32_row(xm, K, w, ym, N, 6); break;
-                case 5: f32_row(xm, K, w, ym, N, 5); break;
-                case 4: f32_row(xm, K, w, ym, N, 4); break;
-                case 3: f32_row(xm, K, w, ym, N, 3); break;
-                case 2: f32_row(xm, K, w, ym, N, 2); break;
-                default: f32_row(xm, K, w, ym, N, 1); break;
+    const int64_t kb = (M > 4 && K > 2 * KB) ? KB : K;
+    const int64_t pf = kb == K ? PF_BYTES / 4 : 2 * K; /* next in the stream: 8 KB on, or 2 rows down */
+#pragma omp parallel
+    {
+        const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
+        for (int64_t k0 = 0; k0 < K; k0 += kb) {
+            const int64_t len = K - k0 < kb ? K - k0 : kb;
+            for (int64_t n = n0; n < n1; n++) {
+                const float *w = weight + n * K + k0;
+                for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                    const float *xm = x + m0 * K + k0;
+                    float *ym = y + m0 * N + n;
+                    const int acc = k0 > 0;
+                    switch (M - m0 >= MT ? MT : M - m0) {
+                        case 8: f32_row(xm, K, w, len, pf, ym, N, 8, acc); break;
+                        case 7: f32_row(xm, K, w, len, pf, ym, N, 7, acc); break;
+                        case 6: f32_row(xm, K, w, len, pf, ym, N, 6, acc); break;
+                        case 5: f32_row(xm, K, w, len, pf, ym, N, 5, acc); break;
+                        case 4: f32_row(xm, K, w, len, pf, ym, N, 4, acc); break;
+                        case 3: f32_row(xm, K, w, len, pf, ym, N, 3, acc); break;
+                        case 2: f32_row(xm, K, w, len, pf, ym, N, 2, acc); break;
+                        default: f32_row(xm, K, w, len, pf, ym, N, 1, acc); break;
+                    }
+                }
             }
         }
     }
