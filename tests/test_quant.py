@@ -80,6 +80,29 @@ def test_quantize_per_token_bounds():
     assert torch.all(q.abs().amax(dim=1) == 127)
 
 
+def test_static_scale_leaves_sink_rows_their_own_scale():
+    """With a static scale, the rows named (the attention-sink tokens) get their own absmax scale;
+    the others keep the static one. Without that the big row clips."""
+    x = torch.randn(5, 64)
+    x[0] *= 100
+    static = torch.tensor(0.02)
+    q, s = qops.quantize_per_token(x, static, torch.tensor([0]))
+    assert s[0] == x[0].abs().max() / 127 and torch.all(s[1:] == static)
+    assert torch.all((q[0].float() * s[0] - x[0]).abs() <= s[0] / 2 + 1e-5)
+    q2, s2 = qops.quantize_per_token(x, static)
+    assert torch.equal(q2[1:], q[1:]) and (q2[0].abs() == 127).sum() > 10 * max(1, int((q[0].abs() == 127).sum()))
+    q3, s3 = qops.rms_norm_quant(x, torch.ones(64), 1e-5, static, torch.tensor([0]))
+    assert s3[0] != static and torch.all(s3[1:] == static)
+
+
+def test_first_token_rows_are_the_sequence_starts():
+    # three sequences: a fresh prompt (rows 0-2), a decode (row 3), a second prompt chunk (4-5), a fresh one (6)
+    starts, offsets = [0, 5, 3, 0], [0, 3, 4, 6, 7]
+    positions = [0, 1, 2, 5, 3, 4, 0]
+    meta = ops.AttentionMetadata(torch.tensor([0, 0, 0, 1, 2, 2, 3]), torch.tensor(positions), [0, 1, 2, 3], starts, offsets)
+    assert meta.first_token_rows.tolist() == [0, 6]
+
+
 # -- fused ops == unfused compositions -------------------------------------------------------------
 def _acc_and_scales(n_out: int, k: int = 64, t: int = 5):
     xq = torch.randint(-127, 128, (t, k), dtype=torch.int8)
@@ -187,6 +210,9 @@ def test_quant_config_parse():
     assert (c.mode, c.static_activations, c.calibrator, c.percentile, c.smoothquant_alpha) == ("w8a8", True, "percentile", 99.9, 0.5)
     assert QuantConfig.parse("w4").group_size == 32 and QuantConfig.parse("w4-g128").group_size == 128
     assert QuantConfig.parse(str(c)) == c
+    nosink = QuantConfig.parse("w8a8-static-max-nosink")
+    assert not nosink.sink_own_scale and QuantConfig.parse("w8a8-static").sink_own_scale
+    assert QuantConfig.parse(str(nosink)) == nosink
     from fasterllama.errors import FasterLlamaError
 
     for bad in ("w3", "w4-g48", "w8-static", "w8a8-g32", "w8a8-bogus"):

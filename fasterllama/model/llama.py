@@ -136,8 +136,9 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         h = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches):
-            h = layer(h, cos, sin, kv, meta)
+        with ops.step(meta):
+            for layer, kv in zip(self.layers, kv_caches):
+                h = layer(h, cos, sin, kv, meta)
         return self.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,9 @@ registers its version for a device type with `register`; tests compare it with t
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator
 
 import torch
 
@@ -17,6 +19,24 @@ _BACKENDS: dict[str, dict[str, Callable]] = {}
 def register(device_type: str, name: str, fn: Callable) -> None:
     """Use `fn` for op `name` on tensors of `device_type` ("cpu", "cuda")."""
     _BACKENDS.setdefault(device_type, {})[name] = fn
+
+
+_step: ContextVar["reference.AttentionMetadata | None"] = ContextVar("fasterllama_step", default=None)
+
+
+@contextmanager
+def step(meta: "reference.AttentionMetadata") -> Iterator[None]:
+    """Make the running forward's metadata visible to modules whose call signature does not carry
+    it (static int8 quantization needs to know which rows start a sequence)."""
+    token = _step.set(meta)
+    try:
+        yield
+    finally:
+        _step.reset(token)
+
+
+def current_step() -> "reference.AttentionMetadata | None":
+    return _step.get()
 
 
 def use_cpu_kernels() -> bool:
@@ -63,8 +83,8 @@ def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
     return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
 
 
-def quantize_per_token(x, static_scale=None):
-    return get_op("quantize_per_token", x.device)(x, static_scale)
+def quantize_per_token(x, static_scale=None, own_scale_rows=None):
+    return get_op("quantize_per_token", x.device)(x, static_scale, own_scale_rows)
 
 
 def int8_gemm(xq, qweight_t):
@@ -75,12 +95,12 @@ def dequantize_gemm(acc, x_scale, w_scale, bias, dtype):
     return get_op("dequantize_gemm", acc.device)(acc, x_scale, w_scale, bias, dtype)
 
 
-def rms_norm_quant(x, weight, eps, static_scale=None):
-    return get_op("rms_norm_quant", x.device)(x, weight, eps, static_scale)
+def rms_norm_quant(x, weight, eps, static_scale=None, own_scale_rows=None):
+    return get_op("rms_norm_quant", x.device)(x, weight, eps, static_scale, own_scale_rows)
 
 
-def silu_and_mul_quant(gate_up, static_scale=None):
-    return get_op("silu_and_mul_quant", gate_up.device)(gate_up, static_scale)
+def silu_and_mul_quant(gate_up, static_scale=None, own_scale_rows=None):
+    return get_op("silu_and_mul_quant", gate_up.device)(gate_up, static_scale, own_scale_rows)
 
 
 pack_int4 = quantized.pack_int4

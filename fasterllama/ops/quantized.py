@@ -76,13 +76,17 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 
 # -- W8A8 (FasterLLaMA) --------------------------------------------------------------------------------
-def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows with a dynamic absmax/127 scale per token, or one static (calibrated) scale."""
+def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None, own_scale_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows with a dynamic absmax/127 scale per token, or one static (calibrated) scale;
+    with a static scale, `own_scale_rows` (of x [T, K]) still get their own dynamic scale."""
     x = x.float()
     if static_scale is None:
         scale = x.abs().amax(dim=-1).clamp(min=1e-12) / 127
     else:
         scale = static_scale.float().expand(x.shape[:-1])
+        if own_scale_rows is not None and own_scale_rows.numel():
+            scale = scale.clone()
+            scale[own_scale_rows] = x[own_scale_rows].abs().amax(dim=-1).clamp(min=1e-12) / 127
     return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
 
 
@@ -104,9 +108,9 @@ def dequantize_gemm(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Ten
 
 
 # -- the seeds' fused ops (FasterLLaMA), reference versions ---------------------------------------------
-def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None, own_scale_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """resNormQuantized: RMSNorm, then per-token int8 quantization."""
-    return quantize_per_token(reference.rms_norm(x, weight, eps), static_scale)
+    return quantize_per_token(reference.rms_norm(x, weight, eps), static_scale, own_scale_rows)
 
 
 def dequantize_residual(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -139,9 +143,9 @@ def dequantize_qkv_rope(
     return q, k, v.reshape(T, num_kv_heads, head_dim)
 
 
-def silu_and_mul_quant(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_quant(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None, own_scale_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU(gate)*up then per-token quantization (the float half of DequantizedSiluMultifyQuantized)."""
-    return quantize_per_token(reference.silu_and_mul(gate_up), static_scale)
+    return quantize_per_token(reference.silu_and_mul(gate_up), static_scale, own_scale_rows)
 
 
 def dequantize_silu_and_mul_quant(

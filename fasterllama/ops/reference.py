@@ -64,6 +64,9 @@ class AttentionMetadata:
         self.decode_slot_range = (first, first + len(single)) if self.decode_slots == list(range(first, first + len(single))) else None
         self.decode_slot_index = torch.tensor(self.decode_slots, dtype=torch.int64, device=dev)
         self.all_decode = not self.multi_token_seqs
+        # rows of tokens at position 0: attention sinks, whose activations dwarf the rest (see quant/)
+        starts = [self.token_offsets[i] for i in range(self.num_seqs) if self.start_positions[i] == 0 and self.token_offsets[i + 1] > self.token_offsets[i]]
+        self.first_token_rows = torch.tensor(starts, dtype=torch.int64, device=dev)
 
     @property
     def num_seqs(self) -> int:

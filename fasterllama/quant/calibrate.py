@@ -36,13 +36,27 @@ class ActivationStats:
         return torch.cat(self.samples).numpy().astype(np.float64)
 
 
-def collect_stats(model: nn.Module, run: Callable[[list[int]], object], chunks: Iterable[list[int]], targets: dict[str, nn.Module]) -> dict[str, ActivationStats]:
-    """Run `run(chunk)` for every token chunk with hooks recording the inputs of `targets`."""
+def collect_stats(
+    model: nn.Module, run: Callable[[list[int]], object], chunks: Iterable[list[int]], targets: dict[str, nn.Module], skip_sinks: bool = False
+) -> dict[str, ActivationStats]:
+    """Run `run(chunk)` for every token chunk with hooks recording the inputs of `targets`
+    (without the rows of sequence-start tokens if `skip_sinks`)."""
+    from .. import ops
+
+    def record(stats: ActivationStats, x: torch.Tensor) -> None:
+        meta = ops.current_step() if skip_sinks else None
+        if meta is not None and meta.first_token_rows.numel():
+            keep = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+            keep[meta.first_token_rows] = False
+            x = x[keep]
+        if x.shape[0]:
+            stats.add(x)
+
     stats: dict[str, ActivationStats] = {}
     handles = []
     for name, module in targets.items():
         stats[name] = ActivationStats(module.in_features)
-        handles.append(module.register_forward_pre_hook(lambda m, args, _s=stats[name]: _s.add(args[0])))
+        handles.append(module.register_forward_pre_hook(lambda m, args, _s=stats[name]: record(_s, args[0])))
     try:
         for chunk in chunks:
             run(chunk)
