@@ -293,7 +293,7 @@ static inline __attribute__((always_inline)) void f32_row(const float *x, int64_
     for (int r = 0; r < rows; r++) y[r * N] = (accumulate ? y[r * N] : 0.f) + VHSUM(acc[r]);
 }
 
-#if defined(__AVX512F__) && !defined(NO_ROW2)
+#if defined(__AVX512F__)
 /* Two weight rows at once for 4+ activation rows: each x load feeds two FMAs (32 zmm registers
  * hold the 2 x 8 accumulators). */
 static inline __attribute__((always_inline)) void f32_row2(const float *x, int64_t K, const float *w, int64_t len, int64_t pf,
@@ -319,10 +319,36 @@ static inline __attribute__((always_inline)) void f32_row2(const float *x, int64
         y[r * N + 1] = (accumulate ? y[r * N + 1] : 0.f) + _mm512_reduce_add_ps(a1[r]);
     }
 }
+
+static void f32_rows2(const float *x, int64_t K, const float *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc) {
+    switch (rows) {
+        case 8: f32_row2(x, K, w, len, pf, y, N, 8, acc); break;
+        case 7: f32_row2(x, K, w, len, pf, y, N, 7, acc); break;
+        case 6: f32_row2(x, K, w, len, pf, y, N, 6, acc); break;
+        case 5: f32_row2(x, K, w, len, pf, y, N, 5, acc); break;
+        default: f32_row2(x, K, w, len, pf, y, N, 4, acc); break;
+    }
+}
 #define HAVE_ROW2 1
 #else
 #define HAVE_ROW2 0
+static void f32_rows2(const float *x, int64_t K, const float *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc) {
+    (void)x, (void)K, (void)w, (void)len, (void)pf, (void)y, (void)N, (void)rows, (void)acc; /* never called */
+}
 #endif
+
+static void f32_rows(const float *x, int64_t K, const float *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc) {
+    switch (rows) {
+        case 8: f32_row(x, K, w, len, pf, y, N, 8, acc); break;
+        case 7: f32_row(x, K, w, len, pf, y, N, 7, acc); break;
+        case 6: f32_row(x, K, w, len, pf, y, N, 6, acc); break;
+        case 5: f32_row(x, K, w, len, pf, y, N, 5, acc); break;
+        case 4: f32_row(x, K, w, len, pf, y, N, 4, acc); break;
+        case 3: f32_row(x, K, w, len, pf, y, N, 3, acc); break;
+        case 2: f32_row(x, K, w, len, pf, y, N, 2, acc); break;
+        default: f32_row(x, K, w, len, pf, y, N, 1, acc); break;
+    }
+}
 
 /* With many activation rows and long ones, the rows' x no longer fit in L1 beside the weight
  * stream: then each thread walks its weight rows once per K block of KB columns. */
@@ -337,37 +363,17 @@ void fl_f32_linear(const float *x, int64_t M, int64_t K, const float *weight, in
         const int64_t n0 = N * t / nt, n1 = N * (t + 1) / nt;
         for (int64_t k0 = 0; k0 < K; k0 += kb) {
             const int64_t len = K - k0 < kb ? K - k0 : kb;
+            const int acc = k0 > 0;
             for (int64_t n = n0; n < n1; n++) {
                 const float *w = weight + n * K + k0;
-                for (int64_t m0 = 0; m0 < M; m0 += MT) {
-                    const float *xm = x + m0 * K + k0;
-                    float *ym = y + m0 * N + n;
-                    const int acc = k0 > 0, rows = M - m0 >= MT ? MT : M - m0;
-                    /* rows n and n + 1 together (measured: a gain on column-blocked rows only) */
-                    if (HAVE_ROW2 && kb < K && rows >= 4 && n + 1 < n1 && M <= MT) {
-#if HAVE_ROW2
-                        switch (rows) {
-                            case 8: f32_row2(xm, K, w, len, pf, ym, N, 8, acc); break;
-                            case 7: f32_row2(xm, K, w, len, pf, ym, N, 7, acc); break;
-                            case 6: f32_row2(xm, K, w, len, pf, ym, N, 6, acc); break;
-                            case 5: f32_row2(xm, K, w, len, pf, ym, N, 5, acc); break;
-                            default: f32_row2(xm, K, w, len, pf, ym, N, 4, acc); break;
-                        }
-#endif
-                        n++;
-                        continue;
-                    }
-                    switch (rows) {
-                        case 8: f32_row(xm, K, w, len, pf, ym, N, 8, acc); break;
-                        case 7: f32_row(xm, K, w, len, pf, ym, N, 7, acc); break;
-                        case 6: f32_row(xm, K, w, len, pf, ym, N, 6, acc); break;
-                        case 5: f32_row(xm, K, w, len, pf, ym, N, 5, acc); break;
-                        case 4: f32_row(xm, K, w, len, pf, ym, N, 4, acc); break;
-                        case 3: f32_row(xm, K, w, len, pf, ym, N, 3, acc); break;
-                        case 2: f32_row(xm, K, w, len, pf, ym, N, 2, acc); break;
-                        default: f32_row(xm, K, w, len, pf, ym, N, 1, acc); break;
-                    }
+                /* 4-8 rows on column blocks: weight rows n and n + 1 at once (measured: a gain there only) */
+                if (HAVE_ROW2 && kb < K && M >= 4 && M <= MT && n + 1 < n1) {
+                    f32_rows2(x + k0, K, w, len, pf, y + n, N, (int)M, acc);
+                    n++;
+                    continue;
                 }
+                for (int64_t m0 = 0; m0 < M; m0 += MT)
+                    f32_rows(x + m0 * K + k0, K, w, len, pf, y + m0 * N + n, N, (int)(M - m0 >= MT ? MT : M - m0), acc);
             }
         }
     }
