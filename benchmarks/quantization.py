@@ -58,8 +58,10 @@ def main() -> None:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-ppl", action="store_true", help="speed and memory only")
+    ap.add_argument("--eval-files", default=",".join(EVAL_FILES), help=f"texts from {LICENSES} to score (default: the eval set)")
     args = ap.parse_args()
-    text = "\n\n".join(read(f) for f in EVAL_FILES)
+    eval_files = args.eval_files.split(",")
+    text = "\n\n".join(read(f) for f in eval_files)
     calibration = read(CALIBRATION_FILE)
     rows = []
     base_ppl = base_bytes = None
@@ -88,7 +90,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['mode']} | {r['ppl']:.3f} | {r.get('ppl_delta_pct', 0):+.2f}% | {r['weight_mb']:.0f} | {r.get('weight_pct', 100):.1f}% "
               f"| {r['prefill_tok_s']:.0f} ({r['prefill_tok_s'] / base['prefill_tok_s']:.2f}x) | {r['decode_tok_s']:.1f} ({r['decode_tok_s'] / base['decode_tok_s']:.2f}x) |")
-    print(f"\n{rows[0]['tokens']} tokens of {', '.join(EVAL_FILES)}; context {args.context}, stride {args.context // 2}; torch threads {torch.get_num_threads()}")
+    print(f"\n{rows[0]['tokens']} tokens of {', '.join(eval_files)}; context {args.context}, stride {args.context // 2}; torch threads {torch.get_num_threads()}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=2)
