@@ -399,7 +399,11 @@ static inline __m256 exp8(__m256 x) {
 }
 
 /* out [M, K] = x * rsqrt(mean(x^2) + eps) * weight, in fp32 (K a multiple of 8). */
+/* Row-wise ops go parallel from this many rows (below it a fork/join costs more than the work). */
+#define PAR_ROWS 4
+
 void fl_rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t K, float *out) {
+#pragma omp parallel for schedule(static) if (M >= PAR_ROWS)
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * K;
         float *o = out + m * K;
@@ -417,6 +421,7 @@ void fl_rms_norm(const float *x, const float *weight, float eps, int64_t M, int6
 /* out [M, I] = silu(gate_up[:, :I]) * gate_up[:, I:] (I a multiple of 8). */
 void fl_silu_and_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+#pragma omp parallel for schedule(static) if (M >= PAR_ROWS)
     for (int64_t m = 0; m < M; m++) {
         const float *g = gate_up + m * 2 * I, *u = g + I;
         for (int64_t i = 0; i < I; i += 8) {
@@ -433,6 +438,7 @@ void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, cons
                       const int64_t *positions, int64_t T, int64_t H, int64_t KVH, int64_t D, float *k_cache,
                       float *v_cache, int64_t max_len, float *q_out) {
     const int64_t half = D / 2, row = (H + 2 * KVH) * D;
+#pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos + t * D, *s = sin + t * D, *src = qkv + t * row;
         const int64_t base = slot_of_token[t] * KVH * max_len + positions[t];
