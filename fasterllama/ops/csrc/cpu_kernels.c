@@ -402,33 +402,60 @@ static inline __m256 exp8(__m256 x) {
 /* Row-wise ops go parallel from this many rows (below it a fork/join costs more than the work). */
 #define PAR_ROWS 4
 
+/* for (i = 0; i < n; i++) body, on both threads from PAR_ROWS rows (an if() clause alone would
+ * still enter the OpenMP runtime for a single row). */
+#define FOR_ROWS(i, n, body)                                            \
+    if ((n) >= PAR_ROWS) {                                              \
+        _Pragma("omp parallel for schedule(static)")                    \
+        for (int64_t i = 0; i < (n); i++) body                          \
+    } else {                                                            \
+        for (int64_t i = 0; i < (n); i++) body                          \
+    }
+
+static inline void rms_norm_row(const float *xr, const float *weight, float eps, int64_t K, float *o) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 v = _mm256_loadu_ps(xr + k);
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const __m256 r = _mm256_set1_ps(1.f / sqrtf(hsum8(ss) / (float)K + eps));
+    for (int64_t k = 0; k < K; k += 8)
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(xr + k), r)));
+}
+
 void fl_rms_norm(const float *x, const float *weight, float eps, int64_t M, int64_t K, float *out) {
-#pragma omp parallel for schedule(static) if (M >= PAR_ROWS)
-    for (int64_t m = 0; m < M; m++) {
-        const float *xr = x + m * K;
-        float *o = out + m * K;
-        __m256 ss = _mm256_setzero_ps();
-        for (int64_t k = 0; k < K; k += 8) {
-            __m256 v = _mm256_loadu_ps(xr + k);
-            ss = _mm256_fmadd_ps(v, v, ss);
-        }
-        const __m256 r = _mm256_set1_ps(1.f / sqrtf(hsum8(ss) / (float)K + eps));
-        for (int64_t k = 0; k < K; k += 8)
-            _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(xr + k), r)));
+    FOR_ROWS(m, M, { rms_norm_row(x + m * K, weight, eps, K, out + m * K); })
+}
+
+static inline void silu_and_mul_row(const float *g, const float *u, int64_t I, float *o) {
+    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
+    for (int64_t i = 0; i < I; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
     }
 }
 
 /* out [M, I] = silu(gate_up[:, :I]) * gate_up[:, I:] (I a multiple of 8). */
 void fl_silu_and_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
-    const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-#pragma omp parallel for schedule(static) if (M >= PAR_ROWS)
-    for (int64_t m = 0; m < M; m++) {
-        const float *g = gate_up + m * 2 * I, *u = g + I;
-        for (int64_t i = 0; i < I; i += 8) {
-            __m256 x = _mm256_loadu_ps(g + i);
-            __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
-            _mm256_storeu_ps(out + m * I + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+    FOR_ROWS(m, M, { silu_and_mul_row(gate_up + m * 2 * I, gate_up + m * 2 * I + I, I, out + m * I); })
+}
+
+static inline void rope_store_token(const float *src, const float *c, const float *s, int64_t base, int64_t H, int64_t KVH,
+                                    int64_t D, float *k_cache, float *v_cache, int64_t max_len, float *q_out) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < H + KVH; h++) {
+        const float *x = src + h * D;
+        float *o = h < H ? q_out + h * D : k_cache + (base + (h - H) * max_len) * D;
+        for (int64_t i = 0; i < half; i++) {
+            o[i] = x[i] * c[i] - x[i + half] * s[i];
+            o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
         }
+    }
+    for (int64_t h = 0; h < KVH; h++) {
+        const float *x = src + (H + KVH + h) * D;
+        float *o = v_cache + (base + h * max_len) * D;
+        for (int64_t i = 0; i < D; i++) o[i] = x[i];
     }
 }
 
@@ -437,25 +464,11 @@ void fl_silu_and_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
 void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slot_of_token,
                       const int64_t *positions, int64_t T, int64_t H, int64_t KVH, int64_t D, float *k_cache,
                       float *v_cache, int64_t max_len, float *q_out) {
-    const int64_t half = D / 2, row = (H + 2 * KVH) * D;
-#pragma omp parallel for schedule(static) if (T >= PAR_ROWS)
-    for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * D, *s = sin + t * D, *src = qkv + t * row;
-        const int64_t base = slot_of_token[t] * KVH * max_len + positions[t];
-        for (int64_t h = 0; h < H + KVH; h++) {
-            const float *x = src + h * D;
-            float *o = h < H ? q_out + (t * H + h) * D : k_cache + (base + (h - H) * max_len) * D;
-            for (int64_t i = 0; i < half; i++) {
-                o[i] = x[i] * c[i] - x[i + half] * s[i];
-                o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
-            }
-        }
-        for (int64_t h = 0; h < KVH; h++) {
-            const float *x = src + (H + KVH + h) * D;
-            float *o = v_cache + (base + h * max_len) * D;
-            for (int64_t i = 0; i < D; i++) o[i] = x[i];
-        }
-    }
+    const int64_t row = (H + 2 * KVH) * D;
+    FOR_ROWS(t, T, {
+        rope_store_token(qkv + t * row, cos + t * D, sin + t * D, slot_of_token[t] * KVH * max_len + positions[t], H, KVH, D,
+                         k_cache, v_cache, max_len, q_out + t * H * D);
+    })
 }
 
 /* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
