@@ -17,6 +17,20 @@
 #endif
 
 #define MT 8 /* activation rows processed together per weight row */
+
+/* CALL(R) with R a compile-time constant equal to rows (1..MT): each count gets its own unrolled,
+ * register-allocated copy of an always_inline row kernel. */
+#define DISPATCH_ROWS(rows, CALL)                                                                   \
+    switch (rows) {                                                                                 \
+        case 8: CALL(8); break;                                                                     \
+        case 7: CALL(7); break;                                                                     \
+        case 6: CALL(6); break;                                                                     \
+        case 5: CALL(5); break;                                                                     \
+        case 4: CALL(4); break;                                                                     \
+        case 3: CALL(3); break;                                                                     \
+        case 2: CALL(2); break;                                                                     \
+        default: CALL(1); break;                                                                    \
+    }
 /* Software prefetch distance into the weight stream: the hardware prefetcher alone leaves the
  * batched (several-row) kernels waiting on DRAM. */
 #ifndef PF_BYTES
@@ -187,16 +201,9 @@ void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *packed, c
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const float *xm = x + m0 * K, *sm = xsum + m0 * G;
             float *ym = y + m0 * N + n;
-            switch (M - m0 >= MT ? MT : M - m0) {
-                case 8: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 8); break;
-                case 7: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 7); break;
-                case 6: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 6); break;
-                case 5: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 5); break;
-                case 4: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 4); break;
-                case 3: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 3); break;
-                case 2: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 2); break;
-                default: q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, 1); break;
-            }
+#define Q4_CALL(R) q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, R)
+            DISPATCH_ROWS(M - m0 >= MT ? MT : M - m0, Q4_CALL)
+#undef Q4_CALL
         }
     }
     free(xsum);
@@ -255,16 +262,9 @@ void fl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qweight, c
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const float *xm = x + m0 * K;
             float *ym = y + m0 * N + n;
-            switch (M - m0 >= MT ? MT : M - m0) {
-                case 8: q8_row(xm, K, q, sc, g, ym, N, 8); break;
-                case 7: q8_row(xm, K, q, sc, g, ym, N, 7); break;
-                case 6: q8_row(xm, K, q, sc, g, ym, N, 6); break;
-                case 5: q8_row(xm, K, q, sc, g, ym, N, 5); break;
-                case 4: q8_row(xm, K, q, sc, g, ym, N, 4); break;
-                case 3: q8_row(xm, K, q, sc, g, ym, N, 3); break;
-                case 2: q8_row(xm, K, q, sc, g, ym, N, 2); break;
-                default: q8_row(xm, K, q, sc, g, ym, N, 1); break;
-            }
+#define Q8_CALL(R) q8_row(xm, K, q, sc, g, ym, N, R)
+            DISPATCH_ROWS(M - m0 >= MT ? MT : M - m0, Q8_CALL)
+#undef Q8_CALL
         }
     }
 }
@@ -321,13 +321,9 @@ static inline __attribute__((always_inline)) void f32_row2(const float *x, int64
 }
 
 static void f32_rows2(const float *x, int64_t K, const float *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc) {
-    switch (rows) {
-        case 8: f32_row2(x, K, w, len, pf, y, N, 8, acc); break;
-        case 7: f32_row2(x, K, w, len, pf, y, N, 7, acc); break;
-        case 6: f32_row2(x, K, w, len, pf, y, N, 6, acc); break;
-        case 5: f32_row2(x, K, w, len, pf, y, N, 5, acc); break;
-        default: f32_row2(x, K, w, len, pf, y, N, 4, acc); break;
-    }
+#define ROW2_CALL(R) f32_row2(x, K, w, len, pf, y, N, (R) < 4 ? 4 : (R), acc) /* callers pass 4-8 rows */
+    DISPATCH_ROWS(rows, ROW2_CALL)
+#undef ROW2_CALL
 }
 #define HAVE_ROW2 1
 #else
@@ -338,16 +334,9 @@ static void f32_rows2(const float *x, int64_t K, const float *w, int64_t len, in
 #endif
 
 static void f32_rows(const float *x, int64_t K, const float *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc) {
-    switch (rows) {
-        case 8: f32_row(x, K, w, len, pf, y, N, 8, acc); break;
-        case 7: f32_row(x, K, w, len, pf, y, N, 7, acc); break;
-        case 6: f32_row(x, K, w, len, pf, y, N, 6, acc); break;
-        case 5: f32_row(x, K, w, len, pf, y, N, 5, acc); break;
-        case 4: f32_row(x, K, w, len, pf, y, N, 4, acc); break;
-        case 3: f32_row(x, K, w, len, pf, y, N, 3, acc); break;
-        case 2: f32_row(x, K, w, len, pf, y, N, 2, acc); break;
-        default: f32_row(x, K, w, len, pf, y, N, 1, acc); break;
-    }
+#define ROW_CALL(R) f32_row(x, K, w, len, pf, y, N, R, acc)
+    DISPATCH_ROWS(rows, ROW_CALL)
+#undef ROW_CALL
 }
 
 /* With many activation rows and long ones, the rows' x no longer fit in L1 beside the weight
