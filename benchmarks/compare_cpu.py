@@ -28,11 +28,14 @@ import torch
 from fasterllama import LLM
 from fasterllama.bench import _decode_rate, fixed_prompt_ids
 from fasterllama.loading.registry import resolve_model_path
+from gemm_cpu import fma_peak_gflops
 
 
 class MachineLimits:
-    """Memory read bandwidth and fp32 GEMM rate with the benchmark's threads, measured in every
-    repeat between the engines (this machine's bandwidth drifts with its neighbours' load)."""
+    """Memory read bandwidth and fp32 GEMM rates with the benchmark's threads, measured in every
+    repeat between the engines (this machine's bandwidth drifts with its neighbours' load). GEMM
+    twice: MKL (torch's default sgemm, HF's) and oneDNN (fasterllama's prefill GEMM), which differ
+    2x on AMD CPUs (benchmarks/gemm_cpu.py); the FMA peak once, from a compiled loop."""
 
     def __init__(self) -> None:
         from fasterllama.ops import cpu_kernels
@@ -40,19 +43,24 @@ class MachineLimits:
         self.buffer = torch.ones(1 << 18, 1024)  # 1 GiB: far beyond any cache
         self.x = torch.ones(1, 1024)
         self.gemv = cpu_kernels.linear if cpu_kernels.load() is not None else None
+        self.sgemm = cpu_kernels.sgemm
         self.a, self.b = torch.randn(2048, 2048), torch.randn(2048, 2048)
         self.read: list[float] = []
-        self.gemm: list[float] = []
+        self.gemm_mkl: list[float] = []
+        self.gemm_onednn: list[float] = []
+        self.fma_peak = fma_peak_gflops(torch.get_num_threads())
 
     def measure(self) -> None:
         """Read bandwidth: the faster of a 1 GiB sum and a 1 GiB matrix-vector product (the
         decode kernels' own access pattern); GEMM: a 2048^3 fp32 matmul. Best of 3 each."""
         readers = [self.buffer.sum] + ([lambda: self.gemv(self.x, self.buffer)] if self.gemv else [])
         self.read.append(max(self.buffer.numel() * 4 / min(_timed(r) for _ in range(3)) / 1e9 for r in readers))
-        self.gemm.append(2 * 2048**3 / min(_timed(lambda: self.a @ self.b) for _ in range(3)) / 1e9)
+        for rates, gemm in ((self.gemm_mkl, lambda: self.a @ self.b), (self.gemm_onednn, lambda: self.sgemm(self.a, self.b))):
+            rates.append(2 * 2048**3 / min(_timed(gemm) for _ in range(3)) / 1e9)
 
     def summary(self) -> dict[str, float]:
-        return {"read_gb_per_s": statistics.median(self.read), "fp32_gemm_gflop_per_s": statistics.median(self.gemm)}
+        return {"read_gb_per_s": statistics.median(self.read), "fp32_gemm_mkl_gflop_per_s": statistics.median(self.gemm_mkl),
+                "fp32_gemm_onednn_gflop_per_s": statistics.median(self.gemm_onednn), "fp32_fma_peak_gflop_per_s": self.fma_peak}
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -214,8 +222,10 @@ def main() -> None:
     med = {name: (statistics.median(prefill[name]), statistics.median(decode[name])) for name in prefill}
     print(f"\n{time.strftime('%Y-%m-%d')}  {os.path.basename(path)}  threads={args.threads}  prompt={len(ids)} tokens  "
           f"decode={args.decode_steps} greedy steps  medians of {args.repeats}")
-    print(f"machine (medians over the run): read {limits['read_gb_per_s']:.1f} GB/s, fp32 GEMM {limits['fp32_gemm_gflop_per_s']:.0f} GFLOP/s; "
-          "decode ceiling = read bandwidth / weight bytes")
+    peak = limits["fp32_fma_peak_gflop_per_s"]
+    print(f"machine (medians over the run): read {limits['read_gb_per_s']:.1f} GB/s; fp32 GEMM {limits['fp32_gemm_mkl_gflop_per_s']:.0f} GFLOP/s "
+          f"(MKL), {limits['fp32_gemm_onednn_gflop_per_s']:.0f} (oneDNN)" + (f", FMA peak {peak:.0f}" if peak else "")
+          + "; decode ceiling = read bandwidth / weight bytes")
     peers = [n for n in ("llama.cpp", "HF transformers fp32") if n in med]
     header = "| engine | prefill tok/s | decode tok/s | weights MB | decode ceiling tok/s | of ceiling |" + "".join(
         f" prefill / {p} | decode / {p} |" for p in peers)

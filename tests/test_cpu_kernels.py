@@ -54,6 +54,17 @@ def test_f32_linear(m, k):
     _close(ck.linear(x, w, b), F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("m", [17, 128])
+def test_sgemm_is_fp32_accurate_and_keeps_autograd(m):
+    """The many-row GEMM (oneDNN where torch has it) must be an fp32 GEMM: a bf16 or TF32-like one
+    misses the fp64 result by ~1e-3 of its scale, fp32 by ~1e-6."""
+    x, w, b = torch.randn(m, 576), torch.randn(200, 576), torch.randn(200)
+    _close(ck.sgemm(x, w, b).double(), F.linear(x.double(), w.double(), b.double()), 1e-5)
+    w.requires_grad_()
+    ck.sgemm(x, w, b).sum().backward()
+    assert torch.allclose(w.grad, x.sum(0).expand_as(w), rtol=1e-5, atol=1e-4)
+
+
 def test_rms_norm_and_silu():
     x, w = torch.randn(5, 3, 96) * 3, torch.randn(96)
     _close(ck.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
