@@ -113,6 +113,7 @@ def _kl_threshold(v: np.ndarray, amax: float, levels: int = 128) -> float:
 
 def smoothing_factors_from_amax(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: float) -> torch.Tensor:
     """SmoothQuant's per-channel s_j = amax_x^a / amax_w^(1-a): x/s is easier to quantize, W*s harder."""
+    act_amax = act_amax.to(weight_amax.device)  # statistics live on the CPU, weights maybe on the GPU
     s = act_amax.float().clamp(min=1e-5) ** alpha / weight_amax.float().clamp(min=1e-5) ** (1 - alpha)
     return s.clamp(min=1e-5)
 

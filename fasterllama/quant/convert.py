@@ -77,12 +77,13 @@ def quantize_model(
         for i, layer in enumerate(layers):
             smooth_layer(layer, model.config, {n: stats[f"{i}.{n}"].channel_amax for n in LINEARS}, smooth_alpha)
     scales: dict[str, torch.Tensor] = {}
+    device = model.embed_tokens.weight.device  # the statistics are gathered on the CPU
     if calibrate_static:
         targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
         stats = calibrate.collect_stats(model, run, calibration_chunks, targets, skip_sinks)
-        scales = {k: torch.tensor(calibrate.threshold(s, cfg.calibrator, cfg.percentile) / 127) for k, s in stats.items()}
+        scales = {k: torch.tensor(calibrate.threshold(s, cfg.calibrator, cfg.percentile) / 127, device=device) for k, s in stats.items()}
     elif cfg.static_activations:  # placeholders, overwritten by the saved scales
-        scales = {f"{i}.{n}": torch.tensor(1.0) for i in range(len(layers)) for n in LINEARS}
+        scales = {f"{i}.{n}": torch.tensor(1.0, device=device) for i in range(len(layers)) for n in LINEARS}
 
     for i, layer in enumerate(layers):
         for name in LINEARS:
