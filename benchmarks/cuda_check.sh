@@ -18,5 +18,5 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py 2>&1
 python3 benchmarks/random_checkpoint.py /tmp/smollm2-shapes 2>&1 | tail -1
 for dtype in bfloat16 float32; do
     timeout 150 python3 -m fasterllama bench --model /tmp/smollm2-shapes --device cuda --dtype $dtype --batch-sizes 1,8,16 \
-        --repeats 2 --json "$OUT/bench_cuda_$dtype.json" 2>&1 | grep -v "Loading model" | tee "$OUT/bench_cuda_$dtype.log"
+        --repeats 2 --json "$OUT/bench_cuda_$dtype.json" 2>&1 | sed "s/.*\r//" | tee "$OUT/bench_cuda_$dtype.log"
 done

@@ -83,10 +83,11 @@ def _meta(starts: list[int], news: list[int], slots: list[int]) -> ops.Attention
     return ops.AttentionMetadata(torch.tensor(slot_of_token), torch.tensor(positions), slots, starts, offsets)
 
 
+@pytest.mark.parametrize("d", [16, 24, 64])  # 16, 64: 512-bit attention loops on AVX-512; 24: 256-bit ones
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
-def test_rope_store_and_attention(heads, kv_heads):
+def test_rope_store_and_attention(heads, kv_heads, d):
     """A mixed step (two decodes, one prefill chunk, one fresh prompt) through both op sets."""
-    d, max_len, slots = 16, 80, [3, 0, 2, 1]
+    max_len, slots = 80, [3, 0, 2, 1]
     meta = _meta([40, 7, 20, 0], [1, 1, 9, 13], slots)
     T = meta.token_offsets[-1]
     qkv = torch.randn(T, (heads + 2 * kv_heads) * d)

@@ -460,13 +460,61 @@ void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, cons
     })
 }
 
+/* Decode attention's two inner loops, for one head: 8 keys' scores, and the probability-weighted
+ * sum of V rows. Written for 256-bit vectors, and for 512-bit ones where the CPU has AVX-512 and
+ * the head dim is a multiple of 16 (the common 64 and 128). */
+#define ATTN_KERNELS(SUFFIX, VEC, LANES, ZERO, LOAD, STORE, FMA, SET1, MUL, TO256)                          \
+    static inline __m256 scores8_##SUFFIX(const float *qv, const float *K, int64_t D) {                      \
+        VEC a[8];                                                                                            \
+        for (int j = 0; j < 8; j++) a[j] = ZERO();                                                           \
+        for (int64_t d = 0; d < D; d += LANES) {                                                             \
+            const VEC qd = LOAD(qv + d);                                                                     \
+            for (int j = 0; j < 8; j++) a[j] = FMA(qd, LOAD(K + j * D + d), a[j]);                           \
+        }                                                                                                    \
+        __m256 r[8];                                                                                         \
+        for (int j = 0; j < 8; j++) r[j] = TO256(a[j]);                                                      \
+        return hsum8x8(r);                                                                                   \
+    }                                                                                                        \
+    /* out = sum_j p[j] V[j] * inv; keys alternate between two accumulator sets (two FMA chains per lane) */ \
+    static inline void weighted_v_##SUFFIX(const float *p, const float *V, int64_t L, int64_t D, float inv,   \
+                                           float *out) {                                                     \
+        VEC a0[256 / LANES], a1[256 / LANES];                                                                \
+        const int64_t nv = D / LANES;                                                                        \
+        for (int64_t v = 0; v < nv; v++) a0[v] = a1[v] = ZERO();                                             \
+        int64_t j = 0;                                                                                       \
+        for (; j + 2 <= L; j += 2) {                                                                         \
+            const VEC p0 = SET1(p[j]), p1 = SET1(p[j + 1]);                                                  \
+            for (int64_t v = 0; v < nv; v++) {                                                               \
+                a0[v] = FMA(p0, LOAD(V + j * D + v * LANES), a0[v]);                                         \
+                a1[v] = FMA(p1, LOAD(V + (j + 1) * D + v * LANES), a1[v]);                                   \
+            }                                                                                                \
+        }                                                                                                    \
+        if (j < L)                                                                                           \
+            for (int64_t v = 0; v < nv; v++) a0[v] = FMA(SET1(p[j]), LOAD(V + j * D + v * LANES), a0[v]);   \
+        for (int64_t v = 0; v < nv; v++) STORE(out + v * LANES, MUL(_mm256_add_ps_or_512(a0[v], a1[v]), SET1(inv))); \
+    }
+
+#define _mm256_add_ps_or_512(a, b) ((a) + (b))
+#define ID256(v) (v)
+ATTN_KERNELS(256, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps, _mm256_mul_ps, ID256)
+#if defined(__AVX512F__)
+#define FOLD512(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
+ATTN_KERNELS(512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps, _mm512_mul_ps, FOLD512)
+#endif
+
 /* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
  * cache slot slots[b] rows 0..lengths[b]-1; query head h uses kv head h / (H / KVH). D % 8 == 0,
- * D <= 256. Small steps run on one thread: a fork/join costs more than they do. */
+ * D <= 256. Heads run in (b, h) order, so a thread's heads of one KV group find its K/V rows
+ * already in cache. Small steps run on one thread: a fork/join costs more than they do. */
 void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
                          const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
                          float scale, float *out) {
     const int64_t group = H / KVH;
+#if defined(__AVX512F__)
+    const int wide = D % 16 == 0;
+#else
+    const int wide = 0;
+#endif
     int64_t work = 0;
     for (int64_t b = 0; b < B; b++) work += lengths[b] * H * D;
 #pragma omp parallel for schedule(static) if (work > (1 << 14))
@@ -479,13 +527,12 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
         __m256 vmax = _mm256_set1_ps(-INFINITY);
         int64_t l0 = 0;
         for (; l0 + 8 <= L; l0 += 8) {
-            __m256 a[8];
-            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-                const __m256 qd = _mm256_loadu_ps(qv + d);
-                for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(K + (l0 + j) * D + d), a[j]);
-            }
-            const __m256 sc = _mm256_mul_ps(hsum8x8(a), _mm256_set1_ps(scale));
+#if defined(__AVX512F__)
+            const __m256 dots = wide ? scores8_512(qv, K + l0 * D, D) : scores8_256(qv, K + l0 * D, D);
+#else
+            const __m256 dots = scores8_256(qv, K + l0 * D, D);
+#endif
+            const __m256 sc = _mm256_mul_ps(dots, _mm256_set1_ps(scale));
             _mm256_storeu_ps(p + l0, sc);
             vmax = _mm256_max_ps(vmax, sc);
         }
@@ -511,14 +558,12 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
             p[l] = tail[0];
             sum += tail[0];
         }
-        __m256 acc[32];
-        for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < L; j++) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            for (int64_t d = 0; d < D; d += 8) acc[d / 8] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(V + j * D + d), acc[d / 8]);
-        }
-        const __m256 inv = _mm256_set1_ps(1.f / sum);
-        for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + bh * D + d, _mm256_mul_ps(acc[d / 8], inv));
+#if defined(__AVX512F__)
+        if (wide) weighted_v_512(p, V, L, D, 1.f / sum, out + bh * D);
+        else weighted_v_256(p, V, L, D, 1.f / sum, out + bh * D);
+#else
+        weighted_v_256(p, V, L, D, 1.f / sum, out + bh * D);
+#endif
         if (p != stack_p) free(p);
     }
 }
