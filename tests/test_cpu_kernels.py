@@ -47,6 +47,18 @@ def test_int8_linear(m, n, k, g, per_channel):
     _close(ck.int8_weight_linear(x, q, scale), qops.int8_weight_linear(x, q, scale))
 
 
+def test_dequantized_tiles(monkeypatch):
+    """Prefill-sized inputs on a matrix larger than one dequantization tile: 64-row tiles here."""
+    monkeypatch.setattr(ck, "DEQUANT_TILE_ELEMS", 64 * 64)
+    x, n, k, g = torch.randn(40, 64), 150, 64, 32
+    bias = torch.randn(n)
+    packed = qops.pack_int4(torch.randint(0, 16, (n, k)), g)
+    scales, mins = (torch.rand(n, k // g) * 0.1).half(), (-torch.rand(n, k // g) * 0.1).half()
+    _close(ck.int4_weight_linear(x, packed, scales, mins, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
+    q, scale = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // g)
+    _close(ck.int8_weight_linear(x, q, scale, bias), qops.int8_weight_linear(x, q, scale, bias))
+
+
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("k", [128, 1056])  # 1056: long rows, walked in column blocks when m > 4
 def test_f32_linear(m, k):

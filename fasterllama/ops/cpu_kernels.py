@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]  # + FASTERLLAMA_CFLAGS, e.g. -mno-avx512f
 GEMV_MAX_ROWS = 16  # up to this many activation rows, the kernels beat dequantize + sgemm
-DEQUANT_TILE_ELEMS = 1 << 20  # larger inputs: dequantize ~4 MB of rows at a time, then sgemm
+DEQUANT_TILE_ELEMS = 1 << 22  # larger inputs: dequantize up to 16 MB of rows at a time, then sgemm
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
@@ -133,16 +134,32 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k).contiguous()
 
 
-def _dequant_linear(x2: torch.Tensor, n: int, dequant_into) -> torch.Tensor:
-    """Large-M path: float weight tiles from the kernel, then the float GEMM on each tile."""
+_scratch = threading.local()
+
+
+def _tile_buffer(elems: int) -> torch.Tensor:
+    """A float buffer reused across calls (per thread): a fresh multi-MB tensor per linear would
+    page-fault its way in every time."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < elems:
+        buf = _scratch.buf = torch.empty(elems, dtype=torch.float32)
+    return buf[:elems]
+
+
+def _dequant_linear(x2: torch.Tensor, n: int, dequant_into, bias: torch.Tensor | None) -> torch.Tensor:
+    """Large-M path: float weights from the kernel (all rows at once, or tiles of a huge matrix
+    such as a vocabulary projection), then the float GEMM."""
     k = x2.shape[1]
-    step = max(64, DEQUANT_TILE_ELEMS // k)
+    step = min(n, max(64, DEQUANT_TILE_ELEMS // k))
+    tile = _tile_buffer(step * k).view(step, k)
+    if step == n:
+        dequant_into(0, n, tile)
+        return sgemm(x2, tile, bias)
     out = torch.empty(x2.shape[0], n, dtype=x2.dtype)
-    tile = torch.empty(min(step, n), k, dtype=torch.float32)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
         dequant_into(lo, hi, tile)
-        out[:, lo:hi] = sgemm(x2, tile[: hi - lo])
+        out[:, lo:hi] = sgemm(x2, tile[: hi - lo], None if bias is None else bias[lo:hi])
     return out
 
 
@@ -163,11 +180,11 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     if not _usable(x, k) or g % 32 != 0 or scale.dtype != torch.float32:
         return quantized.int8_weight_linear(x, qweight, scale, bias)
     x2 = _rows(x, k)
-    if x2.shape[0] <= GEMV_MAX_ROWS:
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        _lib.fl_q8_linear(x2.data_ptr(), x2.shape[0], k, qweight.data_ptr(), scale.data_ptr(), n, g, y.data_ptr())
-    else:
-        y = _dequant_linear(x2, n, lambda lo, hi, t: _lib.fl_q8_dequant(qweight.data_ptr(), scale.data_ptr(), k, g, lo, hi, t.data_ptr()))
+    if x2.shape[0] > GEMV_MAX_ROWS:
+        dequant = lambda lo, hi, t: _lib.fl_q8_dequant(qweight.data_ptr(), scale.data_ptr(), k, g, lo, hi, t.data_ptr())  # noqa: E731
+        return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    _lib.fl_q8_linear(x2.data_ptr(), x2.shape[0], k, qweight.data_ptr(), scale.data_ptr(), n, g, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
 
@@ -179,11 +196,11 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
         return quantized.int4_weight_linear(x, packed, scales, mins, group_size, bias)
     x2 = _rows(x, k)
     args = (packed.data_ptr(), scales.data_ptr(), mins.data_ptr())
-    if x2.shape[0] <= GEMV_MAX_ROWS:
-        y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-        _lib.fl_q4_linear(x2.data_ptr(), x2.shape[0], k, *args, n, group_size, y.data_ptr())
-    else:
-        y = _dequant_linear(x2, n, lambda lo, hi, t: _lib.fl_q4_dequant(*args, k, group_size, lo, hi, t.data_ptr()))
+    if x2.shape[0] > GEMV_MAX_ROWS:
+        dequant = lambda lo, hi, t: _lib.fl_q4_dequant(*args, k, group_size, lo, hi, t.data_ptr())  # noqa: E731
+        return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    _lib.fl_q4_linear(x2.data_ptr(), x2.shape[0], k, *args, n, group_size, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
 

@@ -69,6 +69,7 @@ typedef __m512 vf;
 #define VZERO() _mm512_setzero_ps()
 #define VSET1(v) _mm512_set1_ps(v)
 #define VLOAD(p) _mm512_loadu_ps(p)
+#define VSTORE(p, v) _mm512_storeu_ps(p, v)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
@@ -83,6 +84,7 @@ typedef __m256 vf;
 #define VZERO() _mm256_setzero_ps()
 #define VSET1(v) _mm256_set1_ps(v)
 #define VLOAD(p) _mm256_loadu_ps(p)
+#define VSTORE(p, v) _mm256_storeu_ps(p, v)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VHSUM(v) hsum8(v)
@@ -218,12 +220,28 @@ void fl_q4_dequant(const uint8_t *packed, const uint16_t *scales, const uint16_t
         const uint8_t *q = packed + n * (K / 2);
         float *o = out + (n - n0) * K;
         for (int64_t grp = 0; grp < G; grp++) {
-            const float s = _cvtsh_ss(scales[n * G + grp]), m = _cvtsh_ss(mins[n * G + grp]);
-            for (int64_t j = 0; j < half; j++) {
-                const uint8_t b = q[grp * half + j];
-                o[grp * g + j] = s * (float)(b & 15) + m;
-                o[grp * g + half + j] = s * (float)(b >> 4) + m;
+#if defined(__AVX512F__)
+            const __m512 lut = q4_lut(scales + n * G, mins + n * G, grp);
+            for (int64_t j = 0; j < half; j += 16) {
+                const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + grp * half + j)));
+                _mm512_storeu_ps(o + grp * g + j, _mm512_permutexvar_ps(idx, lut));
+                _mm512_storeu_ps(o + grp * g + half + j, _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut));
             }
+#else
+            const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[n * G + grp])), m = _mm256_set1_ps(_cvtsh_ss(mins[n * G + grp]));
+            const __m128i low4 = _mm_set1_epi8(0x0F);
+            for (int64_t j = 0; j < half; j += 16) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(q + grp * half + j));
+                __m256 lo[2], hi[2];
+                (lo[0] = u8x8_to_ps(_mm_and_si128(b, low4)), lo[1] = u8x8_to_ps(_mm_srli_si128(_mm_and_si128(b, low4), 8)));
+                const __m128i bh = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+                (hi[0] = u8x8_to_ps(bh), hi[1] = u8x8_to_ps(_mm_srli_si128(bh, 8)));
+                for (int i = 0; i < 2; i++) {
+                    _mm256_storeu_ps(o + grp * g + j + 8 * i, _mm256_fmadd_ps(lo[i], s, m));
+                    _mm256_storeu_ps(o + grp * g + half + j + 8 * i, _mm256_fmadd_ps(hi[i], s, m));
+                }
+            }
+#endif
         }
     }
 }
@@ -272,8 +290,18 @@ void fl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qweight, c
 void fl_q8_dequant(const int8_t *qweight, const float *scales, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out) {
     const int64_t G = K / g;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t k = 0; k < K; k++) out[(n - n0) * K + k] = scales[n * G + k / g] * (float)qweight[n * K + k];
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *q = qweight + n * K;
+        float *o = out + (n - n0) * K;
+        for (int64_t grp = 0; grp < G; grp++) {
+            const vf s = VSET1(scales[n * G + grp]);
+            for (int64_t k = grp * g; k < (grp + 1) * g; k += 16) {
+                vf w[2];
+                I8X16(_mm_loadu_si128((const __m128i *)(q + k)), w);
+                for (int i = 0; i < (int)(64 / sizeof(vf)); i++) VSTORE(o + k + i * sizeof(vf) / 4, VMUL(w[i], s));
+            }
+        }
+    }
 }
 
 /* ---- fp32 weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 -------------------
