@@ -77,6 +77,28 @@ def test_sgemm_is_fp32_accurate_and_keeps_autograd(m):
     assert torch.allclose(w.grad, x.sum(0).expand_as(w), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("k", [64, 96, 1536])  # 96: a last 32 columns
+def test_w8a8_linear_is_exact(m, k):
+    """int8 x int8 sums are exact: the kernel equals the int32 reference GEMM, dequantized."""
+    xq = torch.randint(-127, 128, (m, k), dtype=torch.int8)
+    q = torch.randint(-127, 128, (70, k), dtype=torch.int8)
+    xs, ws, bias = torch.rand(m) + 0.01, torch.rand(70) + 0.01, torch.randn(70)
+    expected = qops.dequantize_gemm(qops.int8_gemm(xq, q.t()), xs, ws, bias, torch.float32)
+    assert torch.equal(ck.w8a8_linear(xq, xs, q, ws, bias), expected)
+    assert torch.equal(ck.w8a8_linear(xq, xs, q, ws), qops.dequantize_gemm(qops.int8_gemm(xq, q.t()), xs, ws, None, torch.float32))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_quantize_rows_matches_reference(static):
+    x = torch.randn(5, 96) * torch.logspace(-2, 2, 5)[:, None]
+    x[0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 1e9, -1e9, 0.0]) * x[0].abs().max() / 127  # ties, clamping
+    scale = torch.tensor(0.013) if static else None
+    q, s = ck.quantize_rows(x, scale)
+    q_ref, s_ref = qops.quantize_per_token(x, scale)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
 def test_rms_norm_and_silu():
     x, w = torch.randn(5, 3, 96) * 3, torch.randn(96)
     _close(ck.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
@@ -118,7 +140,7 @@ def test_rope_store_and_attention(heads, kv_heads, d):
     _close(ck.attention(qd, *mine, decode_only, 0.3), ref.attention(qd, *caches, decode_only, 0.3))
 
 
-@pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32"])
+@pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32", "w8a8", "w8a8-static-max"])
 def test_model_same_with_and_without_kernels(tmp_path, quantization):
     """A tiny GQA model generates the same tokens and logits three ways: decode steps as one C call
     (the default on CPU), the C kernels op by op, and the PyTorch reference ops."""

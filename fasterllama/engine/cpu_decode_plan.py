@@ -4,7 +4,9 @@ The CPU analogue of replaying a captured CUDA graph: the weights' and KV caches'
 collected once into an array of C structs, so a decode step crosses from Python into C once
 instead of ~300 times. Runs steps where every sequence decodes one token (batch <= 16) on fp32
 models with plain, int8 or 4-bit linears; everything else goes through the model's forward, which
-uses the same kernels op by op and is the reference this path is tested against."""
+uses the same kernels op by op and is the reference this path is tested against. w8a8 models
+(int8 activations) run here too: the C step quantizes each linear's input as the model's fused
+norm/SiLU quantizers would (the static scale of each, or per token) and multiplies int8 by int8."""
 
 from __future__ import annotations
 
@@ -14,13 +16,14 @@ import torch
 
 from ..model.llama import LlamaForCausalLM, Linear, RMSNorm
 from ..ops import AttentionMetadata, cpu_kernels
-from ..quant.linear import Int4Linear, Int8Linear
+from ..quant.convert import QuantRMSNorm, SiluAndMulQuant
+from ..quant.linear import Int4Linear, Int8Linear, W8A8Linear
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P)]
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("wsum", _P), ("in_scale", _P)]
 
 
 class _Layer(ctypes.Structure):
@@ -31,7 +34,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(m: torch.nn.Module) -> _Linear | None:
+def _linear(m: torch.nn.Module, in_scale: torch.Tensor | None, keep: list[torch.Tensor]) -> _Linear | None:
+    """The C description of linear `m`; in_scale: the static scale its int8 input is quantized with
+    (w8a8), None for per-token scales. Tensors made here go to `keep`."""
     bias = getattr(m, "bias", None)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
@@ -43,16 +48,21 @@ def _linear(m: torch.nn.Module) -> _Linear | None:
             return _Linear(1, m.out_features, m.in_features, g, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, _ptr(bias))
     if isinstance(m, Int4Linear) and m.group_size % 32 == 0:
         return _Linear(2, m.out_features, m.in_features, m.group_size, m.qweight.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr(), _ptr(bias))
+    if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
+        wsum = m.qweight.sum(dim=1, dtype=torch.int32)
+        keep.append(wsum)
+        return _Linear(3, m.out_features, m.in_features, m.in_features, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, _ptr(bias),
+                       wsum.data_ptr(), _ptr(in_scale))
     return None
 
 
 class CPUDecodePlan:
     MAX_BATCH = cpu_kernels.GEMV_MAX_ROWS
 
-    def __init__(self, model: LlamaForCausalLM, layers: ctypes.Array, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, model: LlamaForCausalLM, layers: ctypes.Array, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], made: list[torch.Tensor]) -> None:
         self.model, self.layers, self.kv_caches = model, layers, kv_caches
         # the tensors behind the addresses: kept alive even if the model's modules are replaced
-        self._tensors = [t for layer in model.layers for t in layer.parameters()] + [model.norm.weight]
+        self._tensors = [t for layer in model.layers for t in (*layer.parameters(), *layer.buffers())] + [model.norm.weight] + made
         cfg = model.config
         self.dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, kv_caches[0][0].shape[2])
         self.eps = ctypes.c_float(cfg.rms_norm_eps)
@@ -76,16 +86,23 @@ class CPUDecodePlan:
         if any(k.dtype != torch.float32 or k.device.type != "cpu" or not k.is_contiguous() for kv in kv_caches for k in kv):
             return None
         norms = [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+        if any(type(n) not in (RMSNorm, QuantRMSNorm) or n.weight.dtype != torch.float32 for n in norms) or type(model.norm) is not RMSNorm:
             return None
-        structs = []
+        structs, made = [], []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
-            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if any(lin is None for lin in linears) or type(mlp.act).__name__ != "SiluAndMul":
+            in_scales = (getattr(layer.input_layernorm, "static_scale", None), getattr(attn.o_proj, "input_scale", None),
+                         getattr(layer.post_attention_layernorm, "static_scale", None), getattr(mlp.act, "static_scale", None))
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            linears = [_linear(m, s, made) for m, s in zip(modules, in_scales)]
+            if any(lin is None for lin in linears) or type(mlp.act).__name__ not in ("SiluAndMul", "SiluAndMulQuant"):
+                return None
+            # int8 inputs where, and only where, the model's norms and SiLU hand the linears int8
+            fused = {0: type(layer.input_layernorm) is QuantRMSNorm, 2: type(layer.post_attention_layernorm) is QuantRMSNorm, 3: type(mlp.act) is SiluAndMulQuant}
+            if any((linears[i].kind == 3) != quantized for i, quantized in fused.items()):
                 return None
             structs.append(_Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *linears, k_cache.data_ptr(), v_cache.data_ptr()))
-        return cls(model, (_Layer * len(structs))(*structs), kv_caches)
+        return cls(model, (_Layer * len(structs))(*structs), kv_caches, made)
 
     def covers(self, meta: AttentionMetadata) -> bool:
         return meta.all_decode and 0 < meta.num_seqs <= self.MAX_BATCH

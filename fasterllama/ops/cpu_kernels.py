@@ -28,7 +28,8 @@ from . import quantized, reference
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]  # + FASTERLLAMA_CFLAGS, e.g. -mno-avx512f
+# -ffp-contract=off: scalar code rounds as written (as torch does), FMAs only where intrinsics ask
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]  # + FASTERLLAMA_CFLAGS, e.g. -mno-avx512f
 GEMV_MAX_ROWS = 16  # up to this many activation rows, the kernels beat dequantize + sgemm
 DEQUANT_TILE_ELEMS = 1 << 22  # larger inputs: dequantize up to 16 MB of rows at a time, then sgemm
 
@@ -43,6 +44,8 @@ _SIGNATURES = {
     "fl_silu_and_mul": [_P, _I, _I, _P],
     "fl_rope_store_kv": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
     "fl_decode_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+    "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
+    "fl_quantize_rows": [_P, _I, _I, _P, _P, _P],
     "fl_decode_forward": [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P],
 }
 _lib: ctypes.CDLL | None = None
@@ -203,6 +206,29 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     _lib.fl_q4_linear(x2.data_ptr(), x2.shape[0], k, *args, n, group_size, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
+
+
+def w8a8_linear(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float(xq @ qweight^T) * xs[:, None] * weight_scale (+ bias): the one-call decode step's int8
+    GEMV, exposed for its tests (the op-by-op path uses torch._int_mm)."""
+    m, k = xq.shape
+    n = qweight.shape[0]
+    wsum = qweight.sum(dim=1, dtype=torch.int32)
+    y = torch.empty(m, n, dtype=torch.float32)
+    _lib.fl_w8a8_linear(xq.data_ptr(), xs.data_ptr(), m, k, qweight.data_ptr(), weight_scale.data_ptr(), wsum.data_ptr(), n, _ptr(bias), y.data_ptr())
+    return y
+
+
+def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C step's per-token int8 quantization (quantized.quantize_per_token without sink rows)."""
+    m, k = x.shape
+    q, s = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32)
+    _lib.fl_quantize_rows(x.data_ptr(), m, k, _ptr(static_scale), q.data_ptr(), s.data_ptr())
+    return q, s
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _f32(*tensors: torch.Tensor) -> bool:

@@ -596,14 +596,116 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
     }
 }
 
+/* ---- w8a8: int8 activations x int8 weights, exact int32 sums (quantized.py's reference) --------
+ * y [M, N] = float(sum_k xq[m, k] w[n, k]) * xs[m] * ws[n] (+ bias[n]). With AVX-512 VNNI,
+ * vpdpbusd multiplies unsigned by signed bytes: x + 128 is unsigned, and 128 * sum_k w[n, k]
+ * (wsum) comes off again. Without it, AVX2's maddubs on |w| and x * sign(w) (pairs stay within
+ * int16: 2 * 127 * 127 < 32768). */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+static inline __attribute__((always_inline)) void w8a8_row(const uint8_t *xu, int64_t K, const int8_t *w, int32_t wsum,
+                                                            int32_t *acc_out, const int rows) {
+    __m512i acc[MT];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_si512();
+    int64_t k = 0;
+    for (; k + 64 <= K; k += 64) {
+        _mm_prefetch((const char *)(w + k + PF_BYTES), _MM_HINT_T0);
+        const __m512i wv = _mm512_loadu_si512((const void *)(w + k));
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_loadu_si512((const void *)(xu + r * K + k)), wv);
+    }
+    if (k < K) { /* a last 32 columns */
+        const __mmask64 mk = (__mmask64)((1ULL << (K - k)) - 1);
+        const __m512i wv = _mm512_maskz_loadu_epi8(mk, w + k);
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_maskz_loadu_epi8(mk, xu + r * K + k), wv);
+    }
+    for (int r = 0; r < rows; r++) acc_out[r] = _mm512_reduce_add_epi32(acc[r]) - 128 * wsum;
+}
+#define W8A8_X_UNSIGNED 1
+#else
+static inline __attribute__((always_inline)) void w8a8_row(const uint8_t *xs8, int64_t K, const int8_t *w, int32_t wsum,
+                                                            int32_t *acc_out, const int rows) {
+    (void)wsum;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[MT];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+    for (int64_t k = 0; k < K; k += 32) {
+        _mm_prefetch((const char *)(w + k + PF_BYTES), _MM_HINT_T0);
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k)), aw = _mm256_sign_epi8(wv, wv);
+        for (int r = 0; r < rows; r++) {
+            const __m256i xv = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xs8 + r * K + k)), wv);
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(acc[r]), _mm256_extracti128_si256(acc[r], 1));
+        const __m128i s2 = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        acc_out[r] = _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+    }
+}
+#define W8A8_X_UNSIGNED 0
+#endif
+
+/* xq [M, K] int8 (K a multiple of 32), w [N, K] int8; wsum [N] = row sums of w (VNNI only). */
+void fl_w8a8_linear(const int8_t *xq, const float *xs, int64_t M, int64_t K, const int8_t *w, const float *ws,
+                    const int32_t *wsum, int64_t N, const float *bias, float *y) {
+    const uint8_t *xu = (const uint8_t *)xq;
+    uint8_t *shifted = NULL;
+    if (W8A8_X_UNSIGNED) {
+        shifted = aligned_alloc(64, (M * K + 63) & ~(int64_t)63);
+        for (int64_t i = 0; i < M * K; i++) shifted[i] = (uint8_t)xq[i] ^ 0x80; /* x + 128 */
+        xu = shifted;
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            int32_t acc[MT];
+            const int rows = (int)(M - m0 >= MT ? MT : M - m0);
+#define W8A8_CALL(R) w8a8_row(xu + m0 * K, K, w + n * K, wsum ? wsum[n] : 0, acc, R)
+            DISPATCH_ROWS(rows, W8A8_CALL)
+#undef W8A8_CALL
+            for (int r = 0; r < rows; r++) {
+                const float v = (float)acc[r] * xs[m0 + r] * ws[n];
+                y[(m0 + r) * N + n] = bias ? v + bias[n] : v;
+            }
+        }
+    }
+    free(shifted);
+}
+
+/* Per-token int8 quantization, as quantized.quantize_per_token: q = clamp(round(x / s), -127, 127)
+ * with s = *static_scale, or absmax(row) / 127 where static_scale is NULL. K a multiple of 8. */
+static inline void quantize_row(const float *x, int64_t K, const float *static_scale, int8_t *q, float *scale_out) {
+    float s;
+    if (static_scale) {
+        s = *static_scale;
+    } else {
+        __m256 m = _mm256_setzero_ps();
+        const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        for (int64_t k = 0; k < K; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), absmask));
+        s = fmaxf(hmax8(m), 1e-12f) / 127.f;
+    }
+    *scale_out = s;
+    const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
+    for (int64_t k = 0; k < K; k += 8) { /* clamp, then round half to even: the same as round, then clamp */
+        const __m256i i = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_div_ps(_mm256_loadu_ps(x + k), vs), lo), hi));
+        const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+        _mm_storel_epi64((__m128i *)(q + k), _mm_packs_epi16(p16, p16));
+    }
+}
+
+void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_scale, int8_t *q, float *scales) {
+    FOR_ROWS(m, M, { quantize_row(x + m * K, K, static_scale, q + m * K, scales + m); })
+}
+
 /* ---- a whole decode step over all layers in one call ------------------------------------------
  * What the model's forward does for B single-token sequences (see model/llama.py), without a
  * Python round trip per op: ~300 ops a step would otherwise cost more than the attention. */
 typedef struct {
-    int64_t kind; /* 0: fp32 weights, 1: int8 + float scales, 2: 4-bit + fp16 scales/mins */
+    int64_t kind; /* 0: fp32 weights, 1: int8 + float scales, 2: 4-bit + fp16 scales/mins, 3: w8a8 */
     int64_t n, k, g;
     const void *w, *scales, *mins;
-    const float *bias; /* or NULL */
+    const float *bias;     /* or NULL */
+    const int32_t *wsum;   /* w8a8: row sums of w */
+    const float *in_scale; /* w8a8: the static activation scale, or NULL for per-token scales */
 } fl_linear_t;
 
 typedef struct {
@@ -612,7 +714,13 @@ typedef struct {
     float *k_cache, *v_cache;
 } fl_layer_t;
 
-static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y) {
+/* xq, xs: room for M rows of int8 activations and their scales (w8a8) */
+static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y, int8_t *xq, float *xs) {
+    if (L->kind == 3) {
+        fl_quantize_rows(x, M, L->k, L->in_scale, xq, xs);
+        fl_w8a8_linear(xq, xs, M, L->k, (const int8_t *)L->w, (const float *)L->scales, L->wsum, L->n, L->bias, y);
+        return;
+    }
     if (L->kind == 0) fl_f32_linear(x, M, L->k, (const float *)L->w, L->n, y);
     else if (L->kind == 1) fl_q8_linear(x, M, L->k, (const int8_t *)L->w, (const float *)L->scales, L->n, L->g, y);
     else fl_q4_linear(x, M, L->k, (const uint8_t *)L->w, (const uint16_t *)L->scales, (const uint16_t *)L->mins, L->n, L->g, y);
@@ -640,22 +748,24 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, float *h, int
                        const float *final_norm, float *out, double *profile) {
     const int64_t qkv_n = (H + 2 * KVH) * D;
     float *x = floats64(B * hidden), *y = floats64(B * hidden), *qkv = floats64(B * qkv_n), *q = floats64(B * H * D);
-    float *att = floats64(B * H * D), *gu = floats64(B * 2 * inter), *act = floats64(B * inter);
+    float *att = floats64(B * H * D), *gu = floats64(B * 2 * inter), *act = floats64(B * inter), *xs = floats64(B);
+    const int64_t widest = inter > H * D ? (inter > hidden ? inter : hidden) : (H * D > hidden ? H * D : hidden);
+    int8_t *xq = aligned_alloc(64, (B * widest + 63) & ~(int64_t)63);
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < n_layers; i++) {
         const fl_layer_t *L = layers + i;
         STAGE(ST_NORM, fl_rms_norm(h, L->attn_norm, eps, B, hidden, x));
-        STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv));
+        STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv, xq, xs));
         STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos, sin, slots, positions, B, H, KVH, D, L->k_cache, L->v_cache, max_len, q));
         STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, slots, lengths, B, H, KVH, D, max_len, scale, att));
-        STAGE(ST_O, run_linear(&L->o, att, B, y));
+        STAGE(ST_O, run_linear(&L->o, att, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
         STAGE(ST_NORM, fl_rms_norm(h, L->mlp_norm, eps, B, hidden, x));
-        STAGE(ST_GATE_UP, run_linear(&L->gate_up, x, B, gu));
+        STAGE(ST_GATE_UP, run_linear(&L->gate_up, x, B, gu, xq, xs));
         STAGE(ST_SILU, fl_silu_and_mul(gu, B, inter, act));
-        STAGE(ST_DOWN, run_linear(&L->down, act, B, y));
+        STAGE(ST_DOWN, run_linear(&L->down, act, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
     }
     STAGE(ST_NORM, fl_rms_norm(h, final_norm, eps, B, hidden, out));
-    free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act);
+    free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act); free(xs); free(xq);
 }
