@@ -461,6 +461,13 @@ void fl_silu_and_mul(const float *gate_up, int64_t M, int64_t I, float *out) {
 static inline void rope_store_token(const float *src, const float *c, const float *s, int64_t base, int64_t H, int64_t KVH,
                                     int64_t D, float *k_cache, float *v_cache, int64_t max_len, float *q_out) {
     const int64_t half = D / 2;
+    /* The cache rows written here are cold: ask for all their lines at once (with intent to
+     * write) instead of missing on them one store at a time. */
+    for (int64_t h = 0; h < KVH; h++)
+        for (int64_t i = 0; i < D; i += 16) {
+            _mm_prefetch((const char *)(k_cache + (base + h * max_len) * D + i), _MM_HINT_ET0);
+            _mm_prefetch((const char *)(v_cache + (base + h * max_len) * D + i), _MM_HINT_ET0);
+        }
     for (int64_t h = 0; h < H + KVH; h++) {
         const float *x = src + h * D;
         float *o = h < H ? q_out + h * D : k_cache + (base + (h - H) * max_len) * D;
