@@ -10,8 +10,9 @@ Engines (each skipped with a note when not installed):
   llama.cpp                llama-cpp-python (`pip install -e '.[llamacpp]'`, CMAKE_ARGS=-DGGML_NATIVE=ON)
   HF transformers fp32     AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)
 
-Also measured in the same run: memory read bandwidth and fp32 GEMM rate with the same threads,
-giving each engine's decode ceiling (bandwidth / bytes of weights read per token)."""
+Also measured in the same run, with the same threads: memory read bandwidth right before and
+after every decode run, giving that run's decode ceiling (bandwidth / bytes of weights read per
+token), and the fp32 GEMM rates of MKL and oneDNN and the FMA peak."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ from gemm_cpu import fma_peak_gflops
 
 
 class MachineLimits:
-    """Memory read bandwidth and fp32 GEMM rates with the benchmark's threads, measured in every
-    repeat between the engines (this machine's bandwidth drifts with its neighbours' load). GEMM
-    twice: MKL (torch's default sgemm, HF's) and oneDNN (fasterllama's prefill GEMM), which differ
-    2x on AMD CPUs (benchmarks/gemm_cpu.py); the FMA peak once, from a compiled loop."""
+    """Memory read bandwidth and fp32 GEMM rates with the benchmark's threads. This machine's
+    bandwidth drifts with its neighbours' load within seconds, so the bandwidth is read right
+    before and right after every decode run, and each run is held against its own ceiling. GEMM
+    twice, between repeats: MKL (torch's default sgemm, HF's) and oneDNN (fasterllama's prefill
+    GEMM), which differ 2x on AMD CPUs (benchmarks/gemm_cpu.py); the FMA peak once."""
 
     def __init__(self) -> None:
         from fasterllama.ops import cpu_kernels
@@ -50,11 +52,16 @@ class MachineLimits:
         self.gemm_onednn: list[float] = []
         self.fma_peak = fma_peak_gflops(torch.get_num_threads())
 
-    def measure(self) -> None:
-        """Read bandwidth: the faster of a 1 GiB sum and a 1 GiB matrix-vector product (the
-        decode kernels' own access pattern); GEMM: a 2048^3 fp32 matmul. Best of 3 each."""
+    def read_now(self) -> float:
+        """GB/s: the faster of a 1 GiB sum and a 1 GiB matrix-vector product (the decode kernels'
+        own access pattern), best of 2 each."""
         readers = [self.buffer.sum] + ([lambda: self.gemv(self.x, self.buffer)] if self.gemv else [])
-        self.read.append(max(self.buffer.numel() * 4 / min(_timed(r) for _ in range(3)) / 1e9 for r in readers))
+        rate = max(self.buffer.numel() * 4 / min(_timed(r) for _ in range(2)) / 1e9 for r in readers)
+        self.read.append(rate)
+        return rate
+
+    def measure_gemm(self) -> None:
+        """A 2048^3 fp32 matmul through each library, best of 3."""
         for rates, gemm in ((self.gemm_mkl, lambda: self.a @ self.b), (self.gemm_onednn, lambda: self.sgemm(self.a, self.b))):
             rates.append(2 * 2048**3 / min(_timed(gemm) for _ in range(3)) / 1e9)
 
@@ -198,9 +205,10 @@ def main() -> None:
 
     ids = fixed_prompt_ids(args.prompt_len, engines[0].llm.config.vocab_size)
     machine = MachineLimits()
-    machine.measure()
+    machine.measure_gemm()
     prefill: dict[str, list[float]] = {e.name: [] for e in engines}
     decode: dict[str, list[float]] = {e.name: [] for e in engines}
+    ceiling: dict[str, list[float]] = {e.name: [] for e in engines}  # per decode run: bandwidth around it / weight bytes
     tokens: dict[str, list[int]] = {}
     for e in engines:  # warm-up: first-call allocations, kernel builds
         e.prefill(ids[:16])
@@ -209,12 +217,14 @@ def main() -> None:
     for rep in range(args.repeats):
         for e in engines:
             prefill[e.name].append(len(ids) / e.prefill(ids))
+            before = machine.read_now()
             secs, toks = e.decode(ids, args.decode_steps)
+            ceiling[e.name].append((before + machine.read_now()) / 2 * 1e9 / e.weight_bytes)
             decode[e.name].append(args.decode_steps / secs)
             tokens[e.name] = toks
         for b in batch_runs:
             batch_runs[b].append(fl.batch_throughput(args.prompt_len, b, args.decode_steps))
-        machine.measure()
+        machine.measure_gemm()
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
     limits = machine.summary()
     batch_rates = {b: statistics.median(r) for b, r in batch_runs.items()}
@@ -225,7 +235,7 @@ def main() -> None:
     peak = limits["fp32_fma_peak_gflop_per_s"]
     print(f"machine (medians over the run): read {limits['read_gb_per_s']:.1f} GB/s; fp32 GEMM {limits['fp32_gemm_mkl_gflop_per_s']:.0f} GFLOP/s "
           f"(MKL), {limits['fp32_gemm_onednn_gflop_per_s']:.0f} (oneDNN)" + (f", FMA peak {peak:.0f}" if peak else "")
-          + "; decode ceiling = read bandwidth / weight bytes")
+          + "; decode ceiling = read bandwidth right around each decode run / weight bytes")
     peers = [n for n in ("llama.cpp", "HF transformers fp32") if n in med]
     header = "| engine | prefill tok/s | decode tok/s | weights MB | decode ceiling tok/s | of ceiling |" + "".join(
         f" prefill / {p} | decode / {p} |" for p in peers)
@@ -234,12 +244,13 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "model": os.path.basename(path), "threads": args.threads, "limits": limits, "engines": {}}
     for e in engines:
         p, d = med[e.name]
-        ceiling = limits["read_gb_per_s"] * 1e9 / e.weight_bytes
-        row = f"| {e.name} | {p:.0f} | {d:.1f} | {e.weight_bytes / 1e6:.0f} | {ceiling:.0f} | {d / ceiling:.0%} |"
+        ceil = statistics.median(ceiling[e.name])
+        of_ceiling = statistics.median(r / c for r, c in zip(decode[e.name], ceiling[e.name]))
+        row = f"| {e.name} | {p:.0f} | {d:.1f} | {e.weight_bytes / 1e6:.0f} | {ceil:.0f} | {of_ceiling:.0%} |"
         for peer in peers:
             row += f" {p / med[peer][0]:.2f}x | {d / med[peer][1]:.2f}x |"
         print(row)
-        result["engines"][e.name] = {"prefill_tok_s": p, "decode_tok_s": d, "weight_bytes": e.weight_bytes, "decode_ceiling_tok_s": ceiling,
+        result["engines"][e.name] = {"prefill_tok_s": p, "decode_tok_s": d, "weight_bytes": e.weight_bytes, "decode_ceiling_tok_s": ceil, "of_ceiling": of_ceiling, "ceiling_runs": ceiling[e.name],
                                      "prefill_runs": prefill[e.name], "decode_runs": decode[e.name]}
     ratio = batch_rates[args.batch] / batch_rates[1]
     print(f"\nfasterllama fp32 batch throughput: batch 1 {batch_rates[1]:.1f} tok/s, batch {args.batch} {batch_rates[args.batch]:.1f} tok/s ({ratio:.2f}x)")

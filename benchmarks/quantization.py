@@ -24,7 +24,8 @@ EVAL_FILES = ["GPL-3", "GPL-2", "LGPL-2.1", "GFDL-1.3", "MPL-2.0"]
 CALIBRATION_FILE = "Apache-2.0"
 MODES = [
     "none", "w8", "w8-g32", "w4-g32", "w4-g64", "w4-g128", "w8a8-nosq", "w8a8",
-    "w8a8-static-max", "w8a8-static-percentile99.99", "w8a8-static-mse", "w8a8-static-entropy", "w8a8-static-max-nosink", "gguf",
+    "w8a8-static-percentile99.99", "w8a8-static-max", "w8a8-static-mse", "w8a8-static-entropy",
+    "w8a8-static-percentile99.99-clip", "w8a8-static-max-clip", "gguf",
 ]
 
 

@@ -89,13 +89,13 @@ def test_w8a8_linear_is_exact(m, k):
     assert torch.equal(ck.w8a8_linear(xq, xs, q, ws), qops.dequantize_gemm(qops.int8_gemm(xq, q.t()), xs, ws, None, torch.float32))
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_quantize_rows_matches_reference(static):
-    x = torch.randn(5, 96) * torch.logspace(-2, 2, 5)[:, None]
+@pytest.mark.parametrize("static,clip", [(False, False), (True, False), (True, True)])
+def test_quantize_rows_matches_reference(static, clip):
+    x = torch.randn(5, 96) * torch.logspace(-2, 2, 5)[:, None]  # rows within and beyond the static range
     x[0, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, 1e9, -1e9, 0.0]) * x[0].abs().max() / 127  # ties, clamping
     scale = torch.tensor(0.013) if static else None
-    q, s = ck.quantize_rows(x, scale)
-    q_ref, s_ref = qops.quantize_per_token(x, scale)
+    q, s = ck.quantize_rows(x, scale, clip)
+    q_ref, s_ref = qops.quantize_per_token(x, scale, clip)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
 
 
@@ -140,7 +140,7 @@ def test_rope_store_and_attention(heads, kv_heads, d):
     _close(ck.attention(qd, *mine, decode_only, 0.3), ref.attention(qd, *caches, decode_only, 0.3))
 
 
-@pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32", "w8a8", "w8a8-static-max"])
+@pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32", "w8a8", "w8a8-static-max", "w8a8-static-percentile99-clip"])
 def test_model_same_with_and_without_kernels(tmp_path, quantization):
     """A tiny GQA model generates the same tokens and logits three ways: decode steps as one C call
     (the default on CPU), the C kernels op by op, and the PyTorch reference ops."""

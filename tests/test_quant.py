@@ -80,19 +80,20 @@ def test_quantize_per_token_bounds():
     assert torch.all(q.abs().amax(dim=1) == 127)
 
 
-def test_static_scale_leaves_sink_rows_their_own_scale():
-    """With a static scale, the rows named (the attention-sink tokens) get their own absmax scale;
-    the others keep the static one. Without that the big row clips."""
+def test_static_scale_gives_out_of_range_rows_their_own_scale():
+    """Under a static scale, a row beyond its range (an attention sink, a massive-activation
+    token) gets its own absmax scale; rows within it keep the static one. With clip, it saturates."""
     x = torch.randn(5, 64)
-    x[0] *= 100
-    static = torch.tensor(0.02)
-    q, s = qops.quantize_per_token(x, static, torch.tensor([0]))
-    assert s[0] == x[0].abs().max() / 127 and torch.all(s[1:] == static)
-    assert torch.all((q[0].float() * s[0] - x[0]).abs() <= s[0] / 2 + 1e-5)
-    q2, s2 = qops.quantize_per_token(x, static)
-    assert torch.equal(q2[1:], q[1:]) and (q2[0].abs() == 127).sum() > 10 * max(1, int((q[0].abs() == 127).sum()))
-    q3, s3 = qops.rms_norm_quant(x, torch.ones(64), 1e-5, static, torch.tensor([0]))
-    assert s3[0] != static and torch.all(s3[1:] == static)
+    x[1] *= 100
+    static = torch.tensor(x[[0, 2, 3, 4]].abs().max().item() / 127 * 1.01)
+    q, s = qops.quantize_per_token(x, static)
+    assert s[1] == x[1].abs().max() / 127 and torch.all(s[[0, 2, 3, 4]] == static)
+    assert torch.all((q.float() * s[:, None] - x).abs() <= s[:, None] / 2 + 1e-5)  # nothing clipped
+    q2, s2 = qops.quantize_per_token(x, static, clip=True)
+    assert torch.all(s2 == static) and torch.equal(q2[[0, 2, 3, 4]], q[[0, 2, 3, 4]])
+    assert (q2[1].abs() == 127).sum() > 10 * max(1, int((q[1].abs() == 127).sum()))
+    q3, s3 = qops.rms_norm_quant(x, torch.ones(64), 1e-5, torch.tensor(0.002))
+    assert torch.all(s3 > 0.002)  # normalized rows reach ~3: every row is beyond 0.002 * 127
 
 
 def test_first_token_rows_are_the_sequence_starts():
@@ -210,9 +211,9 @@ def test_quant_config_parse():
     assert (c.mode, c.static_activations, c.calibrator, c.percentile, c.smoothquant_alpha) == ("w8a8", True, "percentile", 99.9, 0.5)
     assert QuantConfig.parse("w4").group_size == 32 and QuantConfig.parse("w4-g128").group_size == 128
     assert QuantConfig.parse(str(c)) == c
-    nosink = QuantConfig.parse("w8a8-static-max-nosink")
-    assert not nosink.sink_own_scale and QuantConfig.parse("w8a8-static").sink_own_scale
-    assert QuantConfig.parse(str(nosink)) == nosink
+    clip = QuantConfig.parse("w8a8-static-max-clip")
+    assert clip.clip and not QuantConfig.parse("w8a8-static").clip and QuantConfig.parse("w8a8-static-nosink").clip
+    assert QuantConfig.parse(str(clip)) == clip and str(clip) == "w8a8-static-max-clip-sq0.7"
     from fasterllama.errors import FasterLlamaError
 
     for bad in ("w3", "w4-g48", "w8-static", "w8a8-g32", "w8a8-bogus"):

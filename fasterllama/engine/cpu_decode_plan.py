@@ -23,7 +23,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("wsum", _P), ("in_scale", _P)]
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -34,9 +34,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def _linear(m: torch.nn.Module, in_scale: torch.Tensor | None, keep: list[torch.Tensor]) -> _Linear | None:
-    """The C description of linear `m`; in_scale: the static scale its int8 input is quantized with
-    (w8a8), None for per-token scales. Tensors made here go to `keep`."""
+def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
+    """The C description of linear `m`; for w8a8, `quantizer` (the module that quantizes its input)
+    holds the static scale (None: per token) and the clip setting. Tensors made here go to `keep`."""
     bias = getattr(m, "bias", None)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
@@ -51,8 +51,9 @@ def _linear(m: torch.nn.Module, in_scale: torch.Tensor | None, keep: list[torch.
     if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
         wsum = m.qweight.sum(dim=1, dtype=torch.int32)
         keep.append(wsum)
+        in_scale = quantizer.input_scale if quantizer is m else getattr(quantizer, "static_scale", None)
         return _Linear(3, m.out_features, m.in_features, m.in_features, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, _ptr(bias),
-                       wsum.data_ptr(), _ptr(in_scale))
+                       wsum.data_ptr(), _ptr(in_scale), int(getattr(quantizer, "clip", False)))
     return None
 
 
@@ -91,10 +92,9 @@ class CPUDecodePlan:
         structs, made = [], []
         for layer, (k_cache, v_cache) in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
-            in_scales = (getattr(layer.input_layernorm, "static_scale", None), getattr(attn.o_proj, "input_scale", None),
-                         getattr(layer.post_attention_layernorm, "static_scale", None), getattr(mlp.act, "static_scale", None))
             modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            linears = [_linear(m, s, made) for m, s in zip(modules, in_scales)]
+            quantizers = (layer.input_layernorm, attn.o_proj, layer.post_attention_layernorm, mlp.act)  # what feeds each int8 input
+            linears = [_linear(m, q, made) for m, q in zip(modules, quantizers)]
             if any(lin is None for lin in linears) or type(mlp.act).__name__ not in ("SiluAndMul", "SiluAndMulQuant"):
                 return None
             # int8 inputs where, and only where, the model's norms and SiLU hand the linears int8

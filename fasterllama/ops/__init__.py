@@ -26,8 +26,8 @@ _step: ContextVar["reference.AttentionMetadata | None"] = ContextVar("fasterllam
 
 @contextmanager
 def step(meta: "reference.AttentionMetadata") -> Iterator[None]:
-    """Make the running forward's metadata visible to modules whose call signature does not carry
-    it (static int8 quantization needs to know which rows start a sequence)."""
+    """Make the running forward's metadata visible to code whose call signature does not carry it
+    (calibration hooks leave the rows that start a sequence out of static int8 statistics)."""
     token = _step.set(meta)
     try:
         yield
@@ -83,8 +83,8 @@ def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
     return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
 
 
-def quantize_per_token(x, static_scale=None, own_scale_rows=None):
-    return get_op("quantize_per_token", x.device)(x, static_scale, own_scale_rows)
+def quantize_per_token(x, static_scale=None, clip=False):
+    return get_op("quantize_per_token", x.device)(x, static_scale, clip)
 
 
 def int8_gemm(xq, qweight_t):
@@ -95,12 +95,12 @@ def dequantize_gemm(acc, x_scale, w_scale, bias, dtype):
     return get_op("dequantize_gemm", acc.device)(acc, x_scale, w_scale, bias, dtype)
 
 
-def rms_norm_quant(x, weight, eps, static_scale=None, own_scale_rows=None):
-    return get_op("rms_norm_quant", x.device)(x, weight, eps, static_scale, own_scale_rows)
+def rms_norm_quant(x, weight, eps, static_scale=None, clip=False):
+    return get_op("rms_norm_quant", x.device)(x, weight, eps, static_scale, clip)
 
 
-def silu_and_mul_quant(gate_up, static_scale=None, own_scale_rows=None):
-    return get_op("silu_and_mul_quant", gate_up.device)(gate_up, static_scale, own_scale_rows)
+def silu_and_mul_quant(gate_up, static_scale=None, clip=False):
+    return get_op("silu_and_mul_quant", gate_up.device)(gate_up, static_scale, clip)
 
 
 pack_int4 = quantized.pack_int4

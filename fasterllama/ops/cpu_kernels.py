@@ -45,7 +45,7 @@ _SIGNATURES = {
     "fl_rope_store_kv": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
     "fl_decode_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
-    "fl_quantize_rows": [_P, _I, _I, _P, _P, _P],
+    "fl_quantize_rows": [_P, _I, _I, _P, _I, _P, _P],
     "fl_decode_forward": [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P],
 }
 _lib: ctypes.CDLL | None = None
@@ -219,11 +219,11 @@ def w8a8_linear(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, weigh
     return y
 
 
-def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C step's per-token int8 quantization (quantized.quantize_per_token without sink rows)."""
+def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C step's per-token int8 quantization (quantized.quantize_per_token)."""
     m, k = x.shape
     q, s = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32)
-    _lib.fl_quantize_rows(x.data_ptr(), m, k, _ptr(static_scale), q.data_ptr(), s.data_ptr())
+    _lib.fl_quantize_rows(x.data_ptr(), m, k, _ptr(static_scale), int(clip), q.data_ptr(), s.data_ptr())
     return q, s
 
 

@@ -76,17 +76,19 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 
 # -- W8A8 (FasterLLaMA) --------------------------------------------------------------------------------
-def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None, own_scale_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows with a dynamic absmax/127 scale per token, or one static (calibrated) scale;
-    with a static scale, `own_scale_rows` (of x [T, K]) still get their own dynamic scale."""
+def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows with a dynamic absmax/127 scale per token, or one static (calibrated) scale.
+    Under a static scale, a row beyond its range (absmax > 127 * scale: an attention sink or a
+    massive-activation token, ~10-100x the rest) takes its own absmax/127 scale, unless `clip`."""
     x = x.float()
-    if static_scale is None:
-        scale = x.abs().amax(dim=-1).clamp(min=1e-12) / 127
-    else:
+    if static_scale is not None and clip:
         scale = static_scale.float().expand(x.shape[:-1])
-        if own_scale_rows is not None and own_scale_rows.numel():
-            scale = scale.clone()
-            scale[own_scale_rows] = x[own_scale_rows].abs().amax(dim=-1).clamp(min=1e-12) / 127
+    else:
+        amax = x.abs().amax(dim=-1)
+        scale = amax.clamp(min=1e-12) / 127
+        if static_scale is not None:
+            static = static_scale.float().expand(x.shape[:-1])
+            scale = torch.where(amax > static * 127, scale, static)
     return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
 
 
@@ -108,9 +110,9 @@ def dequantize_gemm(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Ten
 
 
 # -- the seeds' fused ops (FasterLLaMA), reference versions ---------------------------------------------
-def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None, own_scale_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """resNormQuantized: RMSNorm, then per-token int8 quantization."""
-    return quantize_per_token(reference.rms_norm(x, weight, eps), static_scale, own_scale_rows)
+    return quantize_per_token(reference.rms_norm(x, weight, eps), static_scale, clip)
 
 
 def dequantize_residual(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -143,9 +145,9 @@ def dequantize_qkv_rope(
     return q, k, v.reshape(T, num_kv_heads, head_dim)
 
 
-def silu_and_mul_quant(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None, own_scale_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def silu_and_mul_quant(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU(gate)*up then per-token quantization (the float half of DequantizedSiluMultifyQuantized)."""
-    return quantize_per_token(reference.silu_and_mul(gate_up), static_scale, own_scale_rows)
+    return quantize_per_token(reference.silu_and_mul(gate_up), static_scale, clip)
 
 
 def dequantize_silu_and_mul_quant(

@@ -2,10 +2,12 @@
 
     w8            int8 weights, per output channel        w8-g32    int8 weights, groups of 32
     w4            4-bit weights, groups of 32 (-g64/-g128) w8a8      int8 weights + dynamic per-token int8 activations
-    w8a8-static[-max|-percentile[P]|-mse|-entropy]  static per-tensor activation scales from calibration
+    w8a8-static[-percentile[P]|-max|-mse|-entropy]  static per-tensor activation scales from calibration
+                  (default: the 99.99th percentile of |x|)
     w8a8 modes smooth activations with SmoothQuant (alpha 0.6 dynamic, 0.7 static); -sqALPHA
-    sets alpha, -nosq turns it off. Static scales leave each sequence's first token (the attention
-    sink) its own per-token scale; -nosink quantizes it with the static scale too
+    sets alpha, -nosq turns it off. Under a static scale, a token whose activations exceed the
+    calibrated range (attention sinks, massive-activation tokens) takes its own per-token scale;
+    -clip saturates it instead (classic static quantization)
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ class QuantConfig:
     mode: str
     group_size: int | None = None  # w8: None = per channel; w4: 32/64/128
     static_activations: bool = False  # w8a8 only
-    calibrator: str = "max"
+    calibrator: str = "percentile"  # static w8a8; chosen on held-out text (benchmarks/quantization.py --eval-files)
     percentile: float = 99.99
     smoothquant_alpha: float | None = None  # w8a8 only: SmoothQuant migration strength (None: 0.6 dynamic, 0.7 static)
-    sink_own_scale: bool = True  # static w8a8: position-0 tokens keep a per-token scale (and stay out of calibration)
+    clip: bool = False  # static w8a8: out-of-range tokens saturate (True) or take their own per-token scale
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,8 +78,8 @@ class QuantConfig:
                 kw["calibrator"] = part
             elif m := re.fullmatch(r"sq([\d.]+)", part):
                 kw["smoothquant_alpha"] = float(m.group(1))
-            elif part == "nosink":
-                kw["sink_own_scale"] = False
+            elif part in ("clip", "nosink"):  # nosink: this option's earlier name
+                kw["clip"] = True
             elif part == "nosq":
                 kw["smoothquant_alpha"] = -1.0
             else:
@@ -91,7 +93,7 @@ class QuantConfig:
         s = self.mode + (f"-g{self.group_size}" if self.group_size else "")
         if self.static_activations:
             s += "-static-" + (f"percentile{self.percentile:g}" if self.calibrator == "percentile" else self.calibrator)
-            s += "" if self.sink_own_scale else "-nosink"
+            s += "-clip" if self.clip else ""
         if self.mode == "w8a8":
             s += f"-sq{self.smoothquant_alpha:g}" if self.smoothquant_alpha is not None else "-nosq"
         return s

@@ -11,7 +11,7 @@ from .. import ops
 from ..model.llama import Linear, LlamaForCausalLM, RMSNorm
 from . import calibrate
 from .config import QuantConfig
-from .linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear, sink_rows
+from .linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear
 from .quantize import pick_group_size, quantize_int4, quantize_int8
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
@@ -20,33 +20,33 @@ LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.do
 class QuantRMSNorm(nn.Module):
     """RMSNorm fused with per-token int8 quantization (FasterLLaMA's resNormQuantized)."""
 
-    def __init__(self, norm: RMSNorm, static_scale: torch.Tensor | None, sink_own_scale: bool = False) -> None:
+    def __init__(self, norm: RMSNorm, static_scale: torch.Tensor | None, clip: bool = False) -> None:
         super().__init__()
         self.weight, self.eps = norm.weight, norm.eps
         self.static_scale = None if static_scale is None else nn.Parameter(static_scale, requires_grad=False)
-        self.sink_own_scale = sink_own_scale and static_scale is not None
+        self.clip = clip
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rms_norm_quant(x, self.weight, self.eps, self.static_scale, sink_rows(self.sink_own_scale))
+        return ops.rms_norm_quant(x, self.weight, self.eps, self.static_scale, self.clip)
 
 
 class SiluAndMulQuant(nn.Module):
     """SiLU(gate)*up fused with per-token int8 quantization for the int8 down projection."""
 
-    def __init__(self, static_scale: torch.Tensor | None, sink_own_scale: bool = False) -> None:
+    def __init__(self, static_scale: torch.Tensor | None, clip: bool = False) -> None:
         super().__init__()
         self.static_scale = None if static_scale is None else nn.Parameter(static_scale, requires_grad=False)
-        self.sink_own_scale = sink_own_scale and static_scale is not None
+        self.clip = clip
 
     def forward(self, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.silu_and_mul_quant(gate_up, self.static_scale, sink_rows(self.sink_own_scale))
+        return ops.silu_and_mul_quant(gate_up, self.static_scale, self.clip)
 
 
 def quantize_linear(lin: nn.Module, cfg: QuantConfig, input_scale: torch.Tensor | None = None) -> nn.Module:
     w, b = lin.weight.data.float(), None if lin.bias is None else lin.bias.data
     if cfg.mode == "w8a8":
         q, s = quantize_int8(w)
-        return W8A8Linear(q, s, input_scale, b, dtype=lin.weight.dtype, sink_own_scale=cfg.static_activations and cfg.sink_own_scale)
+        return W8A8Linear(q, s, input_scale, b, dtype=lin.weight.dtype, clip=cfg.clip)
     group = pick_group_size(w.shape[1], cfg.group_size) if cfg.group_size else None
     if cfg.mode == "w8" or group is None:  # (w4 falls back to int8 per channel where no group fits)
         q, s = quantize_int8(w, group)
@@ -69,8 +69,9 @@ def quantize_model(
     if (smooth_alpha is not None or calibrate_static) and (run is None or not calibration_chunks):
         raise ValueError("static activation scales and SmoothQuant need calibration tokens")
     layers = list(model.layers)
-    sinks = cfg.static_activations and cfg.sink_own_scale
-    skip_sinks = sinks  # sink tokens keep their own scales: calibrate smoothing and scales without them
+    # Static scales leave sequence-start tokens (attention sinks, ~100x the rest) out of the
+    # statistics: beyond any static range, they take their own scales at run time (unless -clip).
+    skip_sinks = cfg.static_activations and not cfg.clip
     if smooth_alpha is not None:
         targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
         stats = calibrate.collect_stats(model, run, calibration_chunks, targets, skip_sinks)
@@ -91,9 +92,9 @@ def quantize_model(
             parent = getattr(layer, parent_name)
             setattr(parent, attr, quantize_linear(getattr(parent, attr), cfg, scales.get(f"{i}.{name}")))
         if cfg.mode == "w8a8":
-            layer.input_layernorm = QuantRMSNorm(layer.input_layernorm, scales.get(f"{i}.self_attn.qkv_proj"), sinks)
-            layer.post_attention_layernorm = QuantRMSNorm(layer.post_attention_layernorm, scales.get(f"{i}.mlp.gate_up_proj"), sinks)
-            layer.mlp.act = SiluAndMulQuant(scales.get(f"{i}.mlp.down_proj"), sinks)
+            layer.input_layernorm = QuantRMSNorm(layer.input_layernorm, scales.get(f"{i}.self_attn.qkv_proj"), cfg.clip)
+            layer.post_attention_layernorm = QuantRMSNorm(layer.post_attention_layernorm, scales.get(f"{i}.mlp.gate_up_proj"), cfg.clip)
+            layer.mlp.act = SiluAndMulQuant(scales.get(f"{i}.mlp.down_proj"), cfg.clip)
     if cfg.mode in ("w8", "w4"):  # weight-only: the (often tied) embedding / lm_head too
         dtype = model.embed_tokens.weight.dtype
         tied = model.lm_head.weight is model.embed_tokens.weight

@@ -14,14 +14,6 @@ def _buffer(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-def sink_rows(enabled: bool) -> torch.Tensor | None:
-    """The running step's rows at position 0, which static scales leave to their own per-token
-    scale: the attention-sink token's activations are ~100x the others', so one scale for both
-    would either clip it or flatten everyone else (IntactKV, PrefixQuant keep it intact too)."""
-    meta = ops.current_step() if enabled else None
-    return None if meta is None else meta.first_token_rows
-
-
 class Int8Linear(nn.Module):
     """Weight-only int8 (mode `w8`): per output channel, or per group of input columns (Q8_0-like)."""
 
@@ -75,18 +67,18 @@ class W8A8Linear(nn.Module):
 
     def __init__(
         self, qweight: torch.Tensor, scale: torch.Tensor, input_scale: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-        dtype: torch.dtype = torch.float32, sink_own_scale: bool = False,
+        dtype: torch.dtype = torch.float32, clip: bool = False,
     ) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
-        self.dtype, self.sink_own_scale = dtype, sink_own_scale
+        self.dtype, self.clip = dtype, clip
         self.qweight = _buffer(qweight.contiguous())
         self.weight_scale = _buffer(scale.float().contiguous())
         self.input_scale = None if input_scale is None else _buffer(input_scale.float().reshape(()))
         self.bias = None if bias is None else _buffer(bias)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.quantize_per_token(x, self.input_scale, sink_rows(self.sink_own_scale and self.input_scale is not None))
+        return ops.quantize_per_token(x, self.input_scale, self.clip)
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype | None = None) -> torch.Tensor:
         xq, xs = x if isinstance(x, tuple) else self.quantize_input(x)

@@ -679,16 +679,18 @@ void fl_w8a8_linear(const int8_t *xq, const float *xs, int64_t M, int64_t K, con
 }
 
 /* Per-token int8 quantization, as quantized.quantize_per_token: q = clamp(round(x / s), -127, 127)
- * with s = *static_scale, or absmax(row) / 127 where static_scale is NULL. K a multiple of 8. */
-static inline void quantize_row(const float *x, int64_t K, const float *static_scale, int8_t *q, float *scale_out) {
+ * with s = absmax(row) / 127, or s = *static_scale where that covers the row (or `clip`). K a
+ * multiple of 8. */
+static inline void quantize_row(const float *x, int64_t K, const float *static_scale, int64_t clip, int8_t *q, float *scale_out) {
     float s;
-    if (static_scale) {
+    if (static_scale && clip) {
         s = *static_scale;
     } else {
         __m256 m = _mm256_setzero_ps();
         const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
         for (int64_t k = 0; k < K; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(x + k), absmask));
-        s = fmaxf(hmax8(m), 1e-12f) / 127.f;
+        const float amax = hmax8(m);
+        s = static_scale && !(amax > *static_scale * 127.f) ? *static_scale : fmaxf(amax, 1e-12f) / 127.f;
     }
     *scale_out = s;
     const __m256 vs = _mm256_set1_ps(s), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
@@ -699,8 +701,8 @@ static inline void quantize_row(const float *x, int64_t K, const float *static_s
     }
 }
 
-void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_scale, int8_t *q, float *scales) {
-    FOR_ROWS(m, M, { quantize_row(x + m * K, K, static_scale, q + m * K, scales + m); })
+void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_scale, int64_t clip, int8_t *q, float *scales) {
+    FOR_ROWS(m, M, { quantize_row(x + m * K, K, static_scale, clip, q + m * K, scales + m); })
 }
 
 /* ---- a whole decode step over all layers in one call ------------------------------------------
@@ -713,6 +715,7 @@ typedef struct {
     const float *bias;     /* or NULL */
     const int32_t *wsum;   /* w8a8: row sums of w */
     const float *in_scale; /* w8a8: the static activation scale, or NULL for per-token scales */
+    int64_t clip;          /* w8a8, static: rows beyond the scale's range saturate (else: their own scale) */
 } fl_linear_t;
 
 typedef struct {
@@ -724,7 +727,7 @@ typedef struct {
 /* xq, xs: room for M rows of int8 activations and their scales (w8a8) */
 static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y, int8_t *xq, float *xs) {
     if (L->kind == 3) {
-        fl_quantize_rows(x, M, L->k, L->in_scale, xq, xs);
+        fl_quantize_rows(x, M, L->k, L->in_scale, L->clip, xq, xs);
         fl_w8a8_linear(xq, xs, M, L->k, (const int8_t *)L->w, (const float *)L->scales, L->wsum, L->n, L->bias, y);
         return;
     }
