@@ -30,10 +30,6 @@ class _Layer(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("mlp_norm", _P), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear), ("k_cache", _P), ("v_cache", _P)]
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
     """The C description of linear `m`; for w8a8, `quantizer` (the module that quantizes its input)
     holds the static scale (None: per token) and the clip setting. Tensors made here go to `keep`."""
@@ -41,19 +37,19 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.is_contiguous() and m.in_features % 32 == 0:
-        return _Linear(0, m.out_features, m.in_features, m.in_features, m.weight.data_ptr(), None, None, _ptr(bias))
+        return _Linear(0, m.out_features, m.in_features, m.in_features, m.weight.data_ptr(), None, None, cpu_kernels.ptr(bias))
     if isinstance(m, Int8Linear) and m.weight_scale.dtype == torch.float32:
         g = m.group_size or m.in_features
         if g % 32 == 0:
-            return _Linear(1, m.out_features, m.in_features, g, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, _ptr(bias))
+            return _Linear(1, m.out_features, m.in_features, g, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, cpu_kernels.ptr(bias))
     if isinstance(m, Int4Linear) and m.group_size % 32 == 0:
-        return _Linear(2, m.out_features, m.in_features, m.group_size, m.qweight.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr(), _ptr(bias))
+        return _Linear(2, m.out_features, m.in_features, m.group_size, m.qweight.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr(), cpu_kernels.ptr(bias))
     if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
         wsum = m.qweight.sum(dim=1, dtype=torch.int32)
         keep.append(wsum)
         in_scale = quantizer.input_scale if quantizer is m else getattr(quantizer, "static_scale", None)
-        return _Linear(3, m.out_features, m.in_features, m.in_features, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, _ptr(bias),
-                       wsum.data_ptr(), _ptr(in_scale), int(getattr(quantizer, "clip", False)))
+        return _Linear(3, m.out_features, m.in_features, m.in_features, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, cpu_kernels.ptr(bias),
+                       wsum.data_ptr(), cpu_kernels.ptr(in_scale), int(getattr(quantizer, "clip", False)))
     return None
 
 

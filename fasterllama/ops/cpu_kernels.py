@@ -215,7 +215,7 @@ def w8a8_linear(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, weigh
     n = qweight.shape[0]
     wsum = qweight.sum(dim=1, dtype=torch.int32)
     y = torch.empty(m, n, dtype=torch.float32)
-    _lib.fl_w8a8_linear(xq.data_ptr(), xs.data_ptr(), m, k, qweight.data_ptr(), weight_scale.data_ptr(), wsum.data_ptr(), n, _ptr(bias), y.data_ptr())
+    _lib.fl_w8a8_linear(xq.data_ptr(), xs.data_ptr(), m, k, qweight.data_ptr(), weight_scale.data_ptr(), wsum.data_ptr(), n, ptr(bias), y.data_ptr())
     return y
 
 
@@ -223,11 +223,12 @@ def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None, cli
     """The C step's per-token int8 quantization (quantized.quantize_per_token)."""
     m, k = x.shape
     q, s = torch.empty(m, k, dtype=torch.int8), torch.empty(m, dtype=torch.float32)
-    _lib.fl_quantize_rows(x.data_ptr(), m, k, _ptr(static_scale), int(clip), q.data_ptr(), s.data_ptr())
+    _lib.fl_quantize_rows(x.data_ptr(), m, k, ptr(static_scale), int(clip), q.data_ptr(), s.data_ptr())
     return q, s
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A tensor's address for a C pointer argument, NULL for None."""
     return None if t is None else t.data_ptr()
 
 
