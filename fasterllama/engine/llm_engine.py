@@ -112,6 +112,8 @@ class LLMEngine:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
+        if quantization is not None and quantization != "gguf":
+            QuantConfig.parse(quantization)  # a bad spec fails before the model loads
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":
