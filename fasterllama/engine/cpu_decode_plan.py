@@ -106,16 +106,13 @@ class CPUDecodePlan:
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states after the final norm, as LlamaForCausalLM.forward returns them."""
         model = self.model
-        freqs = meta.positions.float()[:, None] * model.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
         h = model.embed_tokens(input_ids).float().contiguous()
         out = torch.empty_like(h)
         B = h.shape[0]
         hidden, H, KVH, D, inter, max_len = self.dims
         cpu_kernels.load().fl_decode_forward(
             ctypes.addressof(self.layers), len(self.layers), h.data_ptr(), B, hidden, H, KVH, D, inter, max_len, self.eps,
-            cos.data_ptr(), sin.data_ptr(), meta.slot_of_token.data_ptr(), meta.positions.data_ptr(), meta.decode_lengths.data_ptr(),
+            model.inv_freq.data_ptr(), meta.slot_of_token.data_ptr(), meta.positions.data_ptr(), meta.decode_lengths.data_ptr(),
             model.norm.weight.data_ptr(), out.data_ptr(), None if self.profile is None else ctypes.addressof(self.profile),
         )
         return out

@@ -233,13 +233,17 @@ class LLMEngine:
             offset += n
         starts = {id(item): item.seq.num_cached for item in batch}
         seqs = [item.seq for item in batch if item.samples]  # before execute advances num_cached
-        all_logits = self.runner.execute(batch, rows)
+        every_row = rows == list(range(offset))  # a decode step: no row gather needed
+        all_logits = self.runner.execute(batch, None if every_row else rows)
         for item, first in prompt_rows:
             self._add_prompt_logprobs(item.seq, starts[id(item)], all_logits[first : first + item.num_tokens])
         if not seqs:
             return []
-        logits = all_logits[sample_rows]
-        token_ids = sampler.sample(logits, self._sampling_batch(seqs, logits.shape[-1])).tolist()
+        logits = all_logits if sample_rows == list(range(len(rows))) else all_logits[sample_rows]
+        if all(s.params.greedy and self._plain_logits(s) for s in seqs):
+            token_ids = logits.argmax(dim=-1).tolist()  # what sampler.sample does here, without its per-row tensors
+        else:
+            token_ids = sampler.sample(logits, self._sampling_batch(seqs, logits.shape[-1])).tolist()
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         updates = []
@@ -303,6 +307,12 @@ class LLMEngine:
             values, idx = row.topk(n)
             out.update({int(i): float(v) for v, i in zip(values, idx)})
         return out
+
+    @staticmethod
+    def _plain_logits(seq: Sequence) -> bool:
+        """No logits processor changes this sequence's logits this step (no penalty, no ban)."""
+        p = seq.params
+        return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty and len(seq.output_token_ids) >= p.min_tokens
 
     def _sampling_batch(self, seqs: list[Sequence], vocab: int) -> sampler.SamplingBatch:
         dev = self.device

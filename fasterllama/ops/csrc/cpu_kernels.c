@@ -747,26 +747,40 @@ static void add_into(float *h, const float *d, int64_t n) {
     for (int64_t i = 0; i < n; i++) h[i] += d[i];
 }
 
+/* cos, sin [B, D] = the rotate-half RoPE tables of each token's position, as the model builds
+ * them: angle = float(position) * inv_freq[i] for i < D/2, repeated for the second half. */
+static void rope_tables(const int64_t *positions, int64_t B, const float *inv_freq, int64_t D, float *cos_out, float *sin_out) {
+    const int64_t half = D / 2;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t i = 0; i < half; i++) {
+            const float angle = (float)positions[b] * inv_freq[i];
+            cos_out[b * D + i] = cos_out[b * D + half + i] = cosf(angle);
+            sin_out[b * D + i] = sin_out[b * D + half + i] = sinf(angle);
+        }
+}
+
 /* h [B, hidden]: the embedded tokens in, the residual stream out; out [B, hidden]: after the final
- * norm. cos/sin [B, D]; slots, positions [B] (lengths = positions + 1). profile: NULL, or 9
- * doubles that accumulate the seconds spent in each stage (STAGE order below). */
+ * norm. inv_freq [D/2]: RoPE frequencies; slots, positions [B] (lengths = positions + 1). profile:
+ * NULL, or 9 doubles that accumulate the seconds spent in each stage (STAGE order below). */
 enum { ST_NORM, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_GATE_UP, ST_SILU, ST_DOWN, ST_RESIDUAL };
 #define STAGE(id, call) do { double t0_ = profile ? omp_get_wtime() : 0; call; if (profile) profile[id] += omp_get_wtime() - t0_; } while (0)
 void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, float *h, int64_t B, int64_t hidden, int64_t H,
-                       int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, const float *cos,
-                       const float *sin, const int64_t *slots, const int64_t *positions, const int64_t *lengths,
+                       int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, const float *inv_freq,
+                       const int64_t *slots, const int64_t *positions, const int64_t *lengths,
                        const float *final_norm, float *out, double *profile) {
     const int64_t qkv_n = (H + 2 * KVH) * D;
     float *x = floats64(B * hidden), *y = floats64(B * hidden), *qkv = floats64(B * qkv_n), *q = floats64(B * H * D);
     float *att = floats64(B * H * D), *gu = floats64(B * 2 * inter), *act = floats64(B * inter), *xs = floats64(B);
     const int64_t widest = inter > H * D ? (inter > hidden ? inter : hidden) : (H * D > hidden ? H * D : hidden);
     int8_t *xq = aligned_alloc(64, (B * widest + 63) & ~(int64_t)63);
+    float *cos_t = floats64(B * D), *sin_t = floats64(B * D);
+    rope_tables(positions, B, inv_freq, D, cos_t, sin_t);
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < n_layers; i++) {
         const fl_layer_t *L = layers + i;
         STAGE(ST_NORM, fl_rms_norm(h, L->attn_norm, eps, B, hidden, x));
         STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv, xq, xs));
-        STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos, sin, slots, positions, B, H, KVH, D, L->k_cache, L->v_cache, max_len, q));
+        STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos_t, sin_t, slots, positions, B, H, KVH, D, L->k_cache, L->v_cache, max_len, q));
         STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, slots, lengths, B, H, KVH, D, max_len, scale, att));
         STAGE(ST_O, run_linear(&L->o, att, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
@@ -777,5 +791,5 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, float *h, int
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
     }
     STAGE(ST_NORM, fl_rms_norm(h, final_norm, eps, B, hidden, out));
-    free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act); free(xs); free(xq);
+    free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act); free(xs); free(xq); free(cos_t); free(sin_t);
 }
