@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -53,20 +54,30 @@ class AttentionMetadata:
         # Sequences with one new token (decodes) are attended together in one batched call.
         single = [i for i in range(self.num_seqs) if self.token_offsets[i + 1] - self.token_offsets[i] == 1]
         self.multi_token_seqs = [i for i in range(self.num_seqs) if self.token_offsets[i + 1] - self.token_offsets[i] != 1]
-        dev = self.positions.device
-        self.decode_rows = torch.tensor([self.token_offsets[i] for i in single], dtype=torch.int64, device=dev)
+        self._single = single
         self.decode_slots = [self.slots[i] for i in single]
         lengths = [self.start_positions[i] + 1 for i in single]
-        self.decode_lengths = torch.tensor(lengths, dtype=torch.int64, device=dev)
+        self.decode_lengths = torch.tensor(lengths, dtype=torch.int64, device=self.positions.device)
         self.decode_max_len = max(lengths, default=0)
         first = self.decode_slots[0] if single else 0
         # consecutive slots can be read as a view of the cache, others are gathered
         self.decode_slot_range = (first, first + len(single)) if self.decode_slots == list(range(first, first + len(single))) else None
-        self.decode_slot_index = torch.tensor(self.decode_slots, dtype=torch.int64, device=dev)
         self.all_decode = not self.multi_token_seqs
-        # rows of tokens at position 0: attention sinks, whose activations dwarf the rest (see quant/)
+
+    # Index tensors built on first use: a decode step on the C path needs none of them.
+    @cached_property
+    def decode_rows(self) -> torch.Tensor:
+        return torch.tensor([self.token_offsets[i] for i in self._single], dtype=torch.int64, device=self.positions.device)
+
+    @cached_property
+    def decode_slot_index(self) -> torch.Tensor:
+        return torch.tensor(self.decode_slots, dtype=torch.int64, device=self.positions.device)
+
+    @cached_property
+    def first_token_rows(self) -> torch.Tensor:
+        """Rows of tokens at position 0: attention sinks, whose activations dwarf the rest (see quant/)."""
         starts = [self.token_offsets[i] for i in range(self.num_seqs) if self.start_positions[i] == 0 and self.token_offsets[i + 1] > self.token_offsets[i]]
-        self.first_token_rows = torch.tensor(starts, dtype=torch.int64, device=dev)
+        return torch.tensor(starts, dtype=torch.int64, device=self.positions.device)
 
     @property
     def num_seqs(self) -> int:
