@@ -35,6 +35,8 @@ typedef __m256 vf;
 #define LANES 8
 #endif
 #define F(a) a = FMA(a, b, c);
+/* Opaque to the optimizer: chains that start equal would be merged into one (gcc does that). */
+#define OPAQUE(v) __asm__ volatile("" : "+v"(v))
 int main(void) {
     const long iters = 50000000;
     double t = omp_get_wtime();
@@ -42,7 +44,9 @@ int main(void) {
 #pragma omp parallel reduction(+ : sink)
     {
         const vf b = SET1(0.999f), c = SET1(1e-4f); /* 12 independent chains: latency 4 x 2 pipes, with room */
-        vf a0 = b, a1 = c, a2 = b, a3 = c, a4 = b, a5 = c, a6 = b, a7 = c, a8 = b, a9 = c, a10 = b, a11 = c;
+        vf a0 = SET1(0), a1 = SET1(1), a2 = SET1(2), a3 = SET1(3), a4 = SET1(4), a5 = SET1(5), a6 = SET1(6), a7 = SET1(7), a8 = SET1(8),
+           a9 = SET1(9), a10 = SET1(10), a11 = SET1(11);
+        OPAQUE(a0); OPAQUE(a1); OPAQUE(a2); OPAQUE(a3); OPAQUE(a4); OPAQUE(a5); OPAQUE(a6); OPAQUE(a7); OPAQUE(a8); OPAQUE(a9); OPAQUE(a10); OPAQUE(a11);
         for (long i = 0; i < iters; i++) { F(a0) F(a1) F(a2) F(a3) F(a4) F(a5) F(a6) F(a7) F(a8) F(a9) F(a10) F(a11) }
         float out[LANES];
         vf s = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7 + a8 + a9 + a10 + a11;
