@@ -174,10 +174,14 @@ def test_model_same_with_and_without_kernels(tmp_path, quantization):
     assert one_call == op_by_op == reference
     if quantization is None:  # and the float model is HF's
         assert one_call == [tm.hf_greedy(hf, p, 12) for p in prompts]
+    # int8 activations: an ulp of difference before a quantizer (the C step's norm, SiLU and
+    # attention sum in another order) can move one activation across a rounding boundary, one
+    # int8 step; the integer kernels themselves are exact (test_w8a8_linear_is_exact)
+    tol = 3e-2 if quantization and quantization.startswith("w8a8") else 1e-4
     for a, b, c in zip(one_call_lp, op_by_op_lp, reference_lp):
         for sa, sb, sc in zip(a, b, c):
             for tok in sc:
-                assert abs(sa[tok] - sc[tok]) < 1e-4 and abs(sb[tok] - sc[tok]) < 1e-4
+                assert abs(sa[tok] - sc[tok]) < tol and abs(sb[tok] - sc[tok]) < tol
 
 
 def test_decode_attention_ignores_rows_past_each_sequence():
