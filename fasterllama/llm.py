@@ -88,8 +88,11 @@ class LLM:
         progress: bool = True,
         calibration_text: str | None = None,
     ) -> None:
-        """quantization: None (float), or a spec such as "w8", "w8-g32", "w4", "w4-g64", "w8a8",
-        "w8a8-static-mse", "w8a8-static-percentile99.99-sq0.5" (see fasterllama.quant.config)."""
+        """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q8_0/Q4_0/Q4_1
+        tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
+        weights, dequantizing a GGUF file), "gguf", or a spec such as "w8", "w8-g32", "w4", "w4-g64",
+        "w8a8", "w8a8-static-mse", "w8a8-static-percentile99.99-sq0.5" (see fasterllama.quant.config).
+        "gguf" is exact: its kernels expand each block to the very floats "none" holds."""
         self.engine = LLMEngine(
             model,
             dtype=dtype,

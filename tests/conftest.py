@@ -26,6 +26,16 @@ def default_llm():
 
 
 @pytest.fixture(scope="session")
+def fp32_llm():
+    """The default model with every tensor dequantized to fp32 (quantization="none")."""
+    from fasterllama import LLM
+
+    if default_model_path() is None:
+        pytest.skip("default model not installed")
+    return LLM(quantization="none", progress=False)
+
+
+@pytest.fixture(scope="session")
 def hf_default():
     """(model, tokenizer) of HF transformers loading the default GGUF in fp32: the reference."""
     path = default_model_path()

@@ -192,7 +192,7 @@ def test_bench_reports_every_figure(tmp_path):
     result = json.loads(out.read_text())
     assert set(result["prefill"]) == {"16", "32"} and all(r["tokens_per_s"] > 0 and r["time_to_first_token_s"] > 0 for r in result["prefill"].values())
     assert set(result["throughput_tokens_per_s"]) == {"1", "2"} and result["decode_tokens_per_s"] > 0
-    assert result["peak_rss_mb"] > 100 and result["quantization"] == "none"
+    assert result["peak_rss_mb"] > 100 and result["quantization"] == "gguf"  # the default: the file's 4-bit tensors kept
     assert "prefill" in proc.stdout and "throughput batch" in proc.stdout
 
 

@@ -112,7 +112,7 @@ class LLMEngine:
         for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not isinstance(value, int) or value < 1:
                 raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
-        if quantization is not None and quantization != "gguf":
+        if quantization not in (None, "gguf", "none"):
             QuantConfig.parse(quantization)  # a bad spec fails before the model loads
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -129,10 +129,13 @@ class LLMEngine:
             from tqdm import tqdm
 
             bar = tqdm(total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False)
-        native = quantization == "gguf"
         saved_quant = getattr(ckpt.source, "quantization", None)
+        requested = quantization
+        if quantization is None:  # a GGUF file's quantized tensors stay as they are where kernels run them exactly
+            quantization = "gguf" if ckpt.format == "gguf" and self.device.type == "cpu" and self.dtype == torch.float32 and saved_quant is None else "none"
+        native = quantization == "gguf"
         if saved_quant is not None:  # written by `fasterllama quantize`: load as saved
-            if quantization is not None:
+            if requested is not None:
                 raise FasterLlamaError("this checkpoint is quantized already; load it without --quantization")
             loaded_quant = load_quantized(self.model, saved_quant, _counted(ckpt.iter_tensors(), bar), self.dtype, self.device)
         elif native:  # keep the file's Q8_0/Q4_0/Q4_1 tensors quantized
@@ -157,7 +160,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.device)
         self.eos_token_ids = set(cfg.eos_token_ids)
         self.quant_config: "QuantConfig | str | None" = "gguf" if native else (loaded_quant if saved_quant is not None else None)
-        if quantization is not None and not native:
+        if quantization not in ("gguf", "none"):
             self.quantize(quantization, calibration_text, calibration_tokens)
 
     def quantize(self, spec: "str | QuantConfig", calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
