@@ -1,7 +1,7 @@
 """Batching without padding: 8 mixed-length prompts decoded as one packed batch, vs one at a
 time, vs a padded batch (every prompt left-padded to the longest, as a padded engine computes).
 
-    python benchmarks/batching.py [--model M] [--max-tokens 128] [--repeats 3]
+    python benchmarks/batching.py [--model M] [--quantization none] [--max-tokens 128] [--repeats 3]
 
 Prints wall time and generated tokens/s of each mode (medians), and the ratios."""
 
@@ -28,8 +28,9 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quantization", default=None, help="none: fp32 weights (default: the GGUF's 4-bit tensors kept)")
     args = ap.parse_args()
-    llm = LLM(args.model, progress=False)
+    llm = LLM(args.model, quantization=args.quantization, progress=False)
     ids = llm.tokenizer.encode(TEXT)
     prompts = [ids[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
     pad = llm.tokenizer.token_to_id(llm.tokenizer.special_tokens.get("pad_token") or "") or 0

@@ -57,7 +57,7 @@ def main() -> None:
     total = (time.perf_counter() - t0) / args.steps
     per_step = {k: v / args.steps for k, v in timings.items()}
     stages = {k: v / args.steps for k, v in plan.profile_report().items()}
-    print(f"decode step, batch {args.batch}, {args.quantization or 'fp32'}, threads={torch.get_num_threads()}: "
+    print(f"decode step, batch {args.batch}, {llm.engine.quant_config or 'float weights'}, threads={torch.get_num_threads()}: "
           f"{total * 1e3:.2f} ms ({args.batch / total:.1f} tok/s)")
     c_total = sum(stages.values())
     rows = [(f"  C: {k}", v) for k, v in stages.items()]

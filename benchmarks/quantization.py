@@ -67,9 +67,8 @@ def main() -> None:
     rows = []
     base_ppl = base_bytes = None
     for mode in args.modes.split(","):
-        quant = None if mode == "none" else mode
         t0 = time.perf_counter()
-        llm = LLM(args.model, quantization=quant, calibration_text=calibration, progress=False)
+        llm = LLM(args.model, quantization=mode, calibration_text=calibration, progress=False)
         load = time.perf_counter() - t0
         ids = llm.tokenizer.encode(text)[: args.max_tokens]
         result = {"perplexity": float("nan"), "tokens": 0} if args.no_ppl else perplexity(llm, ids, args.context, args.context // 2, progress=False)

@@ -120,11 +120,10 @@ typedef __m256 vf;
 /* AVX-512: a group's 16 possible weight values scale * q + min sit in one register, and
  * vpermps looks each nibble up directly (it reads only the low 4 bits of an index). */
 /* One group of g weights of a 4-bit row against `rows` activation rows: acc0[r] += low half,
- * acc1[r] += high half. */
+ * acc1[r] += high half. With g = 32 (GGUF's blocks) `half` is the constant 16: one step. */
 static inline __attribute__((always_inline)) void q4_group512(
     const uint8_t *qb, const float *xb, int64_t K, int64_t half, __m512 lut, __m512 *acc0, __m512 *acc1, const int rows) {
     for (int64_t j = 0; j < half; j += 16) {
-        if (j % 64 == 0) PREFETCH(qb + j);
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + j)));
         const __m512 wa = _mm512_permutexvar_ps(idx, lut), wb = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
         for (int r = 0; r < rows; r++) {
@@ -135,11 +134,22 @@ static inline __attribute__((always_inline)) void q4_group512(
     }
 }
 
-static inline __m512 q4_lut(const uint16_t *sc, const uint16_t *mn, int64_t grp) {
+/* A group's 16 possible weights, scale * q + min for q = 0..15: the same fp32 values dequantizing
+ * gives (scale * q is exact, so the FMA rounds once, as the multiply-then-add does). */
+static inline __m512 q4_lut(float scale, float min) {
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_fmadd_ps(iota, _mm512_set1_ps(_cvtsh_ss(sc[grp])), _mm512_set1_ps(_cvtsh_ss(mn[grp])));
+    return _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(min));
 }
 
+/* fp16 values [n] -> floats, 16 at a time */
+static inline void f16_to_f32(const uint16_t *src, int64_t n, float *dst) {
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? 0xFFFF : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(dst + i, m, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + i)));
+    }
+}
+
+#define Q4_MAX_GROUPS 512 /* rows of up to 512 groups get their scales converted in one pass */
 static inline __attribute__((always_inline)) void q4_row(
     const float *x, int64_t K, const uint8_t *q, const uint16_t *sc, const uint16_t *mn, int64_t g,
     const float *xsum, int64_t G, float *y, int64_t N, const int rows) {
@@ -147,14 +157,32 @@ static inline __attribute__((always_inline)) void q4_row(
     __m512 a0[MT], a1[MT], a2[MT], a3[MT]; /* for 1-2 rows, groups alternate between (a0, a1) and
                                               (a2, a3), so one row's FMA chains overlap */
     for (int r = 0; r < rows; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
+    float scale[Q4_MAX_GROUPS], min[Q4_MAX_GROUPS];
+    if (G <= Q4_MAX_GROUPS) {
+        f16_to_f32(sc, G, scale);
+        f16_to_f32(mn, G, min);
+    }
+#define LUT(grp) (G <= Q4_MAX_GROUPS ? q4_lut(scale[grp], min[grp]) : q4_lut(_cvtsh_ss(sc[grp]), _cvtsh_ss(mn[grp])))
     const int64_t half = g / 2;
     int64_t grp = 0;
-    for (; rows <= 2 && grp + 1 < G; grp += 2) { /* more rows overlap by themselves (and need the registers) */
-        q4_group512(q + grp * half, x + grp * g, K, half, q4_lut(sc, mn, grp), a0, a1, rows);
-        q4_group512(q + (grp + 1) * half, x + (grp + 1) * g, K, half, q4_lut(sc, mn, grp + 1), a2, a3, rows);
+    if (g == 32) { /* GGUF blocks: a straight-line step per group, one prefetch per 4 groups (64 bytes) */
+        for (; rows <= 2 && grp + 1 < G; grp += 2) {
+            if (grp % 4 == 0) PREFETCH(q + grp * 16);
+            q4_group512(q + grp * 16, x + grp * 32, K, 16, LUT(grp), a0, a1, rows);
+            q4_group512(q + (grp + 1) * 16, x + (grp + 1) * 32, K, 16, LUT(grp + 1), a2, a3, rows);
+        }
+        for (; grp < G; grp++) {
+            if (grp % 4 == 0) PREFETCH(q + grp * 16);
+            q4_group512(q + grp * 16, x + grp * 32, K, 16, LUT(grp), a0, a1, rows);
+        }
+    } else {
+        for (; grp < G; grp++) {
+            for (int64_t j = 0; j < half; j += 64) PREFETCH(q + grp * half + j);
+            if (rows <= 2 && grp % 2) q4_group512(q + grp * half, x + grp * g, K, half, LUT(grp), a2, a3, rows);
+            else q4_group512(q + grp * half, x + grp * g, K, half, LUT(grp), a0, a1, rows);
+        }
     }
-    for (; rows > 2 && grp < G; grp++) q4_group512(q + grp * half, x + grp * g, K, half, q4_lut(sc, mn, grp), a0, a1, rows);
-    if (grp < G) q4_group512(q + grp * half, x + grp * g, K, half, q4_lut(sc, mn, grp), a0, a1, rows);
+#undef LUT
     for (int r = 0; r < rows; r++)
         y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
 }
@@ -221,7 +249,7 @@ void fl_q4_dequant(const uint8_t *packed, const uint16_t *scales, const uint16_t
         float *o = out + (n - n0) * K;
         for (int64_t grp = 0; grp < G; grp++) {
 #if defined(__AVX512F__)
-            const __m512 lut = q4_lut(scales + n * G, mins + n * G, grp);
+            const __m512 lut = q4_lut(_cvtsh_ss(scales[n * G + grp]), _cvtsh_ss(mins[n * G + grp]));
             for (int64_t j = 0; j < half; j += 16) {
                 const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + grp * half + j)));
                 _mm512_storeu_ps(o + grp * g + j, _mm512_permutexvar_ps(idx, lut));
@@ -251,20 +279,33 @@ static inline __attribute__((always_inline)) void q8_row(
     const float *x, int64_t K, const int8_t *q, const float *sc, int64_t g, float *y, int64_t N, const int rows) {
     vf acc0[MT], acc1[MT], wa[2], wb[2]; /* 32-column steps alternate between two accumulator sets */
     for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = VZERO();
-#define Q8_STEP(k, acc)                                                     \
+#define Q8_STEP(k, scale, acc)                                              \
     {                                                                       \
-        const vf s = VSET1(sc[(k) / g]);                                    \
+        const vf s = VSET1(scale);                                          \
         if ((k) % 64 == 0) PREFETCH(q + (k));                               \
         I8X16(_mm_loadu_si128((const __m128i *)(q + (k))), wa);             \
         I8X16(_mm_loadu_si128((const __m128i *)(q + (k) + 16)), wb);        \
         DOT32(rows, x, K, (k), (k) + 16, wa, wb, s, acc, 1)                 \
     }
-    int64_t k = 0;
-    for (; k + 64 <= K; k += 64) {
-        Q8_STEP(k, acc0)
-        Q8_STEP(k + 32, acc1)
+    if (g == 32) { /* Q8_0 blocks: a scale per step, no division to find it */
+        const int64_t G = K / 32;
+        int64_t grp = 0;
+        for (; grp + 2 <= G; grp += 2) {
+            Q8_STEP(grp * 32, sc[grp], acc0)
+            Q8_STEP(grp * 32 + 32, sc[grp + 1], acc1)
+        }
+        if (grp < G) Q8_STEP(grp * 32, sc[grp], acc0)
+    } else {
+        for (int64_t k0 = 0; k0 < K; k0 += g) {
+            const float scale = sc[k0 / g];
+            int64_t k = k0;
+            for (; k + 64 <= k0 + g; k += 64) {
+                Q8_STEP(k, scale, acc0)
+                Q8_STEP(k + 32, scale, acc1)
+            }
+            if (k < k0 + g) Q8_STEP(k, scale, acc0)
+        }
     }
-    if (k < K) Q8_STEP(k, acc0)
 #undef Q8_STEP
     for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc0[r]) + VHSUM(acc1[r]);
 }
