@@ -56,8 +56,15 @@ def test_chat_template_matches_hf(default_llm, hf_default):
         assert default_llm.chat_prompt(messages) == list(ids)
 
 
+@pytest.fixture(params=["default", "fp32"])
+def either_llm(request, default_llm, fp32_llm):
+    """The default (the file's 4-bit tensors kept) and the fp32 expansion: both match HF."""
+    return default_llm if request.param == "default" else fp32_llm
+
+
 @pytest.mark.parametrize("prompt", PLAIN_PROMPTS)
-def test_logits_match_hf(default_llm, hf_default, prompt):
+def test_logits_match_hf(either_llm, hf_default, prompt):
+    default_llm = either_llm
     model, tok = hf_default
     ids = tok(prompt)["input_ids"]
     with torch.no_grad():
@@ -75,7 +82,8 @@ def _hf_greedy(model, ids, n):
 
 
 @pytest.mark.parametrize("case", range(len(PLAIN_PROMPTS) + len(CHAT_PROMPTS)))
-def test_greedy_matches_hf(default_llm, hf_default, case):
+def test_greedy_matches_hf(either_llm, hf_default, case):
+    default_llm = either_llm
     model, tok = hf_default
     if case < len(PLAIN_PROMPTS):
         ids = tok(PLAIN_PROMPTS[case])["input_ids"]
