@@ -1,5 +1,5 @@
-"""Where a decode step's time goes: the stages of the one-call C decode step, the lm_head, and
-the Python around them (scheduling, embedding, rope tables, sampling).
+"""Where a decode step's time goes: the stages of the one-call C decode step (embedding to
+logits) and the Python around it (scheduling, sampling, bookkeeping).
 
     python benchmarks/profile_decode.py [--model M] [--quantization Q] [--batch 1] [--steps 100]
 
@@ -37,8 +37,7 @@ def main() -> None:
     for _ in range(10):  # warm-up
         engine.step()
 
-    timings = {"forward (C decode step + embedding, rope tables)": 0.0, "lm_head": 0.0}
-    model = runner.model
+    timings = {"forward": 0.0}
 
     def timed(key, fn):
         def wrapper(*a, **k):
@@ -48,22 +47,19 @@ def main() -> None:
             return out
         return wrapper
 
-    plan.forward = timed("forward (C decode step + embedding, rope tables)", plan.forward)
-    model.compute_logits = timed("lm_head", model.compute_logits)
+    plan.forward = timed("forward", plan.forward)
     plan.start_profile()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     total = (time.perf_counter() - t0) / args.steps
-    per_step = {k: v / args.steps for k, v in timings.items()}
+    forward = timings["forward"] / args.steps
     stages = {k: v / args.steps for k, v in plan.profile_report().items()}
     print(f"decode step, batch {args.batch}, {llm.engine.quant_config or 'float weights'}, threads={torch.get_num_threads()}: "
           f"{total * 1e3:.2f} ms ({args.batch / total:.1f} tok/s)")
-    c_total = sum(stages.values())
     rows = [(f"  C: {k}", v) for k, v in stages.items()]
-    rows.append(("  Python around the C step (embedding, cos/sin, ctypes)", per_step["forward (C decode step + embedding, rope tables)"] - c_total))
-    rows.append(("lm_head", per_step["lm_head"]))
-    rows.append(("scheduler, sampler, bookkeeping", total - sum(per_step.values())))
+    rows.append(("  Python around the C step (logits buffer, ctypes)", forward - sum(stages.values())))
+    rows.append(("scheduler, sampler, bookkeeping", total - forward))
     print(f"{'part':58s} {'ms/step':>8s} {'share':>6s}")
     for name, secs in rows:
         print(f"{name:58s} {secs * 1e3:8.3f} {secs / total:6.1%}")

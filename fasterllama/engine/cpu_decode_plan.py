@@ -1,8 +1,8 @@
-"""A decode step over all layers in one C call (fl_decode_forward in ops/csrc/cpu_kernels.c).
+"""A decode step, token ids to logits, in one C call (fl_decode_forward in ops/csrc/cpu_kernels.c).
 
 The CPU analogue of replaying a captured CUDA graph: the weights' and KV caches' addresses are
 collected once into an array of C structs, so a decode step crosses from Python into C once
-instead of ~300 times. Runs steps where every sequence decodes one token (batch <= 16) on fp32
+instead of ~300 times (embedding, every layer, final norm, lm_head). Runs steps where every sequence decodes one token (batch <= 16) on fp32
 models with plain, int8 or 4-bit linears; everything else goes through the model's forward, which
 uses the same kernels op by op and is the reference this path is tested against. w8a8 models
 (int8 activations) run here too: the C step quantizes each linear's input as the model's fused
@@ -17,7 +17,7 @@ import torch
 from ..model.llama import LlamaForCausalLM, Linear, RMSNorm
 from ..ops import AttentionMetadata, cpu_kernels
 from ..quant.convert import QuantRMSNorm, SiluAndMulQuant
-from ..quant.linear import Int4Linear, Int8Linear, W8A8Linear
+from ..quant.linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -53,19 +53,33 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
     return None
 
 
+def _embedding(m: torch.nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
+    """The C description of the token embedding's table (its rows, as a linear's weight rows)."""
+    if isinstance(m, torch.nn.Embedding):
+        w = m.weight
+        if w.dtype != torch.float32 or not w.is_contiguous():
+            return None
+        return _Linear(0, w.shape[0], w.shape[1], w.shape[1], w.data_ptr(), None, None, None)
+    if isinstance(m, QuantizedEmbedding) and m.dtype == torch.float32 and isinstance(m.table, (Int8Linear, Int4Linear)):
+        return _linear(m.table, None, keep)
+    return None
+
+
 class CPUDecodePlan:
     MAX_BATCH = cpu_kernels.GEMV_MAX_ROWS
 
-    def __init__(self, model: LlamaForCausalLM, layers: ctypes.Array, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], made: list[torch.Tensor]) -> None:
-        self.model, self.layers, self.kv_caches = model, layers, kv_caches
+    def __init__(self, model: LlamaForCausalLM, layers: ctypes.Array, embed: _Linear, lm_head: _Linear,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], made: list[torch.Tensor]) -> None:
+        self.model, self.layers, self.embed, self.lm_head, self.kv_caches = model, layers, embed, lm_head, kv_caches
         # the tensors behind the addresses: kept alive even if the model's modules are replaced
-        self._tensors = [t for layer in model.layers for t in (*layer.parameters(), *layer.buffers())] + [model.norm.weight] + made
+        self._tensors = [t for m in (*model.layers, model.embed_tokens, model.lm_head) for t in (*m.parameters(), *m.buffers())]
+        self._tensors += [model.norm.weight, model.inv_freq] + made
         cfg = model.config
         self.dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, kv_caches[0][0].shape[2])
         self.eps = ctypes.c_float(cfg.rms_norm_eps)
         self.profile: ctypes.Array | None = None  # set by start_profile(): seconds per stage
 
-    STAGES = ("rms_norm", "qkv_proj", "rope+store_kv", "attention", "o_proj", "gate_up_proj", "silu*mul", "down_proj", "residual add")
+    STAGES = ("rms_norm", "qkv_proj", "rope+store_kv", "attention", "o_proj", "gate_up_proj", "silu*mul", "down_proj", "residual add", "embedding", "lm_head")
 
     def start_profile(self) -> None:
         """Accumulate the time of each stage of the C decode step from now on (see profile_report)."""
@@ -98,21 +112,23 @@ class CPUDecodePlan:
             if any((linears[i].kind == 3) != quantized for i, quantized in fused.items()):
                 return None
             structs.append(_Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *linears, k_cache.data_ptr(), v_cache.data_ptr()))
-        return cls(model, (_Layer * len(structs))(*structs), kv_caches, made)
+        embed, lm_head = _embedding(model.embed_tokens, made), _linear(model.lm_head, model.lm_head, made)
+        if embed is None or lm_head is None or model.inv_freq.dtype != torch.float32:
+            return None
+        return cls(model, (_Layer * len(structs))(*structs), embed, lm_head, kv_caches, made)
 
     def covers(self, meta: AttentionMetadata) -> bool:
         return meta.all_decode and 0 < meta.num_seqs <= self.MAX_BATCH
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states after the final norm, as LlamaForCausalLM.forward returns them."""
+        """fp32 logits [B, vocab] of the step's tokens, as the model's forward and compute_logits give them."""
         model = self.model
-        h = model.embed_tokens(input_ids).float().contiguous()
-        out = torch.empty_like(h)
-        B = h.shape[0]
+        B = input_ids.shape[0]
+        logits = torch.empty(B, self.lm_head.n, dtype=torch.float32)
         hidden, H, KVH, D, inter, max_len = self.dims
         cpu_kernels.load().fl_decode_forward(
-            ctypes.addressof(self.layers), len(self.layers), h.data_ptr(), B, hidden, H, KVH, D, inter, max_len, self.eps,
-            model.inv_freq.data_ptr(), meta.slot_of_token.data_ptr(), meta.positions.data_ptr(), meta.decode_lengths.data_ptr(),
-            model.norm.weight.data_ptr(), out.data_ptr(), None if self.profile is None else ctypes.addressof(self.profile),
+            ctypes.addressof(self.layers), len(self.layers), input_ids.data_ptr(), ctypes.addressof(self.embed), B, hidden, H, KVH, D, inter,
+            max_len, self.eps, model.inv_freq.data_ptr(), meta.slot_of_token.data_ptr(), meta.positions.data_ptr(), meta.decode_lengths.data_ptr(),
+            model.norm.weight.data_ptr(), ctypes.addressof(self.lm_head), logits.data_ptr(), None if self.profile is None else ctypes.addressof(self.profile),
         )
-        return out
+        return logits

@@ -51,12 +51,13 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; fp32 logits of the given packed-token rows (default: every row)."""
         input_ids, meta = self.prepare(batch)
+        index = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device)
         if self.decode_plan is not None and self.decode_plan.covers(meta):
-            hidden = self.decode_plan.forward(input_ids, meta)
+            logits = self.decode_plan.forward(input_ids, meta)  # embedding to logits in one C call
+            logits = logits if index is None else logits[index]
         else:
             hidden = self.model(input_ids, meta, self.kv_cache.layers)
-        if rows is not None:
-            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=hidden.device)]
+            logits = self.model.compute_logits(hidden if index is None else hidden[index]).float()
         for item in batch:
             item.seq.num_cached += item.num_tokens
-        return self.model.compute_logits(hidden).float()
+        return logits

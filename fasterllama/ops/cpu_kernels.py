@@ -46,7 +46,7 @@ _SIGNATURES = {
     "fl_decode_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
     "fl_quantize_rows": [_P, _I, _I, _P, _I, _P, _P],
-    "fl_decode_forward": [_P, _I, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P],
+    "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False

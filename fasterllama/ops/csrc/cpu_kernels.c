@@ -788,6 +788,36 @@ static void add_into(float *h, const float *d, int64_t n) {
     for (int64_t i = 0; i < n; i++) h[i] += d[i];
 }
 
+/* h [B, K] = rows tokens[b] of an embedding table described like a linear (fp32, int8 with scales
+ * per row or group, or 4-bit), dequantized as the model's embedding does it: float(q) * scale,
+ * float(q) * scale + min. */
+static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, float *h) {
+    const int64_t K = E->k, g = E->g, G = K / g;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t t = tokens[b];
+        float *o = h + b * K;
+        if (E->kind == 0) {
+            const float *row = (const float *)E->w + t * K;
+            for (int64_t k = 0; k < K; k++) o[k] = row[k];
+        } else if (E->kind == 1) {
+            const int8_t *q = (const int8_t *)E->w + t * K;
+            const float *sc = (const float *)E->scales + t * G;
+            for (int64_t k = 0; k < K; k++) o[k] = (float)q[k] * sc[k / g];
+        } else {
+            const uint8_t *q = (const uint8_t *)E->w + t * (K / 2);
+            const uint16_t *sc = (const uint16_t *)E->scales + t * G, *mn = (const uint16_t *)E->mins + t * G;
+            for (int64_t grp = 0; grp < G; grp++) {
+                const float s = _cvtsh_ss(sc[grp]), m = _cvtsh_ss(mn[grp]);
+                for (int64_t j = 0; j < g / 2; j++) {
+                    const uint8_t byte = q[grp * (g / 2) + j];
+                    o[grp * g + j] = (float)(byte & 15) * s + m;
+                    o[grp * g + g / 2 + j] = (float)(byte >> 4) * s + m;
+                }
+            }
+        }
+    }
+}
+
 /* cos, sin [B, D] = the rotate-half RoPE tables of each token's position, as the model builds
  * them: angle = float(position) * inv_freq[i] for i < D/2, repeated for the second half. */
 static void rope_tables(const int64_t *positions, int64_t B, const float *inv_freq, int64_t D, float *cos_out, float *sin_out) {
@@ -800,22 +830,24 @@ static void rope_tables(const int64_t *positions, int64_t B, const float *inv_fr
         }
 }
 
-/* h [B, hidden]: the embedded tokens in, the residual stream out; out [B, hidden]: after the final
- * norm. inv_freq [D/2]: RoPE frequencies; slots, positions [B] (lengths = positions + 1). profile:
- * NULL, or 9 doubles that accumulate the seconds spent in each stage (STAGE order below). */
-enum { ST_NORM, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_GATE_UP, ST_SILU, ST_DOWN, ST_RESIDUAL };
+/* One decode step, tokens [B] in, logits [B, vocab] out: embedding, every layer, final norm and
+ * lm_head. inv_freq [D/2]: RoPE frequencies; slots, positions [B] (lengths = positions + 1).
+ * profile: NULL, or 11 doubles that accumulate the seconds spent in each stage (order below). */
+enum { ST_NORM, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_GATE_UP, ST_SILU, ST_DOWN, ST_RESIDUAL, ST_EMBED, ST_LM_HEAD };
 #define STAGE(id, call) do { double t0_ = profile ? omp_get_wtime() : 0; call; if (profile) profile[id] += omp_get_wtime() - t0_; } while (0)
-void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, float *h, int64_t B, int64_t hidden, int64_t H,
-                       int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps, const float *inv_freq,
-                       const int64_t *slots, const int64_t *positions, const int64_t *lengths,
-                       const float *final_norm, float *out, double *profile) {
+void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t *tokens, const fl_linear_t *embed, int64_t B,
+                       int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps,
+                       const float *inv_freq, const int64_t *slots, const int64_t *positions, const int64_t *lengths,
+                       const float *final_norm, const fl_linear_t *lm_head, float *logits, double *profile) {
     const int64_t qkv_n = (H + 2 * KVH) * D;
+    float *h = floats64(B * hidden), *out = floats64(B * hidden);
     float *x = floats64(B * hidden), *y = floats64(B * hidden), *qkv = floats64(B * qkv_n), *q = floats64(B * H * D);
     float *att = floats64(B * H * D), *gu = floats64(B * 2 * inter), *act = floats64(B * inter), *xs = floats64(B);
     const int64_t widest = inter > H * D ? (inter > hidden ? inter : hidden) : (H * D > hidden ? H * D : hidden);
     int8_t *xq = aligned_alloc(64, (B * widest + 63) & ~(int64_t)63);
     float *cos_t = floats64(B * D), *sin_t = floats64(B * D);
     rope_tables(positions, B, inv_freq, D, cos_t, sin_t);
+    STAGE(ST_EMBED, embed_rows(embed, tokens, B, h));
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < n_layers; i++) {
         const fl_layer_t *L = layers + i;
@@ -832,5 +864,6 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, float *h, int
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
     }
     STAGE(ST_NORM, fl_rms_norm(h, final_norm, eps, B, hidden, out));
-    free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act); free(xs); free(xq); free(cos_t); free(sin_t);
+    STAGE(ST_LM_HEAD, run_linear(lm_head, out, B, logits, xq, xs));
+    free(h); free(out); free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act); free(xs); free(xq); free(cos_t); free(sin_t);
 }
