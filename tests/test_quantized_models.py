@@ -92,7 +92,13 @@ def test_quantize_command_round_trip(tmp_path, mode):
 def test_quantization_errors(tmp_path):
     from fasterllama.errors import FasterLlamaError
 
-    with pytest.raises(FasterLlamaError, match="unknown quantization mode"):
+    with pytest.raises(FasterLlamaError, match="unknown quantization mode 'w3'.*none .*gguf"):
         LLM(quantization="w3", progress=False)
+    import tiny_models as tm
+
+    hf_folder = tm.save_hf_checkpoint(tm.build_hf_model(tm.TinySpec("plain")), str(tmp_path / "hf"))
+    with pytest.raises(FasterLlamaError, match="not a GGUF file"):
+        LLM(tmp_path / "hf", quantization="gguf", progress=False)
+    assert LLM(hf_folder, progress=False).engine.quant_config is None  # the default on other checkpoints: float
     proc = subprocess.run([sys.executable, "-m", "fasterllama", "generate", "--quantization", "w9", "hi"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "quantization" in proc.stderr

@@ -113,7 +113,10 @@ class LLMEngine:
             if not isinstance(value, int) or value < 1:
                 raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
         if quantization not in (None, "gguf", "none"):
-            QuantConfig.parse(quantization)  # a bad spec fails before the model loads
+            try:
+                QuantConfig.parse(quantization)  # a bad spec fails before the model loads
+            except FasterLlamaError as e:
+                raise FasterLlamaError(f"{e}; or none (float weights) or gguf (a GGUF file's quantized tensors as they are)") from None
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         if self.device.type == "cpu":

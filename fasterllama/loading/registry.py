@@ -45,10 +45,11 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def resolve_model_path(model: str | None) -> str:
+def resolve_model_path(model: "str | os.PathLike[str] | None") -> str:
     """A file/folder path, a known short name, or None (the default model) -> a local path."""
     if model is None:
         model = DEFAULT_MODEL
+    model = os.fspath(model)
     known = KNOWN_MODELS.get(model.lower())
     if known is not None and not os.path.exists(model):
         path = known.path()
