@@ -217,19 +217,22 @@ static inline __attribute__((always_inline)) void q4_row(
 void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *scales,
                   const uint16_t *mins, int64_t N, int64_t g, float *y) {
     const int64_t G = K / g;
-    float *xsum = malloc(sizeof(float) * M * G); /* per-group sums of x, for the min term */
+    float *xsum = NULL; /* per-group sums of x, for the AVX2 kernel's min term (AVX-512 looks weights up whole) */
+#if !defined(__AVX512F__)
+    xsum = malloc(sizeof(float) * M * G);
     for (int64_t i = 0; i < M * G; i++) {
         const float *xg = x + (i / G) * K + (i % G) * g;
         float s = 0.f;
         for (int64_t j = 0; j < g; j++) s += xg[j];
         xsum[i] = s;
     }
+#endif
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *q = packed + n * (K / 2);
         const uint16_t *sc = scales + n * G, *mn = mins + n * G;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const float *xm = x + m0 * K, *sm = xsum + m0 * G;
+            const float *xm = x + m0 * K, *sm = xsum ? xsum + m0 * G : NULL;
             float *ym = y + m0 * N + n;
 #define Q4_CALL(R) q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, R)
             DISPATCH_ROWS(M - m0 >= MT ? MT : M - m0, Q4_CALL)
