@@ -100,5 +100,8 @@ def test_quantization_errors(tmp_path):
     with pytest.raises(FasterLlamaError, match="not a GGUF file"):
         LLM(tmp_path / "hf", quantization="gguf", progress=False)
     assert LLM(hf_folder, progress=False).engine.quant_config is None  # the default on other checkpoints: float
+    kept = LLM(progress=False)  # the default model: its 4-bit tensors kept
+    with pytest.raises(FasterLlamaError, match="quantized already.*none"):
+        kept.engine.quantize("w8")
     proc = subprocess.run([sys.executable, "-m", "fasterllama", "generate", "--quantization", "w9", "hi"], capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr and "quantization" in proc.stderr

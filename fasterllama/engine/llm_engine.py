@@ -169,6 +169,8 @@ class LLMEngine:
     def quantize(self, spec: "str | QuantConfig", calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
         """Quantize the loaded float model in place (calibrating on a text when the mode needs it)."""
         qcfg = QuantConfig.parse(spec)
+        if self.quant_config is not None:
+            raise FasterLlamaError(f"the model is quantized already ({self.quant_config}); load it with quantization='none' to quantize it another way")
         chunks = None
         if qcfg.needs_calibration:
             text = calibration_text if calibration_text is not None else default_calibration_text()
