@@ -68,3 +68,18 @@ def test_quantized_same_as_cpu(models, mode: str) -> None:
     assert (a - b).abs().max().item() < 2e-2 * a.abs().max().item()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
     assert len(_greedy(gpu, BATCH)[1]) == GREEDY.max_tokens
+
+
+@pytest.mark.parametrize("weight_type", ["q8_0", "q4_1"])
+def test_quantized_gguf_on_cuda(tmp_path, weight_type: str) -> None:
+    """A GGUF's Q8_0/Q4_1 tensors load as floats on the GPU and give HF's logits and tokens, as the
+    CPU default (which keeps them quantized) does."""
+    hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.SPECS["head_dim"]), weight_type)
+    path = tm.write_gguf(hf, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type=weight_type)
+    ref = tm.hf_logits(hf, PROMPT)
+    gpu = LLM(model=path, device="cuda", dtype="float32", progress=False)
+    cpu = LLM(model=path, device="cpu", progress=False)
+    got = gpu.compute_logits(PROMPT).cpu()
+    assert (got - ref).abs().max().item() < 1e-3
+    assert (got - cpu.compute_logits(PROMPT)).abs().max().item() < 1e-3
+    assert _greedy(gpu, [PROMPT]) == [tm.hf_greedy(hf, PROMPT, GREEDY.max_tokens)] == _greedy(cpu, [PROMPT])
