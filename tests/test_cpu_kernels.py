@@ -108,6 +108,20 @@ def test_rms_norm_and_silu():
     _close(ck.silu_and_mul(extreme), ref.silu_and_mul(extreme))
 
 
+
+@pytest.mark.parametrize("n", [1, 7, 32, 77, 49152])
+def test_argmax_is_torch_argmax(n):
+    """Greedy decoding's argmax: torch's index on random rows, ties (the first), -inf rows and NaN
+    (the first NaN), with lengths that leave a tail after the 32-wide loop."""
+    x = torch.randn(6, n)
+    x[1] = x[1].round()  # ties, many of them
+    x[2] = float("-inf")
+    x[3, n // 2] = float("nan")
+    x[4, n - 1] = x[4].max() + 1  # the largest in the tail
+    x[5, : min(n, 3)] = float("inf")
+    assert ck.argmax(x).tolist() == ref.argmax(x).tolist()
+    assert ck.argmax(x[2:3]).tolist() == [0]
+
 def _meta(starts: list[int], news: list[int], slots: list[int]) -> ops.AttentionMetadata:
     positions, slot_of_token, offsets = [], [], [0]
     for start, n, slot in zip(starts, news, slots):

@@ -249,7 +249,7 @@ class LLMEngine:
             return []
         logits = all_logits if sample_rows == list(range(len(rows))) else all_logits[sample_rows]
         if all(s.params.greedy and self._plain_logits(s) for s in seqs):
-            token_ids = logits.argmax(dim=-1).tolist()  # what sampler.sample does here, without its per-row tensors
+            token_ids = ops.argmax(logits).tolist()  # what sampler.sample does here, without its per-row tensors
         else:
             token_ids = sampler.sample(logits, self._sampling_batch(seqs, logits.shape[-1])).tolist()
         need_logprobs = any(s.params.logprobs is not None for s in seqs)

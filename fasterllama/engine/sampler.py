@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import ops
+
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
 _M3 = -7723592293110705685  # 0x94D049BB133111EB
@@ -104,9 +106,9 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     logits = apply_penalties(logits, b)
     greedy = b.temperature == 0
     if bool(greedy.all()):
-        return logits.argmax(dim=-1)
+        return ops.argmax(logits)
     processed = apply_temperature_and_filters(logits, b)
     probs = processed.softmax(dim=-1)
     noise = -torch.log(hashed_uniform(b.seeds, b.steps, logits.shape[-1])).to(probs.dtype)
-    drawn = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy, logits.argmax(dim=-1), drawn)
+    drawn = ops.argmax(probs / noise)
+    return torch.where(greedy, ops.argmax(logits), drawn)

@@ -66,6 +66,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return get_op("linear", x.device)(x, weight, bias)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    return get_op("argmax", x.device)(x)
+
+
 def rope_and_store_kv(qkv, cos, sin, kv, meta, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     return get_op("rope_and_store_kv", qkv.device)(qkv, cos, sin, kv[0], kv[1], meta, num_heads, num_kv_heads, head_dim)
 

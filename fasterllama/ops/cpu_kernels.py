@@ -42,6 +42,7 @@ _SIGNATURES = {
     "fl_f32_linear": [_P, _I, _I, _P, _I, _P],
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
+    "fl_argmax_rows": [_P, _I, _I, _P],
     "fl_rope_store_kv": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
     "fl_decode_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
@@ -254,6 +255,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    if not _f32(x) or x.dim() != 2 or x.shape[1] == 0:
+        return reference.argmax(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.fl_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    return out
+
+
 def rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     if not _f32(qkv, cos, sin, k_cache, v_cache) or head_dim % 2 != 0:
         return reference.rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim)
@@ -285,7 +294,7 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 OPS = {
     "linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear,
-    "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
+    "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 
 

@@ -36,6 +36,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's largest value (the first one on ties): greedy decoding's next tokens."""
+    return x.argmax(dim=-1)
+
+
 @dataclass
 class AttentionMetadata:
     """Where the step's packed tokens go in the KV cache and which tokens each sequence owns.
