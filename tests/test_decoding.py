@@ -168,3 +168,13 @@ def test_beam_search_matches_hf_default_model(default_llm, hf_default, length_pe
         ref = _hf_beam(model, ids, 24, length_penalty, False, eos)
         out = default_llm.generate([ids], SamplingParams(beam_width=4, max_tokens=24, length_penalty=length_penalty))[0]
         assert _same_beam(ref, out.token_ids), (ref, out.token_ids)
+
+
+def test_sequence_token_ids_span_prompt_and_output():
+    """The runner takes each step's tokens by position, across the prompt/output boundary too."""
+    from fasterllama.engine.sequence import Sequence
+
+    seq = Sequence([11, 12, 13, 14], SamplingParams(), None, 0)
+    seq.output_token_ids += [15, 16, 17]
+    full = [11, 12, 13, 14, 15, 16, 17]
+    assert all(seq.token_ids(a, b) == full[a:b] for a in range(8) for b in range(a, 8))

@@ -32,8 +32,7 @@ class ModelRunner:
         for item in batch:
             seq, n = item.seq, item.num_tokens
             start = seq.num_cached
-            all_ids = seq.prompt_token_ids + seq.output_token_ids if start + n > len(seq.prompt_token_ids) else seq.prompt_token_ids
-            tokens += all_ids[start : start + n]
+            tokens += seq.token_ids(start, start + n)
             positions += range(start, start + n)
             slot_of_token += [seq.slot] * n
             offsets.append(offsets[-1] + n)

@@ -41,6 +41,16 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output, without joining the two lists (a decode step
+        would otherwise copy the whole context for one token)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
