@@ -86,3 +86,62 @@ def test_sliding_window_rejected(tmp_path):
     }))
     with pytest.raises(ModelLoadError, match="sliding-window"):
         open_checkpoint(str(tmp_path))
+
+
+def _anon_huge_kb(address: int) -> int | None:
+    """AnonHugePages of the mapping of this process that holds `address` (None: not found)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return None
+
+
+def test_weights_move_to_huge_pages(tmp_path, monkeypatch):
+    """On the CPU, large weights move into one 2 MB-aligned arena (the largest collapse in place):
+    same Parameter objects, bit-identical logits, and the load switch turns it off."""
+    import torch
+
+    import tiny_models as tm
+    from fasterllama import LLM
+    from fasterllama.engine import huge_pages
+
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1024)  # tiny tensors stand in for real ones
+    monkeypatch.setattr(huge_pages, "IN_PLACE_BYTES", 60 << 10)  # the embedding takes the in-place path
+    hf = tm.build_hf_model(tm.SPECS["gqa"])
+    path = tm.save_hf_checkpoint(hf, str(tmp_path / "gqa"))
+    prompt = list(range(3, 40))
+    monkeypatch.setenv("FASTERLLAMA_HUGE_PAGES", "0")
+    plain = LLM(model=path, progress=False)
+    monkeypatch.delenv("FASTERLLAMA_HUGE_PAGES")
+    packed = LLM(model=path, progress=False)
+    model = packed.engine.model
+    copied = [t for t in huge_pages._large_tensors(model) if t.numel() * t.element_size() < huge_pages.IN_PLACE_BYTES]
+    assert len(copied) > 4 and len({t.untyped_storage().data_ptr() for t in copied}) == 1
+    assert min(t.data_ptr() for t in copied) % huge_pages.PAGE == 0
+    assert len({t.untyped_storage().data_ptr() for t in huge_pages._large_tensors(plain.engine.model)}) > 4
+    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+    assert torch.equal(packed.compute_logits(prompt), plain.compute_logits(prompt))
+    before = [t.data_ptr() for t in model.parameters()]
+    huge_pages.pack_weights(model)  # again (as after a quantize): nothing left to move
+    assert [t.data_ptr() for t in model.parameters()] == before
+
+
+@pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
+def test_default_model_weights_sit_in_huge_pages(default_llm):
+    """Where the kernel grants transparent huge pages on request, the arena really is in 2 MB pages."""
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages here")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are off here")
+    from fasterllama.engine import huge_pages
+
+    gate_up = default_llm.engine.model.layers[0].mlp.gate_up_proj.qweight
+    assert gate_up.untyped_storage().data_ptr() in huge_pages._arenas
+    assert (_anon_huge_kb(gate_up.data_ptr()) or 0) >= 2048

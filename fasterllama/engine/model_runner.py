@@ -7,6 +7,7 @@ import torch
 
 from .. import ops
 from ..model import LlamaForCausalLM
+from . import huge_pages
 from .cpu_decode_plan import CPUDecodePlan
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
@@ -21,8 +22,12 @@ class ModelRunner:
         self.refresh_decode_plan()
 
     def refresh_decode_plan(self) -> None:
-        """(Re)collect the weights for the one-call CPU decode step; needed after modules change."""
-        self.decode_plan = CPUDecodePlan.build(self.model, self.kv_cache.layers) if self.device.type == "cpu" else None
+        """(Re)collect the weights for the one-call CPU decode step; needed after modules change.
+        On the CPU the weights first move into 2 MB pages (huge_pages.py), once per set of tensors."""
+        self.decode_plan = None  # let go of the old tensors before they move
+        if self.device.type == "cpu":
+            huge_pages.pack_weights(self.model)
+            self.decode_plan = CPUDecodePlan.build(self.model, self.kv_cache.layers)
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, ops.AttentionMetadata]:
         tokens: list[int] = []
