@@ -28,6 +28,7 @@ import torch
 
 from fasterllama import LLM
 from fasterllama.bench import _decode_rate, fixed_prompt_ids
+from fasterllama.engine import huge_pages
 from fasterllama.loading.registry import resolve_model_path
 from gemm_cpu import fma_peak_gflops
 
@@ -42,7 +43,8 @@ class MachineLimits:
     def __init__(self) -> None:
         from fasterllama.ops import cpu_kernels
 
-        self.buffer = torch.ones(1 << 18, 1024)  # 1 GiB: far beyond any cache
+        # 1 GiB, far beyond any cache, in 2 MB pages as the weights are (4 KB pages read slower)
+        self.buffer = huge_pages.arena(1 << 30).view(torch.float32).view(1 << 18, 1024).fill_(1.0)
         self.x = torch.ones(1, 1024)
         self.gemv = cpu_kernels.linear if cpu_kernels.load() is not None else None
         self.sgemm = cpu_kernels.sgemm
