@@ -81,8 +81,8 @@ def pack_weights(model: torch.nn.Module) -> bool:
     """Put the model's large CPU tensors in 2 MB pages, in place: modules keep their Parameter
     objects, whose .data (and the buffers) may now view the arena. False when there was nothing
     to do or it is switched off."""
-    if os.environ.get("FASTERLLAMA_HUGE_PAGES", "1") == "0":
-        return False
+    if os.environ.get("FASTERLLAMA_HUGE_PAGES", "1") == "0" or _libc() is None:
+        return False  # switched off, or not Linux: no madvise to ask with
     tensors = _large_tensors(model)
     for t in tensors:
         if _nbytes(t) >= IN_PLACE_BYTES:
