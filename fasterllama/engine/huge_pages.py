@@ -4,7 +4,7 @@ A decode step streams every weight once. With 4 KB pages the TLB misses every 4 
 hardware prefetchers stop at each page boundary; with 2 MB pages (Linux transparent huge pages,
 asked for with madvise) the streams run on. Measured on the 2-core dev VM, weights moved vs left
 as loaded, alternating in one process (`python benchmarks/huge_pages.py`): fp32 decode steps
-7-10% faster at batch 1 and 8, the 4-bit default ~2%.
+7-12% faster at batch 1 and 4-9% at batch 8, the 4-bit default ~2% at batch 1.
 
 Tensors below IN_PLACE_BYTES are copied, one at a time, into one 2 MB-aligned arena (small
 tensors cannot fill a huge page of their own); larger ones (a vocabulary-sized embedding) have
