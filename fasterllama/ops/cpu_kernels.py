@@ -66,23 +66,33 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def _build() -> Path:
+def _build(source: Path) -> Path:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler found")
     flags = CFLAGS + os.environ.get("FASTERLLAMA_CFLAGS", "").split()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", str(out), "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "compiler failed")
         os.replace(out, target)  # atomic: concurrent builders never load a half-written file
     return target
+
+
+def open_library(source: Path) -> ctypes.CDLL:
+    """Build (or find in the cache) and open the library of a kernel source file: SOURCE for the
+    engine, an edited copy for benchmarks/ab_kernels.py."""
+    lib = ctypes.CDLL(str(_build(source)))
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
 
 
 def load() -> ctypes.CDLL | None:
@@ -94,11 +104,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("FASTERLLAMA_NO_COMPILE") == "1":
         return None
     try:
-        lib = ctypes.CDLL(str(_build()))
-        for name, argtypes in _SIGNATURES.items():
-            fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
-        _lib = lib
+        _lib = open_library(SOURCE)
     except Exception as exc:  # no compiler, no AVX2, read-only cache...: the reference ops are correct
         log.warning("fasterllama: C kernels unavailable (%s); using PyTorch ops", exc)
     return _lib

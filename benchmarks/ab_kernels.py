@@ -1,0 +1,45 @@
+"""A/B of kernel edits: decode steps with libraries built from two or more C sources, alternating
+in one process on one loaded model, so that this machine's drifting memory speed falls on all of
+them alike (separate runs minutes apart differ by up to 30% here).
+
+    cp fasterllama/ops/csrc/cpu_kernels.c /tmp/edit.c   # then edit /tmp/edit.c
+    python benchmarks/ab_kernels.py fasterllama/ops/csrc/cpu_kernels.c /tmp/edit.c [--batch 8] [--quantization none]
+
+Each source must keep the exported functions' signatures (ops/cpu_kernels.py _SIGNATURES).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from huge_pages import step_ms  # same timing loop
+
+from fasterllama import LLM
+from fasterllama.ops import cpu_kernels
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sources", nargs="+", type=Path)
+    ap.add_argument("--quantization", default=None, help="as LLM(quantization=...); default: the file's own tensors")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=6)
+    args = ap.parse_args()
+    llm = LLM(None, progress=False, quantization=args.quantization)
+    libs = {str(src): cpu_kernels.open_library(src) for src in args.sources}
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    for _ in range(args.repeats):
+        for name, lib in libs.items():
+            cpu_kernels._lib = lib  # every C op and the one-call decode step go through this handle
+            times[name].append(step_ms(llm, args.batch, args.steps))
+    base = statistics.median(times[str(args.sources[0])])
+    for name, t in times.items():
+        med = statistics.median(t)
+        print(f"{name}: {med:.2f} ms a step, {base / med:.3f}x the first (batch {args.batch}; runs {' '.join(f'{x:.2f}' for x in t)})")
+
+
+if __name__ == "__main__":
+    main()
