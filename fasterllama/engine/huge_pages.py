@@ -69,12 +69,8 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _large_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The model's CPU parameters and buffers of MIN_BYTES or more, once each (tied weights share one)."""
-    seen: dict[int, torch.Tensor] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if t.device.type == "cpu" and t.is_contiguous() and _nbytes(t) >= MIN_BYTES:
-            seen.setdefault(t.data_ptr(), t)
-    return list(seen.values())
+    """The model's CPU parameters and buffers of MIN_BYTES or more (tied or aliased ones each time)."""
+    return [t for t in (*model.parameters(), *model.buffers()) if t.device.type == "cpu" and t.is_contiguous() and _nbytes(t) >= MIN_BYTES]
 
 
 def pack_weights(model: torch.nn.Module) -> bool:
@@ -91,26 +87,34 @@ def pack_weights(model: torch.nn.Module) -> bool:
     homes = {t.untyped_storage().data_ptr() for t in to_copy}
     if not to_copy or (len(homes) == 1 and homes <= _arenas):
         return bool(tensors)  # packed already; else (new tensors after a quantize) all move, so no old arena outlives them
-    sizes = [(_nbytes(t) + 63) // 64 * 64 for t in to_copy]
-    space = arena(sum(sizes))
-    _arenas.add(space.untyped_storage().data_ptr())
-    target: dict[int, torch.Tensor] = {}  # old address -> its place in the arena
+    span: dict[int, int] = {}  # address -> bytes from it (the largest of the tensors that start there)
+    for t in to_copy:
+        span[t.data_ptr()] = max(span.get(t.data_ptr(), 0), _nbytes(t))
+    place: dict[int, int] = {}  # old address -> offset in the arena
     offset = 0
-    for t, size in zip(to_copy, sizes):
-        target[t.data_ptr()] = space[offset : offset + _nbytes(t)].view(t.dtype).view(t.shape)
-        offset += size
+    for address, nbytes in span.items():
+        place[address] = offset
+        offset += (nbytes + 63) // 64 * 64
+    space = arena(offset)
+    _arenas.add(space.untyped_storage().data_ptr())
+
+    def moved(t: torch.Tensor) -> torch.Tensor | None:
+        """t's copy in the arena, with its dtype and shape (None: t does not move)."""
+        start = place.get(t.data_ptr())
+        if start is None or _nbytes(t) >= IN_PLACE_BYTES:
+            return None
+        new = space[start : start + _nbytes(t)].view(t.dtype).view(t.shape)
+        new.copy_(t)
+        return new
+
     with torch.no_grad():
         for module in model.modules():
             for p in module._parameters.values():
-                if p is not None and p.data_ptr() in target:
-                    new = target[p.data_ptr()]
-                    new.copy_(p)
+                if p is not None and (new := moved(p)) is not None:
                     p.data = new  # the old storage goes now, unless something else holds it
                     _release_freed_memory()
             for name, b in module._buffers.items():
-                if b is not None and b.data_ptr() in target:
-                    new = target[b.data_ptr()]
-                    new.copy_(b)
+                if b is not None and (new := moved(b)) is not None:
                     module._buffers[name] = new
                     _release_freed_memory()
     return True
