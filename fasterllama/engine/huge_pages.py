@@ -16,6 +16,7 @@ plus at most one IN_PLACE_BYTES tensor. The KV cache stays in 4 KB pages: a 2 MB
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -29,6 +30,7 @@ IN_PLACE_BYTES = 16 << 20
 _arenas: set[int] = set()  # storages made here: a packed model is left alone
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None
