@@ -217,6 +217,28 @@ def test_decode_attention_ignores_rows_past_each_sequence():
     _close(ck.attention(q, k_cache, v_cache, meta, 0.25), expected)
 
 
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("group", range(1, 10))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_decode_attention_every_group_size(group, d, batch):
+    """Batched decode attention against torch's SDPA for 1-9 query heads per KV head: with
+    AVX-512 and 4 (sequence, KV head) pairs or more, the heads of a group run together (1-8), else
+    head by head; lengths cover key tails of every size, a single key, and rows past the cache's
+    end of another slot."""
+    kv_heads, max_len = 2, 70
+    lengths = [1, 9, 70, 37][:batch]
+    slots = [3, 0, 2, 1][:batch]
+    k_cache, v_cache = torch.randn(4, kv_heads, max_len, d), torch.randn(4, kv_heads, max_len, d)
+    q = torch.randn(batch, kv_heads * group, d)
+    meta = _meta([n - 1 for n in lengths], [1] * batch, slots)
+    expected = torch.stack([
+        F.scaled_dot_product_attention(q[i, :, None], k_cache[s, :, :n].repeat_interleave(group, 0),
+                                       v_cache[s, :, :n].repeat_interleave(group, 0), scale=0.3)[:, 0]
+        for i, (s, n) in enumerate(zip(slots, lengths))
+    ])
+    _close(ck.attention(q, k_cache, v_cache, meta, 0.3), expected)
+
+
 @pytest.mark.skipif(bool(os.environ.get("FASTERLLAMA_CFLAGS")), reason="already a custom build")
 def test_avx2_build_matches_reference():
     """The AVX2 code paths (the CI machine may lack AVX-512) pass the same op tests, built with

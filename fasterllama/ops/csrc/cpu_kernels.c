@@ -620,10 +620,161 @@ ATTN_KERNELS(256, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_p
 ATTN_KERNELS(512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps, _mm512_mul_ps, FOLD512)
 #endif
 
+/* exp(p - mx) in place over p[0, L), returning the sum (the softmax's denominator). */
+static inline float exp_shifted(float *p, int64_t L, float mx) {
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t l = 0;
+    for (; l + 8 <= L; l += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + l), vmx));
+        _mm256_storeu_ps(p + l, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    if (l < L) { /* the last 1-7 keys: one masked vector */
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(L - l)), lane));
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(p + l, _mm256_castps_si256(live)), vmx)), live);
+        _mm256_maskstore_ps(p + l, _mm256_castps_si256(live), e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    return hsum8(vsum);
+}
+
+/* One query head against L cached keys: out = softmax(q K^T * scale) V; p: scratch of L + 8. */
+static void attend_head(const float *qv, const float *K, const float *V, int64_t L, int64_t D, float scale, int wide,
+                        float *p, float *out) {
+    (void)wide;
+    /* scores, 8 keys at a time: 8 independent accumulators, then one transposing reduction */
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int64_t l0 = 0;
+    for (; l0 + 8 <= L; l0 += 8) {
+#if defined(__AVX512F__)
+        const __m256 dots = wide ? scores8_512(qv, K + l0 * D, D) : scores8_256(qv, K + l0 * D, D);
+#else
+        const __m256 dots = scores8_256(qv, K + l0 * D, D);
+#endif
+        const __m256 sc = _mm256_mul_ps(dots, _mm256_set1_ps(scale));
+        _mm256_storeu_ps(p + l0, sc);
+        vmax = _mm256_max_ps(vmax, sc);
+    }
+    float mx = hmax8(vmax);
+    for (int64_t l = l0; l < L; l++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(K + l * D + d), acc);
+        p[l] = hsum8(acc) * scale;
+        mx = p[l] > mx ? p[l] : mx;
+    }
+    const float inv = 1.f / exp_shifted(p, L, mx);
+#if defined(__AVX512F__)
+    if (wide) weighted_v_512(p, V, L, D, inv, out);
+    else weighted_v_256(p, V, L, D, inv, out);
+#else
+    weighted_v_256(p, V, L, D, inv, out);
+#endif
+}
+
+#if defined(__AVX512F__)
+#define GROUP_MAX 8
+/* The G query heads that share one KV head, together: each K and V row is read once for all G.
+ * Head by head, the G - 1 later heads re-read the group's rows from L2 (8 sequences x 166 keys,
+ * SmolLM2's 9 / 3 heads: 1.6x slower from cache; 1.4x from DRAM without the prefetches below).
+ * Scores for n keys: G x n accumulators, each K row loaded once. */
+static inline __attribute__((always_inline)) void group_scores(const float *q, const float *K, int64_t D, const int G,
+                                                                const int n, __m256 *dots) {
+    __m512 a[GROUP_MAX][8];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < n; j++) a[g][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 qd[GROUP_MAX];
+        for (int g = 0; g < G; g++) qd[g] = _mm512_loadu_ps(q + g * D + d);
+        for (int j = 0; j < n; j++) {
+            const __m512 k = _mm512_loadu_ps(K + j * D + d);
+            for (int g = 0; g < G; g++) a[g][j] = _mm512_fmadd_ps(qd[g], k, a[g][j]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        __m256 r[8];
+        for (int j = 0; j < 8; j++) r[j] = j < n ? FOLD512(a[g][j]) : _mm256_setzero_ps();
+        dots[g] = hsum8x8(r);
+    }
+}
+
+/* out[g] = sum_j p[g][j] V[j] * inv[g], dc columns at a time (G x dc / 16 accumulators). */
+static inline __attribute__((always_inline)) void group_weighted_v(const float *p, int64_t stride, const float *V, int64_t L,
+                                                                    int64_t D, const float *inv, float *out, const int G,
+                                                                    const float *next_K, int64_t next_L) {
+    const int dc = G <= 6 ? 64 : 32;
+    for (int64_t d0 = 0; d0 < D; d0 += dc) {
+        const int nv = (int)((D - d0 < dc ? D - d0 : dc) / 16);
+        __m512 acc[GROUP_MAX][4];
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < 4; v++) acc[g][v] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < L; j++) {
+            const float *vr = V + j * D + d0;
+            if (d0 == 0 && j < next_L)
+                for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(next_K + j * D + i), _MM_HINT_T0);
+            __m512 pj[GROUP_MAX];
+            for (int g = 0; g < G; g++) pj[g] = _mm512_set1_ps(p[g * stride + j]);
+            for (int v = 0; v < nv; v++) {
+                const __m512 vv = _mm512_loadu_ps(vr + v * 16);
+                for (int g = 0; g < G; g++) acc[g][v] = _mm512_fmadd_ps(pj[g], vv, acc[g][v]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int v = 0; v < nv; v++) _mm512_storeu_ps(out + g * D + d0 + v * 16, _mm512_mul_ps(acc[g][v], _mm512_set1_ps(inv[g])));
+    }
+}
+
+/* q, out: [G, D] (consecutive heads); p: scratch of G x (L + 8). The K/V streams are short (a
+ * few rows per token), so the next rows are fetched ahead: V while the scores run, and the next
+ * group's K (next_K, next_L rows) while V is summed. */
+static inline __attribute__((always_inline)) void attend_group(const float *q, const float *K, const float *V, int64_t L,
+                                                                int64_t D, float scale, float *p, float *out, const int G,
+                                                                const float *next_K, int64_t next_L) {
+    const int n = G <= 3 ? 8 : G <= 6 ? 4 : 2; /* keys per step: G x n accumulators fit the registers */
+    const int64_t stride = L + 8;
+    __m256 vmax[GROUP_MAX], dots[GROUP_MAX];
+    for (int g = 0; g < G; g++) vmax[g] = _mm256_set1_ps(-INFINITY);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    int64_t l0 = 0;
+    for (; l0 + n <= L; l0 += n) {
+        if (n == 8) group_scores(q, K + l0 * D, D, G, 8, dots);
+        else if (n == 4) group_scores(q, K + l0 * D, D, G, 4, dots);
+        else group_scores(q, K + l0 * D, D, G, 2, dots);
+        for (int64_t i = 0; i < n * D; i += 16) _mm_prefetch((const char *)(V + l0 * D + i), _MM_HINT_T0);
+        for (int g = 0; g < G; g++) {
+            const __m256 sc = _mm256_mul_ps(dots[g], vscale);
+            _mm256_storeu_ps(p + g * stride + l0, sc); /* lanes past n are overwritten by the next step */
+            vmax[g] = _mm256_max_ps(vmax[g], n == 8 ? sc : _mm256_blend_ps(_mm256_set1_ps(-INFINITY), sc, (1 << n) - 1));
+        }
+    }
+    for (; l0 < L; l0++) {
+        group_scores(q, K + l0 * D, D, G, 1, dots);
+        for (int g = 0; g < G; g++) {
+            const __m256 sc = _mm256_mul_ps(dots[g], vscale);
+            p[g * stride + l0] = _mm256_cvtss_f32(sc);
+            vmax[g] = _mm256_max_ps(vmax[g], _mm256_blend_ps(_mm256_set1_ps(-INFINITY), sc, 1));
+        }
+    }
+    float inv[GROUP_MAX];
+    for (int g = 0; g < G; g++) inv[g] = 1.f / exp_shifted(p + g * stride, L, hmax8(vmax[g]));
+    group_weighted_v(p, stride, V, L, D, inv, out, G, next_K, next_L);
+}
+
+static void attend_group_any(const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p,
+                             float *out, int64_t G, const float *next_K, int64_t next_L) {
+#define GROUP_CALL(R) attend_group(q, K, V, L, D, scale, p, out, R, next_K, next_L)
+    DISPATCH_ROWS(G, GROUP_CALL)
+#undef GROUP_CALL
+}
+#endif
+
 /* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
  * cache slot slots[b] rows 0..lengths[b]-1; query head h uses kv head h / (H / KVH). D % 8 == 0,
- * D <= 256. Heads run in (b, h) order, so a thread's heads of one KV group find its K/V rows
- * already in cache. Small steps run on one thread: a fork/join costs more than they do. */
+ * D <= 256. With AVX-512 and enough (sequence, KV head) pairs to share between the threads, the
+ * query heads of one KV head run together (attend_group); otherwise head by head, in (b, h)
+ * order, so a thread's heads of one KV group find its K/V rows already in cache. Small steps
+ * run on one thread: a fork/join costs more than they do. */
 void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
                          const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
                          float scale, float *out) {
@@ -633,55 +784,36 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
 #else
     const int wide = 0;
 #endif
-    int64_t work = 0;
-    for (int64_t b = 0; b < B; b++) work += lengths[b] * H * D;
-#pragma omp parallel for schedule(static) if (work > (1 << 14))
+    int64_t work = 0, longest = 0;
+    for (int64_t b = 0; b < B; b++) work += lengths[b] * H * D, longest = lengths[b] > longest ? lengths[b] : longest;
+    const int parallel = work > (1 << 14);
+#if defined(__AVX512F__)
+    if (wide && group <= GROUP_MAX && D <= 256 && B * KVH >= (parallel ? omp_get_max_threads() : 1)) {
+#pragma omp parallel if (parallel)
+        {
+            const int64_t need = group * (longest + 8);
+            float stack_p[need <= 16384 ? need : 1], *p = need <= 16384 ? stack_p : malloc(sizeof(float) * need);
+            /* the static schedule by hand: each thread knows the pair it runs next */
+            const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
+            const int64_t j0 = B * KVH * t / nt, j1 = B * KVH * (t + 1) / nt;
+            for (int64_t bk = j0; bk < j1; bk++) {
+                const int64_t b = bk / KVH, kh = bk % KVH;
+                const int64_t off = (slots[b] * KVH + kh) * max_len * D, first = (b * H + kh * group) * D;
+                const int64_t nb = (bk + 1) / KVH, next_L = bk + 1 < j1 ? lengths[nb] : 0;
+                const float *next_K = k_cache + (bk + 1 < j1 ? (slots[nb] * KVH + (bk + 1) % KVH) * max_len * D : 0);
+                attend_group_any(q + first, k_cache + off, v_cache + off, lengths[b], D, scale, p, out + first, group, next_K, next_L);
+            }
+            if (p != stack_p) free(p);
+        }
+        return;
+    }
+#endif
+#pragma omp parallel for schedule(static) if (parallel)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H, L = lengths[b];
         const int64_t off = (slots[b] * KVH + h / group) * max_len * D;
-        const float *qv = q + bh * D, *K = k_cache + off, *V = v_cache + off;
         float stack_p[L <= 4096 ? L + 8 : 1], *p = L <= 4096 ? stack_p : malloc(sizeof(float) * (L + 8));
-        /* scores, 8 keys at a time: 8 independent accumulators, then one transposing reduction */
-        __m256 vmax = _mm256_set1_ps(-INFINITY);
-        int64_t l0 = 0;
-        for (; l0 + 8 <= L; l0 += 8) {
-#if defined(__AVX512F__)
-            const __m256 dots = wide ? scores8_512(qv, K + l0 * D, D) : scores8_256(qv, K + l0 * D, D);
-#else
-            const __m256 dots = scores8_256(qv, K + l0 * D, D);
-#endif
-            const __m256 sc = _mm256_mul_ps(dots, _mm256_set1_ps(scale));
-            _mm256_storeu_ps(p + l0, sc);
-            vmax = _mm256_max_ps(vmax, sc);
-        }
-        float mx = hmax8(vmax);
-        for (int64_t l = l0; l < L; l++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(K + l * D + d), acc);
-            p[l] = hsum8(acc) * scale;
-            mx = p[l] > mx ? p[l] : mx;
-        }
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 vsum = _mm256_setzero_ps();
-        int64_t l = 0;
-        for (; l + 8 <= L; l += 8) {
-            __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + l), vmx));
-            _mm256_storeu_ps(p + l, e);
-            vsum = _mm256_add_ps(vsum, e);
-        }
-        float sum = hsum8(vsum);
-        for (; l < L; l++) {
-            float tail[8] = {p[l] - mx};
-            _mm256_storeu_ps(tail, exp8(_mm256_loadu_ps(tail)));
-            p[l] = tail[0];
-            sum += tail[0];
-        }
-#if defined(__AVX512F__)
-        if (wide) weighted_v_512(p, V, L, D, 1.f / sum, out + bh * D);
-        else weighted_v_256(p, V, L, D, 1.f / sum, out + bh * D);
-#else
-        weighted_v_256(p, V, L, D, 1.f / sum, out + bh * D);
-#endif
+        attend_head(q + bh * D, k_cache + off, v_cache + off, L, D, scale, wide, p, out + bh * D);
         if (p != stack_p) free(p);
     }
 }
