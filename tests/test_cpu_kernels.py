@@ -219,14 +219,14 @@ def test_decode_attention_ignores_rows_past_each_sequence():
 
 @pytest.mark.parametrize("d", [16, 64, 128])
 @pytest.mark.parametrize("group", range(1, 10))
-@pytest.mark.parametrize("batch", [1, 4])
-def test_decode_attention_every_group_size(group, d, batch):
+@pytest.mark.parametrize("batch,kv_heads,threads", [(4, 2, 2), (1, 3, 2), (1, 2, 3), (1, 1, 2), (3, 1, 1)])
+def test_decode_attention_every_group_size(group, d, batch, kv_heads, threads):
     """Batched decode attention against torch's SDPA for 1-9 query heads per KV head: with
-    AVX-512 and 4 (sequence, KV head) pairs or more, the heads of a group run together (1-8), else
-    head by head; lengths cover key tails of every size, a single key, and rows past the cache's
-    end of another slot."""
-    kv_heads, max_len = 2, 70
-    lengths = [1, 9, 70, 37][:batch]
+    AVX-512 the heads of a group run together (1-8), else head by head. Where the (sequence, KV
+    head) pairs do not divide between the threads, each pair's keys are split into parts and
+    merged; lengths cover key tails of every size, a single key, and parts of unequal length."""
+    max_len = 300
+    lengths = [1, 9, 300, 37][:batch] if batch > 1 else [259]
     slots = [3, 0, 2, 1][:batch]
     k_cache, v_cache = torch.randn(4, kv_heads, max_len, d), torch.randn(4, kv_heads, max_len, d)
     q = torch.randn(batch, kv_heads * group, d)
@@ -236,7 +236,12 @@ def test_decode_attention_every_group_size(group, d, batch):
                                        v_cache[s, :, :n].repeat_interleave(group, 0), scale=0.3)[:, 0]
         for i, (s, n) in enumerate(zip(slots, lengths))
     ])
-    _close(ck.attention(q, k_cache, v_cache, meta, 0.3), expected)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the OpenMP pool the kernels share
+    try:
+        _close(ck.attention(q, k_cache, v_cache, meta, 0.3), expected)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.skipif(bool(os.environ.get("FASTERLLAMA_CFLAGS")), reason="already a custom build")

@@ -727,10 +727,11 @@ static inline __attribute__((always_inline)) void group_weighted_v(const float *
 
 /* q, out: [G, D] (consecutive heads); p: scratch of G x (L + 8). The K/V streams are short (a
  * few rows per token), so the next rows are fetched ahead: V while the scores run, and the next
- * group's K (next_K, next_L rows) while V is summed. */
+ * job's K (next_K, next_L rows) while V is summed. With `partial` (a part of the keys), out gets
+ * the unnormalized sum and partial[2g], partial[2g + 1] head g's score max and sum of exps. */
 static inline __attribute__((always_inline)) void attend_group(const float *q, const float *K, const float *V, int64_t L,
                                                                 int64_t D, float scale, float *p, float *out, const int G,
-                                                                const float *next_K, int64_t next_L) {
+                                                                const float *next_K, int64_t next_L, float *partial) {
     const int n = G <= 3 ? 8 : G <= 6 ? 4 : 2; /* keys per step: G x n accumulators fit the registers */
     const int64_t stride = L + 8;
     __m256 vmax[GROUP_MAX], dots[GROUP_MAX];
@@ -757,24 +758,87 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, c
         }
     }
     float inv[GROUP_MAX];
-    for (int g = 0; g < G; g++) inv[g] = 1.f / exp_shifted(p + g * stride, L, hmax8(vmax[g]));
+    for (int g = 0; g < G; g++) {
+        const float mx = hmax8(vmax[g]), sum = exp_shifted(p + g * stride, L, mx);
+        inv[g] = partial ? 1.f : 1.f / sum;
+        if (partial) partial[2 * g] = mx, partial[2 * g + 1] = sum;
+    }
     group_weighted_v(p, stride, V, L, D, inv, out, G, next_K, next_L);
 }
 
 static void attend_group_any(const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p,
-                             float *out, int64_t G, const float *next_K, int64_t next_L) {
-#define GROUP_CALL(R) attend_group(q, K, V, L, D, scale, p, out, R, next_K, next_L)
+                             float *out, int64_t G, const float *next_K, int64_t next_L, float *partial) {
+#define GROUP_CALL(R) attend_group(q, K, V, L, D, scale, p, out, R, next_K, next_L, partial)
     DISPATCH_ROWS(G, GROUP_CALL)
 #undef GROUP_CALL
+}
+
+static int64_t gcd64(int64_t a, int64_t b) { return b ? gcd64(b, a % b) : a; }
+
+/* Grouped decode attention (see fl_decode_attention). Jobs are (sequence, KV head, key part):
+ * when the (sequence, KV head) pairs do not divide evenly between the threads (SmolLM2 at batch
+ * 1: 3 pairs, 2 threads), each pair's keys are split into `parts` and the parts' results merged
+ * by their score maxima (the flash-decoding combine). */
+static void decode_attention_grouped(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
+                                     const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
+                                     float scale, float *out, int64_t longest, int parallel) {
+    const int64_t group = H / KVH, pairs = B * KVH, nt = parallel ? omp_get_max_threads() : 1;
+    int64_t parts = nt / gcd64(pairs, nt);
+    if (parts > 64) parts = 64;
+    while (parts > 1 && longest / parts < 64) parts--; /* parts of at least 64 keys */
+    const int64_t jobs = pairs * parts;
+    float *partial = parts > 1 ? malloc(sizeof(float) * jobs * group * (D + 2)) : NULL; /* [jobs][G][D], then [jobs][G][2] */
+    float *stats = partial ? partial + jobs * group * D : NULL;
+#pragma omp parallel if (parallel)
+    {
+        const int64_t need = group * (longest / parts + 9);
+        float stack_p[need <= 16384 ? need : 1], *p = need <= 16384 ? stack_p : malloc(sizeof(float) * need);
+        /* the static schedule by hand: each thread knows the job it runs next, to prefetch its keys */
+        const int64_t nth = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t j0 = jobs * t / nth, j1 = jobs * (t + 1) / nth;
+#define JOB_KEYS(j, K0, L1, KPTR)                                                                                const int64_t b_##j = (j) / (KVH * parts), kh_##j = (j) / parts % KVH, s_##j = (j) % parts;                const int64_t K0 = lengths[b_##j] * s_##j / parts, L1 = lengths[b_##j] * (s_##j + 1) / parts - K0;         const int64_t KPTR = ((slots[b_##j] * KVH + kh_##j) * max_len + K0) * D;
+        for (int64_t j = j0; j < j1; j++) {
+            JOB_KEYS(j, k0, len, off)
+            const int64_t next = j + 1 < j1 ? j + 1 : j;
+            JOB_KEYS(next, nk0, next_len, next_off)
+            (void)nk0;
+            const int64_t first = (b_j * H + kh_j * group) * D;
+            float *o = partial ? partial + j * group * D : out + first;
+            attend_group_any(q + first, k_cache + off, v_cache + off, len, D, scale, p, o, group, k_cache + next_off,
+                             j + 1 < j1 ? next_len : 0, stats ? stats + j * group * 2 : NULL);
+        }
+#undef JOB_KEYS
+        if (p != stack_p) free(p);
+        if (partial) {
+#pragma omp barrier
+#pragma omp for schedule(static)
+            for (int64_t bh = 0; bh < B * H; bh++) { /* out = sum_s o_s e^(m_s - M) / sum_s l_s e^(m_s - M) */
+                const int64_t b = bh / H, h = bh % H, g = h % group, pair = b * KVH + h / group;
+                float m = -INFINITY, l = 0.f, w[64];
+                for (int64_t s = 0; s < parts; s++) m = fmaxf(m, stats[((pair * parts + s) * group + g) * 2]);
+                for (int64_t s = 0; s < parts; s++) {
+                    const float *st = stats + ((pair * parts + s) * group + g) * 2;
+                    w[s] = st[1] > 0.f ? expf(st[0] - m) : 0.f;
+                    l += st[1] * w[s];
+                }
+                float *ob = out + bh * D;
+                for (int64_t d = 0; d < D; d++) ob[d] = 0.f;
+                for (int64_t s = 0; s < parts; s++)
+                    for (int64_t d = 0; d < D; d++) ob[d] += w[s] * partial[((pair * parts + s) * group + g) * D + d];
+                for (int64_t d = 0; d < D; d++) ob[d] /= l;
+            }
+        }
+    }
+    free(partial);
 }
 #endif
 
 /* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
  * cache slot slots[b] rows 0..lengths[b]-1; query head h uses kv head h / (H / KVH). D % 8 == 0,
- * D <= 256. With AVX-512 and enough (sequence, KV head) pairs to share between the threads, the
- * query heads of one KV head run together (attend_group); otherwise head by head, in (b, h)
- * order, so a thread's heads of one KV group find its K/V rows already in cache. Small steps
- * run on one thread: a fork/join costs more than they do. */
+ * D <= 256. With AVX-512 (and up to 8 query heads a KV head) the query heads of one KV head run
+ * together (decode_attention_grouped); otherwise head by head, in (b, h) order, so a thread's
+ * heads of one KV group find its K/V rows already in cache. Small steps run on one thread: a
+ * fork/join costs more than they do. */
 void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
                          const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
                          float scale, float *out) {
@@ -788,23 +852,8 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
     for (int64_t b = 0; b < B; b++) work += lengths[b] * H * D, longest = lengths[b] > longest ? lengths[b] : longest;
     const int parallel = work > (1 << 14);
 #if defined(__AVX512F__)
-    if (wide && group <= GROUP_MAX && D <= 256 && B * KVH >= (parallel ? omp_get_max_threads() : 1)) {
-#pragma omp parallel if (parallel)
-        {
-            const int64_t need = group * (longest + 8);
-            float stack_p[need <= 16384 ? need : 1], *p = need <= 16384 ? stack_p : malloc(sizeof(float) * need);
-            /* the static schedule by hand: each thread knows the pair it runs next */
-            const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
-            const int64_t j0 = B * KVH * t / nt, j1 = B * KVH * (t + 1) / nt;
-            for (int64_t bk = j0; bk < j1; bk++) {
-                const int64_t b = bk / KVH, kh = bk % KVH;
-                const int64_t off = (slots[b] * KVH + kh) * max_len * D, first = (b * H + kh * group) * D;
-                const int64_t nb = (bk + 1) / KVH, next_L = bk + 1 < j1 ? lengths[nb] : 0;
-                const float *next_K = k_cache + (bk + 1 < j1 ? (slots[nb] * KVH + (bk + 1) % KVH) * max_len * D : 0);
-                attend_group_any(q + first, k_cache + off, v_cache + off, lengths[b], D, scale, p, out + first, group, next_K, next_L);
-            }
-            if (p != stack_p) free(p);
-        }
+    if (wide && group <= GROUP_MAX && D <= 256) {
+        decode_attention_grouped(q, k_cache, v_cache, slots, lengths, B, H, KVH, D, max_len, scale, out, longest, parallel);
         return;
     }
 #endif
