@@ -3,7 +3,7 @@ in one process on one loaded model, so that this machine's drifting memory speed
 them alike (separate runs minutes apart differ by up to 30% here).
 
     cp fasterllama/ops/csrc/cpu_kernels.c /tmp/edit.c   # then edit /tmp/edit.c
-    python benchmarks/ab_kernels.py fasterllama/ops/csrc/cpu_kernels.c /tmp/edit.c [--batch 8] [--quantization none]
+    python benchmarks/ab_kernels.py fasterllama/ops/csrc/cpu_kernels.c /tmp/edit.c [--batch 8] [--quantization none] [--prompt-len 2000]
 
 Each source must keep the exported functions' signatures (ops/cpu_kernels.py _SIGNATURES).
 """
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--quantization", default=None, help="as LLM(quantization=...); default: the file's own tensors")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128, help="tokens in each sequence's cache when decoding starts")
     ap.add_argument("--repeats", type=int, default=6)
     args = ap.parse_args()
     llm = LLM(None, progress=False, quantization=args.quantization)
@@ -34,11 +35,11 @@ def main() -> None:
     for _ in range(args.repeats):
         for name, lib in libs.items():
             cpu_kernels._lib = lib  # every C op and the one-call decode step go through this handle
-            times[name].append(step_ms(llm, args.batch, args.steps))
+            times[name].append(step_ms(llm, args.batch, args.steps, args.prompt_len))
     base = statistics.median(times[str(args.sources[0])])
     for name, t in times.items():
         med = statistics.median(t)
-        print(f"{name}: {med:.2f} ms a step, {base / med:.3f}x the first (batch {args.batch}; runs {' '.join(f'{x:.2f}' for x in t)})")
+        print(f"{name}: {med:.2f} ms a step, {base / med:.3f}x the first (batch {args.batch}, prompt {args.prompt_len}; runs {' '.join(f'{x:.2f}' for x in t)})")
 
 
 if __name__ == "__main__":

@@ -24,11 +24,12 @@ def load(quantization: str | None, huge_pages: bool) -> LLM:
         del os.environ["FASTERLLAMA_HUGE_PAGES"]
 
 
-def step_ms(llm: LLM, batch: int, steps: int) -> float:
-    """Mean decode step time over `steps` steps of `batch` greedy sequences (after their prefill)."""
+def step_ms(llm: LLM, batch: int, steps: int, prompt_len: int = 128) -> float:
+    """Mean decode step time over `steps` steps of `batch` greedy sequences (after their prefill
+    of `prompt_len` tokens each)."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 6, ignore_eos=True)
-    seqs = [engine.add_request(fixed_prompt_ids(128, llm.config.vocab_size, seed=i), params) for i in range(batch)]
+    seqs = [engine.add_request(fixed_prompt_ids(prompt_len, llm.config.vocab_size, seed=i), params) for i in range(batch)]
     while any(len(s.output_token_ids) < 6 for s in seqs):
         engine.step()
     t, n = time.perf_counter(), 0
