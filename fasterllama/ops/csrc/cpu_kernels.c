@@ -726,8 +726,8 @@ static inline __attribute__((always_inline)) void group_weighted_v(const float *
 }
 
 /* q, out: [G, D] (consecutive heads); p: scratch of G x (L + 8). The K/V streams are short (a
- * few rows per token), so the next rows are fetched ahead: V while the scores run, and the next
- * job's K (next_K, next_L rows) while V is summed. With `partial` (a part of the keys), out gets
+ * few rows per token), so the next rows are fetched ahead: K 16 rows on and V while the scores
+ * run, and the next job's K (next_K, next_L rows) while V is summed. With `partial` (a part of the keys), out gets
  * the unnormalized sum and partial[2g], partial[2g + 1] head g's score max and sum of exps. */
 static inline __attribute__((always_inline)) void attend_group(const float *q, const float *K, const float *V, int64_t L,
                                                                 int64_t D, float scale, float *p, float *out, const int G,
@@ -743,6 +743,8 @@ static inline __attribute__((always_inline)) void attend_group(const float *q, c
         else if (n == 4) group_scores(q, K + l0 * D, D, G, 4, dots);
         else group_scores(q, K + l0 * D, D, G, 2, dots);
         for (int64_t i = 0; i < n * D; i += 16) _mm_prefetch((const char *)(V + l0 * D + i), _MM_HINT_T0);
+        for (int64_t i = 0; i < n * D && l0 + 16 + n <= L; i += 16) /* K, 16 rows on */
+            _mm_prefetch((const char *)(K + (l0 + 16) * D + i), _MM_HINT_T0);
         for (int g = 0; g < G; g++) {
             const __m256 sc = _mm256_mul_ps(dots[g], vscale);
             _mm256_storeu_ps(p + g * stride + l0, sc); /* lanes past n are overwritten by the next step */
