@@ -685,107 +685,129 @@ static void attend_head(const float *qv, const float *K, const float *V, int64_t
 #endif
 }
 
-#if defined(__AVX512F__)
 #define GROUP_MAX 8
 /* The G query heads that share one KV head, together: each K and V row is read once for all G.
  * Head by head, the G - 1 later heads re-read the group's rows from L2 (8 sequences x 166 keys,
- * SmolLM2's 9 / 3 heads: 1.6x slower from cache; 1.4x from DRAM without the prefetches below).
- * Scores for n keys: G x n accumulators, each K row loaded once. */
-static inline __attribute__((always_inline)) void group_scores(const float *q, const float *K, int64_t D, const int G,
-                                                                const int n, __m256 *dots) {
-    __m512 a[GROUP_MAX][8];
-    for (int g = 0; g < G; g++)
-        for (int j = 0; j < n; j++) a[g][j] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) {
-        __m512 qd[GROUP_MAX];
-        for (int g = 0; g < G; g++) qd[g] = _mm512_loadu_ps(q + g * D + d);
-        for (int j = 0; j < n; j++) {
-            const __m512 k = _mm512_loadu_ps(K + j * D + d);
-            for (int g = 0; g < G; g++) a[g][j] = _mm512_fmadd_ps(qd[g], k, a[g][j]);
-        }
-    }
-    for (int g = 0; g < G; g++) {
-        __m256 r[8];
-        for (int j = 0; j < 8; j++) r[j] = j < n ? FOLD512(a[g][j]) : _mm256_setzero_ps();
-        dots[g] = hsum8x8(r);
-    }
-}
-
-/* out[g] = sum_j p[g][j] V[j] * inv[g], dc columns at a time (G x dc / 16 accumulators). */
-static inline __attribute__((always_inline)) void group_weighted_v(const float *p, int64_t stride, const float *V, int64_t L,
-                                                                    int64_t D, const float *inv, float *out, const int G,
-                                                                    const float *next_K, int64_t next_L) {
-    const int dc = G <= 6 ? 64 : 32;
-    for (int64_t d0 = 0; d0 < D; d0 += dc) {
-        const int nv = (int)((D - d0 < dc ? D - d0 : dc) / 16);
-        __m512 acc[GROUP_MAX][4];
-        for (int g = 0; g < G; g++)
-            for (int v = 0; v < 4; v++) acc[g][v] = _mm512_setzero_ps();
-        for (int64_t j = 0; j < L; j++) {
-            const float *vr = V + j * D + d0;
-            if (d0 == 0 && j < next_L)
-                for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(next_K + j * D + i), _MM_HINT_T0);
-            __m512 pj[GROUP_MAX];
-            for (int g = 0; g < G; g++) pj[g] = _mm512_set1_ps(p[g * stride + j]);
-            for (int v = 0; v < nv; v++) {
-                const __m512 vv = _mm512_loadu_ps(vr + v * 16);
-                for (int g = 0; g < G; g++) acc[g][v] = _mm512_fmadd_ps(pj[g], vv, acc[g][v]);
-            }
-        }
-        for (int g = 0; g < G; g++)
-            for (int v = 0; v < nv; v++) _mm512_storeu_ps(out + g * D + d0 + v * 16, _mm512_mul_ps(acc[g][v], _mm512_set1_ps(inv[g])));
-    }
-}
-
-/* q, out: [G, D] (consecutive heads); p: scratch of G x (L + 8). The K/V streams are short (a
+ * SmolLM2's 9 / 3 heads: 1.5x slower from cache; 1.1x from DRAM without the prefetches below).
+ * Written for 256-bit and 512-bit vectors: KEYS(G) keys a scores step (G x KEYS accumulators,
+ * each K row loaded once) and COLS(G) columns of V a pass fit each width's registers.
+ *
+ * q, out: [G, D] (consecutive heads); p: scratch of G x (L + 8). The K/V streams are short (a
  * few rows per token), so the next rows are fetched ahead: K 16 rows on and V while the scores
- * run, and the next job's K (next_K, next_L rows) while V is summed. With `partial` (a part of the keys), out gets
- * the unnormalized sum and partial[2g], partial[2g + 1] head g's score max and sum of exps. */
-static inline __attribute__((always_inline)) void attend_group(const float *q, const float *K, const float *V, int64_t L,
-                                                                int64_t D, float scale, float *p, float *out, const int G,
-                                                                const float *next_K, int64_t next_L, float *partial) {
-    const int n = G <= 3 ? 8 : G <= 6 ? 4 : 2; /* keys per step: G x n accumulators fit the registers */
-    const int64_t stride = L + 8;
-    __m256 vmax[GROUP_MAX], dots[GROUP_MAX];
-    for (int g = 0; g < G; g++) vmax[g] = _mm256_set1_ps(-INFINITY);
-    const __m256 vscale = _mm256_set1_ps(scale);
-    int64_t l0 = 0;
-    for (; l0 + n <= L; l0 += n) {
-        if (n == 8) group_scores(q, K + l0 * D, D, G, 8, dots);
-        else if (n == 4) group_scores(q, K + l0 * D, D, G, 4, dots);
-        else group_scores(q, K + l0 * D, D, G, 2, dots);
-        for (int64_t i = 0; i < n * D; i += 16) _mm_prefetch((const char *)(V + l0 * D + i), _MM_HINT_T0);
-        for (int64_t i = 0; i < n * D && l0 + 16 + n <= L; i += 16) /* K, 16 rows on */
-            _mm_prefetch((const char *)(K + (l0 + 16) * D + i), _MM_HINT_T0);
-        for (int g = 0; g < G; g++) {
-            const __m256 sc = _mm256_mul_ps(dots[g], vscale);
-            _mm256_storeu_ps(p + g * stride + l0, sc); /* lanes past n are overwritten by the next step */
-            vmax[g] = _mm256_max_ps(vmax[g], n == 8 ? sc : _mm256_blend_ps(_mm256_set1_ps(-INFINITY), sc, (1 << n) - 1));
-        }
+ * run, and the next job's K (next_K, next_L rows) while V is summed. With `partial` (a part of
+ * the keys), out gets the unnormalized sum and partial[2g], partial[2g + 1] head g's score max
+ * and sum of exps. */
+#define GROUP_KERNELS(SUFFIX, VEC, LANES, ZERO, LOAD, STORE, FMA, SET1, MUL, TO256, KEYS, COLS)                      \
+    static inline __attribute__((always_inline)) void group_scores_##SUFFIX(const float *q, const float *K, int64_t D,  \
+                                                                             const int G, const int n, __m256 *dots) { \
+        VEC a[GROUP_MAX][8];                                                                                         \
+        for (int g = 0; g < G; g++)                                                                                  \
+            for (int j = 0; j < n; j++) a[g][j] = ZERO();                                                            \
+        for (int64_t d = 0; d < D; d += LANES) {                                                                     \
+            VEC qd[GROUP_MAX];                                                                                       \
+            for (int g = 0; g < G; g++) qd[g] = LOAD(q + g * D + d);                                                 \
+            for (int j = 0; j < n; j++) {                                                                            \
+                const VEC k = LOAD(K + j * D + d);                                                                   \
+                for (int g = 0; g < G; g++) a[g][j] = FMA(qd[g], k, a[g][j]);                                        \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int g = 0; g < G; g++) {                                                                                \
+            __m256 r[8];                                                                                             \
+            for (int j = 0; j < 8; j++) r[j] = j < n ? TO256(a[g][j]) : _mm256_setzero_ps();                         \
+            dots[g] = hsum8x8(r);                                                                                    \
+        }                                                                                                            \
+    }                                                                                                                \
+    /* out[g] = sum_j p[g][j] V[j] * inv[g] */                                                                       \
+    static inline __attribute__((always_inline)) void group_weighted_v_##SUFFIX(                                     \
+        const float *p, int64_t stride, const float *V, int64_t L, int64_t D, const float *inv, float *out, const int G, \
+        const float *next_K, int64_t next_L) {                                                                       \
+        const int dc = COLS(G);                                                                                      \
+        for (int64_t d0 = 0; d0 < D; d0 += dc) {                                                                     \
+            const int nv = (int)((D - d0 < dc ? D - d0 : dc) / LANES);                                               \
+            VEC acc[GROUP_MAX][64 / LANES];                                                                          \
+            for (int g = 0; g < G; g++)                                                                              \
+                for (int v = 0; v < 64 / LANES; v++) acc[g][v] = ZERO();                                             \
+            for (int64_t j = 0; j < L; j++) {                                                                        \
+                const float *vr = V + j * D + d0;                                                                    \
+                if (d0 == 0 && j < next_L)                                                                           \
+                    for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(next_K + j * D + i), _MM_HINT_T0); \
+                VEC pj[GROUP_MAX];                                                                                   \
+                for (int g = 0; g < G; g++) pj[g] = SET1(p[g * stride + j]);                                         \
+                for (int v = 0; v < nv; v++) {                                                                       \
+                    const VEC vv = LOAD(vr + v * LANES);                                                             \
+                    for (int g = 0; g < G; g++) acc[g][v] = FMA(pj[g], vv, acc[g][v]);                               \
+                }                                                                                                    \
+            }                                                                                                        \
+            for (int g = 0; g < G; g++)                                                                              \
+                for (int v = 0; v < nv; v++) STORE(out + g * D + d0 + v * LANES, MUL(acc[g][v], SET1(inv[g])));     \
+        }                                                                                                            \
+    }                                                                                                                \
+    static inline __attribute__((always_inline)) void attend_group_##SUFFIX(                                         \
+        const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p, float *out,     \
+        const int G, const float *next_K, int64_t next_L, float *partial) {                                          \
+        const int n = KEYS(G);                                                                                       \
+        const int64_t stride = L + 8;                                                                                \
+        __m256 vmax[GROUP_MAX], dots[GROUP_MAX];                                                                     \
+        for (int g = 0; g < G; g++) vmax[g] = _mm256_set1_ps(-INFINITY);                                             \
+        const __m256 vscale = _mm256_set1_ps(scale);                                                                 \
+        int64_t l0 = 0;                                                                                              \
+        for (; l0 + n <= L; l0 += n) {                                                                               \
+            if (n == 8) group_scores_##SUFFIX(q, K + l0 * D, D, G, 8, dots);                                         \
+            else if (n == 4) group_scores_##SUFFIX(q, K + l0 * D, D, G, 4, dots);                                    \
+            else if (n == 2) group_scores_##SUFFIX(q, K + l0 * D, D, G, 2, dots);                                    \
+            else group_scores_##SUFFIX(q, K + l0 * D, D, G, 1, dots);                                                \
+            for (int64_t i = 0; i < n * D; i += 16) _mm_prefetch((const char *)(V + l0 * D + i), _MM_HINT_T0);     \
+            for (int64_t i = 0; i < n * D && l0 + 16 + n <= L; i += 16) /* K, 16 rows on */                          \
+                _mm_prefetch((const char *)(K + (l0 + 16) * D + i), _MM_HINT_T0);                                    \
+            for (int g = 0; g < G; g++) {                                                                            \
+                const __m256 sc = _mm256_mul_ps(dots[g], vscale);                                                    \
+                _mm256_storeu_ps(p + g * stride + l0, sc); /* lanes past n: overwritten by the next step */          \
+                vmax[g] = _mm256_max_ps(vmax[g], n == 8 ? sc : _mm256_blend_ps(_mm256_set1_ps(-INFINITY), sc, (1 << n) - 1)); \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (; l0 < L; l0++) {                                                                                       \
+            group_scores_##SUFFIX(q, K + l0 * D, D, G, 1, dots);                                                     \
+            for (int g = 0; g < G; g++) {                                                                            \
+                const __m256 sc = _mm256_mul_ps(dots[g], vscale);                                                    \
+                p[g * stride + l0] = _mm256_cvtss_f32(sc);                                                           \
+                vmax[g] = _mm256_max_ps(vmax[g], _mm256_blend_ps(_mm256_set1_ps(-INFINITY), sc, 1));                 \
+            }                                                                                                        \
+        }                                                                                                            \
+        float inv[GROUP_MAX];                                                                                        \
+        for (int g = 0; g < G; g++) {                                                                                \
+            const float mx = hmax8(vmax[g]), sum = exp_shifted(p + g * stride, L, mx);                               \
+            inv[g] = partial ? 1.f : 1.f / sum;                                                                      \
+            if (partial) partial[2 * g] = mx, partial[2 * g + 1] = sum;                                              \
+        }                                                                                                            \
+        group_weighted_v_##SUFFIX(p, stride, V, L, D, inv, out, G, next_K, next_L);                                  \
     }
-    for (; l0 < L; l0++) {
-        group_scores(q, K + l0 * D, D, G, 1, dots);
-        for (int g = 0; g < G; g++) {
-            const __m256 sc = _mm256_mul_ps(dots[g], vscale);
-            p[g * stride + l0] = _mm256_cvtss_f32(sc);
-            vmax[g] = _mm256_max_ps(vmax[g], _mm256_blend_ps(_mm256_set1_ps(-INFINITY), sc, 1));
-        }
-    }
-    float inv[GROUP_MAX];
-    for (int g = 0; g < G; g++) {
-        const float mx = hmax8(vmax[g]), sum = exp_shifted(p + g * stride, L, mx);
-        inv[g] = partial ? 1.f : 1.f / sum;
-        if (partial) partial[2 * g] = mx, partial[2 * g + 1] = sum;
-    }
-    group_weighted_v(p, stride, V, L, D, inv, out, G, next_K, next_L);
-}
 
-static void attend_group_any(const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p,
-                             float *out, int64_t G, const float *next_K, int64_t next_L, float *partial) {
-#define GROUP_CALL(R) attend_group(q, K, V, L, D, scale, p, out, R, next_K, next_L, partial)
+/* 16 ymm registers: fewer keys a step and fewer V columns a pass as G grows */
+#define KEYS256(G) ((G) <= 1 ? 8 : (G) <= 2 ? 4 : (G) <= 4 ? 2 : 1)
+#define COLS256(G) ((G) <= 1 ? 64 : (G) <= 2 ? 32 : (G) <= 4 ? 16 : 8)
+GROUP_KERNELS(256, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps,
+              _mm256_mul_ps, ID256, KEYS256, COLS256)
+#if defined(__AVX512F__)
+#define KEYS512(G) ((G) <= 3 ? 8 : (G) <= 6 ? 4 : 2)
+#define COLS512(G) ((G) <= 6 ? 64 : 32)
+GROUP_KERNELS(512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps,
+              _mm512_mul_ps, FOLD512, KEYS512, COLS512)
+#endif
+
+static void attend_group_any_256(const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p,
+                                 float *out, int64_t G, const float *next_K, int64_t next_L, float *partial) {
+#define GROUP_CALL(R) attend_group_256(q, K, V, L, D, scale, p, out, R, next_K, next_L, partial)
     DISPATCH_ROWS(G, GROUP_CALL)
 #undef GROUP_CALL
 }
+#if defined(__AVX512F__)
+static void attend_group_any_512(const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p,
+                                 float *out, int64_t G, const float *next_K, int64_t next_L, float *partial) {
+#define GROUP_CALL(R) attend_group_512(q, K, V, L, D, scale, p, out, R, next_K, next_L, partial)
+    DISPATCH_ROWS(G, GROUP_CALL)
+#undef GROUP_CALL
+}
+#endif
 
 static int64_t gcd64(int64_t a, int64_t b) { return b ? gcd64(b, a % b) : a; }
 
@@ -795,7 +817,7 @@ static int64_t gcd64(int64_t a, int64_t b) { return b ? gcd64(b, a % b) : a; }
  * by their score maxima (the flash-decoding combine). */
 static void decode_attention_grouped(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
                                      const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
-                                     float scale, float *out, int64_t longest, int parallel) {
+                                     float scale, float *out, int64_t longest, int parallel, int wide) {
     const int64_t group = H / KVH, pairs = B * KVH, nt = parallel ? omp_get_max_threads() : 1;
     int64_t parts = nt / gcd64(pairs, nt);
     if (parts > 64) parts = 64;
@@ -818,8 +840,14 @@ static void decode_attention_grouped(const float *q, const float *k_cache, const
             (void)nk0;
             const int64_t first = (b_j * H + kh_j * group) * D;
             float *o = partial ? partial + j * group * D : out + first;
-            attend_group_any(q + first, k_cache + off, v_cache + off, len, D, scale, p, o, group, k_cache + next_off,
-                             j + 1 < j1 ? next_len : 0, stats ? stats + j * group * 2 : NULL);
+#if defined(__AVX512F__)
+            if (wide)
+                attend_group_any_512(q + first, k_cache + off, v_cache + off, len, D, scale, p, o, group, k_cache + next_off,
+                                     j + 1 < j1 ? next_len : 0, stats ? stats + j * group * 2 : NULL);
+            else
+#endif
+                attend_group_any_256(q + first, k_cache + off, v_cache + off, len, D, scale, p, o, group, k_cache + next_off,
+                                     j + 1 < j1 ? next_len : 0, stats ? stats + j * group * 2 : NULL);
         }
 #undef JOB_KEYS
         if (p != stack_p) free(p);
@@ -845,14 +873,12 @@ static void decode_attention_grouped(const float *q, const float *k_cache, const
     }
     free(partial);
 }
-#endif
 
 /* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
  * cache slot slots[b] rows 0..lengths[b]-1; query head h uses kv head h / (H / KVH). D % 8 == 0,
- * D <= 256. With AVX-512 (and up to 8 query heads a KV head) the query heads of one KV head run
- * together (decode_attention_grouped); otherwise head by head, in (b, h) order, so a thread's
- * heads of one KV group find its K/V rows already in cache. Small steps run on one thread: a
- * fork/join costs more than they do. */
+ * D <= 256. With up to 8 query heads a KV head they run together (decode_attention_grouped);
+ * otherwise head by head, in (b, h) order, so a thread's heads of one KV group find its K/V rows
+ * already in cache. Small steps run on one thread: a fork/join costs more than they do. */
 void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
                          const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
                          float scale, float *out) {
@@ -865,12 +891,10 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
     int64_t work = 0, longest = 0;
     for (int64_t b = 0; b < B; b++) work += lengths[b] * H * D, longest = lengths[b] > longest ? lengths[b] : longest;
     const int parallel = work > (1 << 14);
-#if defined(__AVX512F__)
-    if (wide && group <= GROUP_MAX && D <= 256) {
-        decode_attention_grouped(q, k_cache, v_cache, slots, lengths, B, H, KVH, D, max_len, scale, out, longest, parallel);
+    if (group <= GROUP_MAX && D <= 256) {
+        decode_attention_grouped(q, k_cache, v_cache, slots, lengths, B, H, KVH, D, max_len, scale, out, longest, parallel, wide);
         return;
     }
-#endif
 #pragma omp parallel for schedule(static) if (parallel)
     for (int64_t bh = 0; bh < B * H; bh++) {
         const int64_t b = bh / H, h = bh % H, L = lengths[b];
