@@ -204,7 +204,14 @@ static inline __attribute__((always_inline)) void q4_row(
             U8X16(_mm_and_si128(_mm_srli_epi16(b, 4), low4), wb);
             DOT32(rows, xb, K, j, half + j, wa, wb, s, acc, 1)
         }
-        for (int r = 0; r < rows; r++) macc[r] += mn[grp] * xsum[r * G + grp];
+    }
+    for (int r = 0; r < rows; r++) { /* the mins' term, sum_grp min[grp] * xsum[r, grp], 8 groups at a time */
+        const float *xs = xsum + r * G;
+        __m256 m8 = _mm256_setzero_ps();
+        int64_t grp = 0;
+        for (; grp + 8 <= G; grp += 8) m8 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + grp), _mm256_loadu_ps(xs + grp), m8);
+        for (; grp < G; grp++) macc[r] += mn[grp] * xs[grp];
+        macc[r] += hsum8(m8);
     }
     for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc[r]) + macc[r];
 }
