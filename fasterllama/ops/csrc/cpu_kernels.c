@@ -597,46 +597,9 @@ void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, cons
     })
 }
 
-/* Decode attention's two inner loops, for one head: 8 keys' scores, and the probability-weighted
- * sum of V rows. Written for 256-bit vectors, and for 512-bit ones where the CPU has AVX-512 and
- * the head dim is a multiple of 16 (the common 64 and 128). */
-#define ATTN_KERNELS(SUFFIX, VEC, LANES, ZERO, LOAD, STORE, FMA, SET1, MUL, TO256)                          \
-    static inline __m256 scores8_##SUFFIX(const float *qv, const float *K, int64_t D) {                      \
-        VEC a[8];                                                                                            \
-        for (int j = 0; j < 8; j++) a[j] = ZERO();                                                           \
-        for (int64_t d = 0; d < D; d += LANES) {                                                             \
-            const VEC qd = LOAD(qv + d);                                                                     \
-            for (int j = 0; j < 8; j++) a[j] = FMA(qd, LOAD(K + j * D + d), a[j]);                           \
-        }                                                                                                    \
-        __m256 r[8];                                                                                         \
-        for (int j = 0; j < 8; j++) r[j] = TO256(a[j]);                                                      \
-        return hsum8x8(r);                                                                                   \
-    }                                                                                                        \
-    /* out = sum_j p[j] V[j] * inv; keys alternate between two accumulator sets (two FMA chains per lane) */ \
-    static inline void weighted_v_##SUFFIX(const float *p, const float *V, int64_t L, int64_t D, float inv,   \
-                                           float *out) {                                                     \
-        VEC a0[256 / LANES], a1[256 / LANES];                                                                \
-        const int64_t nv = D / LANES;                                                                        \
-        for (int64_t v = 0; v < nv; v++) a0[v] = a1[v] = ZERO();                                             \
-        int64_t j = 0;                                                                                       \
-        for (; j + 2 <= L; j += 2) {                                                                         \
-            const VEC p0 = SET1(p[j]), p1 = SET1(p[j + 1]);                                                  \
-            for (int64_t v = 0; v < nv; v++) {                                                               \
-                a0[v] = FMA(p0, LOAD(V + j * D + v * LANES), a0[v]);                                         \
-                a1[v] = FMA(p1, LOAD(V + (j + 1) * D + v * LANES), a1[v]);                                   \
-            }                                                                                                \
-        }                                                                                                    \
-        if (j < L)                                                                                           \
-            for (int64_t v = 0; v < nv; v++) a0[v] = FMA(SET1(p[j]), LOAD(V + j * D + v * LANES), a0[v]);   \
-        for (int64_t v = 0; v < nv; v++) STORE(out + v * LANES, MUL(_mm256_add_ps_or_512(a0[v], a1[v]), SET1(inv))); \
-    }
-
-#define _mm256_add_ps_or_512(a, b) ((a) + (b))
 #define ID256(v) (v)
-ATTN_KERNELS(256, __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_fmadd_ps, _mm256_set1_ps, _mm256_mul_ps, ID256)
 #if defined(__AVX512F__)
 #define FOLD512(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
-ATTN_KERNELS(512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_fmadd_ps, _mm512_set1_ps, _mm512_mul_ps, FOLD512)
 #endif
 
 /* exp(p - mx) in place over p[0, L), returning the sum (the softmax's denominator). */
@@ -659,43 +622,11 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
     return hsum8(vsum);
 }
 
-/* One query head against L cached keys: out = softmax(q K^T * scale) V; p: scratch of L + 8. */
-static void attend_head(const float *qv, const float *K, const float *V, int64_t L, int64_t D, float scale, int wide,
-                        float *p, float *out) {
-    (void)wide;
-    /* scores, 8 keys at a time: 8 independent accumulators, then one transposing reduction */
-    __m256 vmax = _mm256_set1_ps(-INFINITY);
-    int64_t l0 = 0;
-    for (; l0 + 8 <= L; l0 += 8) {
-#if defined(__AVX512F__)
-        const __m256 dots = wide ? scores8_512(qv, K + l0 * D, D) : scores8_256(qv, K + l0 * D, D);
-#else
-        const __m256 dots = scores8_256(qv, K + l0 * D, D);
-#endif
-        const __m256 sc = _mm256_mul_ps(dots, _mm256_set1_ps(scale));
-        _mm256_storeu_ps(p + l0, sc);
-        vmax = _mm256_max_ps(vmax, sc);
-    }
-    float mx = hmax8(vmax);
-    for (int64_t l = l0; l < L; l++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(K + l * D + d), acc);
-        p[l] = hsum8(acc) * scale;
-        mx = p[l] > mx ? p[l] : mx;
-    }
-    const float inv = 1.f / exp_shifted(p, L, mx);
-#if defined(__AVX512F__)
-    if (wide) weighted_v_512(p, V, L, D, inv, out);
-    else weighted_v_256(p, V, L, D, inv, out);
-#else
-    weighted_v_256(p, V, L, D, inv, out);
-#endif
-}
-
 #define GROUP_MAX 8
-/* The G query heads that share one KV head, together: each K and V row is read once for all G.
- * Head by head, the G - 1 later heads re-read the group's rows from L2 (8 sequences x 166 keys,
- * SmolLM2's 9 / 3 heads: 1.5x slower from cache; 1.1x from DRAM without the prefetches below).
+/* Decode attention, the query heads that share one KV head together (up to GROUP_MAX of them a
+ * pass): each K and V row is read once for all of them. Head by head (before 2026-11-26), the
+ * later heads re-read the group's rows from L2 (8 sequences x 166 keys, SmolLM2's 9 / 3 heads:
+ * 1.5x slower from cache; 1.1x from DRAM without the prefetches below).
  * Written for 256-bit and 512-bit vectors: KEYS(G) keys a scores step (G x KEYS accumulators,
  * each K row loaded once) and COLS(G) columns of V a pass fit each width's registers.
  *
@@ -818,19 +749,41 @@ static void attend_group_any_512(const float *q, const float *K, const float *V,
 
 static int64_t gcd64(int64_t a, int64_t b) { return b ? gcd64(b, a % b) : a; }
 
-/* Grouped decode attention (see fl_decode_attention). Jobs are (sequence, KV head, key part):
- * when the (sequence, KV head) pairs do not divide evenly between the threads (SmolLM2 at batch
- * 1: 3 pairs, 2 threads), each pair's keys are split into `parts` and the parts' results merged
- * by their score maxima (the flash-decoding combine). */
-static void decode_attention_grouped(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
-                                     const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
-                                     float scale, float *out, int64_t longest, int parallel, int wide) {
-    const int64_t group = H / KVH, pairs = B * KVH, nt = parallel ? omp_get_max_threads() : 1;
+/* A job: sequence b's KV head kh, keys [k0, k0 + len) (one part of `parts`). */
+typedef struct {
+    int64_t b, kh, k0, len;
+} attn_job_t;
+
+static attn_job_t attn_job(int64_t j, int64_t KVH, int64_t parts, const int64_t *lengths) {
+    attn_job_t job = {j / (KVH * parts), j / parts % KVH, 0, 0};
+    const int64_t s = j % parts, L = lengths[job.b];
+    job.k0 = L * s / parts;
+    job.len = L * (s + 1) / parts - job.k0;
+    return job;
+}
+
+/* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
+ * cache slot slots[b] rows 0..lengths[b]-1; query head h uses kv head h / (H / KVH). D % 8 == 0,
+ * D <= 256. Jobs are (sequence, KV head, key part): when the (sequence, KV head) pairs do not
+ * divide evenly between the threads (SmolLM2 at batch 1: 3 pairs, 2 threads), each pair's keys
+ * are split into `parts` and the parts' results merged by their score maxima (the flash-decoding
+ * combine). Small steps run on one thread: a fork/join costs more than they do. */
+void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
+                         const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
+                         float scale, float *out) {
+    const int64_t group = H / KVH, pairs = B * KVH;
+#if defined(__AVX512F__)
+    const int wide = D % 16 == 0;
+#endif
+    int64_t work = 0, longest = 0;
+    for (int64_t b = 0; b < B; b++) work += lengths[b] * H * D, longest = lengths[b] > longest ? lengths[b] : longest;
+    const int parallel = work > (1 << 14);
+    const int64_t nt = parallel ? omp_get_max_threads() : 1;
     int64_t parts = nt / gcd64(pairs, nt);
     if (parts > 64) parts = 64;
     while (parts > 1 && longest / parts < 64) parts--; /* parts of at least 64 keys */
     const int64_t jobs = pairs * parts;
-    float *partial = parts > 1 ? malloc(sizeof(float) * jobs * group * (D + 2)) : NULL; /* [jobs][G][D], then [jobs][G][2] */
+    float *partial = parts > 1 ? malloc(sizeof(float) * jobs * group * (D + 2)) : NULL; /* [jobs][group][D], then [jobs][group][2] */
     float *stats = partial ? partial + jobs * group * D : NULL;
 #pragma omp parallel if (parallel)
     {
@@ -839,24 +792,24 @@ static void decode_attention_grouped(const float *q, const float *k_cache, const
         /* the static schedule by hand: each thread knows the job it runs next, to prefetch its keys */
         const int64_t nth = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t j0 = jobs * t / nth, j1 = jobs * (t + 1) / nth;
-#define JOB_KEYS(j, K0, L1, KPTR)                                                                                const int64_t b_##j = (j) / (KVH * parts), kh_##j = (j) / parts % KVH, s_##j = (j) % parts;                const int64_t K0 = lengths[b_##j] * s_##j / parts, L1 = lengths[b_##j] * (s_##j + 1) / parts - K0;         const int64_t KPTR = ((slots[b_##j] * KVH + kh_##j) * max_len + K0) * D;
         for (int64_t j = j0; j < j1; j++) {
-            JOB_KEYS(j, k0, len, off)
-            const int64_t next = j + 1 < j1 ? j + 1 : j;
-            JOB_KEYS(next, nk0, next_len, next_off)
-            (void)nk0;
-            const int64_t first = (b_j * H + kh_j * group) * D;
-            float *o = partial ? partial + j * group * D : out + first;
+            const attn_job_t job = attn_job(j, KVH, parts, lengths), next = attn_job(j + 1 < j1 ? j + 1 : j, KVH, parts, lengths);
+            const int64_t off = ((slots[job.b] * KVH + job.kh) * max_len + job.k0) * D;
+            const float *next_K = k_cache + ((slots[next.b] * KVH + next.kh) * max_len + next.k0) * D;
+            const int64_t first = (job.b * H + job.kh * group) * D;
+            for (int64_t h0 = 0; h0 < group; h0 += GROUP_MAX) { /* heads h0 .. h0 + G - 1 of the group */
+                const int64_t G = group - h0 < GROUP_MAX ? group - h0 : GROUP_MAX;
+                const int64_t next_L = j + 1 < j1 && h0 + G == group ? next.len : 0;
+                float *o = partial ? partial + (j * group + h0) * D : out + first + h0 * D;
+                float *st = stats ? stats + (j * group + h0) * 2 : NULL;
 #if defined(__AVX512F__)
-            if (wide)
-                attend_group_any_512(q + first, k_cache + off, v_cache + off, len, D, scale, p, o, group, k_cache + next_off,
-                                     j + 1 < j1 ? next_len : 0, stats ? stats + j * group * 2 : NULL);
-            else
+                if (wide)
+                    attend_group_any_512(q + first + h0 * D, k_cache + off, v_cache + off, job.len, D, scale, p, o, G, next_K, next_L, st);
+                else
 #endif
-                attend_group_any_256(q + first, k_cache + off, v_cache + off, len, D, scale, p, o, group, k_cache + next_off,
-                                     j + 1 < j1 ? next_len : 0, stats ? stats + j * group * 2 : NULL);
+                    attend_group_any_256(q + first + h0 * D, k_cache + off, v_cache + off, job.len, D, scale, p, o, G, next_K, next_L, st);
+            }
         }
-#undef JOB_KEYS
         if (p != stack_p) free(p);
         if (partial) {
 #pragma omp barrier
@@ -879,37 +832,6 @@ static void decode_attention_grouped(const float *q, const float *k_cache, const
         }
     }
     free(partial);
-}
-
-/* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
- * cache slot slots[b] rows 0..lengths[b]-1; query head h uses kv head h / (H / KVH). D % 8 == 0,
- * D <= 256. With up to 8 query heads a KV head they run together (decode_attention_grouped);
- * otherwise head by head, in (b, h) order, so a thread's heads of one KV group find its K/V rows
- * already in cache. Small steps run on one thread: a fork/join costs more than they do. */
-void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
-                         const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
-                         float scale, float *out) {
-    const int64_t group = H / KVH;
-#if defined(__AVX512F__)
-    const int wide = D % 16 == 0;
-#else
-    const int wide = 0;
-#endif
-    int64_t work = 0, longest = 0;
-    for (int64_t b = 0; b < B; b++) work += lengths[b] * H * D, longest = lengths[b] > longest ? lengths[b] : longest;
-    const int parallel = work > (1 << 14);
-    if (group <= GROUP_MAX && D <= 256) {
-        decode_attention_grouped(q, k_cache, v_cache, slots, lengths, B, H, KVH, D, max_len, scale, out, longest, parallel, wide);
-        return;
-    }
-#pragma omp parallel for schedule(static) if (parallel)
-    for (int64_t bh = 0; bh < B * H; bh++) {
-        const int64_t b = bh / H, h = bh % H, L = lengths[b];
-        const int64_t off = (slots[b] * KVH + h / group) * max_len * D;
-        float stack_p[L <= 4096 ? L + 8 : 1], *p = L <= 4096 ? stack_p : malloc(sizeof(float) * (L + 8));
-        attend_head(q + bh * D, k_cache + off, v_cache + off, L, D, scale, wide, p, out + bh * D);
-        if (p != stack_p) free(p);
-    }
 }
 
 /* ---- w8a8: int8 activations x int8 weights, exact int32 sums (quantized.py's reference) --------
