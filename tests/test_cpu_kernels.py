@@ -244,6 +244,23 @@ def test_decode_attention_every_group_size(group, d, batch, kv_heads, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("d", [16, 64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 9])
+@pytest.mark.parametrize("start,n", [(0, 2), (0, 150), (70, 13), (5, 100)])
+def test_prefill_attention(group, d, start, n):
+    """A sequence's new queries against its cache (a whole prompt, or a chunk after cached tokens)
+    through the C kernel (where the head dim fills whole vectors) and through SDPA: the same
+    outputs, and cache rows past the sequence (NaN here) never read in."""
+    kv_heads, max_len, slot = 2, 260, 1
+    k_cache = torch.full((3, kv_heads, max_len, d), float("nan"))
+    v_cache = torch.full((3, kv_heads, max_len, d), float("nan"))
+    k_cache[slot, :, : start + n] = torch.randn(kv_heads, start + n, d)
+    v_cache[slot, :, : start + n] = torch.randn(kv_heads, start + n, d)
+    q = torch.randn(n, kv_heads * group, d)
+    meta = _meta([start], [n], [slot])
+    _close(ck.attention(q, k_cache, v_cache, meta, 0.3), ref.attention(q, k_cache, v_cache, meta, 0.3))
+
+
 @pytest.mark.skipif(bool(os.environ.get("FASTERLLAMA_CFLAGS")), reason="already a custom build")
 def test_avx2_build_matches_reference():
     """The AVX2 code paths (the CI machine may lack AVX-512) pass the same op tests, built with

@@ -45,6 +45,7 @@ _SIGNATURES = {
     "fl_argmax_rows": [_P, _I, _I, _P],
     "fl_rope_store_kv": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
     "fl_decode_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+    "fl_prefill_attention": [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
     "fl_quantize_rows": [_P, _I, _I, _P, _I, _P, _P],
     "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P],
@@ -92,6 +93,7 @@ def open_library(source: Path) -> ctypes.CDLL:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.fl_vector_lanes.argtypes, lib.fl_vector_lanes.restype = [], ctypes.c_int64
     return lib
 
 
@@ -292,10 +294,21 @@ def decode_attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     return out
 
 
+def prefill_attention(q, k_cache, v_cache, slot: int, start: int, scale: float) -> torch.Tensor:
+    """One sequence's new queries q [n, H, D] (positions start .. start + n - 1) against its cache."""
+    n, H, D = q.shape
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    _lib.fl_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot, start, n, H, k_cache.shape[1], D,
+                              k_cache.shape[2], scale, out.data_ptr())
+    return out
+
+
 def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     if not _f32(k_cache, v_cache) or q.dtype != torch.float32 or q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
         return reference.attention(q, k_cache, v_cache, meta, scale)
-    return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention)
+    prefill = prefill_attention if q.shape[-1] % _lib.fl_vector_lanes() == 0 else None
+    return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention, prefill=prefill)
 
 
 OPS = {

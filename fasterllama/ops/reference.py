@@ -130,12 +130,14 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return torch.matmul(probs, v).view(B, H, D)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, decode=decode_attention) -> torch.Tensor:
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, decode=decode_attention,
+              prefill=None) -> torch.Tensor:
     """Causal attention of each sequence's new queries ([T, heads, head_dim]) over its cached K/V.
 
     No attention crosses sequences. New tokens sit at the end of their sequence, so the causal
     mask is aligned bottom-right (query j of n new tokens sees start + j + 1 keys). `decode` attends
-the single-token sequences (a backend passes its kernel)."""
+    the single-token sequences, `prefill(q [n, H, D], k_cache, v_cache, slot, start, scale)` each
+    longer one (a backend passes its kernels; SDPA by default)."""
     if meta.all_decode:
         return decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
@@ -144,6 +146,9 @@ the single-token sequences (a backend passes its kernel)."""
     for i in meta.multi_token_seqs:
         lo, hi = meta.token_offsets[i], meta.token_offsets[i + 1]
         n, start, slot = hi - lo, meta.start_positions[i], meta.slots[i]
+        if prefill is not None:
+            out[lo:hi] = prefill(q[lo:hi], k_cache, v_cache, slot, start, scale)
+            continue
         total = start + n
         qi = q[lo:hi].transpose(0, 1)  # [heads, n, d]
         ki = k_cache[slot, :, :total]  # [kv_heads, total, d]

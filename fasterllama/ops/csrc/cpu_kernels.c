@@ -834,6 +834,146 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
     free(partial);
 }
 
+/* ---- prefill attention: a sequence's new queries against its cache, causal (flash attention) ---
+ * Query blocks of PF_BQ positions x the G heads of one KV head (all share the block's K/V) walk
+ * the key blocks of PF_BK keys up to their diagonal, keeping a running max and sum per row
+ * (online softmax), so scores never exceed one block. Both products are register-tiled GEMMs:
+ * S = Q K^T from K^T blocks transposed once per call, O += P V from the cache rows. */
+#if defined(__AVX512F__)
+#define VLANES 16
+#define PF_QR 6 /* query rows a tile: 6 x 4 accumulators of the 32 registers */
+#else
+#define VLANES 8
+#define PF_QR 2 /* 2 x 4 accumulators of the 16 registers */
+#endif
+#define PF_BK (4 * VLANES) /* keys a block */
+#define PF_BQ 12           /* query positions a block, a multiple of PF_QR */
+
+int64_t fl_vector_lanes(void) { return VLANES; }
+
+/* S[r][0, PF_BK) = sum_d Qt[r][d] Kt[d][.], rows r < PF_QR */
+static inline void pf_scores_tile(const float *Qt, int64_t D, const float *Kt, float *S) {
+    vf acc[PF_QR][4];
+    for (int r = 0; r < PF_QR; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = VZERO();
+    for (int64_t d = 0; d < D; d++) {
+        const float *kd = Kt + d * PF_BK;
+        const vf k0 = VLOAD(kd), k1 = VLOAD(kd + VLANES), k2 = VLOAD(kd + 2 * VLANES), k3 = VLOAD(kd + 3 * VLANES);
+        for (int r = 0; r < PF_QR; r++) {
+            const vf qb = VSET1(Qt[r * D + d]);
+            acc[r][0] = VFMA(qb, k0, acc[r][0]);
+            acc[r][1] = VFMA(qb, k1, acc[r][1]);
+            acc[r][2] = VFMA(qb, k2, acc[r][2]);
+            acc[r][3] = VFMA(qb, k3, acc[r][3]);
+        }
+    }
+    for (int r = 0; r < PF_QR; r++)
+        for (int v = 0; v < 4; v++) VSTORE(S + r * PF_BK + v * VLANES, acc[r][v]);
+}
+
+/* O[r][d0, d0 + nv lanes) = O * alpha[r] + sum_{j < jn} P[r][j] V[j][.], rows r < PF_QR */
+static inline void pf_pv_tile(const float *P, const float *V, int64_t jn, int64_t D, int64_t d0, int nv, const float *alpha,
+                              float *O) {
+    vf acc[PF_QR][4];
+    for (int r = 0; r < PF_QR; r++)
+        for (int v = 0; v < 4; v++) acc[r][v] = v < nv ? VMUL(VLOAD(O + r * D + d0 + v * VLANES), VSET1(alpha[r])) : VZERO();
+    for (int64_t j = 0; j < jn; j++) {
+        const float *vj = V + j * D + d0;
+        vf vv[4];
+        for (int v = 0; v < 4; v++) vv[v] = v < nv ? VLOAD(vj + v * VLANES) : VZERO();
+        for (int r = 0; r < PF_QR; r++) {
+            const vf pb = VSET1(P[r * PF_BK + j]);
+            for (int v = 0; v < 4; v++) acc[r][v] = VFMA(pb, vv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < PF_QR; r++)
+        for (int v = 0; v < nv; v++) VSTORE(O + r * D + d0 + v * VLANES, acc[r][v]);
+}
+
+/* One row's scores s[0, PF_BK) of which keys [0, lim) are visible: s becomes exp(s - m_new) (0
+ * past lim); returns alpha = exp(m_old - m_new) and updates the running max m and sum l. */
+static inline float pf_softmax_row(float *s, int64_t lim, float *m, float *l) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < PF_BK; j += 8) {
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(lim - j)), lane));
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j), live));
+    }
+    const float m_new = fmaxf(*m, hmax8(vmax));
+    if (m_new == -INFINITY) { /* nothing visible yet */
+        for (int64_t j = 0; j < PF_BK; j++) s[j] = 0.f;
+        return 1.f;
+    }
+    const __m256 vm = _mm256_set1_ps(m_new);
+    __m256 vsum = _mm256_setzero_ps();
+    for (int64_t j = 0; j < PF_BK; j += 8) {
+        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(lim - j)), lane));
+        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_blendv_ps(vm, _mm256_loadu_ps(s + j), live), vm)), live);
+        _mm256_storeu_ps(s + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    const float alpha = expf(*m - m_new);
+    *l = *l * alpha + hsum8(vsum);
+    *m = m_new;
+    return alpha;
+}
+
+/* q [n, H, D] (positions start .. start + n - 1 of cache slot `slot`, whose K/V rows 0 .. start + n
+ * - 1 are stored) -> out [n, H, D]. D a multiple of VLANES (fl_vector_lanes()). */
+void fl_prefill_attention(const float *q, const float *k_cache, const float *v_cache, int64_t slot, int64_t start, int64_t n,
+                          int64_t H, int64_t KVH, int64_t D, int64_t max_len, float scale, float *out) {
+    const int64_t G = H / KVH, total = start + n, nblk = (total + PF_BK - 1) / PF_BK, nq = (n + PF_BQ - 1) / PF_BQ;
+    const int64_t R = G * PF_BQ; /* rows of a job: head g, position i at row g * PF_BQ + i */
+    float *kt = aligned_alloc(64, sizeof(float) * KVH * nblk * D * PF_BK); /* [KVH][nblk][D][PF_BK], zero past total */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < KVH * nblk; t++) {
+        const int64_t kh = t / nblk, j0 = t % nblk * PF_BK, jn = total - j0 < PF_BK ? total - j0 : PF_BK;
+        const float *K = k_cache + ((slot * KVH + kh) * max_len + j0) * D;
+        float *dst = kt + t * D * PF_BK;
+        for (int64_t d = 0; d < D; d++)
+            for (int64_t j = 0; j < PF_BK; j++) dst[d * PF_BK + j] = j < jn ? K[j * D + d] : 0.f;
+    }
+#pragma omp parallel
+    {
+        float *Qt = aligned_alloc(64, sizeof(float) * (2 * R * D + R * PF_BK + 3 * R + 16));
+        float *O = Qt + R * D, *S = O + R * D, *m = S + R * PF_BK, *l = m + R, *alpha = l + R;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t job = 0; job < KVH * nq; job++) { /* the longest query blocks (the last) first */
+            const int64_t kh = job % KVH, i0 = (nq - 1 - job / KVH) * PF_BQ, qn = n - i0 < PF_BQ ? n - i0 : PF_BQ;
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t g = r / PF_BQ, i = r % PF_BQ;
+                const float *qr = q + ((i0 + i) * H + kh * G + g) * D;
+                for (int64_t d = 0; d < D; d++) Qt[r * D + d] = i < qn ? qr[d] * scale : 0.f, O[r * D + d] = 0.f;
+                m[r] = -INFINITY, l[r] = 0.f;
+            }
+            const int64_t kend = start + i0 + qn; /* keys the last position sees */
+            for (int64_t j0 = 0; j0 < kend; j0 += PF_BK) {
+                const int64_t jn = kend - j0 < PF_BK ? kend - j0 : PF_BK;
+                const float *Kt = kt + (kh * nblk + j0 / PF_BK) * D * PF_BK;
+                for (int64_t r0 = 0; r0 < R; r0 += PF_QR) pf_scores_tile(Qt + r0 * D, D, Kt, S + r0 * PF_BK);
+                for (int64_t r = 0; r < R; r++) { /* position start + i0 + i sees keys up to itself */
+                    const int64_t see = start + i0 + r % PF_BQ + 1 - j0;
+                    alpha[r] = pf_softmax_row(S + r * PF_BK, see < jn ? see : jn, m + r, l + r);
+                }
+                const float *V = v_cache + ((slot * KVH + kh) * max_len + j0) * D;
+                for (int64_t r0 = 0; r0 < R; r0 += PF_QR)
+                    for (int64_t d0 = 0; d0 < D; d0 += 4 * VLANES)
+                        pf_pv_tile(S + r0 * PF_BK, V, jn, D, d0, (int)((D - d0 < 4 * VLANES ? D - d0 : 4 * VLANES) / VLANES),
+                                   alpha + r0, O + r0 * D);
+            }
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t g = r / PF_BQ, i = r % PF_BQ;
+                if (i >= qn) continue;
+                float *o = out + ((i0 + i) * H + kh * G + g) * D;
+                const float inv = 1.f / l[r];
+                for (int64_t d = 0; d < D; d++) o[d] = O[r * D + d] * inv;
+            }
+        }
+        free(Qt);
+    }
+    free(kt);
+}
+
 /* ---- w8a8: int8 activations x int8 weights, exact int32 sums (quantized.py's reference) --------
  * y [M, N] = float(sum_k xq[m, k] w[n, k]) * xs[m] * ws[n] (+ bias[n]). With AVX-512 VNNI,
  * vpdpbusd multiplies unsigned by signed bytes: x + 128 is unsigned, and 128 * sum_k w[n, k]
