@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(ck.load() is None, reason="C kernels cannot be b
 torch.manual_seed(0)
 
 ROWS = [1, 2, 3, 4, 5, 8, 16, 17, 40]  # tails of the 4-row tiles, and the large-M dequantize path
-SHAPES = [(96, 64, 32), (70, 256, 64), (33, 256, 128)]  # (N, K, group)
+SHAPES = [(96, 64, 32), (70, 256, 64), (33, 256, 128), (40, 1600, 32), (20, 2304, 128)]  # (N, K, group); K > 1024: x rows longer than L1 holds at 8+ rows
 
 
 def _close(out: torch.Tensor, expected: torch.Tensor, tol: float = 1e-5) -> None:
