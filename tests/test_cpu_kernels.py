@@ -198,6 +198,40 @@ def test_model_same_with_and_without_kernels(tmp_path, quantization):
                 assert abs(sa[tok] - sc[tok]) < tol and abs(sb[tok] - sc[tok]) < tol
 
 
+@pytest.mark.parametrize("quantization", ["w4-g32", "w8-g32"])
+def test_decode_step_past_eight_rows(tmp_path, quantization):
+    """12 sequences decoding at once through a down projection of K = 1088 (past 2 x 512): the one
+    C call runs such quantized linears 8 rows at a time, and gives the kernels' op-by-op tokens
+    and logprobs."""
+    import tiny_models as tm
+
+    from fasterllama import LLM, SamplingParams
+
+    spec = tm.TinySpec("long-rows", num_heads=4, num_kv_heads=2, intermediate_size=1088, mlp_bias=True)
+    path = tm.save_hf_checkpoint(tm.build_hf_model(spec), str(tmp_path / "hf"))
+    prompts = [[3 + i, 5 + 2 * i, 7] * (1 + i % 3) for i in range(12)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    llm = LLM(path, quantization=quantization)
+    runner = llm.engine.runner
+    assert runner.decode_plan is not None
+
+    def run() -> tuple[list[list[int]], list]:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+    one_call, one_call_lp = run()
+    runner.decode_plan, plan = None, runner.decode_plan
+    try:
+        op_by_op, op_by_op_lp = run()
+    finally:
+        runner.decode_plan = plan
+    assert one_call == op_by_op
+    for a, b in zip(one_call_lp, op_by_op_lp):
+        for sa, sb in zip(a, b):
+            for tok in sb:
+                assert abs(sa[tok] - sb[tok]) < 1e-4
+
+
 def test_decode_attention_ignores_rows_past_each_sequence():
     """Cache rows past a sequence's length may hold anything (torch.empty), NaN included; batched
     decode attention must not read them into the result (0 * NaN = NaN)."""
