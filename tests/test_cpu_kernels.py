@@ -154,6 +154,29 @@ def test_rope_store_and_attention(heads, kv_heads, d):
     _close(ck.attention(qd, *mine, decode_only, 0.3), ref.attention(qd, *caches, decode_only, 0.3))
 
 
+def _three_ways(llm, prompts, params) -> list[tuple[list[list[int]], list]]:
+    """(token ids, logprobs) of greedy runs three ways: decode steps as one C call (the default on
+    CPU), the C kernels op by op, and the PyTorch reference ops."""
+    runner = llm.engine.runner
+    assert runner.decode_plan is not None
+
+    def run() -> tuple[list[list[int]], list]:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [o.token_ids for o in outs], [o.logprobs for o in outs]
+
+    results = [run()]
+    runner.decode_plan, plan = None, runner.decode_plan
+    saved = dict(ops._BACKENDS.get("cpu", {}))
+    try:
+        results.append(run())
+        ops._BACKENDS["cpu"] = {}
+        results.append(run())
+    finally:
+        ops._BACKENDS["cpu"] = saved
+        runner.decode_plan = plan
+    return results
+
+
 @pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32", "w8a8", "w8a8-static-max", "w8a8-static-percentile99-clip"])
 def test_model_same_with_and_without_kernels(tmp_path, quantization):
     """A tiny GQA model generates the same tokens and logits three ways: decode steps as one C call
@@ -167,24 +190,7 @@ def test_model_same_with_and_without_kernels(tmp_path, quantization):
     path = tm.save_hf_checkpoint(hf, str(tmp_path / "hf"))
     prompts = [list(range(3, 40)), [5, 9, 11], [7] * 20]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
-    llm = LLM(path, quantization=quantization)
-    runner = llm.engine.runner
-    assert runner.decode_plan is not None
-
-    def run() -> tuple[list[list[int]], list]:
-        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        return [o.token_ids for o in outs], [o.logprobs for o in outs]
-
-    one_call, one_call_lp = run()
-    runner.decode_plan, plan = None, runner.decode_plan
-    op_by_op, op_by_op_lp = run()
-    saved = dict(ops._BACKENDS.get("cpu", {}))
-    ops._BACKENDS["cpu"] = {}
-    try:
-        reference, reference_lp = run()
-    finally:
-        ops._BACKENDS["cpu"] = saved
-        runner.decode_plan = plan
+    (one_call, one_call_lp), (op_by_op, op_by_op_lp), (reference, reference_lp) = _three_ways(LLM(path, quantization=quantization), prompts, params)
     assert one_call == op_by_op == reference
     if quantization is None:  # and the float model is HF's
         assert one_call == [tm.hf_greedy(hf, p, 12) for p in prompts]
@@ -211,20 +217,7 @@ def test_decode_step_past_eight_rows(tmp_path, quantization):
     path = tm.save_hf_checkpoint(tm.build_hf_model(spec), str(tmp_path / "hf"))
     prompts = [[3 + i, 5 + 2 * i, 7] * (1 + i % 3) for i in range(12)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
-    llm = LLM(path, quantization=quantization)
-    runner = llm.engine.runner
-    assert runner.decode_plan is not None
-
-    def run() -> tuple[list[list[int]], list]:
-        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
-        return [o.token_ids for o in outs], [o.logprobs for o in outs]
-
-    one_call, one_call_lp = run()
-    runner.decode_plan, plan = None, runner.decode_plan
-    try:
-        op_by_op, op_by_op_lp = run()
-    finally:
-        runner.decode_plan = plan
+    (one_call, one_call_lp), (op_by_op, op_by_op_lp), _ = _three_ways(LLM(path, quantization=quantization), prompts, params)
     assert one_call == op_by_op
     for a, b in zip(one_call_lp, op_by_op_lp):
         for sa, sb in zip(a, b):
