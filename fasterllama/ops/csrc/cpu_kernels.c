@@ -904,16 +904,11 @@ static inline float pf_softmax_row(float *s, int64_t lim, float *m, float *l) {
         for (int64_t j = 0; j < PF_BK; j++) s[j] = 0.f;
         return 1.f;
     }
-    const __m256 vm = _mm256_set1_ps(m_new);
-    __m256 vsum = _mm256_setzero_ps();
-    for (int64_t j = 0; j < PF_BK; j += 8) {
-        const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)(lim - j)), lane));
-        const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_blendv_ps(vm, _mm256_loadu_ps(s + j), live), vm)), live);
-        _mm256_storeu_ps(s + j, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
+    const int64_t seen = lim < 0 ? 0 : lim;
+    const float sum = exp_shifted(s, seen, m_new);
+    for (int64_t j = seen; j < PF_BK; j++) s[j] = 0.f;
     const float alpha = expf(*m - m_new);
-    *l = *l * alpha + hsum8(vsum);
+    *l = *l * alpha + sum;
     *m = m_new;
     return alpha;
 }
