@@ -34,7 +34,23 @@ def test_int4_linear(m, n, k, g):
     packed = qops.pack_int4(torch.randint(0, 16, (n, k)), g)
     scales, mins = (torch.rand(n, k // g) * 0.1).half(), (-torch.rand(n, k // g) * 0.1).half()
     bias = torch.randn(n)
-    _close(ck.int4_weight_linear(x, packed, scales, mins, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
+    panels = qops.to_panels(packed, scales, mins, g)
+    _close(ck.int4_panel_linear(x, *panels, n, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
+
+
+@pytest.mark.parametrize("n,g", [(96, 32), (33, 64), (5, 128)])
+def test_int4_panels_are_a_permutation(n, g):
+    """to_panels / from_panels invert each other, and panel_rows reads any rows back (padding too)."""
+    k = 256
+    packed = qops.pack_int4(torch.randint(0, 16, (n, k)), g)
+    scales, mins = torch.randn(n, k // g).half(), torch.randn(n, k // g).half()
+    panels = qops.to_panels(packed, scales, mins, g)
+    assert panels[0].shape == (-(-n // 32), k // g, g, 16) and panels[1].shape == (-(-n // 32), k // g, 32)
+    for got, want in zip(qops.from_panels(*panels, n), (packed, scales, mins)):
+        assert torch.equal(got, want)
+    rows = torch.tensor([n - 1, 0, n // 2, n - 1])
+    q, s, m = qops.panel_rows(*panels, rows, n)
+    assert torch.equal(q, qops.unpack_int4_rows(packed, rows, g)) and torch.equal(s, scales[rows]) and torch.equal(m, mins[rows])
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -54,7 +70,8 @@ def test_dequantized_tiles(monkeypatch):
     bias = torch.randn(n)
     packed = qops.pack_int4(torch.randint(0, 16, (n, k)), g)
     scales, mins = (torch.rand(n, k // g) * 0.1).half(), (-torch.rand(n, k // g) * 0.1).half()
-    _close(ck.int4_weight_linear(x, packed, scales, mins, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
+    panels = qops.to_panels(packed, scales, mins, g)
+    _close(ck.int4_panel_linear(x, *panels, n, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
     q, scale = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // g)
     _close(ck.int8_weight_linear(x, q, scale, bias), qops.int8_weight_linear(x, q, scale, bias))
 

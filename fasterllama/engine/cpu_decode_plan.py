@@ -42,7 +42,7 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
         g = m.group_size or m.in_features
         if g % 32 == 0:
             return _Linear(1, m.out_features, m.in_features, g, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, cpu_kernels.ptr(bias))
-    if isinstance(m, Int4Linear) and m.group_size % 32 == 0:
+    if isinstance(m, Int4Linear) and m.panels and m.group_size % 32 == 0:
         return _Linear(2, m.out_features, m.in_features, m.group_size, m.qweight.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr(), cpu_kernels.ptr(bias))
     if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
         wsum = m.qweight.sum(dim=1, dtype=torch.int32)

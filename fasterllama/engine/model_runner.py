@@ -7,6 +7,8 @@ import torch
 
 from .. import ops
 from ..model import LlamaForCausalLM
+from ..ops import cpu_kernels
+from ..quant.linear import use_cpu_panels
 from . import huge_pages
 from .cpu_decode_plan import CPUDecodePlan
 from .kv_cache import KVCache
@@ -23,9 +25,12 @@ class ModelRunner:
 
     def refresh_decode_plan(self) -> None:
         """(Re)collect the weights for the one-call CPU decode step; needed after modules change.
-        On the CPU the weights first move into 2 MB pages (huge_pages.py), once per set of tensors."""
+        On the CPU 4-bit weights first take the kernels' panel layout, and all weights move into
+        2 MB pages (huge_pages.py), once per set of tensors."""
         self.decode_plan = None  # let go of the old tensors before they move
         if self.device.type == "cpu":
+            if cpu_kernels.load() is not None:  # the C kernels read 4-bit weights in panels
+                use_cpu_panels(self.model)
             huge_pages.pack_weights(self.model)
             self.decode_plan = CPUDecodePlan.build(self.model, self.kv_cache.layers)
 

@@ -87,6 +87,10 @@ def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
     return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
 
 
+def int4_panel_linear(x, qp, sp, mp, n, group_size, bias=None):
+    return get_op("int4_panel_linear", x.device)(x, qp, sp, mp, n, group_size, bias)
+
+
 def quantize_per_token(x, static_scale=None, clip=False):
     return get_op("quantize_per_token", x.device)(x, static_scale, clip)
 
@@ -110,4 +114,5 @@ def silu_and_mul_quant(gate_up, static_scale=None, clip=False):
 pack_int4 = quantized.pack_int4
 unpack_int4 = quantized.unpack_int4
 unpack_int4_rows = quantized.unpack_int4_rows
+to_panels, from_panels, panel_rows = quantized.to_panels, quantized.from_panels, quantized.panel_rows
 AttentionMetadata = reference.AttentionMetadata

@@ -158,20 +158,30 @@ def _tile_buffer(elems: int) -> torch.Tensor:
     return buf[:elems]
 
 
-def _dequant_linear(x2: torch.Tensor, n: int, dequant_into, bias: torch.Tensor | None) -> torch.Tensor:
+def _dequant_linear(x2: torch.Tensor, n: int, dequant_into, bias: torch.Tensor | None, transposed: bool = False) -> torch.Tensor:
     """Large-M path: float weights from the kernel (all rows at once, or tiles of a huge matrix
-    such as a vocabulary projection), then the float GEMM."""
+    such as a vocabulary projection), then the float GEMM. `transposed`: the kernel writes W^T
+    tiles [K, rows] (4-bit panels), and tiles start on a panel boundary."""
     k = x2.shape[1]
-    step = min(n, max(64, DEQUANT_TILE_ELEMS // k))
-    tile = _tile_buffer(step * k).view(step, k)
+    step = min(n, max(64, DEQUANT_TILE_ELEMS // k) // 32 * 32)
+
+    def tile_of(rows: int) -> torch.Tensor:
+        buf = _tile_buffer(rows * k)
+        return buf.view(k, rows) if transposed else buf.view(rows, k)
+
+    def weight(tile: torch.Tensor) -> torch.Tensor:
+        return tile.t() if transposed else tile
+
     if step == n:
+        tile = tile_of(n)
         dequant_into(0, n, tile)
-        return sgemm(x2, tile, bias)
+        return sgemm(x2, weight(tile), bias)
     out = torch.empty(x2.shape[0], n, dtype=x2.dtype)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
+        tile = tile_of(hi - lo)
         dequant_into(lo, hi, tile)
-        out[:, lo:hi] = sgemm(x2, tile[: hi - lo], None if bias is None else bias[lo:hi])
+        out[:, lo:hi] = sgemm(x2, weight(tile), None if bias is None else bias[lo:hi])
     return out
 
 
@@ -201,16 +211,16 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     return y if bias is None else y + bias
 
 
-def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    n = scales.shape[0]
-    k = packed.shape[1] * 2
-    if not _usable(x, k) or group_size % 32 != 0 or scales.dtype != torch.float16:
-        return quantized.int4_weight_linear(x, packed, scales, mins, group_size, bias)
+def int4_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, n: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for a 4-bit matrix in panels (quantized.to_panels)."""
+    k = qp.shape[1] * group_size
+    if not _usable(x, k) or group_size % 32 != 0 or sp.dtype != torch.float16:
+        return quantized.int4_panel_linear(x, qp, sp, mp, n, group_size, bias)
     x2 = _rows(x, k)
-    args = (packed.data_ptr(), scales.data_ptr(), mins.data_ptr())
+    args = (qp.data_ptr(), sp.data_ptr(), mp.data_ptr())
     if x2.shape[0] > GEMV_MAX_ROWS:
         dequant = lambda lo, hi, t: _lib.fl_q4_dequant(*args, k, group_size, lo, hi, t.data_ptr())  # noqa: E731
-        return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
+        return _dequant_linear(x2, n, dequant, bias, transposed=True).view(*x.shape[:-1], n)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     _lib.fl_q4_linear(x2.data_ptr(), x2.shape[0], k, *args, n, group_size, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
@@ -312,7 +322,7 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 
 OPS = {
-    "linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear,
+    "linear": linear, "int8_weight_linear": int8_weight_linear, "int4_panel_linear": int4_panel_linear,
     "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 

@@ -28,6 +28,41 @@ def unpack_int4(packed: torch.Tensor, group_size: int) -> torch.Tensor:
     return unpack_int4_rows(packed, slice(None), group_size)
 
 
+# -- int4 panels (the CPU kernels' layout, csrc/cpu_kernels.c): rows in panels of 32, column by column
+PANEL = 32
+
+
+def to_panels(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row layout (pack_int4, scales/mins [N, G]) -> panels: uint8 [P, G, g, 16], where byte j of
+    column kk holds row j (low nibble) and row j + 16 (high), and fp16 scales/mins [P, G, 32].
+    The last panel is padded with zero rows. A pure permutation: from_panels inverts it."""
+    N, G = scales.shape
+    P = -(-N // PANEL)
+    q = unpack_int4(packed, group_size)  # [N, G, g]
+    q = F.pad(q, (0, 0, 0, 0, 0, P * PANEL - N)).view(P, PANEL, G, group_size).permute(0, 2, 3, 1)
+    qp = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
+
+    def panel_order(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t, (0, 0, 0, P * PANEL - N)).view(P, PANEL, G).transpose(1, 2).contiguous()
+
+    return qp, panel_order(scales), panel_order(mins)
+
+
+def panel_rows(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, rows: torch.Tensor | slice, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Some rows of a panel matrix: (4-bit values uint8 [R, G, g], scales [R, G], mins [R, G])."""
+    idx = torch.arange(n, device=qp.device)[rows]
+    p, j = idx // PANEL, idx % PANEL
+    b = qp[p, :, :, j % 16]  # [R, G, g]
+    q = (b >> (4 * (j // 16)).to(torch.uint8)[:, None, None]) & 15
+    return q, sp[p, :, j], mp[p, :, j]
+
+
+def from_panels(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Panels -> the row layout of pack_int4 (packed [N, K/2], scales and mins [N, G])."""
+    q, s, m = panel_rows(qp, sp, mp, slice(None), n)
+    return pack_int4(q.reshape(n, -1), q.shape[-1]), s.contiguous(), m.contiguous()
+
+
 # -- weight-only matmuls ----------------------------------------------------------------------------
 _ROWS_PER_CHUNK_ELEMS = 1 << 20  # dequantize ~1M weights (4 MB fp32) at a time: stays in cache
 
@@ -73,6 +108,11 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
         return dequantize_int4_tile(tile, scales[lo:hi], mins[lo:hi], x.dtype).view(hi - lo, K)
 
     return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
+
+
+def int4_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, n: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int4_weight_linear for a matrix stored in panels (to_panels)."""
+    return int4_weight_linear(x, *from_panels(qp, sp, mp, n), group_size, bias)
 
 
 # -- W8A8 (FasterLLaMA) --------------------------------------------------------------------------------

@@ -63,14 +63,18 @@ def save_quantized(engine: Any, out_dir: str) -> None:
         raise FasterLlamaError("only models quantized with a mode (w8, w4, w8a8...) can be saved")
     os.makedirs(out_dir, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    first_name: dict[int, str] = {}
+    first_name: dict[tuple[str, int], str] = {}
     tied: dict[str, str] = {}
+    # ties (embedding / lm_head) by parameter identity: state_dict() may hand out converted copies
+    # (4-bit panels are saved in the row layout)
+    owner = {name: id(p) for name, p in engine.model.named_parameters(remove_duplicate=False)}
     for name, t in engine.model.state_dict().items():
-        key = t.data_ptr()
-        if key in first_name:  # the same storage under two names (tied embedding / lm_head)
-            tied[name] = first_name[key]
+        keys = [("storage", t.data_ptr())] + ([("param", owner[name])] if name in owner else [])
+        seen = next((first_name[k] for k in keys if k in first_name), None)
+        if seen is not None:  # the same tensor under two names (tied embedding / lm_head)
+            tied[name] = seen
             continue
-        first_name[key] = name
+        first_name.update((k, name) for k in keys)
         tensors[name] = t.detach().contiguous().cpu()
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     config = hf_config_dict(engine.config)

@@ -37,7 +37,11 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """Weight-only 4-bit, group-wise (mode `w4`; GGUF Q4_0/Q4_1 repacked exactly):
-    w = scale * q + min per group, q in 0..15, scale and min stored in fp16."""
+    w = scale * q + min per group, q in 0..15, scale and min stored in fp16.
+
+    Stored in rows (pack_int4; scales/mins [N, K/g]) until `use_panels()` permutes the tensors into
+    the CPU kernels' panels of 32 rows (ops.to_panels), which the CPU engine does. State dicts
+    always hold the row layout, so saved checkpoints do not depend on it."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -47,16 +51,48 @@ class Int4Linear(nn.Module):
         self.scales = _buffer(scale.to(torch.float16).contiguous())  # [N, K/g]
         self.mins = _buffer(mins.to(torch.float16).contiguous())
         self.bias = None if bias is None else _buffer(bias)
+        self.panels = False
+
+    def use_panels(self) -> None:
+        if not self.panels:
+            qp, sp, mp = ops.to_panels(self.qweight, self.scales, self.mins, self.group_size)
+            self.qweight, self.scales, self.mins = _buffer(qp), _buffer(sp), _buffer(mp)
+            self.panels = True
+
+    def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed [N, K/2], scales [N, G], mins [N, G]) whichever the storage."""
+        if self.panels:
+            return ops.from_panels(self.qweight, self.scales, self.mins, self.out_features)
+        return self.qweight, self.scales, self.mins
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels:
+            return ops.int4_panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, self.group_size, self.bias)
         return ops.int4_weight_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_int4(ops.unpack_int4(self.qweight, self.group_size).view(self.out_features, -1), self.scales, self.mins, dtype)
+        packed, scales, mins = self.rows_layout()
+        return dequantize_int4(ops.unpack_int4(packed, self.group_size).view(self.out_features, -1), scales, mins, dtype)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        q = ops.unpack_int4_rows(self.qweight, rows, self.group_size).view(len(rows), -1)
-        return dequantize_int4(q, self.scales[rows], self.mins[rows], dtype)
+        if self.panels:
+            q, scales, mins = ops.panel_rows(self.qweight, self.scales, self.mins, rows, self.out_features)
+        else:
+            q, scales, mins = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self.scales[rows], self.mins[rows]
+        return dequantize_int4(q.reshape(len(rows), -1), scales, mins, dtype)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.panels:
+            for name, t in zip(("qweight", "scales", "mins"), self.rows_layout()):
+                destination[prefix + name] = t
+
+
+def use_cpu_panels(model: nn.Module) -> None:
+    """Put every 4-bit linear into the CPU kernels' panel layout (where the kernels are built)."""
+    for m in model.modules():
+        if isinstance(m, Int4Linear) and m.qweight.device.type == "cpu":
+            m.use_panels()
 
 
 class W8A8Linear(nn.Module):

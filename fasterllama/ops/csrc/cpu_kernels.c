@@ -117,185 +117,205 @@ typedef __m256 vf;
         }                                                                                           \
     }
 
-/* fp16 values [n] -> floats (F16C) */
-static inline void halves_to_floats(const uint16_t *src, int64_t n, float *dst) {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + i))));
-    for (; i < n; i++) dst[i] = _cvtsh_ss(src[i]);
-}
-#define Q4_BLOCK_FLOATS 1024 /* scales converted per block of rows, at most (per thread: 8 KB with the mins) */
+/* ---- 4-bit group-wise weights, in panels of 32 rows: w = scale * q + min, q in 0..15 -----------
+ * A panel holds 32 output rows column by column, so one vector is one input column's weights for
+ * 16 rows: the kernels broadcast x[r, k] into FMAs with no horizontal sums, and each broadcast
+ * feeds two FMAs (the whole panel). In GGUF's row layout each weight needed its own x load and a
+ * reduction per row; the panels are 1.2-1.6x faster at 1-8 activation rows, cold (C harness,
+ * SmolLM2's shapes, AVX-512).
+ *   qp [P, G, g, 16] bytes (P = ceil(N / 32), the last panel padded with zero rows): byte j of
+ *      column kk of group grp holds row j (low nibble) and row j + 16 (high nibble);
+ *   sp, mp [P, G, 32] fp16: each row's scale and min for the group.
+ * ops/quantized.py's to_panels / from_panels define the same layout. */
+#define PANEL 32
+#define PANEL_PF(p) _mm_prefetch((const char *)(p) + PF_BYTES / 4, WEIGHT_HINT) /* scales: 1/8 the bytes */
 
-/* ---- 4-bit group-wise weights: w = scale * q + min, q in 0..15 ---------------------------------
- * packed [N, K/2]: in each group of g values, byte j holds value j (low nibble) and j + g/2 (high),
- * which is GGUF Q4_0/Q4_1's block layout for g = 32. scales, mins: fp16 [N, K/g]. */
 #if defined(__AVX512F__)
-/* AVX-512: a group's 16 possible weight values scale * q + min sit in one register, and
- * vpermps looks each nibble up directly (it reads only the low 4 bits of an index). */
-/* One group of g weights of a 4-bit row against `rows` activation rows: acc0[r] += low half,
- * acc1[r] += high half. With g = 32 (GGUF's blocks) `half` is the constant 16: one step. */
-static inline __attribute__((always_inline)) void q4_group512(
-    const uint8_t *qb, const float *xb, int64_t K, int64_t half, __m512 lut, __m512 *acc0, __m512 *acc1, const int rows) {
-    for (int64_t j = 0; j < half; j += 16) {
-        const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qb + j)));
-        const __m512 wa = _mm512_permutexvar_ps(idx, lut), wb = _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut);
-        for (int r = 0; r < rows; r++) {
-            const float *xr = xb + (int64_t)r * K;
-            acc0[r] = _mm512_fmadd_ps(wa, _mm512_loadu_ps(xr + j), acc0[r]);
-            acc1[r] = _mm512_fmadd_ps(wb, _mm512_loadu_ps(xr + half + j), acc1[r]);
+/* 1-2 activation rows: each group's q . x sums in 4 independent chains (the FMA latency would
+ * otherwise bound the loop), scaled once a group: scale * sum(q x) + min * sum(x). */
+static inline __attribute__((always_inline)) void q4p_few(const float *x, const float *xsum, int64_t K, const uint8_t *q,
+    const uint16_t *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int rows) {
+    __m512 tot[2][2];
+    for (int r = 0; r < rows; r++) tot[r][0] = tot[r][1] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t grp = 0; grp < G; grp++) {
+        const uint8_t *qg = q + grp * g * 16;
+        const float *xg = x + grp * g;
+        PANEL_PF(sp + grp * PANEL);
+        PANEL_PF(mp + grp * PANEL);
+        __m512 aq[2][2][4];
+        for (int r = 0; r < rows; r++) for (int h = 0; h < 2; h++) for (int u = 0; u < 4; u++) aq[r][h][u] = _mm512_setzero_ps();
+        for (int64_t kk = 0; kk < g; kk += 4) {
+            if (kk % 4 == 0) PREFETCH(qg + kk * 16);
+            for (int u = 0; u < 4; u++) {
+                const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + (kk + u) * 16)));
+                const __m512 qa = _mm512_cvtepi32_ps(_mm512_and_si512(i, low)), qb = _mm512_cvtepi32_ps(_mm512_srli_epi32(i, 4));
+                for (int r = 0; r < rows; r++) {
+                    const __m512 xb = _mm512_set1_ps(xg[r * K + kk + u]);
+                    aq[r][0][u] = _mm512_fmadd_ps(qa, xb, aq[r][0][u]);
+                    aq[r][1][u] = _mm512_fmadd_ps(qb, xb, aq[r][1][u]);
+                }
+            }
+        }
+        const uint16_t *s = sp + grp * PANEL, *m = mp + grp * PANEL;
+        for (int h = 0; h < 2; h++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16 * h)));
+            const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 16 * h)));
+            for (int r = 0; r < rows; r++) {
+                const __m512 sum = _mm512_add_ps(_mm512_add_ps(aq[r][h][0], aq[r][h][1]), _mm512_add_ps(aq[r][h][2], aq[r][h][3]));
+                tot[r][h] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * G + grp]), _mm512_fmadd_ps(d, sum, tot[r][h]));
+            }
         }
     }
+    for (int r = 0; r < rows; r++) { _mm512_storeu_ps(y + r * ldy, tot[r][0]); _mm512_storeu_ps(y + r * ldy + 16, tot[r][1]); }
 }
 
-/* A group's 16 possible weights, scale * q + min for q = 0..15: the same fp32 values dequantizing
- * gives (scale * q is exact, so the FMA rounds once, as the multiply-then-add does). */
-static inline __m512 q4_lut(float scale, float min) {
-    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return _mm512_fmadd_ps(iota, _mm512_set1_ps(scale), _mm512_set1_ps(min));
-}
-
-static inline __attribute__((always_inline)) void q4_row(
-    const float *x, int64_t K, const uint8_t *q, const float *scale, const float *min, int64_t g,
-    const float *xsum, int64_t G, float *y, int64_t N, const int rows) {
-    (void)xsum;
-    __m512 a0[MT], a1[MT], a2[MT], a3[MT]; /* for 1-2 rows, groups alternate between (a0, a1) and
-                                              (a2, a3), so one row's FMA chains overlap */
-    for (int r = 0; r < rows; r++) a0[r] = a1[r] = a2[r] = a3[r] = _mm512_setzero_ps();
-#define LUT(grp) q4_lut(scale[grp], min[grp])
-    const int64_t half = g / 2;
-    int64_t grp = 0;
-    if (g == 32) { /* GGUF blocks: a straight-line step per group, one prefetch per 4 groups (64 bytes) */
-        for (; rows <= 2 && grp + 1 < G; grp += 2) {
-            if (grp % 4 == 0) PREFETCH(q + grp * 16);
-            q4_group512(q + grp * 16, x + grp * 32, K, 16, LUT(grp), a0, a1, rows);
-            q4_group512(q + (grp + 1) * 16, x + (grp + 1) * 32, K, 16, LUT(grp + 1), a2, a3, rows);
-        }
-        for (; grp < G; grp++) {
-            if (grp % 4 == 0) PREFETCH(q + grp * 16);
-            q4_group512(q + grp * 16, x + grp * 32, K, 16, LUT(grp), a0, a1, rows);
-        }
-    } else {
-        for (; grp < G; grp++) {
-            for (int64_t j = 0; j < half; j += 64) PREFETCH(q + grp * half + j);
-            if (rows <= 2 && grp % 2) q4_group512(q + grp * half, x + grp * g, K, half, LUT(grp), a2, a3, rows);
-            else q4_group512(q + grp * half, x + grp * g, K, half, LUT(grp), a0, a1, rows);
+/* 3-8 activation rows: each column's 32 weights dequantized (scale * q + min, as the reference
+ * does), then two FMAs per row: the chains of 2 x rows accumulators hide the FMA latency. */
+static inline __attribute__((always_inline)) void q4p_many(const float *x, int64_t K, const uint8_t *q,
+    const uint16_t *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int rows) {
+    __m512 acc[MT][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(15);
+    for (int64_t grp = 0; grp < G; grp++) {
+        const uint8_t *qg = q + grp * g * 16;
+        const float *xg = x + grp * g;
+        const uint16_t *s = sp + grp * PANEL, *m = mp + grp * PANEL;
+        PANEL_PF(s);
+        PANEL_PF(m);
+        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)), d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
+        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)m)), m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 16)));
+        for (int64_t kk = 0; kk < g; kk++) {
+            if (kk % 4 == 0) PREFETCH(qg + kk * 16);
+            const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + kk * 16)));
+            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(i, low)), d0, m0);
+            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(i, 4)), d1, m1);
+            for (int r = 0; r < rows; r++) {
+                const __m512 xb = _mm512_set1_ps(xg[r * K + kk]);
+                acc[r][0] = _mm512_fmadd_ps(w0, xb, acc[r][0]);
+                acc[r][1] = _mm512_fmadd_ps(w1, xb, acc[r][1]);
+            }
         }
     }
-#undef LUT
-    for (int r = 0; r < rows; r++)
-        y[r * N] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0[r], a1[r]), _mm512_add_ps(a2[r], a3[r])));
+    for (int r = 0; r < rows; r++) { _mm512_storeu_ps(y + r * ldy, acc[r][0]); _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]); }
+}
+
+static inline __attribute__((always_inline)) void q4p_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
+    const uint16_t *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int rows) {
+    if (rows <= 2) q4p_few(x, xsum, K, q, sp, mp, G, g, y, ldy, rows <= 1 ? 1 : 2);
+    else q4p_many(x, K, q, sp, mp, G, g, y, ldy, rows);
 }
 #else
-static inline __attribute__((always_inline)) void q4_row(
-    const float *x, int64_t K, const uint8_t *q, const float *sc, const float *mn, int64_t g,
-    const float *xsum, int64_t G, float *y, int64_t N, const int rows) {
-    vf acc[MT], wa[2], wb[2];
-    float macc[MT];
-    for (int r = 0; r < rows; r++) { acc[r] = VZERO(); macc[r] = 0.f; }
+/* AVX2 (16 ymm registers): a panel is walked as two halves of 16 rows (the low nibbles, then the
+ * high), up to 4 activation rows a pass, so the accumulators, scales and weights fit. With 1-2
+ * rows two columns go to separate accumulators (the FMA latency would otherwise bound the loop). */
+static inline __attribute__((always_inline)) void q4p_half(const float *x, int64_t K, const uint8_t *q, const uint16_t *sp,
+    const uint16_t *mp, int64_t G, int64_t g, int h, float *y, int64_t ldy, const int rows) {
+    enum { U = 2 };
+    const int u_n = rows <= 2 ? 2 : 1;
+    __m256 acc[4][2][U];
+    for (int r = 0; r < rows; r++) for (int i = 0; i < 2; i++) for (int u = 0; u < U; u++) acc[r][i][u] = _mm256_setzero_ps();
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    const int64_t half = g / 2;
     for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qb = q + grp * half;
-        const float *xb = x + grp * g;
-        const vf s = VSET1(sc[grp]);
-        for (int64_t j = 0; j < half; j += 16) {
-            if (j % 64 == 0) PREFETCH(qb + j);
-            __m128i b = _mm_loadu_si128((const __m128i *)(qb + j));
-            U8X16(_mm_and_si128(b, low4), wa);
-            U8X16(_mm_and_si128(_mm_srli_epi16(b, 4), low4), wb);
-            DOT32(rows, xb, K, j, half + j, wa, wb, s, acc, 1)
+        const uint8_t *qg = q + grp * g * 16;
+        const float *xg = x + grp * g;
+        const uint16_t *s = sp + grp * PANEL + 16 * h, *m = mp + grp * PANEL + 16 * h;
+        PANEL_PF(s);
+        PANEL_PF(m);
+        const __m256 da = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)), db = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8)));
+        const __m256 ma = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m)), mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8)));
+        for (int64_t kk = 0; kk < g; kk += u_n) {
+            if (kk % 4 == 0) PREFETCH(qg + kk * 16);
+            for (int u = 0; u < u_n; u++) {
+                const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qg + (kk + u) * 16)), 4 * h), low4);
+                const __m256 wa = _mm256_fmadd_ps(u8x8_to_ps(b), da, ma), wb = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(b, 8)), db, mb);
+                for (int r = 0; r < rows; r++) {
+                    const __m256 xb = _mm256_broadcast_ss(xg + r * K + kk + u);
+                    acc[r][0][u] = _mm256_fmadd_ps(wa, xb, acc[r][0][u]);
+                    acc[r][1][u] = _mm256_fmadd_ps(wb, xb, acc[r][1][u]);
+                }
+            }
         }
     }
-    for (int r = 0; r < rows; r++) { /* the mins' term, sum_grp min[grp] * xsum[r, grp], 8 groups at a time */
-        const float *xs = xsum + r * G;
-        __m256 m8 = _mm256_setzero_ps();
-        int64_t grp = 0;
-        for (; grp + 8 <= G; grp += 8) m8 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + grp), _mm256_loadu_ps(xs + grp), m8);
-        for (; grp < G; grp++) macc[r] += mn[grp] * xs[grp];
-        macc[r] += hsum8(m8);
-    }
-    for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc[r]) + macc[r];
+    for (int r = 0; r < rows; r++)
+        for (int i = 0; i < 2; i++)
+            _mm256_storeu_ps(y + r * ldy + 16 * h + 8 * i, u_n == 2 ? _mm256_add_ps(acc[r][i][0], acc[r][i][1]) : acc[r][i][0]);
+}
+
+static inline __attribute__((always_inline)) void q4p_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
+    const uint16_t *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int rows) {
+    (void)xsum;
+    for (int r0 = 0; r0 < rows; r0 += 4)
+        for (int h = 0; h < 2; h++) {
+            const float *xr = x + r0 * K;
+            float *yr = y + r0 * ldy;
+            switch (rows - r0 >= 4 ? 4 : rows - r0) {
+                case 4: q4p_half(xr, K, q, sp, mp, G, g, h, yr, ldy, 4); break;
+                case 3: q4p_half(xr, K, q, sp, mp, G, g, h, yr, ldy, 3); break;
+                case 2: q4p_half(xr, K, q, sp, mp, G, g, h, yr, ldy, 2); break;
+                default: q4p_half(xr, K, q, sp, mp, G, g, h, yr, ldy, 1); break;
+            }
+        }
 }
 #endif
 
-/* y [M, N] = x [M, K] @ W^T for 4-bit W. Meant for small M (decode); large M dequantizes tiles. */
-void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *packed, const uint16_t *scales,
-                  const uint16_t *mins, int64_t N, int64_t g, float *y) {
-    const int64_t G = K / g;
-    float *xsum = NULL; /* per-group sums of x, for the AVX2 kernel's min term (AVX-512 looks weights up whole) */
-#if !defined(__AVX512F__)
-    xsum = malloc(sizeof(float) * M * G);
+/* y [M, N] = x [M, K] @ W^T for 4-bit W in panels. Meant for small M (decode); large M dequantizes. */
+void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const uint16_t *sp, const uint16_t *mp,
+                  int64_t N, int64_t g, float *y) {
+    const int64_t G = K / g, P = (N + PANEL - 1) / PANEL;
+    float *xsum = malloc(sizeof(float) * M * G); /* per-group sums of x: the mins' term with 1-2 rows */
     for (int64_t i = 0; i < M * G; i++) {
         const float *xg = x + (i / G) * K + (i % G) * g;
         float s = 0.f;
         for (int64_t j = 0; j < g; j++) s += xg[j];
         xsum[i] = s;
     }
-#endif
-    /* Blocks of rows get their fp16 scales and mins converted in one pass, and the next block's
-     * fetched meanwhile: converting each row's just before its groups read them left every row
-     * waiting on fresh stores and on a cold scale line (benchmarks/ab_kernels.py: default model
-     * 1.05-1.14x at batch 1, 1.00-1.04x at batch 8, two runs). */
-    const int64_t rb = G >= Q4_BLOCK_FLOATS ? 1 : Q4_BLOCK_FLOATS / G < 16 ? Q4_BLOCK_FLOATS / G : 16;
-#pragma omp parallel
-    {
-        float buf[2 * rb * G];
-        float *scale = buf, *min = buf + rb * G;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < (N + rb - 1) / rb; b++) {
-            const int64_t n0 = b * rb, nr = N - n0 < rb ? N - n0 : rb;
-            halves_to_floats(scales + n0 * G, nr * G, scale);
-            halves_to_floats(mins + n0 * G, nr * G, min);
-            for (int64_t i = 0; i < rb * G; i += 32) { /* the next block's, while this one runs */
-                _mm_prefetch((const char *)(scales + (n0 + rb) * G + i), _MM_HINT_T0);
-                _mm_prefetch((const char *)(mins + (n0 + rb) * G + i), _MM_HINT_T0);
-            }
-            for (int64_t n = n0; n < n0 + nr; n++) {
-                const uint8_t *q = packed + n * (K / 2);
-                const float *sc = scale + (n - n0) * G, *mn = min + (n - n0) * G;
-                for (int64_t m0 = 0; m0 < M; m0 += MT) {
-                    const float *xm = x + m0 * K, *sm = xsum ? xsum + m0 * G : NULL;
-                    float *ym = y + m0 * N + n;
-#define Q4_CALL(R) q4_row(xm, K, q, sc, mn, g, sm, G, ym, N, R)
-                    DISPATCH_ROWS(M - m0 >= MT ? MT : M - m0, Q4_CALL)
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < P; p++) {
+        const uint8_t *q = qp + p * G * g * 16;
+        const uint16_t *sc = sp + p * G * PANEL, *mn = mp + p * G * PANEL;
+        const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+        float tail[MT * PANEL]; /* the padded last panel's outputs, before the valid ones are copied */
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int64_t rows = M - m0 >= MT ? MT : M - m0;
+            float *yo = valid == PANEL ? y + m0 * N + p * PANEL : tail;
+            const int64_t ldy = valid == PANEL ? N : PANEL;
+#define Q4_CALL(R) q4p_rows(x + m0 * K, xsum + m0 * G, K, q, sc, mn, G, g, yo, ldy, R)
+            DISPATCH_ROWS(rows, Q4_CALL)
 #undef Q4_CALL
-                }
-            }
+            if (valid < PANEL)
+                for (int64_t r = 0; r < rows; r++)
+                    for (int64_t j = 0; j < valid; j++) y[(m0 + r) * N + p * PANEL + j] = tail[r * PANEL + j];
         }
     }
     free(xsum);
 }
 
-/* Float weights of rows [n0, n1) of a 4-bit matrix into out [n1 - n0, K] (large-M path). */
-void fl_q4_dequant(const uint8_t *packed, const uint16_t *scales, const uint16_t *mins, int64_t K, int64_t g,
+/* Float weights of rows [n0, n1) (n0 a multiple of 32) of a 4-bit panel matrix, transposed:
+ * out [K, n1 - n0] (large-M path: the GEMM takes W^T as readily as W). */
+void fl_q4_dequant(const uint8_t *qp, const uint16_t *sp, const uint16_t *mp, int64_t K, int64_t g,
                    int64_t n0, int64_t n1, float *out) {
-    const int64_t G = K / g, half = g / 2;
+    const int64_t G = K / g, n = n1 - n0;
+    const __m128i low4 = _mm_set1_epi8(0x0F);
 #pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++) {
-        const uint8_t *q = packed + n * (K / 2);
-        float *o = out + (n - n0) * K;
+    for (int64_t p = n0 / PANEL; p < (n1 + PANEL - 1) / PANEL; p++) {
+        const int64_t c0 = p * PANEL - n0, valid = n - c0 < PANEL ? n - c0 : PANEL;
         for (int64_t grp = 0; grp < G; grp++) {
-#if defined(__AVX512F__)
-            const __m512 lut = q4_lut(_cvtsh_ss(scales[n * G + grp]), _cvtsh_ss(mins[n * G + grp]));
-            for (int64_t j = 0; j < half; j += 16) {
-                const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + grp * half + j)));
-                _mm512_storeu_ps(o + grp * g + j, _mm512_permutexvar_ps(idx, lut));
-                _mm512_storeu_ps(o + grp * g + half + j, _mm512_permutexvar_ps(_mm512_srli_epi32(idx, 4), lut));
+            const uint8_t *qg = qp + (p * G + grp) * g * 16;
+            __m256 d[4], m[4];
+            for (int i = 0; i < 4; i++) {
+                d[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + (p * G + grp) * PANEL + 8 * i)));
+                m[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + (p * G + grp) * PANEL + 8 * i)));
             }
-#else
-            const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[n * G + grp])), m = _mm256_set1_ps(_cvtsh_ss(mins[n * G + grp]));
-            const __m128i low4 = _mm_set1_epi8(0x0F);
-            for (int64_t j = 0; j < half; j += 16) {
-                const __m128i b = _mm_loadu_si128((const __m128i *)(q + grp * half + j));
-                __m256 lo[2], hi[2];
-                (lo[0] = u8x8_to_ps(_mm_and_si128(b, low4)), lo[1] = u8x8_to_ps(_mm_srli_si128(_mm_and_si128(b, low4), 8)));
-                const __m128i bh = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-                (hi[0] = u8x8_to_ps(bh), hi[1] = u8x8_to_ps(_mm_srli_si128(bh, 8)));
-                for (int i = 0; i < 2; i++) {
-                    _mm256_storeu_ps(o + grp * g + j + 8 * i, _mm256_fmadd_ps(lo[i], s, m));
-                    _mm256_storeu_ps(o + grp * g + half + j + 8 * i, _mm256_fmadd_ps(hi[i], s, m));
-                }
+            for (int64_t kk = 0; kk < g; kk++) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(qg + kk * 16));
+                const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+                const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                float w[PANEL];
+                for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + 8 * i, _mm256_fmadd_ps(u8x8_to_ps(part[i]), d[i], m[i]));
+                float *o = out + (grp * g + kk) * n + c0;
+                for (int64_t j = 0; j < valid; j++) o[j] = w[j];
             }
-#endif
         }
     }
 }
@@ -1075,7 +1095,7 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
  * What the model's forward does for B single-token sequences (see model/llama.py), without a
  * Python round trip per op: ~300 ops a step would otherwise cost more than the attention. */
 typedef struct {
-    int64_t kind; /* 0: fp32 weights, 1: int8 + float scales, 2: 4-bit + fp16 scales/mins, 3: w8a8 */
+    int64_t kind; /* 0: fp32 weights, 1: int8 + float scales, 2: 4-bit panels + fp16 scales/mins, 3: w8a8 */
     int64_t n, k, g;
     const void *w, *scales, *mins;
     const float *bias;     /* or NULL */
@@ -1136,16 +1156,13 @@ static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, f
             const int8_t *q = (const int8_t *)E->w + t * K;
             const float *sc = (const float *)E->scales + t * G;
             for (int64_t k = 0; k < K; k++) o[k] = (float)q[k] * sc[k / g];
-        } else {
-            const uint8_t *q = (const uint8_t *)E->w + t * (K / 2);
-            const uint16_t *sc = (const uint16_t *)E->scales + t * G, *mn = (const uint16_t *)E->mins + t * G;
+        } else { /* 4-bit panels: row t is lane t % 16 of its panel's columns, low or high nibbles */
+            const int64_t p = t / PANEL, j = t % PANEL, shift = 4 * (j / 16);
             for (int64_t grp = 0; grp < G; grp++) {
-                const float s = _cvtsh_ss(sc[grp]), m = _cvtsh_ss(mn[grp]);
-                for (int64_t j = 0; j < g / 2; j++) {
-                    const uint8_t byte = q[grp * (g / 2) + j];
-                    o[grp * g + j] = (float)(byte & 15) * s + m;
-                    o[grp * g + g / 2 + j] = (float)(byte >> 4) * s + m;
-                }
+                const uint8_t *q = (const uint8_t *)E->w + (p * G + grp) * g * 16 + j % 16;
+                const int64_t si = (p * G + grp) * PANEL + j;
+                const float s = _cvtsh_ss(((const uint16_t *)E->scales)[si]), m = _cvtsh_ss(((const uint16_t *)E->mins)[si]);
+                for (int64_t kk = 0; kk < g; kk++) o[grp * g + kk] = (float)((q[kk * 16] >> shift) & 15) * s + m;
             }
         }
     }
