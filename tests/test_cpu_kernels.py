@@ -39,8 +39,8 @@ def test_int4_linear(m, n, k, g):
 
 
 @pytest.mark.parametrize("n,g", [(96, 32), (33, 64), (5, 128)])
-def test_int4_panels_are_a_permutation(n, g):
-    """to_panels / from_panels invert each other, and panel_rows reads any rows back (padding too)."""
+def test_panels_are_a_permutation(n, g):
+    """to_panels / from_panels invert each other, and panel_rows (int8_panel_rows) read any rows back."""
     k = 256
     packed = qops.pack_int4(torch.randint(0, 16, (n, k)), g)
     scales, mins = torch.randn(n, k // g).half(), torch.randn(n, k // g).half()
@@ -51,6 +51,11 @@ def test_int4_panels_are_a_permutation(n, g):
     rows = torch.tensor([n - 1, 0, n // 2, n - 1])
     q, s, m = qops.panel_rows(*panels, rows, n)
     assert torch.equal(q, qops.unpack_int4_rows(packed, rows, g)) and torch.equal(s, scales[rows]) and torch.equal(m, mins[rows])
+    q8, s8 = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.randn(n, k // g)
+    p8 = qops.int8_to_panels(q8, s8)
+    assert p8[0].shape == (-(-n // 32), k // g, g, 32) and p8[1].shape == (-(-n // 32), k // g, 32)
+    q, s = qops.int8_panel_rows(*p8, rows, n)
+    assert torch.equal(q, q8[rows]) and torch.equal(s, s8[rows])
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -60,7 +65,7 @@ def test_int8_linear(m, n, k, g, per_channel):
     x = torch.randn(m, k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scale = torch.rand(n) if per_channel else torch.rand(n, k // g)
-    _close(ck.int8_weight_linear(x, q, scale), qops.int8_weight_linear(x, q, scale))
+    _close(ck.int8_panel_linear(x, *qops.int8_to_panels(q, scale), n), qops.int8_weight_linear(x, q, scale))
 
 
 def test_dequantized_tiles(monkeypatch):
@@ -73,7 +78,7 @@ def test_dequantized_tiles(monkeypatch):
     panels = qops.to_panels(packed, scales, mins, g)
     _close(ck.int4_panel_linear(x, *panels, n, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
     q, scale = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // g)
-    _close(ck.int8_weight_linear(x, q, scale, bias), qops.int8_weight_linear(x, q, scale, bias))
+    _close(ck.int8_panel_linear(x, *qops.int8_to_panels(q, scale), n, bias), qops.int8_weight_linear(x, q, scale, bias))
 
 
 @pytest.mark.parametrize("m", ROWS)

@@ -38,7 +38,7 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
         return None
     if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.is_contiguous() and m.in_features % 32 == 0:
         return _Linear(0, m.out_features, m.in_features, m.in_features, m.weight.data_ptr(), None, None, cpu_kernels.ptr(bias))
-    if isinstance(m, Int8Linear) and m.weight_scale.dtype == torch.float32:
+    if isinstance(m, Int8Linear) and m.panels and m.weight_scale.dtype == torch.float32:
         g = m.group_size or m.in_features
         if g % 32 == 0:
             return _Linear(1, m.out_features, m.in_features, g, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, cpu_kernels.ptr(bias))

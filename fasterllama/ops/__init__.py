@@ -87,6 +87,10 @@ def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
     return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
 
 
+def int8_panel_linear(x, qp, sp, n, bias=None):
+    return get_op("int8_panel_linear", x.device)(x, qp, sp, n, bias)
+
+
 def int4_panel_linear(x, qp, sp, mp, n, group_size, bias=None):
     return get_op("int4_panel_linear", x.device)(x, qp, sp, mp, n, group_size, bias)
 
@@ -115,4 +119,5 @@ pack_int4 = quantized.pack_int4
 unpack_int4 = quantized.unpack_int4
 unpack_int4_rows = quantized.unpack_int4_rows
 to_panels, from_panels, panel_rows = quantized.to_panels, quantized.from_panels, quantized.panel_rows
+int8_to_panels, int8_panel_rows = quantized.int8_to_panels, quantized.int8_panel_rows
 AttentionMetadata = reference.AttentionMetadata

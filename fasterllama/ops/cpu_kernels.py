@@ -161,7 +161,7 @@ def _tile_buffer(elems: int) -> torch.Tensor:
 def _dequant_linear(x2: torch.Tensor, n: int, dequant_into, bias: torch.Tensor | None, transposed: bool = False) -> torch.Tensor:
     """Large-M path: float weights from the kernel (all rows at once, or tiles of a huge matrix
     such as a vocabulary projection), then the float GEMM. `transposed`: the kernel writes W^T
-    tiles [K, rows] (4-bit panels), and tiles start on a panel boundary."""
+    tiles [K, rows] (panels), and tiles start on a panel boundary."""
     k = x2.shape[1]
     step = min(n, max(64, DEQUANT_TILE_ELEMS // k) // 32 * 32)
 
@@ -196,17 +196,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
-def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    n, k = qweight.shape
-    g = k if scale.dim() == 1 else k // scale.shape[1]
-    if not _usable(x, k) or g % 32 != 0 or scale.dtype != torch.float32:
-        return quantized.int8_weight_linear(x, qweight, scale, bias)
+def int8_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for an int8 matrix in panels (quantized.int8_to_panels)."""
+    g = qp.shape[2]
+    k = qp.shape[1] * g
+    if not _usable(x, k) or g % 32 != 0 or sp.dtype != torch.float32:
+        return quantized.int8_panel_linear(x, qp, sp, n, bias)
     x2 = _rows(x, k)
     if x2.shape[0] > GEMV_MAX_ROWS:
-        dequant = lambda lo, hi, t: _lib.fl_q8_dequant(qweight.data_ptr(), scale.data_ptr(), k, g, lo, hi, t.data_ptr())  # noqa: E731
-        return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
+        dequant = lambda lo, hi, t: _lib.fl_q8_dequant(qp.data_ptr(), sp.data_ptr(), k, g, lo, hi, t.data_ptr())  # noqa: E731
+        return _dequant_linear(x2, n, dequant, bias, transposed=True).view(*x.shape[:-1], n)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _lib.fl_q8_linear(x2.data_ptr(), x2.shape[0], k, qweight.data_ptr(), scale.data_ptr(), n, g, y.data_ptr())
+    _lib.fl_q8_linear(x2.data_ptr(), x2.shape[0], k, qp.data_ptr(), sp.data_ptr(), n, g, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
 
@@ -322,7 +323,7 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 
 OPS = {
-    "linear": linear, "int8_weight_linear": int8_weight_linear, "int4_panel_linear": int4_panel_linear,
+    "linear": linear, "int8_panel_linear": int8_panel_linear, "int4_panel_linear": int4_panel_linear,
     "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 

@@ -28,39 +28,55 @@ def unpack_int4(packed: torch.Tensor, group_size: int) -> torch.Tensor:
     return unpack_int4_rows(packed, slice(None), group_size)
 
 
-# -- int4 panels (the CPU kernels' layout, csrc/cpu_kernels.c): rows in panels of 32, column by column
+# -- panels (the CPU kernels' layout, csrc/cpu_kernels.c): rows in panels of 32, column by column -----
 PANEL = 32
 
 
-def to_panels(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row layout (pack_int4, scales/mins [N, G]) -> panels: uint8 [P, G, g, 16], where byte j of
-    column kk holds row j (low nibble) and row j + 16 (high), and fp16 scales/mins [P, G, 32].
-    The last panel is padded with zero rows. A pure permutation: from_panels inverts it."""
-    N, G = scales.shape
+def _panel_order(t: torch.Tensor) -> torch.Tensor:
+    """Per-row values [N, G] -> [P, G, 32], padded with zero rows."""
+    N, G = t.shape
     P = -(-N // PANEL)
-    q = unpack_int4(packed, group_size)  # [N, G, g]
-    q = F.pad(q, (0, 0, 0, 0, 0, P * PANEL - N)).view(P, PANEL, G, group_size).permute(0, 2, 3, 1)
-    qp = (q[..., :16] | (q[..., 16:] << 4)).contiguous()
+    return F.pad(t, (0, 0, 0, P * PANEL - N)).view(P, PANEL, G).transpose(1, 2).contiguous()
 
-    def panel_order(t: torch.Tensor) -> torch.Tensor:
-        return F.pad(t, (0, 0, 0, P * PANEL - N)).view(P, PANEL, G).transpose(1, 2).contiguous()
 
-    return qp, panel_order(scales), panel_order(mins)
+def to_panels(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """4-bit row layout (pack_int4, scales/mins [N, G]) -> panels: uint8 [P, G, g, 16], byte j of
+    a column holding row j (low nibble) and row j + 16 (high), and scales/mins [P, G, 32].
+    A pure permutation: from_panels inverts it."""
+    N, G = scales.shape
+    q = F.pad(unpack_int4(packed, group_size), (0, 0, 0, 0, 0, -N % PANEL))
+    q = q.view(-1, PANEL, G, group_size).permute(0, 2, 3, 1)
+    return (q[..., :16] | (q[..., 16:] << 4)).contiguous(), _panel_order(scales), _panel_order(mins)
 
 
 def panel_rows(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, rows: torch.Tensor | slice, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Some rows of a panel matrix: (4-bit values uint8 [R, G, g], scales [R, G], mins [R, G])."""
+    """Some rows of a 4-bit panel matrix: (values uint8 [R, G, g], scales [R, G], mins [R, G])."""
     idx = torch.arange(n, device=qp.device)[rows]
     p, j = idx // PANEL, idx % PANEL
-    b = qp[p, :, :, j % 16]  # [R, G, g]
-    q = (b >> (4 * (j // 16)).to(torch.uint8)[:, None, None]) & 15
+    q = (qp[p, :, :, j % 16] >> (4 * (j // 16)).to(torch.uint8)[:, None, None]) & 15
     return q, sp[p, :, j], mp[p, :, j]
 
 
 def from_panels(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Panels -> the row layout of pack_int4 (packed [N, K/2], scales and mins [N, G])."""
+    """4-bit panels -> the row layout of pack_int4 (packed [N, K/2], scales and mins [N, G])."""
     q, s, m = panel_rows(qp, sp, mp, slice(None), n)
     return pack_int4(q.reshape(n, -1), q.shape[-1]), s.contiguous(), m.contiguous()
+
+
+def int8_to_panels(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] with scales [N] (per channel: one group of K) or [N, G] -> int8 [P, G, g, 32]
+    and scales [P, G, 32]."""
+    N, K = q.shape
+    s = scale.reshape(N, -1)
+    qp = F.pad(q, (0, 0, 0, -N % PANEL)).view(-1, PANEL, s.shape[1], K // s.shape[1]).permute(0, 2, 3, 1)
+    return qp.contiguous(), _panel_order(s)
+
+
+def int8_panel_rows(qp: torch.Tensor, sp: torch.Tensor, rows: torch.Tensor | slice, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Some rows of an int8 panel matrix: (values int8 [R, K], scales [R, G])."""
+    idx = torch.arange(n, device=qp.device)[rows]
+    p, j = idx // PANEL, idx % PANEL
+    return qp[p, :, :, j].reshape(len(idx), -1), sp[p, :, j]
 
 
 # -- weight-only matmuls ----------------------------------------------------------------------------
@@ -108,6 +124,12 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
         return dequantize_int4_tile(tile, scales[lo:hi], mins[lo:hi], x.dtype).view(hi - lo, K)
 
     return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
+
+
+def int8_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int8_weight_linear for a matrix stored in panels (int8_to_panels)."""
+    q, s = int8_panel_rows(qp, sp, slice(None), n)
+    return int8_weight_linear(x, q, s.contiguous(), bias)
 
 
 def int4_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, n: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:

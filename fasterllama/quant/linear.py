@@ -14,8 +14,28 @@ def _buffer(t: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=False)
 
 
-class Int8Linear(nn.Module):
+class _PanelStorage:
+    """For the weight-only linears: `use_panels()` permutes the tensors into the CPU kernels' panels
+    of 32 rows (ops.to_panels, ops.int8_to_panels), which the CPU engine does. State dicts always
+    hold the row layout (`rows_layout()`), so saved checkpoints do not depend on it."""
+
+    ROW_FIELDS: tuple[str, ...] = ()
+    panels = False
+
+    def rows_layout(self) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.panels:
+            for name, t in zip(self.ROW_FIELDS, self.rows_layout()):
+                destination[prefix + name] = t
+
+
+class Int8Linear(_PanelStorage, nn.Module):
     """Weight-only int8 (mode `w8`): per output channel, or per group of input columns (Q8_0-like)."""
+
+    ROW_FIELDS = ("qweight", "weight_scale")
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -25,23 +45,38 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else _buffer(bias)
         self.group_size = None if scale.dim() == 1 else self.in_features // scale.shape[1]
 
+    def use_panels(self) -> None:
+        if not self.panels:
+            qp, sp = ops.int8_to_panels(self.qweight, self.weight_scale)
+            self.qweight, self.weight_scale = _buffer(qp), _buffer(sp)
+            self.panels = True
+
+    def _rows(self, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.panels:
+            return self.qweight[rows], self.weight_scale[rows]
+        q, s = ops.int8_panel_rows(self.qweight, self.weight_scale, rows, self.out_features)
+        return q, s.reshape(-1) if self.group_size is None else s.contiguous()
+
+    def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._rows(slice(None))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels:
+            return ops.int8_panel_linear(x, self.qweight, self.weight_scale, self.out_features, self.bias)
         return ops.int8_weight_linear(x, self.qweight, self.weight_scale, self.bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_int8(self.qweight, self.weight_scale, dtype)
+        return dequantize_int8(*self.rows_layout(), dtype)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int8(self.qweight[rows], self.weight_scale[rows], dtype)
+        return dequantize_int8(*self._rows(rows), dtype)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(_PanelStorage, nn.Module):
     """Weight-only 4-bit, group-wise (mode `w4`; GGUF Q4_0/Q4_1 repacked exactly):
-    w = scale * q + min per group, q in 0..15, scale and min stored in fp16.
+    w = scale * q + min per group, q in 0..15, scale and min stored in fp16."""
 
-    Stored in rows (pack_int4; scales/mins [N, K/g]) until `use_panels()` permutes the tensors into
-    the CPU kernels' panels of 32 rows (ops.to_panels), which the CPU engine does. State dicts
-    always hold the row layout, so saved checkpoints do not depend on it."""
+    ROW_FIELDS = ("qweight", "scales", "mins")
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -51,13 +86,20 @@ class Int4Linear(nn.Module):
         self.scales = _buffer(scale.to(torch.float16).contiguous())  # [N, K/g]
         self.mins = _buffer(mins.to(torch.float16).contiguous())
         self.bias = None if bias is None else _buffer(bias)
-        self.panels = False
 
     def use_panels(self) -> None:
         if not self.panels:
             qp, sp, mp = ops.to_panels(self.qweight, self.scales, self.mins, self.group_size)
             self.qweight, self.scales, self.mins = _buffer(qp), _buffer(sp), _buffer(mp)
             self.panels = True
+
+    def _rows(self, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(4-bit values [R, K], scales [R, G], mins [R, G]) of some rows."""
+        if self.panels:
+            q, s, m = ops.panel_rows(self.qweight, self.scales, self.mins, rows, self.out_features)
+        else:
+            q, s, m = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self.scales[rows], self.mins[rows]
+        return q.reshape(q.shape[0], -1), s, m
 
     def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed [N, K/2], scales [N, G], mins [N, G]) whichever the storage."""
@@ -71,28 +113,10 @@ class Int4Linear(nn.Module):
         return ops.int4_weight_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        packed, scales, mins = self.rows_layout()
-        return dequantize_int4(ops.unpack_int4(packed, self.group_size).view(self.out_features, -1), scales, mins, dtype)
+        return dequantize_int4(*self._rows(slice(None)), dtype)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if self.panels:
-            q, scales, mins = ops.panel_rows(self.qweight, self.scales, self.mins, rows, self.out_features)
-        else:
-            q, scales, mins = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self.scales[rows], self.mins[rows]
-        return dequantize_int4(q.reshape(len(rows), -1), scales, mins, dtype)
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.panels:
-            for name, t in zip(("qweight", "scales", "mins"), self.rows_layout()):
-                destination[prefix + name] = t
-
-
-def use_cpu_panels(model: nn.Module) -> None:
-    """Put every 4-bit linear into the CPU kernels' panel layout (where the kernels are built)."""
-    for m in model.modules():
-        if isinstance(m, Int4Linear) and m.qweight.device.type == "cpu":
-            m.use_panels()
+        return dequantize_int4(*self._rows(rows), dtype)
 
 
 class W8A8Linear(nn.Module):
@@ -137,3 +161,10 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.dequantize_rows(ids, self.dtype)
+
+
+def use_cpu_panels(model: nn.Module) -> None:
+    """Put every weight-only quantized linear into the CPU kernels' panel layout."""
+    for m in model.modules():
+        if isinstance(m, _PanelStorage) and m.qweight.device.type == "cpu":
+            m.use_panels()

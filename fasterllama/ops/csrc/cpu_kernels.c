@@ -77,9 +77,7 @@ typedef __m512 vf;
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VHSUM(v) _mm512_reduce_add_ps(v)
-/* 16 unsigned / signed bytes -> 16 floats */
-#define U8X16(b, w) w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b))
-#define I8X16(b, w) w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b))
+/* 16 floats from memory */
 #define F32X16(p, w) w[0] = _mm512_loadu_ps(p)
 #define HALF_DOT(w, xp) VMUL(w[0], VLOAD(xp))
 #define HALF_FMA(w, xp, acc) VFMA(w[0], VLOAD(xp), acc)
@@ -92,8 +90,6 @@ typedef __m256 vf;
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VHSUM(v) hsum8(v)
-#define U8X16(b, w) (w[0] = u8x8_to_ps(b), w[1] = u8x8_to_ps(_mm_srli_si128(b, 8)))
-#define I8X16(b, w) (w[0] = i8x8_to_ps(b), w[1] = i8x8_to_ps(_mm_srli_si128(b, 8)))
 #define F32X16(p, w) (w[0] = _mm256_loadu_ps(p), w[1] = _mm256_loadu_ps((p) + 8))
 #define HALF_DOT(w, xp) _mm256_fmadd_ps(w[1], _mm256_loadu_ps((xp) + 8), _mm256_mul_ps(w[0], _mm256_loadu_ps(xp)))
 #define HALF_FMA(w, xp, acc) _mm256_fmadd_ps(w[1], _mm256_loadu_ps((xp) + 8), _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xp), acc))
@@ -117,39 +113,58 @@ typedef __m256 vf;
         }                                                                                           \
     }
 
-/* ---- 4-bit group-wise weights, in panels of 32 rows: w = scale * q + min, q in 0..15 -----------
+/* ---- quantized weights in panels of 32 rows: 4-bit (w = scale * q + min, q in 0..15) and int8
+ * (w = scale * q), a scale per row and group of g input columns (g = K: per channel) ------------
  * A panel holds 32 output rows column by column, so one vector is one input column's weights for
  * 16 rows: the kernels broadcast x[r, k] into FMAs with no horizontal sums, and each broadcast
  * feeds two FMAs (the whole panel). In GGUF's row layout each weight needed its own x load and a
- * reduction per row; the panels are 1.2-1.6x faster at 1-8 activation rows, cold (C harness,
- * SmolLM2's shapes, AVX-512).
- *   qp [P, G, g, 16] bytes (P = ceil(N / 32), the last panel padded with zero rows): byte j of
- *      column kk of group grp holds row j (low nibble) and row j + 16 (high nibble);
- *   sp, mp [P, G, 32] fp16: each row's scale and min for the group.
- * ops/quantized.py's to_panels / from_panels define the same layout. */
+ * reduction per row; 4-bit panels ran 1.2-1.6x faster at 1-8 activation rows, cold (a C harness
+ * at SmolLM2's shapes, AVX-512).
+ *   q: 4-bit [P, G, g, 16] bytes, byte j of a column holding row j (low nibble) and row j + 16
+ *      (high); int8 [P, G, g, 32]. P = ceil(N / 32), the last panel padded with zero rows.
+ *   scales, mins [P, G, 32]: fp16 for 4-bit (mins: 4-bit only), fp32 for int8.
+ * ops/quantized.py's to_panels / from_panels define the same layouts. `bits` is a compile-time
+ * constant in every always_inline kernel below: each layout gets its own straight-line code. */
 #define PANEL 32
 #define PANEL_PF(p) _mm_prefetch((const char *)(p) + PF_BYTES / 4, WEIGHT_HINT) /* scales: 1/8 the bytes */
+#define COL_BYTES(bits) ((bits) * 4)
 
 #if defined(__AVX512F__)
+/* Column kk's 32 values as floats (rows 0-15, 16-31), before scaling. */
+static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg, int64_t kk, const int bits, __m512 *qa, __m512 *qb) {
+    if (bits == 4) {
+        const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + kk * 16)));
+        *qa = _mm512_cvtepi32_ps(_mm512_and_si512(i, _mm512_set1_epi32(15)));
+        *qb = _mm512_cvtepi32_ps(_mm512_srli_epi32(i, 4));
+    } else {
+        *qa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qg + kk * 32))));
+        *qb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qg + kk * 32 + 16))));
+    }
+}
+
+static inline __attribute__((always_inline)) __m512 panel_scales16(const void *s, int64_t i, const int bits) {
+    return bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + i))) : _mm512_loadu_ps((const float *)s + i);
+}
+
 /* 1-2 activation rows: each group's q . x sums in 4 independent chains (the FMA latency would
- * otherwise bound the loop), scaled once a group: scale * sum(q x) + min * sum(x). */
-static inline __attribute__((always_inline)) void q4p_few(const float *x, const float *xsum, int64_t K, const uint8_t *q,
-    const uint16_t *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int rows) {
+ * otherwise bound the loop), scaled once a group: scale * sum(q x) (+ min * sum(x)). */
+static inline __attribute__((always_inline)) void panel_few(const float *x, const float *xsum, int64_t K, const uint8_t *q,
+    const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
     __m512 tot[2][2];
     for (int r = 0; r < rows; r++) tot[r][0] = tot[r][1] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi32(15);
     for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = q + grp * g * 16;
+        const uint8_t *qg = q + grp * g * COL_BYTES(bits);
         const float *xg = x + grp * g;
-        PANEL_PF(sp + grp * PANEL);
-        PANEL_PF(mp + grp * PANEL);
+        PANEL_PF((const char *)sp + grp * PANEL * (bits == 4 ? 2 : 4));
+        if (bits == 4) PANEL_PF(mp + grp * PANEL);
         __m512 aq[2][2][4];
         for (int r = 0; r < rows; r++) for (int h = 0; h < 2; h++) for (int u = 0; u < 4; u++) aq[r][h][u] = _mm512_setzero_ps();
         for (int64_t kk = 0; kk < g; kk += 4) {
-            if (kk % 4 == 0) PREFETCH(qg + kk * 16);
+            PREFETCH(qg + kk * COL_BYTES(bits));
+            if (bits == 8) PREFETCH(qg + kk * 32 + 64);
             for (int u = 0; u < 4; u++) {
-                const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + (kk + u) * 16)));
-                const __m512 qa = _mm512_cvtepi32_ps(_mm512_and_si512(i, low)), qb = _mm512_cvtepi32_ps(_mm512_srli_epi32(i, 4));
+                __m512 qa, qb;
+                panel_column(qg, kk + u, bits, &qa, &qb);
                 for (int r = 0; r < rows; r++) {
                     const __m512 xb = _mm512_set1_ps(xg[r * K + kk + u]);
                     aq[r][0][u] = _mm512_fmadd_ps(qa, xb, aq[r][0][u]);
@@ -157,39 +172,44 @@ static inline __attribute__((always_inline)) void q4p_few(const float *x, const 
                 }
             }
         }
-        const uint16_t *s = sp + grp * PANEL, *m = mp + grp * PANEL;
         for (int h = 0; h < 2; h++) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16 * h)));
-            const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 16 * h)));
+            const __m512 d = panel_scales16(sp, grp * PANEL + 16 * h, bits);
             for (int r = 0; r < rows; r++) {
                 const __m512 sum = _mm512_add_ps(_mm512_add_ps(aq[r][h][0], aq[r][h][1]), _mm512_add_ps(aq[r][h][2], aq[r][h][3]));
-                tot[r][h] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * G + grp]), _mm512_fmadd_ps(d, sum, tot[r][h]));
+                tot[r][h] = _mm512_fmadd_ps(d, sum, tot[r][h]);
+                if (bits == 4) {
+                    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + grp * PANEL + 16 * h)));
+                    tot[r][h] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * G + grp]), tot[r][h]);
+                }
             }
         }
     }
     for (int r = 0; r < rows; r++) { _mm512_storeu_ps(y + r * ldy, tot[r][0]); _mm512_storeu_ps(y + r * ldy + 16, tot[r][1]); }
 }
 
-/* 3-8 activation rows: each column's 32 weights dequantized (scale * q + min, as the reference
+/* 3-8 activation rows: each column's 32 weights dequantized (scale * q (+ min), as the reference
  * does), then two FMAs per row: the chains of 2 x rows accumulators hide the FMA latency. */
-static inline __attribute__((always_inline)) void q4p_many(const float *x, int64_t K, const uint8_t *q,
-    const uint16_t *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int rows) {
+static inline __attribute__((always_inline)) void panel_many(const float *x, int64_t K, const uint8_t *q,
+    const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
     __m512 acc[MT][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi32(15);
     for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = q + grp * g * 16;
+        const uint8_t *qg = q + grp * g * COL_BYTES(bits);
         const float *xg = x + grp * g;
-        const uint16_t *s = sp + grp * PANEL, *m = mp + grp * PANEL;
-        PANEL_PF(s);
-        PANEL_PF(m);
-        const __m512 d0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)s)), d1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + 16)));
-        const __m512 m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)m)), m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + 16)));
+        PANEL_PF((const char *)sp + grp * PANEL * (bits == 4 ? 2 : 4));
+        const __m512 d0 = panel_scales16(sp, grp * PANEL, bits), d1 = panel_scales16(sp, grp * PANEL + 16, bits);
+        __m512 m0 = _mm512_setzero_ps(), m1 = m0;
+        if (bits == 4) {
+            PANEL_PF(mp + grp * PANEL);
+            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + grp * PANEL)));
+            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + grp * PANEL + 16)));
+        }
         for (int64_t kk = 0; kk < g; kk++) {
-            if (kk % 4 == 0) PREFETCH(qg + kk * 16);
-            const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + kk * 16)));
-            const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(i, low)), d0, m0);
-            const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(i, 4)), d1, m1);
+            if (kk % (bits == 4 ? 4 : 2) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
+            __m512 w0, w1;
+            panel_column(qg, kk, bits, &w0, &w1);
+            if (bits == 4) w0 = _mm512_fmadd_ps(w0, d0, m0), w1 = _mm512_fmadd_ps(w1, d1, m1);
+            else w0 = _mm512_mul_ps(w0, d0), w1 = _mm512_mul_ps(w1, d1);
             for (int r = 0; r < rows; r++) {
                 const __m512 xb = _mm512_set1_ps(xg[r * K + kk]);
                 acc[r][0] = _mm512_fmadd_ps(w0, xb, acc[r][0]);
@@ -200,35 +220,48 @@ static inline __attribute__((always_inline)) void q4p_many(const float *x, int64
     for (int r = 0; r < rows; r++) { _mm512_storeu_ps(y + r * ldy, acc[r][0]); _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]); }
 }
 
-static inline __attribute__((always_inline)) void q4p_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
-    const uint16_t *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int rows) {
-    if (rows <= 2) q4p_few(x, xsum, K, q, sp, mp, G, g, y, ldy, rows <= 1 ? 1 : 2);
-    else q4p_many(x, K, q, sp, mp, G, g, y, ldy, rows);
+static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
+    const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+    if (rows <= 2) panel_few(x, xsum, K, q, sp, mp, G, g, y, ldy, bits, rows <= 1 ? 1 : 2);
+    else panel_many(x, K, q, sp, mp, G, g, y, ldy, bits, rows);
 }
 #else
-/* AVX2 (16 ymm registers): a panel is walked as two halves of 16 rows (the low nibbles, then the
- * high), up to 4 activation rows a pass, so the accumulators, scales and weights fit. With 1-2
- * rows two columns go to separate accumulators (the FMA latency would otherwise bound the loop). */
-static inline __attribute__((always_inline)) void q4p_half(const float *x, int64_t K, const uint8_t *q, const uint16_t *sp,
-    const uint16_t *mp, int64_t G, int64_t g, int h, float *y, int64_t ldy, const int rows) {
+/* AVX2 (16 ymm registers): a panel is walked as two halves of 16 rows, up to 4 activation rows a
+ * pass, so the accumulators, scales and weights fit. With 1-2 rows two columns go to separate
+ * accumulators (the FMA latency would otherwise bound the loop). */
+static inline __attribute__((always_inline)) void panel_half(const float *x, int64_t K, const uint8_t *q, const void *sp,
+    const uint16_t *mp, int64_t G, int64_t g, int h, float *y, int64_t ldy, const int bits, const int rows) {
     enum { U = 2 };
     const int u_n = rows <= 2 ? 2 : 1;
     __m256 acc[4][2][U];
     for (int r = 0; r < rows; r++) for (int i = 0; i < 2; i++) for (int u = 0; u < U; u++) acc[r][i][u] = _mm256_setzero_ps();
     const __m128i low4 = _mm_set1_epi8(0x0F);
     for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = q + grp * g * 16;
+        const uint8_t *qg = q + grp * g * COL_BYTES(bits);
         const float *xg = x + grp * g;
-        const uint16_t *s = sp + grp * PANEL + 16 * h, *m = mp + grp * PANEL + 16 * h;
-        PANEL_PF(s);
-        PANEL_PF(m);
-        const __m256 da = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)), db = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8)));
-        const __m256 ma = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m)), mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8)));
+        __m256 da, db, ma = _mm256_setzero_ps(), mb = ma;
+        if (bits == 4) {
+            const uint16_t *s = (const uint16_t *)sp + grp * PANEL + 16 * h, *m = mp + grp * PANEL + 16 * h;
+            PANEL_PF(s);
+            PANEL_PF(m);
+            da = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)), db = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8)));
+            ma = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m)), mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8)));
+        } else {
+            const float *s = (const float *)sp + grp * PANEL + 16 * h;
+            PANEL_PF(s);
+            da = _mm256_loadu_ps(s), db = _mm256_loadu_ps(s + 8);
+        }
         for (int64_t kk = 0; kk < g; kk += u_n) {
-            if (kk % 4 == 0) PREFETCH(qg + kk * 16);
+            if (kk % 2 == 0) PREFETCH(qg + kk * COL_BYTES(bits));
             for (int u = 0; u < u_n; u++) {
-                const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qg + (kk + u) * 16)), 4 * h), low4);
-                const __m256 wa = _mm256_fmadd_ps(u8x8_to_ps(b), da, ma), wb = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(b, 8)), db, mb);
+                __m256 wa, wb;
+                if (bits == 4) {
+                    const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qg + (kk + u) * 16)), 4 * h), low4);
+                    wa = _mm256_fmadd_ps(u8x8_to_ps(b), da, ma), wb = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(b, 8)), db, mb);
+                } else {
+                    const __m128i b = _mm_loadu_si128((const __m128i *)(qg + (kk + u) * 32 + 16 * h));
+                    wa = _mm256_mul_ps(i8x8_to_ps(b), da), wb = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(b, 8)), db);
+                }
                 for (int r = 0; r < rows; r++) {
                     const __m256 xb = _mm256_broadcast_ss(xg + r * K + kk + u);
                     acc[r][0][u] = _mm256_fmadd_ps(wa, xb, acc[r][0][u]);
@@ -242,47 +275,51 @@ static inline __attribute__((always_inline)) void q4p_half(const float *x, int64
             _mm256_storeu_ps(y + r * ldy + 16 * h + 8 * i, u_n == 2 ? _mm256_add_ps(acc[r][i][0], acc[r][i][1]) : acc[r][i][0]);
 }
 
-static inline __attribute__((always_inline)) void q4p_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
-    const uint16_t *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int rows) {
+static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
+    const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
     (void)xsum;
     for (int r0 = 0; r0 < rows; r0 += 4)
         for (int h = 0; h < 2; h++) {
             const float *xr = x + r0 * K;
             float *yr = y + r0 * ldy;
             switch (rows - r0 >= 4 ? 4 : rows - r0) {
-                case 4: q4p_half(xr, K, q, sp, mp, G, g, h, yr, ldy, 4); break;
-                case 3: q4p_half(xr, K, q, sp, mp, G, g, h, yr, ldy, 3); break;
-                case 2: q4p_half(xr, K, q, sp, mp, G, g, h, yr, ldy, 2); break;
-                default: q4p_half(xr, K, q, sp, mp, G, g, h, yr, ldy, 1); break;
+                case 4: panel_half(xr, K, q, sp, mp, G, g, h, yr, ldy, bits, 4); break;
+                case 3: panel_half(xr, K, q, sp, mp, G, g, h, yr, ldy, bits, 3); break;
+                case 2: panel_half(xr, K, q, sp, mp, G, g, h, yr, ldy, bits, 2); break;
+                default: panel_half(xr, K, q, sp, mp, G, g, h, yr, ldy, bits, 1); break;
             }
         }
 }
 #endif
 
-/* y [M, N] = x [M, K] @ W^T for 4-bit W in panels. Meant for small M (decode); large M dequantizes. */
-void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const uint16_t *sp, const uint16_t *mp,
-                  int64_t N, int64_t g, float *y) {
-    const int64_t G = K / g, P = (N + PANEL - 1) / PANEL;
-    float *xsum = malloc(sizeof(float) * M * G); /* per-group sums of x: the mins' term with 1-2 rows */
-    for (int64_t i = 0; i < M * G; i++) {
-        const float *xg = x + (i / G) * K + (i % G) * g;
-        float s = 0.f;
-        for (int64_t j = 0; j < g; j++) s += xg[j];
-        xsum[i] = s;
+/* y [M, N] = x [M, K] @ W^T for W in panels. Meant for small M (decode); large M dequantizes. */
+static inline __attribute__((always_inline)) void panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp,
+    const void *sp, const uint16_t *mp, int64_t N, int64_t g, float *y, const int bits) {
+    const int64_t G = K / g, P = (N + PANEL - 1) / PANEL, sbytes = bits == 4 ? 2 : 4;
+    float *xsum = NULL; /* per-group sums of x: the 4-bit mins' term with 1-2 rows */
+    if (bits == 4) {
+        xsum = malloc(sizeof(float) * M * G);
+        for (int64_t i = 0; i < M * G; i++) {
+            const float *xg = x + (i / G) * K + (i % G) * g;
+            float s = 0.f;
+            for (int64_t j = 0; j < g; j++) s += xg[j];
+            xsum[i] = s;
+        }
     }
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; p++) {
-        const uint8_t *q = qp + p * G * g * 16;
-        const uint16_t *sc = sp + p * G * PANEL, *mn = mp + p * G * PANEL;
+        const uint8_t *q = qp + p * G * g * COL_BYTES(bits);
+        const void *sc = (const char *)sp + p * G * PANEL * sbytes;
+        const uint16_t *mn = bits == 4 ? mp + p * G * PANEL : NULL;
         const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
         float tail[MT * PANEL]; /* the padded last panel's outputs, before the valid ones are copied */
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t rows = M - m0 >= MT ? MT : M - m0;
             float *yo = valid == PANEL ? y + m0 * N + p * PANEL : tail;
             const int64_t ldy = valid == PANEL ? N : PANEL;
-#define Q4_CALL(R) q4p_rows(x + m0 * K, xsum + m0 * G, K, q, sc, mn, G, g, yo, ldy, R)
-            DISPATCH_ROWS(rows, Q4_CALL)
-#undef Q4_CALL
+#define PANEL_CALL(R) panel_rows(x + m0 * K, xsum ? xsum + m0 * G : NULL, K, q, sc, mn, G, g, yo, ldy, bits, R)
+            DISPATCH_ROWS(rows, PANEL_CALL)
+#undef PANEL_CALL
             if (valid < PANEL)
                 for (int64_t r = 0; r < rows; r++)
                     for (int64_t j = 0; j < valid; j++) y[(m0 + r) * N + p * PANEL + j] = tail[r * PANEL + j];
@@ -291,28 +328,44 @@ void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const
     free(xsum);
 }
 
-/* Float weights of rows [n0, n1) (n0 a multiple of 32) of a 4-bit panel matrix, transposed:
- * out [K, n1 - n0] (large-M path: the GEMM takes W^T as readily as W). */
-void fl_q4_dequant(const uint8_t *qp, const uint16_t *sp, const uint16_t *mp, int64_t K, int64_t g,
-                   int64_t n0, int64_t n1, float *out) {
+void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const uint16_t *sp, const uint16_t *mp,
+                  int64_t N, int64_t g, float *y) {
+    panel_linear(x, M, K, qp, sp, mp, N, g, y, 4);
+}
+
+void fl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qp, const float *sp, int64_t N, int64_t g, float *y) {
+    panel_linear(x, M, K, (const uint8_t *)qp, sp, NULL, N, g, y, 8);
+}
+
+/* Float weights of rows [n0, n1) (n0 a multiple of 32) of a panel matrix, transposed:
+ * out [K, n1 - n0] (the large-M path: the GEMM takes W^T as readily as W). */
+static void panel_dequant(const uint8_t *qp, const void *sp, const uint16_t *mp, int64_t K, int64_t g,
+                          int64_t n0, int64_t n1, float *out, const int bits) {
     const int64_t G = K / g, n = n1 - n0;
     const __m128i low4 = _mm_set1_epi8(0x0F);
 #pragma omp parallel for schedule(static)
     for (int64_t p = n0 / PANEL; p < (n1 + PANEL - 1) / PANEL; p++) {
         const int64_t c0 = p * PANEL - n0, valid = n - c0 < PANEL ? n - c0 : PANEL;
         for (int64_t grp = 0; grp < G; grp++) {
-            const uint8_t *qg = qp + (p * G + grp) * g * 16;
+            const uint8_t *qg = qp + (p * G + grp) * g * COL_BYTES(bits);
+            const int64_t si = (p * G + grp) * PANEL;
             __m256 d[4], m[4];
             for (int i = 0; i < 4; i++) {
-                d[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sp + (p * G + grp) * PANEL + 8 * i)));
-                m[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + (p * G + grp) * PANEL + 8 * i)));
+                d[i] = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)sp + si + 8 * i)))
+                                 : _mm256_loadu_ps((const float *)sp + si + 8 * i);
+                m[i] = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + si + 8 * i))) : _mm256_setzero_ps();
             }
             for (int64_t kk = 0; kk < g; kk++) {
-                const __m128i b = _mm_loadu_si128((const __m128i *)(qg + kk * 16));
-                const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-                const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
                 float w[PANEL];
-                for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + 8 * i, _mm256_fmadd_ps(u8x8_to_ps(part[i]), d[i], m[i]));
+                if (bits == 4) {
+                    const __m128i b = _mm_loadu_si128((const __m128i *)(qg + kk * 16));
+                    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+                    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+                    for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + 8 * i, _mm256_fmadd_ps(u8x8_to_ps(part[i]), d[i], m[i]));
+                } else {
+                    for (int i = 0; i < 4; i++)
+                        _mm256_storeu_ps(w + 8 * i, _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(qg + kk * 32 + 8 * i))), d[i]));
+                }
                 float *o = out + (grp * g + kk) * n + c0;
                 for (int64_t j = 0; j < valid; j++) o[j] = w[j];
             }
@@ -320,75 +373,12 @@ void fl_q4_dequant(const uint8_t *qp, const uint16_t *sp, const uint16_t *mp, in
     }
 }
 
-/* ---- int8 weights, per output channel (G = 1) or per group of g input columns ------------------ */
-static inline __attribute__((always_inline)) void q8_row(
-    const float *x, int64_t K, const int8_t *q, const float *sc, int64_t g, float *y, int64_t N, const int rows) {
-    vf acc0[MT], acc1[MT], wa[2], wb[2]; /* 32-column steps alternate between two accumulator sets */
-    for (int r = 0; r < rows; r++) acc0[r] = acc1[r] = VZERO();
-#define Q8_STEP(k, scale, acc)                                              \
-    {                                                                       \
-        const vf s = VSET1(scale);                                          \
-        if ((k) % 64 == 0) PREFETCH(q + (k));                               \
-        I8X16(_mm_loadu_si128((const __m128i *)(q + (k))), wa);             \
-        I8X16(_mm_loadu_si128((const __m128i *)(q + (k) + 16)), wb);        \
-        DOT32(rows, x, K, (k), (k) + 16, wa, wb, s, acc, 1)                 \
-    }
-    if (g == 32) { /* Q8_0 blocks: a scale per step, no division to find it */
-        const int64_t G = K / 32;
-        int64_t grp = 0;
-        for (; grp + 2 <= G; grp += 2) {
-            Q8_STEP(grp * 32, sc[grp], acc0)
-            Q8_STEP(grp * 32 + 32, sc[grp + 1], acc1)
-        }
-        if (grp < G) Q8_STEP(grp * 32, sc[grp], acc0)
-    } else {
-        for (int64_t k0 = 0; k0 < K; k0 += g) {
-            const float scale = sc[k0 / g];
-            int64_t k = k0;
-            for (; k + 64 <= k0 + g; k += 64) {
-                Q8_STEP(k, scale, acc0)
-                Q8_STEP(k + 32, scale, acc1)
-            }
-            if (k < k0 + g) Q8_STEP(k, scale, acc0)
-        }
-    }
-#undef Q8_STEP
-    for (int r = 0; r < rows; r++) y[r * N] = VHSUM(acc0[r]) + VHSUM(acc1[r]);
+void fl_q4_dequant(const uint8_t *qp, const uint16_t *sp, const uint16_t *mp, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out) {
+    panel_dequant(qp, sp, mp, K, g, n0, n1, out, 4);
 }
 
-/* y [M, N] = x [M, K] @ (q * scale)^T; K and g multiples of 32; g = K for per-channel scales. */
-void fl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qweight, const float *scales, int64_t N,
-                  int64_t g, float *y) {
-    const int64_t G = K / g;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const int8_t *q = qweight + n * K;
-        const float *sc = scales + n * G;
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const float *xm = x + m0 * K;
-            float *ym = y + m0 * N + n;
-#define Q8_CALL(R) q8_row(xm, K, q, sc, g, ym, N, R)
-            DISPATCH_ROWS(M - m0 >= MT ? MT : M - m0, Q8_CALL)
-#undef Q8_CALL
-        }
-    }
-}
-
-void fl_q8_dequant(const int8_t *qweight, const float *scales, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out) {
-    const int64_t G = K / g;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = n0; n < n1; n++) {
-        const int8_t *q = qweight + n * K;
-        float *o = out + (n - n0) * K;
-        for (int64_t grp = 0; grp < G; grp++) {
-            const vf s = VSET1(scales[n * G + grp]);
-            for (int64_t k = grp * g; k < (grp + 1) * g; k += 16) {
-                vf w[2];
-                I8X16(_mm_loadu_si128((const __m128i *)(q + k)), w);
-                for (int i = 0; i < (int)(64 / sizeof(vf)); i++) VSTORE(o + k + i * sizeof(vf) / 4, VMUL(w[i], s));
-            }
-        }
-    }
+void fl_q8_dequant(const int8_t *qp, const float *sp, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out) {
+    panel_dequant((const uint8_t *)qp, sp, NULL, K, g, n0, n1, out, 8);
 }
 
 /* ---- fp32 weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 -------------------
@@ -1095,7 +1085,7 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
  * What the model's forward does for B single-token sequences (see model/llama.py), without a
  * Python round trip per op: ~300 ops a step would otherwise cost more than the attention. */
 typedef struct {
-    int64_t kind; /* 0: fp32 weights, 1: int8 + float scales, 2: 4-bit panels + fp16 scales/mins, 3: w8a8 */
+    int64_t kind; /* 0: fp32 weights, 1: int8 panels + float scales, 2: 4-bit panels + fp16 scales/mins, 3: w8a8 */
     int64_t n, k, g;
     const void *w, *scales, *mins;
     const float *bias;     /* or NULL */
@@ -1152,10 +1142,13 @@ static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, f
         if (E->kind == 0) {
             const float *row = (const float *)E->w + t * K;
             for (int64_t k = 0; k < K; k++) o[k] = row[k];
-        } else if (E->kind == 1) {
-            const int8_t *q = (const int8_t *)E->w + t * K;
-            const float *sc = (const float *)E->scales + t * G;
-            for (int64_t k = 0; k < K; k++) o[k] = (float)q[k] * sc[k / g];
+        } else if (E->kind == 1) { /* int8 panels: row t is lane t % 32 of its panel's columns */
+            const int64_t p = t / PANEL, j = t % PANEL;
+            for (int64_t grp = 0; grp < G; grp++) {
+                const int8_t *q = (const int8_t *)E->w + (p * G + grp) * g * PANEL + j;
+                const float s = ((const float *)E->scales)[(p * G + grp) * PANEL + j];
+                for (int64_t kk = 0; kk < g; kk++) o[grp * g + kk] = (float)q[kk * PANEL] * s;
+            }
         } else { /* 4-bit panels: row t is lane t % 16 of its panel's columns, low or high nibbles */
             const int64_t p = t / PANEL, j = t % PANEL, shift = 4 * (j / 16);
             for (int64_t grp = 0; grp < G; grp++) {
