@@ -158,30 +158,22 @@ def _tile_buffer(elems: int) -> torch.Tensor:
     return buf[:elems]
 
 
-def _dequant_linear(x2: torch.Tensor, n: int, dequant_into, bias: torch.Tensor | None, transposed: bool = False) -> torch.Tensor:
-    """Large-M path: float weights from the kernel (all rows at once, or tiles of a huge matrix
-    such as a vocabulary projection), then the float GEMM. `transposed`: the kernel writes W^T
-    tiles [K, rows] (panels), and tiles start on a panel boundary."""
+def _dequant_linear(x2: torch.Tensor, n: int, dequant_into, bias: torch.Tensor | None) -> torch.Tensor:
+    """Large-M path: float weights from the kernel as W^T tiles [K, rows] starting on panel
+    boundaries (all rows at once, or tiles of a huge matrix such as a vocabulary projection), then
+    the float GEMM, which takes W^T as readily as W."""
     k = x2.shape[1]
     step = min(n, max(64, DEQUANT_TILE_ELEMS // k) // 32 * 32)
-
-    def tile_of(rows: int) -> torch.Tensor:
-        buf = _tile_buffer(rows * k)
-        return buf.view(k, rows) if transposed else buf.view(rows, k)
-
-    def weight(tile: torch.Tensor) -> torch.Tensor:
-        return tile.t() if transposed else tile
-
     if step == n:
-        tile = tile_of(n)
+        tile = _tile_buffer(n * k).view(k, n)
         dequant_into(0, n, tile)
-        return sgemm(x2, weight(tile), bias)
+        return sgemm(x2, tile.t(), bias)
     out = torch.empty(x2.shape[0], n, dtype=x2.dtype)
     for lo in range(0, n, step):
         hi = min(n, lo + step)
-        tile = tile_of(hi - lo)
+        tile = _tile_buffer((hi - lo) * k).view(k, hi - lo)
         dequant_into(lo, hi, tile)
-        out[:, lo:hi] = sgemm(x2, weight(tile), None if bias is None else bias[lo:hi])
+        out[:, lo:hi] = sgemm(x2, tile.t(), None if bias is None else bias[lo:hi])
     return out
 
 
@@ -205,7 +197,7 @@ def int8_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, n: in
     x2 = _rows(x, k)
     if x2.shape[0] > GEMV_MAX_ROWS:
         dequant = lambda lo, hi, t: _lib.fl_q8_dequant(qp.data_ptr(), sp.data_ptr(), k, g, lo, hi, t.data_ptr())  # noqa: E731
-        return _dequant_linear(x2, n, dequant, bias, transposed=True).view(*x.shape[:-1], n)
+        return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     _lib.fl_q8_linear(x2.data_ptr(), x2.shape[0], k, qp.data_ptr(), sp.data_ptr(), n, g, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
@@ -221,7 +213,7 @@ def int4_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: t
     args = (qp.data_ptr(), sp.data_ptr(), mp.data_ptr())
     if x2.shape[0] > GEMV_MAX_ROWS:
         dequant = lambda lo, hi, t: _lib.fl_q4_dequant(*args, k, group_size, lo, hi, t.data_ptr())  # noqa: E731
-        return _dequant_linear(x2, n, dequant, bias, transposed=True).view(*x.shape[:-1], n)
+        return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     _lib.fl_q4_linear(x2.data_ptr(), x2.shape[0], k, *args, n, group_size, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
