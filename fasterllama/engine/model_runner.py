@@ -25,11 +25,11 @@ class ModelRunner:
 
     def refresh_decode_plan(self) -> None:
         """(Re)collect the weights for the one-call CPU decode step; needed after modules change.
-        On the CPU 4-bit weights first take the kernels' panel layout, and all weights move into
+        On the CPU quantized weights first take the kernels' panel layout, and all weights move into
         2 MB pages (huge_pages.py), once per set of tensors."""
         self.decode_plan = None  # let go of the old tensors before they move
         if self.device.type == "cpu":
-            if cpu_kernels.load() is not None:  # the C kernels read 4-bit weights in panels
+            if cpu_kernels.load() is not None:  # the C kernels read quantized weights in panels
                 use_cpu_panels(self.model)
             huge_pages.pack_weights(self.model)
             self.decode_plan = CPUDecodePlan.build(self.model, self.kv_cache.layers)

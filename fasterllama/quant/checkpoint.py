@@ -66,7 +66,7 @@ def save_quantized(engine: Any, out_dir: str) -> None:
     first_name: dict[tuple[str, int], str] = {}
     tied: dict[str, str] = {}
     # ties (embedding / lm_head) by parameter identity: state_dict() may hand out converted copies
-    # (4-bit panels are saved in the row layout)
+    # (weights in panels are saved in the row layout)
     owner = {name: id(p) for name, p in engine.model.named_parameters(remove_duplicate=False)}
     for name, t in engine.model.state_dict().items():
         keys = [("storage", t.data_ptr())] + ([("param", owner[name])] if name in owner else [])
