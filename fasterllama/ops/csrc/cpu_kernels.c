@@ -226,69 +226,110 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
     else panel_many(x, K, q, sp, mp, G, g, y, ldy, bits, rows);
 }
 #else
-/* AVX2 (16 ymm registers): a panel is walked as two halves of 16 rows, up to 4 activation rows a
- * pass, so the accumulators, scales and weights fit. With 1-2 rows two columns go to separate
- * accumulators (the FMA latency would otherwise bound the loop). */
-static inline __attribute__((always_inline)) void panel_half(const float *x, int64_t K, const uint8_t *q, const void *sp,
-    const uint16_t *mp, int64_t G, int64_t g, int h, float *y, int64_t ldy, const int bits, const int rows) {
-    enum { U = 2 };
-    const int u_n = rows <= 2 ? 2 : 1;
-    __m256 acc[4][2][U];
-    for (int r = 0; r < rows; r++) for (int i = 0; i < 2; i++) for (int u = 0; u < U; u++) acc[r][i][u] = _mm256_setzero_ps();
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+/* AVX2 (16 ymm registers): a panel is walked in halves (1-2 rows) or quarters (3-8 rows), so the
+ * accumulators, scales and weights fit. */
+static inline __attribute__((always_inline)) void panel_half_column(const uint8_t *qg, int64_t kk, int h, const int bits, __m256 *qa, __m256 *qb) {
+    if (bits == 4) {
+        const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qg + kk * 16)), 4 * h), _mm_set1_epi8(0x0F));
+        *qa = u8x8_to_ps(b), *qb = u8x8_to_ps(_mm_srli_si128(b, 8));
+    } else {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(qg + kk * 32 + 16 * h));
+        *qa = i8x8_to_ps(b), *qb = i8x8_to_ps(_mm_srli_si128(b, 8));
+    }
+}
+
+/* The half's scales (and 4-bit mins) for a group, as 2 + 2 vectors. */
+static inline __attribute__((always_inline)) void panel_half_scales(const void *sp, const uint16_t *mp, int64_t grp, int h, const int bits, __m256 *d, __m256 *m) {
+    const int64_t i = grp * PANEL + 16 * h;
+    if (bits == 4) {
+        const uint16_t *s = (const uint16_t *)sp + i;
+        PANEL_PF(s);
+        PANEL_PF(mp + i);
+        d[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)), d[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8)));
+        m[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + i))), m[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + i + 8)));
+    } else {
+        const float *s = (const float *)sp + i;
+        PANEL_PF(s);
+        d[0] = _mm256_loadu_ps(s), d[1] = _mm256_loadu_ps(s + 8);
+        m[0] = m[1] = _mm256_setzero_ps();
+    }
+}
+
+/* 1-2 activation rows: a group's q . x in 2 chains a vector, scaled once a group (as on AVX-512). */
+static inline __attribute__((always_inline)) void panel_half_few(const float *x, const float *xsum, int64_t K, const uint8_t *q,
+    const void *sp, const uint16_t *mp, int64_t G, int64_t g, int h, float *y, int64_t ldy, const int bits, const int rows) {
+    __m256 tot[2][2];
+    for (int r = 0; r < rows; r++) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
     for (int64_t grp = 0; grp < G; grp++) {
         const uint8_t *qg = q + grp * g * COL_BYTES(bits);
         const float *xg = x + grp * g;
-        __m256 da, db, ma = _mm256_setzero_ps(), mb = ma;
-        if (bits == 4) {
-            const uint16_t *s = (const uint16_t *)sp + grp * PANEL + 16 * h, *m = mp + grp * PANEL + 16 * h;
-            PANEL_PF(s);
-            PANEL_PF(m);
-            da = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)), db = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8)));
-            ma = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)m)), mb = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + 8)));
-        } else {
-            const float *s = (const float *)sp + grp * PANEL + 16 * h;
-            PANEL_PF(s);
-            da = _mm256_loadu_ps(s), db = _mm256_loadu_ps(s + 8);
-        }
-        for (int64_t kk = 0; kk < g; kk += u_n) {
-            if (kk % 2 == 0) PREFETCH(qg + kk * COL_BYTES(bits));
-            for (int u = 0; u < u_n; u++) {
-                __m256 wa, wb;
-                if (bits == 4) {
-                    const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qg + (kk + u) * 16)), 4 * h), low4);
-                    wa = _mm256_fmadd_ps(u8x8_to_ps(b), da, ma), wb = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(b, 8)), db, mb);
-                } else {
-                    const __m128i b = _mm_loadu_si128((const __m128i *)(qg + (kk + u) * 32 + 16 * h));
-                    wa = _mm256_mul_ps(i8x8_to_ps(b), da), wb = _mm256_mul_ps(i8x8_to_ps(_mm_srli_si128(b, 8)), db);
-                }
+        __m256 aq[2][2][2];
+        for (int r = 0; r < rows; r++) for (int i = 0; i < 2; i++) aq[r][i][0] = aq[r][i][1] = _mm256_setzero_ps();
+        for (int64_t kk = 0; kk < g; kk += 2) {
+            PREFETCH(qg + kk * COL_BYTES(bits));
+            for (int u = 0; u < 2; u++) {
+                __m256 qa, qb;
+                panel_half_column(qg, kk + u, h, bits, &qa, &qb);
                 for (int r = 0; r < rows; r++) {
                     const __m256 xb = _mm256_broadcast_ss(xg + r * K + kk + u);
-                    acc[r][0][u] = _mm256_fmadd_ps(wa, xb, acc[r][0][u]);
-                    acc[r][1][u] = _mm256_fmadd_ps(wb, xb, acc[r][1][u]);
+                    aq[r][0][u] = _mm256_fmadd_ps(qa, xb, aq[r][0][u]);
+                    aq[r][1][u] = _mm256_fmadd_ps(qb, xb, aq[r][1][u]);
                 }
             }
         }
+        __m256 d[2], m[2];
+        panel_half_scales(sp, mp, grp, h, bits, d, m);
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 2; i++) {
+                tot[r][i] = _mm256_fmadd_ps(d[i], _mm256_add_ps(aq[r][i][0], aq[r][i][1]), tot[r][i]);
+                if (bits == 4) tot[r][i] = _mm256_fmadd_ps(m[i], _mm256_set1_ps(xsum[r * G + grp]), tot[r][i]);
+            }
     }
     for (int r = 0; r < rows; r++)
-        for (int i = 0; i < 2; i++)
-            _mm256_storeu_ps(y + r * ldy + 16 * h + 8 * i, u_n == 2 ? _mm256_add_ps(acc[r][i][0], acc[r][i][1]) : acc[r][i][0]);
+        for (int i = 0; i < 2; i++) _mm256_storeu_ps(y + r * ldy + 16 * h + 8 * i, tot[r][i]);
+}
+
+/* 3-8 activation rows: a panel walked as four quarters of 8 rows (one vector), all rows at once:
+ * each column's 8 weights dequantized (scale * q (+ min)) once, then one FMA a row. */
+static inline __attribute__((always_inline)) void panel_quarter_many(const float *x, int64_t K, const uint8_t *q, const void *sp,
+    const uint16_t *mp, int64_t G, int64_t g, int c, float *y, int64_t ldy, const int bits, const int rows) {
+    __m256 acc[MT];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    const int64_t lane0 = 8 * c; /* rows 8c .. 8c + 7 of the panel */
+    for (int64_t grp = 0; grp < G; grp++) {
+        const uint8_t *qg = q + grp * g * COL_BYTES(bits);
+        const float *xg = x + grp * g;
+        const int64_t si = grp * PANEL + lane0;
+        __m256 d, m = _mm256_setzero_ps();
+        if (bits == 4) {
+            if (c == 0) PANEL_PF((const uint16_t *)sp + si), PANEL_PF(mp + si);
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)sp + si)));
+            m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + si)));
+        } else {
+            if (c % 2 == 0) PANEL_PF((const float *)sp + si);
+            d = _mm256_loadu_ps((const float *)sp + si);
+        }
+        for (int64_t kk = 0; kk < g; kk++) {
+            if (c == 0 && kk % (bits == 4 ? 4 : 2) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
+            __m256 w;
+            if (bits == 4) {
+                const __m128i b = _mm_loadl_epi64((const __m128i *)(qg + kk * 16 + 8 * (c % 2)));
+                w = _mm256_fmadd_ps(u8x8_to_ps(_mm_and_si128(_mm_srli_epi16(b, 4 * (c / 2)), _mm_set1_epi8(0x0F))), d, m);
+            } else {
+                w = _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(qg + kk * 32 + lane0))), d);
+            }
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xg + r * K + kk), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy + lane0, acc[r]);
 }
 
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
     const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
-    (void)xsum;
-    for (int r0 = 0; r0 < rows; r0 += 4)
-        for (int h = 0; h < 2; h++) {
-            const float *xr = x + r0 * K;
-            float *yr = y + r0 * ldy;
-            switch (rows - r0 >= 4 ? 4 : rows - r0) {
-                case 4: panel_half(xr, K, q, sp, mp, G, g, h, yr, ldy, bits, 4); break;
-                case 3: panel_half(xr, K, q, sp, mp, G, g, h, yr, ldy, bits, 3); break;
-                case 2: panel_half(xr, K, q, sp, mp, G, g, h, yr, ldy, bits, 2); break;
-                default: panel_half(xr, K, q, sp, mp, G, g, h, yr, ldy, bits, 1); break;
-            }
-        }
+    if (rows <= 2)
+        for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, q, sp, mp, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2);
+    else
+        for (int c = 0; c < 4; c++) panel_quarter_many(x, K, q, sp, mp, G, g, c, y, ldy, bits, rows);
 }
 #endif
 
