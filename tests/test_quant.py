@@ -56,6 +56,36 @@ def test_int8_linear_matches_dequantized_weights(group):
     torch.testing.assert_close(lin(X), X @ dequantize_int8(q, s).t() + lin.bias, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("make", ["int4", "int8-g32", "int8-channel"])
+def test_panel_storage_keeps_the_module_behaviour(make):
+    """use_panels() changes how a weight-only linear stores its matrix, nothing it computes or saves."""
+    w = W[:70]  # 70 rows: a padded last panel
+    if make == "int4":
+        lin = Int4Linear(*quantize_int4(w, 32))
+    else:
+        lin = Int8Linear(*quantize_int8(w, 32 if make == "int8-g32" else None))
+    rows = torch.tensor([69, 0, 33, 31, 32])
+    before = (lin(X), lin.dequantize(), lin.dequantize_rows(rows, torch.float32), lin.state_dict())
+    lin.use_panels()
+    assert lin.panels and lin.qweight.shape[0] == 3  # ceil(70 / 32) panels
+    torch.testing.assert_close(lin(X), before[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(lin.dequantize(), before[1]) and torch.equal(lin.dequantize_rows(rows, torch.float32), before[2])
+    state = lin.state_dict()
+    assert state.keys() == before[3].keys() and all(torch.equal(state[k], before[3][k]) for k in state)
+
+
+def test_holds_exactly_finds_a_lossless_int8_head():
+    """w8a8 keeps the lm_head as int8 groups of 32 only where they hold it exactly (a GGUF Q8_0)."""
+    from fasterllama.quant.convert import holds_exactly
+
+    q = torch.randint(-127, 128, (100, 64), dtype=torch.int8)
+    q[:, ::32] = 127  # Q8_0: each block's largest value is +-127 steps of its fp16 scale
+    d = (torch.rand(100, 2) * 0.01).half().float()
+    q8_0 = dequantize_int8(q, d)
+    assert holds_exactly(Int8Linear(*quantize_int8(q8_0, 32)), q8_0, rows=16)
+    assert not holds_exactly(Int8Linear(*quantize_int8(W, 32)), W, rows=16)
+
+
 def test_int8_gemm_is_exact():
     a = torch.randint(-127, 128, (9, 256), dtype=torch.int8)
     b = torch.randint(-127, 128, (256, 40), dtype=torch.int8)

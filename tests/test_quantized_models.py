@@ -14,6 +14,7 @@ from conftest import default_model_path
 from fasterllama import LLM, SamplingParams
 from fasterllama.evaluate import perplexity
 from fasterllama.quant import weight_bytes
+from fasterllama.quant.linear import Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
 
@@ -55,7 +56,6 @@ def test_quantized_perplexity_and_memory(fp32_llm, eval_ids, fp32_ppl, mode, max
 def test_gguf_quants_kept_natively_and_exact(default_llm, fp32_llm):
     """The default keeps the file's Q4_1/Q8_0 tensors; their kernels see the very floats that
     dequantizing the file gives, so only summation order can differ from the fp32 model."""
-    from fasterllama.quant.linear import Int4Linear, Int8Linear
 
     model, ref = default_llm.engine.model, fp32_llm.engine.model
     assert default_llm.engine.quant_config == "gguf" and fp32_llm.engine.quant_config is None
@@ -72,6 +72,15 @@ def test_gguf_quants_kept_natively_and_exact(default_llm, fp32_llm):
     a, b = default_llm.generate([ids], params)[0], fp32_llm.generate([ids], params)[0]
     assert a.token_ids == b.token_ids  # decode steps through the 4-bit and the fp32 kernels
     assert max(abs(x[t] - y[t]) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < 1e-4
+
+
+def test_w8a8_keeps_the_gguf_lm_head_exactly(fp32_llm):
+    """w8a8 on a GGUF: the Q8_0 lm_head (tied embedding) stays int8, the file's weights exactly."""
+    llm = LLM(quantization="w8a8", progress=False)
+    model = llm.engine.model
+    assert llm.engine.quant_config.int8_lm_head and isinstance(model.lm_head, Int8Linear)
+    assert model.embed_tokens.table is model.lm_head
+    assert torch.equal(model.lm_head.dequantize(), fp32_llm.engine.model.lm_head.weight)
 
 
 @pytest.mark.parametrize("mode", ["w4-g64", "w8a8-static-mse"])

@@ -30,6 +30,7 @@ class QuantConfig:
     percentile: float = 99.99
     smoothquant_alpha: float | None = None  # w8a8 only: SmoothQuant migration strength (None: 0.6 dynamic, 0.7 static)
     clip: bool = False  # static w8a8: out-of-range tokens saturate (True) or take their own per-token scale
+    int8_lm_head: bool = False  # w8a8: set when quantizing; the lm_head held exactly by int8 groups of 32
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -96,16 +96,40 @@ def quantize_model(
             layer.post_attention_layernorm = QuantRMSNorm(layer.post_attention_layernorm, scales.get(f"{i}.mlp.gate_up_proj"), cfg.clip)
             layer.mlp.act = SiluAndMulQuant(scales.get(f"{i}.mlp.down_proj"), cfg.clip)
     if cfg.mode in ("w8", "w4"):  # weight-only: the (often tied) embedding / lm_head too
-        dtype = model.embed_tokens.weight.dtype
-        tied = model.lm_head.weight is model.embed_tokens.weight
-        model.lm_head = quantize_linear(model.lm_head, cfg)
-        if tied:
-            model.embed_tokens = QuantizedEmbedding(model.lm_head, dtype)
-        else:
-            table = Linear(model.config.hidden_size, model.config.vocab_size)
-            table.weight = model.embed_tokens.weight
-            model.embed_tokens = QuantizedEmbedding(quantize_linear(table, cfg), dtype)
+        quantize_head(model, cfg)
+    elif cfg.mode == "w8a8":
+        # The lm_head stays float (as in FasterLLaMA) unless int8 groups of 32 hold it exactly, as
+        # they do a GGUF's Q8_0 lm_head dequantized on loading: then it keeps the file's weights in
+        # a quarter of the bytes (decode reads it every step). Saved checkpoints record the choice.
+        head_cfg, head = QuantConfig("w8", group_size=32), None
+        if not placeholders:
+            head = quantize_linear(model.lm_head, head_cfg)
+            cfg.int8_lm_head = holds_exactly(head, model.lm_head.weight)
+        if cfg.int8_lm_head:
+            quantize_head(model, head_cfg, head)
     model.quant_config = cfg
+
+
+def holds_exactly(q: nn.Module, weight: torch.Tensor, rows: int = 4096) -> bool:
+    """Whether quantized linear `q` dequantizes to exactly `weight` (compared a block of rows at a
+    time: a vocabulary matrix in float is 100+ MB)."""
+    n = weight.shape[0]
+    return all(torch.equal(q.dequantize_rows(torch.arange(lo, min(n, lo + rows)), torch.float32), weight[lo : lo + rows].float())
+               for lo in range(0, n, rows))
+
+
+def quantize_head(model: LlamaForCausalLM, cfg: QuantConfig, head: nn.Module | None = None) -> None:
+    """Weight-only quantization of the lm_head (or `head`, its quantized form already made) and the
+    token embedding (tied: one matrix for both)."""
+    dtype = model.embed_tokens.weight.dtype
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    model.lm_head = head if head is not None else quantize_linear(model.lm_head, cfg)
+    if tied:
+        model.embed_tokens = QuantizedEmbedding(model.lm_head, dtype)
+    else:
+        table = Linear(model.config.hidden_size, model.config.vocab_size)
+        table.weight = model.embed_tokens.weight
+        model.embed_tokens = QuantizedEmbedding(quantize_linear(table, cfg), dtype)
 
 
 def smooth_layer(layer: nn.Module, config, act_amax: dict[str, torch.Tensor], alpha: float) -> None:

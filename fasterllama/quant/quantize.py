@@ -10,15 +10,11 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch
     """Symmetric int8: scale = absmax/127 per output row (group_size None) or per group of
     `group_size` input columns. Returns (int8 [N, K], fp32 scales [N] or [N, K/group])."""
     w = w.float()
-    if group_size is None:
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return q, scale
     N, K = w.shape
-    g = w.view(N, K // group_size, group_size)
-    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127
-    q = torch.round(g / scale[..., None]).clamp(-127, 127).to(torch.int8).view(N, K)
-    return q, scale
+    g = w.view(N, 1, K) if group_size is None else w.view(N, K // group_size, group_size)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127  # (one float temporary at a time: a vocabulary
+    q = (g / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(N, K)  # matrix is 100+ MB)
+    return q, (scale.view(N) if group_size is None else scale)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
