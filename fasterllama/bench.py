@@ -7,6 +7,7 @@ import statistics
 import time
 from typing import Any
 
+from .errors import FasterLlamaError
 from .sampling_params import SamplingParams
 
 
@@ -57,15 +58,20 @@ def _decode_rate(llm: Any, prompts: list[list[int]], steps: int) -> float:
 
 
 def run_bench(llm: Any, prompt_lens: list[int], batch_sizes: list[int], decode_steps: int, repeats: int) -> dict[str, Any]:
+    """Prompts longer than the context leaves room for (its length less the decode steps) are cut
+    to fit; each prefill entry records the tokens it really ran (`prompt_tokens`)."""
     vocab = llm.config.vocab_size
     limit = llm.engine.max_model_len - decode_steps - 2
+    if limit < 1:
+        raise FasterLlamaError(f"{decode_steps} decode steps leave no room for a prompt in a context of "
+                               f"{llm.engine.max_model_len} tokens: lower --decode-steps or raise --max-model-len")
     result: dict[str, Any] = {"prompt_ids_seed": 0, "decode_steps": decode_steps, "repeats": repeats}
-    _prefill_seconds(llm, fixed_prompt_ids(16, vocab))  # warm-up
+    _prefill_seconds(llm, fixed_prompt_ids(min(16, limit), vocab))  # warm-up
     prefill = {}
     for n in prompt_lens:
         ids = fixed_prompt_ids(min(n, limit), vocab)
         secs = statistics.median(_prefill_seconds(llm, ids) for _ in range(repeats))
-        prefill[n] = {"tokens_per_s": len(ids) / secs, "time_to_first_token_s": secs}
+        prefill[n] = {"prompt_tokens": len(ids), "tokens_per_s": len(ids) / secs, "time_to_first_token_s": secs}
     result["prefill"] = prefill
     base = fixed_prompt_ids(min(128, limit), vocab)
     throughput = {}

@@ -238,6 +238,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.decode_steps < 1 or args.repeats < 1:
         raise FasterLlamaError("--decode-steps and --repeats must be >= 1")
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise FasterLlamaError(f"--json {args.json}: no such folder to write it in")
     t = time.perf_counter()
     llm = _load(args, max_num_seqs=max(args.batch_sizes))
     load_s = time.perf_counter() - t
@@ -245,7 +247,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     result.update(model=llm.engine.model_path, quantization=str(llm.engine.quant_config or "none"), load_s=load_s,
                   dtype=str(llm.engine.dtype).removeprefix("torch."), device=str(llm.engine.device))
     for n, r in result["prefill"].items():
-        print(f"prefill {n:>5} tokens: {r['tokens_per_s']:8.1f} tok/s   time to first token {r['time_to_first_token_s'] * 1000:7.1f} ms")
+        cut = f" (cut from {n} to fit the context)" if r["prompt_tokens"] != n else ""
+        print(f"prefill {r['prompt_tokens']:>5} tokens: {r['tokens_per_s']:8.1f} tok/s   time to first token "
+              f"{r['time_to_first_token_s'] * 1000:7.1f} ms{cut}")
     print(f"decode  batch 1:     {result['decode_tokens_per_s']:8.1f} tok/s ({args.decode_steps} steps)")
     for b, v in result["throughput_tokens_per_s"].items():
         print(f"throughput batch {b:>3}: {v:8.1f} tok/s")

@@ -196,6 +196,19 @@ def test_bench_reports_every_figure(tmp_path):
     assert "prefill" in proc.stdout and "throughput batch" in proc.stdout
 
 
+@needs_model
+def test_bench_cuts_prompts_to_the_context_and_says_so(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_cli("bench", "-q", "--max-model-len", "64", "--batch-sizes", "1", "--prompt-lens", "16,500", "--decode-steps", "4",
+                   "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    prefill = json.loads(out.read_text())["prefill"]
+    assert prefill["16"]["prompt_tokens"] == 16 and prefill["500"]["prompt_tokens"] == 64 - 4 - 2
+    assert "prefill    58 tokens" in proc.stdout and "cut from 500" in proc.stdout
+    assert_clean_error(run_cli("bench", "-q", "--max-model-len", "64", "--decode-steps", "100"), "no room for a prompt")
+    assert_clean_error(run_cli("bench", "-q", "--json", str(tmp_path / "no" / "such.json")), "no such folder")
+
+
 def test_bench_fixed_prompt_ids_are_deterministic():
     from fasterllama.bench import fixed_prompt_ids
 
