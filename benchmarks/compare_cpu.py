@@ -12,7 +12,9 @@ Engines (each skipped with a note when not installed):
 
 Also measured in the same run, with the same threads: memory read bandwidth right before and
 after every decode run, giving that run's decode ceiling (bandwidth / bytes of weights read per
-token), and the fp32 GEMM rates of MKL and oneDNN and the FMA peak."""
+token), and the fp32 GEMM rates of MKL and oneDNN and the FMA peak. The FMA peak caps the batch
+throughput of engines with fp32 activations: each generated token costs two FLOPs per weight,
+whatever the batch, so no batch decodes faster than peak / (2 * weights)."""
 
 from __future__ import annotations
 
@@ -95,6 +97,11 @@ class FasterLlama(Engine):
         for t in list(model.parameters()) + list(model.buffers()):
             seen[t.data_ptr()] = t.numel() * t.element_size()
         self.weight_bytes = sum(seen.values())
+        c = self.llm.config
+        # multiply-adds a token spends on weights: every decoder linear and the lm_head
+        self.weight_macs = c.num_layers * c.hidden_size * ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+                                                           + c.num_heads * c.head_dim + 3 * c.intermediate_size) + c.hidden_size * c.vocab_size
+        self.fp32_activations = kwargs.get("quantization") != "w8a8"
 
     def prefill(self, ids: list[int]) -> float:
         from fasterllama.bench import _prefill_seconds
@@ -272,8 +279,15 @@ def main() -> None:
         result["engines"][e.name] = {"prefill_tok_s": p, "decode_tok_s": d, "weight_bytes": e.weight_bytes, "decode_ceiling_tok_s": ceil, "of_ceiling": of_ceiling, "ceiling_runs": ceiling[e.name],
                                      "prefill_runs": prefill[e.name], "decode_runs": decode[e.name]}
     print()
-    for name, rates in batch_rates.items():
-        print(f"{name} batch throughput: batch 1 {rates[1]:.1f} tok/s, batch {args.batch} {rates[args.batch]:.1f} tok/s ({rates[args.batch] / rates[1]:.2f}x)")
+    batch_caps = {}
+    for e in ours:
+        rates = batch_rates[e.name]
+        line = f"{e.name} batch throughput: batch 1 {rates[1]:.1f} tok/s, batch {args.batch} {rates[args.batch]:.1f} tok/s ({rates[args.batch] / rates[1]:.2f}x)"
+        if peak and e.fp32_activations:
+            # Any batch is capped by the fp32 FMAs its weights need: peak / (2 * multiply-adds a token).
+            batch_caps[e.name] = cap = peak * 1e9 / (2 * e.weight_macs)
+            line += f"; the FMA peak caps any batch at {cap:.0f} tok/s = {cap / rates[1]:.2f}x this batch 1"
+        print(line)
     if "HF transformers fp32" in tokens:
         ref = tokens["HF transformers fp32"]
         for name in (e.name for e in ours):
@@ -282,6 +296,7 @@ def main() -> None:
     for note in notes:
         print(note)
     result["batch_throughput_tok_s"] = batch_rates
+    result["batch_fma_cap_tok_s"] = batch_caps
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
