@@ -13,8 +13,9 @@ import torch
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-import tiny_models as tm  # noqa: E402
-from fasterllama import LLM, SamplingParams  # noqa: E402
+import tiny_models as tm
+
+from fasterllama import LLM, SamplingParams
 
 NAMES = ["gqa", "mqa", "head_dim", "llama3_rope", "mistral"]
 PROMPT = torch.randint(3, 320, (24,), generator=torch.Generator().manual_seed(7)).tolist()
@@ -72,14 +73,54 @@ def test_quantized_same_as_cpu(models, mode: str) -> None:
 
 @pytest.mark.parametrize("weight_type", ["q8_0", "q4_1"])
 def test_quantized_gguf_on_cuda(tmp_path, weight_type: str) -> None:
-    """A GGUF's Q8_0/Q4_1 tensors load as floats on the GPU and give HF's logits and tokens, as the
-    CPU default (which keeps them quantized) does."""
+    """A GGUF's Q8_0/Q4_1 tensors stay quantized on the GPU too (the Triton GEMV/GEMM kernels read
+    the file's blocks) and give HF's logits and tokens, as the CPU default does."""
     hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.SPECS["head_dim"]), weight_type)
     path = tm.write_gguf(hf, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type=weight_type)
     ref = tm.hf_logits(hf, PROMPT)
     gpu = LLM(model=path, device="cuda", dtype="float32", progress=False)
     cpu = LLM(model=path, device="cpu", progress=False)
+    assert gpu.engine.quant_config == "gguf"
     got = gpu.compute_logits(PROMPT).cpu()
     assert (got - ref).abs().max().item() < 1e-3
     assert (got - cpu.compute_logits(PROMPT)).abs().max().item() < 1e-3
     assert _greedy(gpu, [PROMPT]) == [tm.hf_greedy(hf, PROMPT, GREEDY.max_tokens)] == _greedy(cpu, [PROMPT])
+
+
+def _kernel_backend(llm: LLM) -> bool:
+    return getattr(llm.engine.backend, "kernels", False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32", "w8a8"])
+def test_cuda_graph_decode_same_as_eager(models, dtype: str, quantization) -> None:
+    """Decode steps replayed from CUDA graphs (batches padded to a bucket) give the tokens and
+    logprobs of the same kernels launched one by one."""
+    _, path = models["gqa"]
+    llm = LLM(model=path, device="cuda", dtype=dtype, quantization=quantization, progress=False)
+    if not _kernel_backend(llm):
+        pytest.skip("Triton kernels unavailable")
+    runner = llm.engine.runner
+    assert runner.decode_plan is not None
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    graphed = llm.generate(BATCH, params)
+    runner.decode_plan, plan = None, runner.decode_plan
+    try:
+        eager = llm.generate(BATCH, params)
+    finally:
+        runner.decode_plan = plan
+    assert plan.graphs, "no decode step ran from a graph"
+    for g, e in zip(graphed, eager):
+        assert g.token_ids == e.token_ids
+        for lg, le in zip(g.logprobs, e.logprobs):
+            tol = 1e-4 if dtype == "float32" else 5e-2
+            assert all(abs(lg[t] - le[t]) < tol for t in le if t in lg)
+
+
+def test_cuda_seeded_sampling_same_as_cpu(models) -> None:
+    """Seeded sampling draws the same tokens on the GPU (graphs, kernels) as on the CPU."""
+    _, path = models["gqa"]
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=3, max_tokens=12, ignore_eos=True)
+    cpu = LLM(model=path, device="cpu", dtype="float32", progress=False)
+    gpu = LLM(model=path, device="cuda", dtype="float32", progress=False)
+    assert [o.token_ids for o in gpu.generate(BATCH, params)] == [o.token_ids for o in cpu.generate(BATCH, params)]

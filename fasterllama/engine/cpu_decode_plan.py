@@ -14,10 +14,11 @@ import ctypes
 
 import torch
 
-from ..model.llama import LlamaForCausalLM, Linear, RMSNorm
+from ..model.llama import Linear, LlamaForCausalLM, RMSNorm
 from ..ops import AttentionMetadata, cpu_kernels
 from ..quant.convert import QuantRMSNorm, SiluAndMulQuant
 from ..quant.linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear
+from .scheduler import ScheduledSeq
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -117,8 +118,13 @@ class CPUDecodePlan:
             return None
         return cls(model, (_Layer * len(structs))(*structs), embed, lm_head, kv_caches, made)
 
-    def covers(self, meta: AttentionMetadata) -> bool:
-        return meta.all_decode and 0 < meta.num_seqs <= self.MAX_BATCH
+    def covers(self, batch: list[ScheduledSeq]) -> bool:
+        return 0 < len(batch) <= self.MAX_BATCH and all(item.num_tokens == 1 for item in batch)
+
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        from .model_runner import pack_batch
+
+        return self.forward(*pack_batch(batch, torch.device("cpu")))
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """fp32 logits [B, vocab] of the step's tokens, as the model's forward and compute_logits give them."""

@@ -5,21 +5,17 @@ request -> Sequence -> Scheduler -> ModelRunner -> Sampler -> detokenize -> fini
 from __future__ import annotations
 
 import random
-import sys
-import time
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import torch
 
 from .. import ops
-from ..config import ModelConfig
+from ..backends import Backend, get_backend
 from ..errors import ContextLengthError, FasterLlamaError
-from ..loading import open_checkpoint
+from ..loading.model_loader import LoadedModel, load_model
 from ..model import LlamaForCausalLM
 from ..quant import QuantConfig, quantize_model
-from ..quant.checkpoint import load_quantized
-from ..quant.gguf_native import load_gguf_native
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
 from . import sampler
@@ -49,13 +45,19 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def _check_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, backend: Backend) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise FasterLlamaError(f"unsupported dtype {dtype}")
         return dtype
     if dtype in (None, "auto"):
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return backend.default_dtype
     if dtype not in _DTYPES:
         raise FasterLlamaError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
     return _DTYPES[dtype]
@@ -70,13 +72,6 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
                 best = n
                 break
     return best
-
-
-def _counted(items, bar):
-    for item in items:
-        if bar is not None:
-            bar.update(1)
-        yield item
 
 
 def default_calibration_text() -> str:
@@ -105,53 +100,47 @@ class LLMEngine:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
         progress: bool = True,
-        quantization: "str | QuantConfig | None" = None,
+        quantization: str | QuantConfig | None = None,
         calibration_text: str | None = None,
         calibration_tokens: int = 2048,
     ) -> None:
-        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(value, int) or value < 1:
-                raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
+        _check_limits(max_num_seqs, max_num_batched_tokens)
         if quantization not in (None, "gguf", "none"):
             try:
                 QuantConfig.parse(quantization)  # a bad spec fails before the model loads
             except FasterLlamaError as e:
                 raise FasterLlamaError(f"{e}; or none (float weights) or gguf (a GGUF file's quantized tensors as they are)") from None
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        if self.device.type == "cpu":
-            ops.use_cpu_kernels()
-        t0 = time.perf_counter()
-        ckpt = open_checkpoint(model)
-        self.model_path = ckpt.path
-        self.config: ModelConfig = ckpt.config
-        self.tokenizer: Tokenizer = ckpt.tokenizer
-        self.model = LlamaForCausalLM(self.config)
-        bar = None
-        if progress:
-            from tqdm import tqdm
+        backend = get_backend(resolve_device(device))
+        backend.register_ops()
+        dtype = resolve_dtype(dtype, backend)
+        loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, "gguf") else "none",
+                            backend.keeps_gguf_quantized(dtype), progress)
+        self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens)
+        if quantization not in (None, "gguf", "none"):
+            self.quantize(quantization, calibration_text, calibration_tokens)
 
-            bar = tqdm(total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False)
-        saved_quant = getattr(ckpt.source, "quantization", None)
-        requested = quantization
-        if quantization is None:  # a GGUF file's quantized tensors stay as they are where kernels run them exactly
-            quantization = "gguf" if ckpt.format == "gguf" and self.device.type == "cpu" and self.dtype == torch.float32 and saved_quant is None else "none"
-        native = quantization == "gguf"
-        if saved_quant is not None:  # written by `fasterllama quantize`: load as saved
-            if requested is not None:
-                raise FasterLlamaError("this checkpoint is quantized already; load it without --quantization")
-            loaded_quant = load_quantized(self.model, saved_quant, _counted(ckpt.iter_tensors(), bar), self.dtype, self.device)
-        elif native:  # keep the file's Q8_0/Q4_0/Q4_1 tensors quantized
-            if ckpt.format != "gguf":
-                raise FasterLlamaError("quantization 'gguf' keeps a GGUF file's quantized tensors; this model is not a GGUF file")
-            load_gguf_native(self.model, ckpt.source, self.dtype, self.device, bar)
-        else:
-            self.model.load_weights(_counted(ckpt.iter_tensors(), bar), self.dtype, self.device)
-        if bar is not None:
-            bar.close()
-        self.model.eval()
-        self.load_seconds = time.perf_counter() - t0
+    @classmethod
+    def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer | None = None, *, max_model_len: int | None = None,
+                   max_num_seqs: int = 16, max_num_batched_tokens: int = 2048) -> LLMEngine:
+        """An engine over a model built in memory (random weights for benchmarks, a model changed
+        by research code), on the device and dtype of its weights; without a tokenizer, prompts
+        are token ids and outputs have no text."""
+        _check_limits(max_num_seqs, max_num_batched_tokens)
+        weight = model.norm.weight  # float in every mode: the model's dtype and device
+        backend = get_backend(weight.device)
+        backend.register_ops()
+        engine = cls.__new__(cls)
+        loaded = LoadedModel(model, model.config, tokenizer, None, getattr(model, "quant_config", None), 0.0)
+        engine._start(loaded, backend, weight.dtype, max_model_len, max_num_seqs, max_num_batched_tokens)
+        return engine
 
+    def _start(self, loaded: LoadedModel, backend: Backend, dtype: torch.dtype, max_model_len: int | None, max_num_seqs: int,
+               max_num_batched_tokens: int) -> None:
+        """Size the KV cache and set up the scheduler and the model runner around a loaded model."""
+        self.backend, self.device, self.dtype = backend, backend.device, dtype
+        self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_path, self.load_seconds = loaded.path, loaded.seconds
+        self.quant_config: QuantConfig | str | None = loaded.quant_config
         cfg = self.config
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 8192)
@@ -159,14 +148,11 @@ class LLMEngine:
             raise FasterLlamaError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         self.max_model_len = max_model_len
         self.kv_cache = KVCache(cfg, max_num_seqs, max_model_len, self.dtype, self.device)
-        self.scheduler = Scheduler(self.kv_cache, max(max_num_batched_tokens, 1))
-        self.runner = ModelRunner(self.model, self.kv_cache, self.device)
+        self.scheduler = Scheduler(self.kv_cache, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend)
         self.eos_token_ids = set(cfg.eos_token_ids)
-        self.quant_config: "QuantConfig | str | None" = "gguf" if native else (loaded_quant if saved_quant is not None else None)
-        if quantization not in ("gguf", "none"):
-            self.quantize(quantization, calibration_text, calibration_tokens)
 
-    def quantize(self, spec: "str | QuantConfig", calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
+    def quantize(self, spec: str | QuantConfig, calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
         """Quantize the loaded float model in place (calibrating on a text when the mode needs it)."""
         qcfg = QuantConfig.parse(spec)
         if self.quant_config is not None:

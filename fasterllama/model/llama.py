@@ -31,13 +31,18 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; given the residual stream too, adds x to it first and returns (normed, new residual):
+    one op (ops.add_rms_norm) that a backend can fuse into one pass over the hidden states."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(dim, device="meta"), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -104,9 +109,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+        meta: ops.AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it): the residual add is left to
+        the next norm, which fuses it (h_out = residual + mlp output)."""
+        if residual is None:
+            residual, x = h, self.input_layernorm(h)
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(x, cos, sin, kv, meta)
+        x, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(x), residual
 
 
 # canonical checkpoint name suffix -> (fused parameter, shard index among its parts)
@@ -135,11 +150,11 @@ class LlamaForCausalLM(nn.Module):
         freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        h = self.embed_tokens(input_ids)
+        h, residual = self.embed_tokens(input_ids), None
         with ops.step(meta):
             for layer, kv in zip(self.layers, kv_caches):
-                h = layer(h, cos, sin, kv, meta)
-        return self.norm(h)
+                h, residual = layer(h, residual, cos, sin, kv, meta)
+        return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

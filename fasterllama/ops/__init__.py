@@ -58,6 +58,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return get_op("rms_norm", x.device)(x, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return get_op("add_rms_norm", x.device)(x, residual, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return get_op("silu_and_mul", gate_up.device)(gate_up)
 
@@ -103,12 +107,21 @@ def int8_gemm(xq, qweight_t):
     return get_op("int8_gemm", xq.device)(xq, qweight_t)
 
 
+def int8_linear(xq, x_scale, qweight, w_scale, bias, dtype):
+    """W8A8: int8 rows x int8 weights [N, K], exact int32 sums, dequantized per token x channel."""
+    return get_op("int8_linear", xq.device)(xq, x_scale, qweight, w_scale, bias, dtype)
+
+
 def dequantize_gemm(acc, x_scale, w_scale, bias, dtype):
     return get_op("dequantize_gemm", acc.device)(acc, x_scale, w_scale, bias, dtype)
 
 
 def rms_norm_quant(x, weight, eps, static_scale=None, clip=False):
     return get_op("rms_norm_quant", x.device)(x, weight, eps, static_scale, clip)
+
+
+def add_rms_norm_quant(x, residual, weight, eps, static_scale=None, clip=False):
+    return get_op("add_rms_norm_quant", x.device)(x, residual, weight, eps, static_scale, clip)
 
 
 def silu_and_mul_quant(gate_up, static_scale=None, clip=False):

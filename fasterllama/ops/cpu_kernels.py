@@ -257,6 +257,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     i = gate_up.shape[-1] // 2
     if not _f32(gate_up) or i % 8 != 0:
@@ -316,7 +321,7 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 OPS = {
     "linear": linear, "int8_panel_linear": int8_panel_linear, "int4_panel_linear": int4_panel_linear,
-    "rms_norm": rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
+    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 
 

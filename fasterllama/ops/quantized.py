@@ -171,10 +171,27 @@ def dequantize_gemm(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Ten
     return y.to(dtype)
 
 
+def int8_linear(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                dtype: torch.dtype) -> torch.Tensor:
+    """FasterLLaMA's INT8 GEMM with its dequantizing epilogue: int8 [M, K] x int8 [N, K]^T -> dtype [M, N]."""
+    from . import get_op
+
+    acc = get_op("int8_gemm", xq.device)(xq, qweight.t())
+    return get_op("dequantize_gemm", acc.device)(acc, x_scale, w_scale, bias, dtype)
+
+
 # -- the seeds' fused ops (FasterLLaMA), reference versions ---------------------------------------------
 def rms_norm_quant(x: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """resNormQuantized: RMSNorm, then per-token int8 quantization."""
     return quantize_per_token(reference.rms_norm(x, weight, eps), static_scale, clip)
+
+
+def add_rms_norm_quant(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, static_scale: torch.Tensor | None = None, clip: bool = False
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The residual add, then resNormQuantized: ((int8 normed rows, their scales), x + residual)."""
+    h = x + residual
+    return rms_norm_quant(h, weight, eps, static_scale, clip), h
 
 
 def dequantize_residual(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add before a norm, then the norm: (rms_norm(x + residual), x + residual)."""
+    h = x + residual
+    return rms_norm(h, weight, eps), h
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
     cos = cos.unsqueeze(1).to(x.dtype)

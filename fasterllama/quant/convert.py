@@ -26,8 +26,11 @@ class QuantRMSNorm(nn.Module):
         self.static_scale = None if static_scale is None else nn.Parameter(static_scale, requires_grad=False)
         self.clip = clip
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return ops.rms_norm_quant(x, self.weight, self.eps, self.static_scale, self.clip)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """(int8 rows, scales); given the residual stream, ((int8 rows, scales), new residual)."""
+        if residual is None:
+            return ops.rms_norm_quant(x, self.weight, self.eps, self.static_scale, self.clip)
+        return ops.add_rms_norm_quant(x, residual, self.weight, self.eps, self.static_scale, self.clip)
 
 
 class SiluAndMulQuant(nn.Module):

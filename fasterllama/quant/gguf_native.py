@@ -58,7 +58,7 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
             progress.update(1)
         type_name = t.tensor_type.name
         is_linear = name.endswith(".weight") and ("_proj." in name or name.startswith(("lm_head", "model.embed_tokens")))
-        if type_name not in NATIVE_TYPES or not is_linear or device.type != "cpu":
+        if type_name not in NATIVE_TYPES or not is_linear:
             arr = _dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
             if name.endswith(("q_proj.weight", "q_proj.bias")):
                 arr = unpermute_rope_rows(arr, cfg.num_heads)
@@ -84,7 +84,7 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
         if all(p in pending[target] for p in order):  # complete: build it now, free the arrays
             parts = pending.pop(target)
             try:
-                quantized[target] = _module([parts[p] for p in order])
+                quantized[target] = _module([parts[p] for p in order]).to(device)
             except TypeError:  # mixed types in one fused projection: expand them to float
                 for p in order:
                     _, pq, ps, pm = parts[p]

@@ -142,9 +142,8 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], out_dtype: torch.dtype | None = None) -> torch.Tensor:
         xq, xs = x if isinstance(x, tuple) else self.quantize_input(x)
-        acc = ops.int8_gemm(xq, self.qweight.t())
         dtype = out_dtype or (x.dtype if isinstance(x, torch.Tensor) else self.dtype)
-        return ops.dequantize_gemm(acc, xs, self.weight_scale, self.bias, dtype)
+        return ops.int8_linear(xq, xs, self.qweight, self.weight_scale, self.bias, dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int8(self.qweight, self.weight_scale, dtype)

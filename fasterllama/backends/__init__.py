@@ -1,0 +1,59 @@
+"""One backend object per device type. A backend registers its ops with the op layer, says its
+default dtype and how a GGUF file's quantized tensors load, prepares a loaded model for its
+kernels, and offers a whole-step decode that the model runner uses where it covers the step.
+Nothing outside `backends/` asks which device it runs on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from ..engine.kv_cache import KVCache
+    from ..engine.scheduler import ScheduledSeq
+    from ..model import LlamaForCausalLM
+
+
+class DecodePlan(Protocol):
+    """A decode step in one call (the C step on the CPU, a CUDA graph replay on the GPU)."""
+
+    def covers(self, batch: list[ScheduledSeq]) -> bool: ...
+
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """fp32 logits [len(batch), vocab] of each sequence's one new token; advances nothing."""
+        ...
+
+
+class Backend:
+    """The base: the PyTorch reference ops, no preparation, no whole-step decode."""
+
+    default_dtype = torch.float32
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def register_ops(self) -> None:
+        """Register this backend's kernels with the op layer (ops.register)."""
+
+    def keeps_gguf_quantized(self, dtype: torch.dtype) -> bool:
+        """Whether a GGUF file's Q8_0/Q4_0/Q4_1 tensors load quantized by default at this dtype."""
+        return False
+
+    def prepare_model(self, model: LlamaForCausalLM) -> None:
+        """Put the loaded (and quantized) model's weights in the layouts the kernels read."""
+
+    def decode_plan(self, model: LlamaForCausalLM, kv_cache: KVCache) -> DecodePlan | None:
+        return None
+
+
+def get_backend(device: torch.device) -> Backend:
+    if device.type == "cpu":
+        from .cpu import CPUBackend
+
+        return CPUBackend(device)
+    if device.type == "cuda":
+        from .cuda import CUDABackend
+
+        return CUDABackend(device)
+    return Backend(device)

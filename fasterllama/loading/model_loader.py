@@ -1,0 +1,74 @@
+"""load_model: a checkpoint (path or known name) to a LlamaForCausalLM on a device, with its
+config and tokenizer: float weights, a GGUF file's quantized tensors kept as they are, or a
+checkpoint written by `fasterllama quantize`. Quantizing a float model is the engine's step after."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import FasterLlamaError
+from ..model import LlamaForCausalLM
+from ..tokenizer import Tokenizer
+from . import open_checkpoint
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    path: str | None
+    quant_config: object  # None (float), "gguf" (the file's blocks) or the saved QuantConfig
+    seconds: float
+
+
+def _counted(items, bar):
+    for item in items:
+        if bar is not None:
+            bar.update(1)
+        yield item
+
+
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quantization: str | None, keep_gguf_quantized: bool,
+               progress: bool = True) -> LoadedModel:
+    """quantization None: a GGUF file's Q8_0/Q4_0/Q4_1 tensors stay quantized where
+    `keep_gguf_quantized` (the backend's kernels run them exactly); "gguf" asks for that, "none"
+    expands every tensor to `dtype`; any other mode loads floats for the caller to quantize."""
+    from ..quant.checkpoint import load_quantized
+    from ..quant.gguf_native import load_gguf_native
+
+    t0 = time.perf_counter()
+    ckpt = open_checkpoint(model)
+    net = LlamaForCausalLM(ckpt.config)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False)
+    saved_quant = getattr(ckpt.source, "quantization", None)
+    requested = quantization
+    if quantization is None:
+        quantization = "gguf" if ckpt.format == "gguf" and keep_gguf_quantized and saved_quant is None else "none"
+    quant_config = None
+    try:
+        if saved_quant is not None:  # written by `fasterllama quantize`: load as saved
+            if requested is not None:
+                raise FasterLlamaError("this checkpoint is quantized already; load it without --quantization")
+            quant_config = load_quantized(net, saved_quant, _counted(ckpt.iter_tensors(), bar), dtype, device)
+        elif quantization == "gguf":  # keep the file's Q8_0/Q4_0/Q4_1 tensors quantized
+            if ckpt.format != "gguf":
+                raise FasterLlamaError("quantization 'gguf' keeps a GGUF file's quantized tensors; this model is not a GGUF file")
+            load_gguf_native(net, ckpt.source, dtype, device, bar)
+            quant_config = "gguf"
+        else:
+            net.load_weights(_counted(ckpt.iter_tensors(), bar), dtype, device)
+    finally:
+        if bar is not None:
+            bar.close()
+    net.eval()
+    return LoadedModel(net, ckpt.config, ckpt.tokenizer, ckpt.path, quant_config, time.perf_counter() - t0)
