@@ -1,0 +1,92 @@
+"""Decode steps replayed from CUDA graphs.
+
+A decode step of a small model is ~300 kernel launches of a few microseconds each: launched
+from Python one by one, the GPU idles between them. Captured once into a CUDA graph, the whole
+step (embedding, every layer, final norm, lm_head) is one launch. Graphs replay fixed shapes and
+fixed addresses, so each is captured for a bucket of batch sizes over static buffers: a step of
+B sequences fills the smallest bucket >= B, the rows past B marked as padding (KV slot -1: no
+store; context length 0: no attention). Captured lazily, the first time a bucket is needed, into
+one shared memory pool. The inputs of a step travel in one copy from a pinned host buffer."""
+
+from __future__ import annotations
+
+import torch
+
+from ...engine.kv_cache import KVCache
+from ...engine.scheduler import ScheduledSeq
+from ...model import LlamaForCausalLM
+from ...ops import AttentionMetadata
+
+BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+_IDS, _POS, _SLOT, _LEN, _SLOT_INDEX = range(5)  # rows of the input buffer
+
+
+class CUDAGraphDecode:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
+        self.model, self.kv_cache = model, kv_cache
+        self.device = kv_cache.layers[0][0].device
+        self.buckets = [b for b in BUCKETS if b <= kv_cache.num_slots] or [1]
+        if self.buckets[-1] < kv_cache.num_slots <= BUCKETS[-1]:
+            self.buckets.append(kv_cache.num_slots)
+        n = self.buckets[-1]
+        self.inputs = torch.zeros(5, n, dtype=torch.int64, device=self.device)
+        self.host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)
+        self.host_rows = self.host.numpy()
+        self.copied = torch.cuda.Event()  # the host buffer may be refilled once its last copy ran
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def covers(self, batch: list[ScheduledSeq]) -> bool:
+        return len(batch) <= self.buckets[-1] and all(item.num_tokens == 1 for item in batch)
+
+    def _meta(self, n: int) -> AttentionMetadata:
+        """Metadata whose tensors are views of the static input buffer (what the kernels read)."""
+        meta = AttentionMetadata(
+            slot_of_token=self.inputs[_SLOT, :n], positions=self.inputs[_POS, :n],
+            slots=[0] * n, start_positions=[0] * n, token_offsets=list(range(n + 1)),
+        )
+        meta.decode_lengths = self.inputs[_LEN, :n]
+        meta.__dict__["decode_slot_index"] = self.inputs[_SLOT_INDEX, :n]
+        return meta
+
+    def _forward(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.model(self.inputs[_IDS, :n], meta, self.kv_cache.layers)
+        return self.model.compute_logits(hidden).float()
+
+    def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        self.inputs[:, :n] = 0
+        self.inputs[_SLOT, :n] = -1  # warm-up and capture touch no cache row
+        meta = self._meta(n)  # (built outside the capture: it copies small lists to the device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream), torch.inference_mode():  # compiles the kernels, outside the graph
+            self._forward(n, meta)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
+            logits = self._forward(n, meta)
+        self.pool = graph.pool()
+        return graph, logits
+
+    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        B = len(batch)
+        n = next(b for b in self.buckets if b >= B)
+        if n not in self.graphs:
+            self.graphs[n] = self._capture(n)
+        graph, logits = self.graphs[n]
+        self.copied.synchronize()
+        seqs = [item.seq for item in batch]
+        positions = [s.num_cached for s in seqs]
+        slots = [s.slot for s in seqs]
+        rows = self.host_rows
+        rows[_IDS, :B] = [s.token_ids(p, p + 1)[0] for s, p in zip(seqs, positions)]
+        rows[_POS, :B] = positions
+        rows[_SLOT, :B] = slots
+        rows[_LEN, :B] = [p + 1 for p in positions]
+        rows[_SLOT_INDEX, :B] = slots
+        rows[:, B:n] = 0
+        rows[_SLOT, B:n] = -1
+        self.inputs[:, :n].copy_(self.host[:, :n], non_blocking=True)
+        self.copied.record()
+        graph.replay()
+        return logits[:B]

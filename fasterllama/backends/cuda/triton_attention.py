@@ -1,0 +1,470 @@
+"""Triton attention kernels for CUDA: fused RoPE + KV store, flash-decoding, varlen flash-attention prefill.
+
+Why: the reference ops gather each sequence's cache into new tensors every step (decode copies
+[B, kv_heads, L, D] out of the cache; prefill runs one SDPA call per sequence from Python). These
+kernels read K/V where they lie, in one launch per op, and keep the decode path free of host syncs
+so that it can be captured in a CUDA graph.
+
+Cache layout: paged-ready. Every kernel addresses a cache of shape [num_blocks, kv_heads,
+block_size, head_dim] through `block_tables` [num_seqs, max_blocks_per_seq]: key position p of
+sequence s lives in block block_tables[s, p // block_size] at offset p % block_size. Today's
+one-slot-per-sequence cache [num_slots, kv_heads, max_len, head_dim] is the case
+block_size = max_len, block_tables = slots[:, None]; the op wrappers at the bottom adapt it.
+Only head_dim has to be contiguous; every other dimension is addressed through its stride.
+
+Kernels need a power-of-two head_dim in [16, 256] (no masks along head_dim); the op wrappers
+fall back to the reference ops otherwise.
+
+Under TRITON_INTERPRET=1 (CPU tests) half-precision tiles are upcast to fp32 right after loading,
+because the interpreter's bf16 tl.dot is wrong; on a GPU the dots stay in the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ...ops import reference
+from ...ops.reference import AttentionMetadata
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_LOG2E = 1.4426950408889634
+
+
+def supports(head_dim: int) -> bool:
+    """Whether the kernels take this head_dim (CUDA graphs of decode steps need them to)."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use full-precision dots ("ieee") so results match the reference to ~1e-5."""
+    return "ieee" if dtype == torch.float32 or _INTERPRET else "tf32"
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape and k_cache.stride() == v_cache.stride()
+    assert k_cache.stride(-1) == 1, "head_dim must be contiguous"
+
+
+# -- RoPE + KV store --------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_half_rounded(x1, x2, c1, c2, s1, s2, DT: tl.constexpr):
+    """Rotate-half RoPE on the two halves of a head, in fp32 but rounded to DT after each op as the
+    reference does (it multiplies and adds in the input dtype): bf16/fp16 results agree to the last
+    bit on a GPU (the interpreter truncates instead of rounding), fp32 ones to an ulp or so."""
+    o1 = (x1 * c1).to(DT).to(tl.float32) + (-(x2 * s1)).to(DT).to(tl.float32)
+    o2 = (x2 * c2).to(DT).to(tl.float32) + (x1 * s2).to(DT).to(tl.float32)
+    return o1.to(DT), o2.to(DT)
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_qkv_t, stride_cos_t, stride_sin_t, stride_qo_t, stride_qo_h,
+    stride_cb, stride_ch, stride_cs, block_size,
+    H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+):
+    """One program per token: rotate its q and k heads, write q out and k/v into the cache."""
+    HALF: tl.constexpr = D // 2
+    DT: tl.constexpr = qkv_ptr.dtype.element_ty
+    CDT: tl.constexpr = k_cache_ptr.dtype.element_ty
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, HALF)
+    # cos/sin are fp32; the reference casts them to the input dtype before multiplying
+    c1 = tl.load(cos_ptr + t * stride_cos_t + offs_d).to(DT).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_cos_t + HALF + offs_d).to(DT).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_sin_t + offs_d).to(DT).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_sin_t + HALF + offs_d).to(DT).to(tl.float32)
+    row = qkv_ptr + t * stride_qkv_t
+
+    hq = tl.arange(0, BLOCK_HQ)
+    mq = (hq < H)[:, None]
+    x = row + hq[:, None] * D + offs_d[None, :]
+    o1, o2 = _rope_half_rounded(
+        tl.load(x, mask=mq, other=0).to(tl.float32), tl.load(x + HALF, mask=mq, other=0).to(tl.float32),
+        c1[None, :], c2[None, :], s1[None, :], s2[None, :], DT,
+    )
+    q_out = q_out_ptr + t * stride_qo_t + hq[:, None] * stride_qo_h + offs_d[None, :]
+    tl.store(q_out, o1, mask=mq)
+    tl.store(q_out + HALF, o2, mask=mq)
+
+    slot = tl.load(slot_ptr + t)
+    hk = tl.arange(0, BLOCK_HK)
+    mk = (hk < KVH)[:, None] & (slot >= 0)  # slot -1: a padding row, nothing to store
+    x = row + (H + hk[:, None]) * D + offs_d[None, :]
+    k1, k2 = _rope_half_rounded(
+        tl.load(x, mask=mk, other=0).to(tl.float32), tl.load(x + HALF, mask=mk, other=0).to(tl.float32),
+        c1[None, :], c2[None, :], s1[None, :], s2[None, :], DT,
+    )
+    dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + hk[:, None] * stride_ch + offs_d[None, :]
+    tl.store(k_cache_ptr + dst, k1.to(CDT), mask=mk)
+    tl.store(k_cache_ptr + dst + HALF, k2.to(CDT), mask=mk)
+    x += KVH * D
+    tl.store(v_cache_ptr + dst, tl.load(x, mask=mk).to(CDT), mask=mk)
+    tl.store(v_cache_ptr + dst + HALF, tl.load(x + HALF, mask=mk).to(CDT), mask=mk)
+
+
+def rope_and_store(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> torch.Tensor:
+    """Rotate q and k of a fused projection qkv [T, (H + 2 KVH) * D] (rotate-half RoPE with cos/sin
+    fp32 [T, D]), write k and v to the cache at flat slots slot_mapping [T] (block * block_size +
+    offset; -1 skips the row) and return the rotated q [T, H, D]."""
+    _check_cache(k_cache, v_cache)
+    T = qkv.shape[0]
+    assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
+    assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and k_cache.shape[1] == num_kv_heads
+    q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if T == 0:
+        return q
+    _rope_store_kernel[(T,)](
+        qkv, cos, sin, q, k_cache, v_cache, slot_mapping,
+        qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2],
+        H=num_heads, KVH=num_kv_heads, D=head_dim,
+        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        num_warps=4 if num_heads * head_dim >= 2048 else 2,
+    )
+    return q
+
+
+# -- shared attention pieces ------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_offsets(bt_row_ptr, offs_n, block_size, stride_cb, stride_cs, mask_n, MASKED: tl.constexpr):
+    """Element offsets of key positions offs_n [BLOCK_N] in a paged cache, via a block-table row."""
+    if MASKED:
+        blk = tl.load(bt_row_ptr + offs_n // block_size, mask=mask_n, other=0)
+    else:
+        blk = tl.load(bt_row_ptr + offs_n // block_size)
+    return blk.to(tl.int64) * stride_cb + (offs_n % block_size).to(tl.int64) * stride_cs
+
+
+@triton.jit
+def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """One online-softmax step (scores kept in log2 units) of query rows q [M, D] over a key tile
+    k, v [N, D]; s_mask [M, N] (or None) marks visible keys. USE_DOT=False replaces the tensor-core
+    dots by broadcast-multiply-sum, cheaper when M is tiny (a decode query group of 1)."""
+    if USE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    else:
+        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], axis=2)
+    s = s * qk_scale
+    if s_mask is not None:
+        s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if USE_DOT:
+        pv = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # probs rounded to v's dtype, as the reference does
+    else:
+        pv = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+# -- decode -----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
+    qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
+    H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (sequence b, KV head, split): all GROUP query heads of the KV head attend keys
+    [split * CHUNK, (split + 1) * CHUNK) ∩ [0, seq_len), so each K/V tile is read once. One split
+    writes the final output; several write unnormalized partials for _decode_combine_kernel."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    lo = split * CHUNK
+    if NUM_SPLITS > 1 and lo >= seq_len:  # nothing to attend: the combine kernel ignores this split
+        return
+    hi = tl.minimum(lo + CHUNK, seq_len)
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, D)
+    heads = kvh * GROUP + offs_g
+    mask_g = (offs_g < GROUP)[:, None]
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g, other=0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
+    v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        rows = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, mask_n, True)[:, None] + offs_d[None, :]
+        k = tl.load(k_base + rows, mask=mask_n[:, None], other=0)
+        v = tl.load(v_base + rows, mask=mask_n[:, None], other=0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        m_i, l_i, acc = _softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, USE_DOT, PRECISION)
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # seq_len 0: zeros
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_g)
+    else:
+        part = (b.to(tl.int64) * H + heads) * NUM_SPLITS + split  # [GROUP_PAD] rows of [B, H, NUM_SPLITS]
+        tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_g)
+        tl.store(part_m_ptr + part, m_i, mask=offs_g < GROUP)
+        tl.store(part_l_ptr + part, l_i, mask=offs_g < GROUP)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    """Program (sequence, query head): merge the splits' partials by their log-sum-exp. Only the
+    splits that held keys are read; the others exited without writing."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    mask_s = offs_s < tl.cdiv(seq_len, CHUNK)
+    part = (b.to(tl.int64) * H + h) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # seq_len 0: all weights 0
+    offs_d = tl.arange(0, D)
+    acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _decode_block_n(head_dim: int, use_dot: bool, dtype: torch.dtype) -> int:
+    """Keys per tile: sized so that a program stays under ~100 registers (checked with ptxas for
+    sm_90), which lets several programs per SM keep enough K/V loads in flight."""
+    if _INTERPRET:
+        return 16
+    if not use_dot:  # broadcast products [BLOCK_N, D] live in registers
+        return max(16, min(32, 4096 // head_dim))
+    if dtype == torch.float32:  # "ieee" fp32 dots run on FMA units with large register tiles
+        return max(16, min(128, 2048 // head_dim))
+    return min(128, 8192 // head_dim)
+
+
+def _decode_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """(chunk, num_splits) from shapes and the cache capacity only, so a captured graph stays
+    valid. Actual lengths are unknown on the host, so split as finely as a grid of ~64 programs per
+    SM allows (programs past a sequence's end exit at once), in chunks of at least 256 keys and at
+    most 64 splits; a batch filling that grid on its own runs one split and skips the combine."""
+    if _INTERPRET:  # small tests: chunks of two tiles exercise both the split and the tile loop
+        chunk = 2 * block_n
+    else:
+        splits = max(1, min(64, triton.cdiv(max_len, 256), 64 * _num_sms(device.index or 0) // (batch * kv_heads)))
+        chunk = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
+    num_splits = triton.cdiv(max_len, chunk)
+    assert num_splits <= 64, "the combine kernel holds all splits in registers"
+    return chunk, num_splits
+
+
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    scale: float, max_len: int,
+) -> torch.Tensor:
+    """Attention of one new query per sequence, q [B, H, D], over its seq_lens[b] cached keys
+    (positions 0..len-1; len 0 gives zeros). max_len (the cache's capacity per sequence, a Python
+    int) fixes the number of context splits, so the launch needs no host sync and can be captured
+    in a CUDA graph."""
+    _check_cache(k_cache, v_cache)
+    B, H, D = q.shape
+    KVH = k_cache.shape[1]
+    group = H // KVH
+    assert q.stride(-1) == 1 and H == group * KVH and k_cache.shape[3] == D and supports(D)
+    out = torch.empty_like(q)
+    if B == 0:
+        return out
+    use_dot = group > 1  # pad the group to 16 rows for tensor cores; a lone query multiplies and sums
+    block_n = _decode_block_n(D, use_dot, q.dtype)
+    chunk, num_splits = _decode_splits(B, KVH, max_len, block_n, q.device)
+    if num_splits > 1:
+        part_acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out  # unused
+    _decode_kernel[(B, KVH, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
+        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
+        H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_N=block_n,
+        CHUNK=chunk, NUM_SPLITS=num_splits, USE_DOT=use_dot, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2,
+    )
+    if num_splits > 1:
+        _decode_combine_kernel[(B, H)](
+            part_acc, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1),
+            H=H, D=D, CHUNK=chunk, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+# -- prefill ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, start_ptr,
+    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Program (query head, query block, sequence): flash-attention forward over the sequence's
+    cached keys. Key tiles every row of the block sees run without masks; only the last few tiles
+    (those overlapping the block's diagonal) apply the causal mask."""
+    h = tl.program_id(0)
+    mb = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (last) query blocks start first
+    s = tl.program_id(2)
+    q_lo = tl.load(cu_seqlens_ptr + s).to(tl.int32)
+    n = tl.load(cu_seqlens_ptr + s + 1).to(tl.int32) - q_lo
+    if mb * BLOCK_M >= n:
+        return
+    start = tl.load(start_ptr + s).to(tl.int32)
+    kvh = h // GROUP
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows within the sequence
+    offs_d = tl.arange(0, D)
+    mask_m = (offs_m < n)[:, None]
+    rows = (q_lo + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m, other=0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = start + offs_m  # query j sees keys 0..start + j
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
+    v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
+    full_end = (start + mb * BLOCK_M + 1) // BLOCK_N * BLOCK_N  # keys every row of the block sees
+    hi = start + tl.minimum((mb + 1) * BLOCK_M, n)
+    for k_lo in range(0, full_end, BLOCK_N):
+        offs_n = k_lo + tl.arange(0, BLOCK_N)
+        kv = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, None, False)[:, None] + offs_d[None, :]
+        k = tl.load(k_base + kv)
+        v = tl.load(v_base + kv)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, True, PRECISION)
+    for k_lo in range(full_end, hi, BLOCK_N):
+        offs_n = k_lo + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < hi
+        kv = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, mask_n, True)[:, None] + offs_d[None, :]
+        k = tl.load(k_base + kv, mask=mask_n[:, None], other=0)
+        v = tl.load(v_base + kv, mask=mask_n[:, None], other=0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, True, PRECISION)
+
+    out = acc / l_i[:, None]  # every real row sees at least its own key: l_i > 0
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m)
+
+
+def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim and dtype instead of autotuning; each
+    compiles for sm_90 without register spills (half types: wgmma, fp32: "ieee" FMA dots)."""
+    if _INTERPRET:  # small tiles so that small tests cross tile and diagonal boundaries
+        return 16, 16, 4, 1
+    if dtype == torch.float32:
+        return (32, 16, 4, 2) if head_dim <= 64 else (32, 16, 8, 2) if head_dim == 128 else (16, 16, 4, 2)
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    return (128, 64, 8, 3) if head_dim == 128 else (64, 32, 8, 2)
+
+
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, start_positions: torch.Tensor, scale: float, max_q_len: int,
+) -> torch.Tensor:
+    """Causal attention of packed variable-length queries q [T, H, D]: sequence s owns rows
+    cu_seqlens_q[s]:cu_seqlens_q[s+1], has start_positions[s] tokens cached before them and its
+    new K/V already in the cache; the mask is aligned bottom-right (query j of n sees start + j + 1
+    keys). max_q_len (host int) sizes the grid; query blocks past a sequence's end exit at once."""
+    _check_cache(k_cache, v_cache)
+    T, H, D = q.shape
+    KVH = k_cache.shape[1]
+    assert q.stride(-1) == 1 and H % KVH == 0 and k_cache.shape[3] == D and supports(D)
+    out = torch.empty_like(q)
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    if T == 0 or num_seqs == 0 or max_q_len == 0:
+        return out
+    block_m, block_n, num_warps, num_stages = _prefill_config(D, q.dtype)
+    _prefill_kernel[(H, triton.cdiv(max_q_len, block_m), num_seqs)](
+        q, k_cache, v_cache, out, block_tables, cu_seqlens_q, start_positions,
+        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
+        GROUP=H // KVH, D=D, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# -- op wrappers (reference signatures, today's slot cache) ---------------------------------------
+
+
+def rope_and_store_kv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
+) -> torch.Tensor:
+    """reference.rope_and_store_kv on the slot cache [slots, kv_heads, max_len, D], seen as blocks
+    of max_len: token t goes to flat slot slot_of_token * max_len + position (-1 stays -1)."""
+    if not supports(head_dim):
+        return reference.rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim)
+    slot_mapping = torch.where(meta.slot_of_token >= 0, meta.slot_of_token * k_cache.shape[2] + meta.positions, -1)
+    return rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+
+
+def _prefill_plan(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(block_tables, cu_seqlens_q, start_positions, max_q_len) of a step, built with one host-to-device
+    copy and kept on the metadata, which every layer of the step shares."""
+    plan = getattr(meta, "_triton_prefill_plan", None)
+    if plan is None:
+        n = meta.num_seqs
+        packed = torch.tensor(meta.slots + meta.token_offsets + meta.start_positions, dtype=torch.int32).to(device)
+        lengths = [hi - lo for lo, hi in zip(meta.token_offsets, meta.token_offsets[1:])]
+        plan = (packed[:n, None], packed[n : 2 * n + 1], packed[2 * n + 1 :], max(lengths, default=0))
+        meta._triton_prefill_plan = plan
+    return plan
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """reference.attention on the slot cache. A decode-only step uses nothing from meta but its
+    tensors (decode_slot_index, decode_lengths), so it can be captured in a CUDA graph; any other
+    step runs every sequence, single-token ones included, through one prefill launch."""
+    if not supports(q.shape[-1]):
+        return reference.attention(q, k_cache, v_cache, meta, scale)
+    if meta.all_decode:
+        return decode_attention(q, k_cache, v_cache, meta.decode_slot_index[:, None], meta.decode_lengths, scale, k_cache.shape[2])
+    block_tables, cu_seqlens_q, start_positions, max_q_len = _prefill_plan(meta, q.device)
+    return prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_positions, scale, max_q_len)

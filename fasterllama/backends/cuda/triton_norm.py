@@ -1,0 +1,189 @@
+"""Row-wise Triton kernels: RMSNorm (with the residual add before it fused in), SiLU·mul, and
+FasterLLaMA's per-token INT8 quantization fused into either (resNormQuantized,
+DequantizedResidualResNormQuantized's float half, DequantizedSiluMultifyQuantized's).
+
+One program a row: the row is read once, and the residual sum, the normed row and its int8 form
+leave in the same pass. Each op computes what its PyTorch reference (ops/reference.py,
+ops/quantized.py) computes, rounding at the same points (the norm in fp32, the weight product in
+the model dtype), so bf16 results match the reference's bits except for rare last-place ties."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _round_half_even(v):
+    """torch.round: halves go to the even neighbour."""
+    r = tl.floor(v + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _quantize_row(y, cols, mask, q_ptr, scale_ptr, static_ptr, row, K, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr):
+    """quantize_per_token of one row y (fp32, already rounded to the model dtype)."""
+    amax = tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0)
+    scale = tl.maximum(amax, 1e-12) / 127.0
+    if HAS_STATIC:
+        static = tl.load(static_ptr).to(tl.float32)
+        if CLIP:
+            scale = static
+        else:  # a row beyond the calibrated range (an attention sink) keeps its own scale
+            scale = tl.where(amax > static * 127.0, scale, static)
+    q = tl.minimum(tl.maximum(_round_half_even(y / scale), -127.0), 127.0)
+    tl.store(q_ptr + row * K + cols, q.to(tl.int8), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, static_ptr, K, eps,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    dtype = x_ptr.dtype.element_ty  # arithmetic in fp32, rounded to the model dtype where torch rounds
+    h = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h = (h + tl.load(res_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(res_out_ptr + row * K + cols, h, mask=mask)
+        h = h.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
+    normed = (h * rstd).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * normed).to(dtype)
+    if QUANT:
+        _quantize_row(y.to(tl.float32), cols, mask, q_ptr, scale_ptr, static_ptr, row, K, HAS_STATIC, CLIP)
+    else:
+        tl.store(out_ptr + row * K + cols, y, mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    gu_ptr, out_ptr, q_ptr, scale_ptr, static_ptr, K,
+    BLOCK: tl.constexpr, QUANT: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    dtype = gu_ptr.dtype.element_ty
+    g = tl.load(gu_ptr + row * 2 * K + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * 2 * K + K + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # F.silu rounds to the dtype, then the product does
+    y = (act * up).to(dtype)
+    if QUANT:
+        _quantize_row(y.to(tl.float32), cols, mask, q_ptr, scale_ptr, static_ptr, row, K, HAS_STATIC, CLIP)
+    else:
+        tl.store(out_ptr + row * K + cols, y, mask=mask)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, K, BLOCK: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
+    _quantize_row(x, cols, mask, q_ptr, scale_ptr, static_ptr, row, K, HAS_STATIC, CLIP)
+
+
+def _launch_config(k: int) -> tuple[int, int]:
+    block = triton.next_power_of_2(k)
+    return block, max(1, min(16, block // 512))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def _norm(x, residual, weight, eps, quant: bool, static_scale=None, clip=False):
+    shape, K = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    M = x2.shape[0]
+    res2 = _rows(residual) if residual is not None else x2
+    res_out = torch.empty_like(x2) if residual is not None else x2
+    out = x2 if quant else torch.empty_like(x2)
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device) if quant else out
+    scale = torch.empty(M, dtype=torch.float32, device=x.device) if quant else out
+    static = static_scale if static_scale is not None else scale
+    block, warps = _launch_config(K)
+    if M:
+        _rms_norm_kernel[(M,)](
+            x2, res2, weight, out, res_out, q, scale, static, K, eps,
+            BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=quant, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps,
+        )
+    res_out = res_out.view(shape)
+    if quant:
+        result = (q.view(shape), scale.view(shape[:-1]))
+    else:
+        result = out.view(shape)
+    return result if residual is None else (result, res_out)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _norm(x, None, weight, eps, quant=False)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _norm(x, residual, weight, eps, quant=False)
+
+
+def rms_norm_quant(x, weight, eps, static_scale=None, clip=False):
+    return _norm(x, None, weight, eps, True, static_scale, clip)
+
+
+def add_rms_norm_quant(x, residual, weight, eps, static_scale=None, clip=False):
+    return _norm(x, residual, weight, eps, True, static_scale, clip)
+
+
+def _silu(gate_up: torch.Tensor, quant: bool, static_scale=None, clip=False):
+    K = gate_up.shape[-1] // 2
+    shape = (*gate_up.shape[:-1], K)
+    gu = _rows(gate_up)
+    M = gu.shape[0]
+    out = torch.empty(M, K, dtype=gate_up.dtype, device=gate_up.device)
+    q = torch.empty(M, K, dtype=torch.int8, device=gate_up.device) if quant else out
+    scale = torch.empty(M, dtype=torch.float32, device=gate_up.device) if quant else out
+    block, warps = _launch_config(K)
+    if M:
+        _silu_and_mul_kernel[(M,)](
+            gu, out, q, scale, static_scale if static_scale is not None else scale, K,
+            BLOCK=block, QUANT=quant, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps,
+        )
+    return (q.view(shape), scale.view(shape[:-1])) if quant else out.view(shape)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _silu(gate_up, False)
+
+
+def silu_and_mul_quant(gate_up, static_scale=None, clip=False):
+    return _silu(gate_up, True, static_scale, clip)
+
+
+def quantize_per_token(x: torch.Tensor, static_scale=None, clip=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """AttnQuantizedTranspose and every other float input of a W8A8 linear: int8 rows + scales."""
+    shape, K = x.shape, x.shape[-1]
+    x2 = _rows(x)
+    M = x2.shape[0]
+    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    scale = torch.empty(M, dtype=torch.float32, device=x.device)
+    block, warps = _launch_config(K)
+    if M:
+        _quantize_kernel[(M,)](x2, q, scale, static_scale if static_scale is not None else scale, K,
+                               BLOCK=block, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps)
+    return q.view(shape), scale.view(shape[:-1])
+
+
+OPS = {
+    "quantize_per_token": quantize_per_token,
+    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rms_norm_quant": rms_norm_quant, "add_rms_norm_quant": add_rms_norm_quant,
+    "silu_and_mul": silu_and_mul, "silu_and_mul_quant": silu_and_mul_quant,
+}
