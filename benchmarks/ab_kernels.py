@@ -2,10 +2,10 @@
 in one process on one loaded model, so that this machine's drifting memory speed falls on all of
 them alike (separate runs minutes apart differ by up to 30% here).
 
-    cp fasterllama/ops/csrc/cpu_kernels.c /tmp/edit.c   # then edit /tmp/edit.c
-    python benchmarks/ab_kernels.py fasterllama/ops/csrc/cpu_kernels.c /tmp/edit.c [--batch 8] [--quantization none] [--prompt-len 2000]
+    cp fasterllama/backends/cpu/csrc/cpu_kernels.c /tmp/edit.c   # then edit /tmp/edit.c
+    python benchmarks/ab_kernels.py fasterllama/backends/cpu/csrc/cpu_kernels.c /tmp/edit.c [--batch 8] [--quantization none] [--prompt-len 2000]
 
-Each source must keep the exported functions' signatures (ops/cpu_kernels.py _SIGNATURES).
+Each source must keep the exported functions' signatures (backends/cpu/kernels.py _SIGNATURES).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 from huge_pages import step_ms  # same timing loop
 
 from fasterllama import LLM
-from fasterllama.ops import cpu_kernels
+from fasterllama.backends.cpu import kernels as cpu_kernels
 
 
 def main() -> None:

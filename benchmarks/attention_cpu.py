@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fasterllama.ops import cpu_kernels
+from fasterllama.backends.cpu import kernels as cpu_kernels
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 

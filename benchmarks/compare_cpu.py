@@ -30,7 +30,7 @@ import torch
 
 from fasterllama import LLM
 from fasterllama.bench import _decode_rate, fixed_prompt_ids
-from fasterllama.engine import huge_pages
+from fasterllama.backends.cpu import huge_pages
 from fasterllama.errors import FasterLlamaError
 from fasterllama.loading.registry import resolve_model_path
 from gemm_cpu import fma_peak_gflops
@@ -45,7 +45,7 @@ class MachineLimits:
     kept (a ceiling: neighbours on the cores only ever lower it)."""
 
     def __init__(self) -> None:
-        from fasterllama.ops import cpu_kernels
+        from fasterllama.backends.cpu import kernels as cpu_kernels
 
         # 1 GiB, far beyond any cache, in 2 MB pages as the weights are (4 KB pages read slower)
         self.buffer = huge_pages.arena(1 << 30).view(torch.float32).view(1 << 18, 1024).fill_(1.0)

@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--rows", default="128,512", help="activation rows (prompt tokens)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from fasterllama.ops import cpu_kernels
+    from fasterllama.backends.cpu import kernels as cpu_kernels
 
     peak = fma_peak_gflops(args.threads)
     print(f"{time.strftime('%Y-%m-%d')}  threads={args.threads}  fp32 FMA peak: " + (f"{peak:.0f} GFLOP/s" if peak else "unknown (no gcc)"))

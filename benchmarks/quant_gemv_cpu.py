@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from fasterllama.ops import cpu_kernels as ck
+from fasterllama.backends.cpu import kernels as ck
 from fasterllama.ops import quantized as qops
 
 SHAPES = [("qkv 4-bit", 960, 576, 4), ("gate_up 4-bit", 3072, 576, 4), ("down 4-bit", 576, 1536, 4), ("lm_head Q8_0", 49152, 576, 8)]

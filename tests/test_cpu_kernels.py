@@ -1,4 +1,4 @@
-"""The C kernels (ops/cpu_kernels.py) against their PyTorch references, op by op and through a model."""
+"""The C kernels (backends/cpu/kernels.py) against their PyTorch references, op by op and through a model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fasterllama import ops
-from fasterllama.ops import cpu_kernels as ck
+from fasterllama.backends.cpu import kernels as ck
 from fasterllama.ops import quantized as qops
 from fasterllama.ops import reference as ref
 

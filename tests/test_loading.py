@@ -108,7 +108,7 @@ def test_weights_move_to_huge_pages(tmp_path, monkeypatch):
 
     import tiny_models as tm
     from fasterllama import LLM
-    from fasterllama.engine import huge_pages
+    from fasterllama.backends.cpu import huge_pages
 
     monkeypatch.setattr(huge_pages, "MIN_BYTES", 1024)  # tiny tensors stand in for real ones
     monkeypatch.setattr(huge_pages, "IN_PLACE_BYTES", 60 << 10)  # the embedding takes the in-place path
@@ -140,7 +140,7 @@ def test_default_model_weights_sit_in_huge_pages(default_llm):
         pytest.skip("no transparent huge pages here")
     if "[never]" in mode:
         pytest.skip("transparent huge pages are off here")
-    from fasterllama.engine import huge_pages
+    from fasterllama.backends.cpu import huge_pages
 
     gate_up = default_llm.engine.model.layers[0].mlp.gate_up_proj.qweight
     assert gate_up.untyped_storage().data_ptr() in huge_pages._arenas

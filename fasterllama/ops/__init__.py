@@ -39,13 +39,6 @@ def current_step() -> "reference.AttentionMetadata | None":
     return _step.get()
 
 
-def use_cpu_kernels() -> bool:
-    """Register the C kernels (cpu_kernels.py) for CPU tensors; False where they cannot be built."""
-    from . import cpu_kernels
-
-    return cpu_kernels.register(register)
-
-
 def get_op(name: str, device: torch.device | str) -> Callable:
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     fn = _BACKENDS.get(device_type, {}).get(name)

@@ -160,10 +160,3 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.table.dequantize_rows(ids, self.dtype)
-
-
-def use_cpu_panels(model: nn.Module) -> None:
-    """Put every weight-only quantized linear into the CPU kernels' panel layout."""
-    for m in model.modules():
-        if isinstance(m, _PanelStorage) and m.qweight.device.type == "cpu":
-            m.use_panels()

@@ -1,32 +1,44 @@
-"""The CPU backend: the C kernels (built at first use), weights in the kernels' panels and in 2 MB
-pages, and the decode step as one C call."""
+"""The CPU backend: C kernels (kernels.py, csrc/cpu_kernels.c; built at first use), quantized
+weights in the kernels' panels and all weights in 2 MB pages (huge_pages.py), and the decode
+step as one C call (decode_plan.py)."""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from ...ops import cpu_kernels, use_cpu_kernels
+from ... import ops
 from .. import Backend, DecodePlan
+from . import kernels
+
+
+def use_cpu_panels(model: nn.Module) -> None:
+    """Put every weight-only quantized linear into the CPU kernels' panel layout."""
+    from ...quant.linear import _PanelStorage
+
+    for m in model.modules():
+        if isinstance(m, _PanelStorage) and m.qweight.device.type == "cpu":
+            m.use_panels()
 
 
 class CPUBackend(Backend):
     default_dtype = torch.float32
 
     def register_ops(self) -> None:
-        use_cpu_kernels()
+        """The C kernels for CPU tensors; where they cannot be built, the reference ops stay."""
+        kernels.register(ops.register)
 
     def keeps_gguf_quantized(self, dtype: torch.dtype) -> bool:
         return dtype == torch.float32  # the C kernels compute with the file's exact floats
 
     def prepare_model(self, model) -> None:
-        from ...engine import huge_pages
-        from ...quant.linear import use_cpu_panels
+        from . import huge_pages
 
-        if cpu_kernels.load() is not None:  # the C kernels read quantized weights in panels
+        if kernels.load() is not None:  # the C kernels read quantized weights in panels
             use_cpu_panels(model)
         huge_pages.pack_weights(model)
 
     def decode_plan(self, model, kv_cache) -> DecodePlan | None:
-        from ...engine.cpu_decode_plan import CPUDecodePlan
+        from .decode_plan import CPUDecodePlan
 
         return CPUDecodePlan.build(model, kv_cache.layers)

@@ -6,7 +6,10 @@ step (embedding, every layer, final norm, lm_head) is one launch. Graphs replay 
 fixed addresses, so each is captured for a bucket of batch sizes over static buffers: a step of
 B sequences fills the smallest bucket >= B, the rows past B marked as padding (KV slot -1: no
 store; context length 0: no attention). Captured lazily, the first time a bucket is needed, into
-one shared memory pool. The inputs of a step travel in one copy from a pinned host buffer."""
+one shared memory pool. The inputs of a step travel in one copy from a pinned host buffer.
+
+On a device without graphs (the kernels on CPU tensors under TRITON_INTERPRET=1, in tests) the
+same buffers and padding run eagerly, so that logic is tested without a GPU."""
 
 from __future__ import annotations
 
@@ -29,11 +32,12 @@ class CUDAGraphDecode:
         if self.buckets[-1] < kv_cache.num_slots <= BUCKETS[-1]:
             self.buckets.append(kv_cache.num_slots)
         n = self.buckets[-1]
+        self.use_graphs = self.device.type == "cuda"
         self.inputs = torch.zeros(5, n, dtype=torch.int64, device=self.device)
-        self.host = torch.zeros(5, n, dtype=torch.int64, pin_memory=True)
+        self.host = torch.zeros(5, n, dtype=torch.int64, pin_memory=self.use_graphs)
         self.host_rows = self.host.numpy()
-        self.copied = torch.cuda.Event()  # the host buffer may be refilled once its last copy ran
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.copied = torch.cuda.Event() if self.use_graphs else None  # the host buffer is refilled once its last copy ran
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | AttentionMetadata]] = {}
         self.pool = None
 
     def covers(self, batch: list[ScheduledSeq]) -> bool:
@@ -53,10 +57,13 @@ class CUDAGraphDecode:
         hidden = self.model(self.inputs[_IDS, :n], meta, self.kv_cache.layers)
         return self.model.compute_logits(hidden).float()
 
-    def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, n: int) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | AttentionMetadata]:
+        """(graph, its logits) for bucket n; without graphs (None, the bucket's metadata)."""
         self.inputs[:, :n] = 0
         self.inputs[_SLOT, :n] = -1  # warm-up and capture touch no cache row
         meta = self._meta(n)  # (built outside the capture: it copies small lists to the device)
+        if not self.use_graphs:
+            return None, meta
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream), torch.inference_mode():  # compiles the kernels, outside the graph
@@ -73,8 +80,9 @@ class CUDAGraphDecode:
         n = next(b for b in self.buckets if b >= B)
         if n not in self.graphs:
             self.graphs[n] = self._capture(n)
-        graph, logits = self.graphs[n]
-        self.copied.synchronize()
+        graph, out = self.graphs[n]
+        if self.copied is not None:
+            self.copied.synchronize()
         seqs = [item.seq for item in batch]
         positions = [s.num_cached for s in seqs]
         slots = [s.slot for s in seqs]
@@ -87,6 +95,8 @@ class CUDAGraphDecode:
         rows[:, B:n] = 0
         rows[_SLOT, B:n] = -1
         self.inputs[:, :n].copy_(self.host[:, :n], non_blocking=True)
+        if graph is None:
+            return self._forward(n, out)[:B]
         self.copied.record()
         graph.replay()
-        return logits[:B]
+        return out[:B]

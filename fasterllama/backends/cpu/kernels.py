@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import quantized, reference
+from ...ops import quantized, reference
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A decode step, token ids to logits, in one C call (fl_decode_forward in ops/csrc/cpu_kernels.c).
+"""A decode step, token ids to logits, in one C call (fl_decode_forward in csrc/cpu_kernels.c).
 
 The CPU analogue of replaying a captured CUDA graph: the weights' and KV caches' addresses are
 collected once into an array of C structs, so a decode step crosses from Python into C once
@@ -14,11 +14,12 @@ import ctypes
 
 import torch
 
-from ..model.llama import Linear, LlamaForCausalLM, RMSNorm
-from ..ops import AttentionMetadata, cpu_kernels
-from ..quant.convert import QuantRMSNorm, SiluAndMulQuant
-from ..quant.linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear
-from .scheduler import ScheduledSeq
+from ...engine.scheduler import ScheduledSeq
+from ...model.llama import Linear, LlamaForCausalLM, RMSNorm
+from ...ops import AttentionMetadata
+from ...quant.convert import QuantRMSNorm, SiluAndMulQuant
+from ...quant.linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear
+from . import kernels as cpu_kernels
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -122,7 +123,7 @@ class CPUDecodePlan:
         return 0 < len(batch) <= self.MAX_BATCH and all(item.num_tokens == 1 for item in batch)
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        from .model_runner import pack_batch
+        from ...engine.model_runner import pack_batch
 
         return self.forward(*pack_batch(batch, torch.device("cpu")))
 

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One lent-GPU session: the CUDA and Triton tests at real shapes, then benchmarks/gpu.py.
+# Logs and the benchmark's JSON go to $OUT. Runs under the GPU image's python3 (torch, triton,
+# transformers there); gguf, which it lacks, travels as a wheel in .whl/ (see docs/gpu.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvidia_smi.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+T0=$(date +%s)
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_triton_norm.py tests/test_triton_linear.py tests/test_triton_attention.py tests/test_cuda.py} 2>&1 | tee "$OUT/tests.log" | tail -40
+echo "tests: $(( $(date +%s) - T0 )) s"
+[ "${BENCH:-1}" = 1 ] && timeout "${BENCH_TIMEOUT:-320}" python3 benchmarks/gpu.py --out "$OUT/gpu_bench.json" --budget "${BUDGET:-250}" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v '^ ' | tail -60
+python3 - "$OUT/gpu_bench.json" <<'PY' 2>/dev/null
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("errors:", r.get("errors"))
+for k, v in (r.get("targets") or {}).items():
+    print(f"{k}: {v}")
+PY
+echo "total: $(( $(date +%s) - T0 )) s"

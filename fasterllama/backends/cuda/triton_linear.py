@@ -1,0 +1,445 @@
+"""Triton kernels for the quantized linears on CUDA, with the semantics of the reference ops of the
+same names in fasterllama/ops/quantized.py, reading the weights in exactly those layouts.
+
+Why these kernels:
+- Decode (M = 1..64 rows) is memory-bound: what matters is streaming the int8/int4 weights at HBM
+  speed, never materializing a float copy. For M <= a few rows a GEMV-style kernel (no tl.dot)
+  owns BLOCK_N output rows, walks K, dequantizes each weight tile once in registers and uses it
+  for every row of x. Beyond that the FP32 pipe becomes the limit (M multiply-adds per weight),
+  so a tiled kernel hands the multiply to the tensor cores: tl.dot with the weight tile
+  dequantized to the activation dtype in registers (BLOCK_M = 16 for decode, 128 for prefill);
+  fp32 activations use 3xTF32, about fp32's accuracy (tl.dot's "ieee" runs on the FMA units and
+  spills registers at these tiles).
+- Weights become floats through their bit patterns (2^23 + q as an fp32, minus 2^23): an integer
+  op and an fp add instead of an int-to-float conversion, which issues at 1/8 of the FP32 rate
+  and would cap an int4 GEMV near half the memory bandwidth.
+- Few output tiles (N = 4096 is 64 tiles of 64 rows for 132 SMs) get split-K: each K slice
+  writes fp32 (or, for int8 x int8, exact int32) partials and a small second kernel sums them in
+  a fixed order and applies the bias (and the W8A8 scales): deterministic, no atomics, no
+  zero-fill. One slice writes the output directly.
+- int8_gemm_dequant runs int8 x int8 on the tensor cores into an int32 accumulator for any M
+  (cuBLASLt's int8 GEMM needs M > 16) and fuses the per-token/per-channel dequantization.
+- Configs come from a small heuristic on M, N, K (no autotuning: compile time matters), and
+  launchers only allocate and launch (no host syncs), so they can be captured in CUDA graphs.
+
+Under TRITON_INTERPRET=1 (CPU tensors, used by the tests) float tiles are cast to fp32 before
+tl.dot: the interpreter's bf16/fp16 dot is wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# GEMV kernels up to these row counts; above, tl.dot (an int4 weight costs twice the ALU work).
+GEMV_MAX_M_INT8 = 4
+GEMV_MAX_M_INT4 = 2
+_GEMV_BLOCK_N = 64
+_GEMV_BLOCK_K = 128  # weights (int4: 64 bytes) per row per step
+_GROUP_M = 8  # tile swizzle: GROUP_M row tiles walk the same weight tiles, sharing them in L2
+_REDUCE_BLOCK = 1024
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: size grids as for an H100
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: 3xTF32 for fp32 activations (see above); 16-bit ones ignore it."""
+    return "tf32x3" if dtype == torch.float32 else "ieee"
+
+
+def _split_k(tiles: int, k_blocks: int, target_programs: int) -> tuple[int, int]:
+    """(K blocks per slice, slices): enough slices that tiles * slices reaches target_programs,
+    with no empty slice."""
+    want = max(1, min(k_blocks, triton.cdiv(target_programs, tiles)))
+    per = triton.cdiv(k_blocks, want)
+    return per, triton.cdiv(k_blocks, per)
+
+
+def _dot_config(M: int, int8_operands: bool = False, fp32: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the tl.dot kernels. Decode sizes keep
+    BLOCK_N * BLOCK_K small (the dequantized tile lives in registers) and BLOCK_N >= M so that
+    re-reading x costs less than the weights; prefill takes 128 x 128 tiles. fp32 activations
+    (3xTF32: split operands, three products) need 8 warps not to spill registers."""
+    if M <= 16:
+        block_m, block_n, block_k, warps, stages = 16, 64, 128, 4, 4
+    elif M <= 32:
+        block_m, block_n, block_k, warps, stages = 32, 64, 128, 4, 4
+    elif M <= 64:
+        block_m, block_n, block_k, warps, stages = 64, 128, 128 if int8_operands else 64, 4, 4
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 128 if int8_operands else 64, 8, 3
+    return block_m, block_n, block_k, 8 if fp32 else warps, stages
+
+
+def _buffers(M: int, N: int, splits: int, dtype: torch.dtype, part_dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output, and what the main kernel writes: the output itself or [splits, M, N] partials."""
+    out = torch.empty(M, N, dtype=dtype, device=device)
+    return out, out if splits == 1 else torch.empty(splits, M, N, dtype=part_dtype, device=device)
+
+
+def _reduce(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> None:
+    """Sum split-K partials into out (a no-op without split-K), with the scales and the bias."""
+    if part is out:
+        return
+    M, N = out.shape
+    dummy = out
+    _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
+        part, out, dummy if bias is None else bias, dummy if x_scale is None else x_scale, dummy if w_scale is None else w_scale,
+        M, N, part.shape[0], HAS_BIAS=bias is not None, HAS_SCALES=x_scale is not None, BLOCK=_REDUCE_BLOCK, num_warps=4,
+    )
+
+
+# -- shared pieces ------------------------------------------------------------------------------------
+@triton.jit
+def _s8_to_f32(q):
+    """int8 -> fp32 as the bit pattern of 2^23 + 128 + q, minus that offset: no I2F conversion."""
+    return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _u4_to_f32(q):
+    """A nibble 0..15 held in an int32 -> fp32, the same way."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _tile_ids(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """Program id -> (row tile, column tile), GROUP_M row tiles at a time (L2 reuse of weights)."""
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    first_m = (pid // (GROUP_M * tiles_n)) * GROUP_M
+    rows = tl.minimum(tiles_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * tiles_n)) % rows, (pid % (GROUP_M * tiles_n)) // rows
+
+
+@triton.jit
+def _store(out_ptr, acc, offs_m, offs_n, M, N, b_ptr, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] (+ bias) -> out [M, N] in out's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, out_ptr, b_ptr, xs_ptr, ws_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, BLOCK: tl.constexpr):
+    """out = sum over slices of part [SPLITS, M, N] (in part's dtype: int32 stays exact), then
+    (* x_scale[m] * w_scale[n]) (+ bias[n]), in that order, as dequantize_gemm does."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.load(part_ptr + offs, mask=mask, other=0)
+    for s in range(1, SPLITS):
+        acc += tl.load(part_ptr + s * M * N + offs, mask=mask, other=0)
+    n = offs % N
+    y = acc.to(tl.float32)
+    if HAS_SCALES:
+        y = y * tl.load(xs_ptr + offs // N, mask=mask, other=0.0) * tl.load(ws_ptr + n, mask=mask, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + n, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# -- int8 weights, float activations --------------------------------------------------------------------
+@triton.jit
+def _int8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, k_split,
+    PER_GROUP: tl.constexpr, GS: tl.constexpr, GPB: tl.constexpr, GS_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Rows [pid_n * BLOCK_N, +BLOCK_N) of x @ (q * s)^T over K slice pid_k, for all M <= BLOCK_M
+    rows of x. A weight tile is [BLOCK_N, GPB, GS_T]: GPB runs of GS_T columns, each inside one
+    scale group of GS columns (per channel: one run, the scale applied at the end)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    BLOCK_K: tl.constexpr = GPB * GS_T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_g = tl.arange(0, GPB)
+    offs_t = offs_g[:, None] * GS_T + tl.arange(0, GS_T)[None, :]
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # rows of out as columns: no layout change
+    k_start = pid_k * k_split
+    for k0 in range(k_start, k_start + k_split, BLOCK_K):
+        k = k0 + offs_t
+        k_ok = k < K
+        w = tl.load(w_ptr + offs_n[:, None, None] * K + k[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0)
+        w = _s8_to_f32(w)
+        if PER_GROUP:
+            kg = k0 + offs_g * GS_T
+            s = tl.load(s_ptr + offs_n[:, None] * G + (kg // GS)[None, :], mask=n_ok[:, None] & (kg < K)[None, :], other=0.0)
+        for m in tl.static_range(BLOCK_M):  # the weight tile stays in registers for every row
+            xv = tl.load(x_ptr + m * stride_xm + k, mask=k_ok & (m < M), other=0.0).to(tl.float32)
+            r = tl.sum(w * xv[None, :, :], axis=2)
+            if PER_GROUP:
+                r = r * s
+            acc = tl.where(rows[None, :] == m, acc + tl.sum(r, axis=1)[:, None], acc)
+    if not PER_GROUP:
+        acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+    _store(out_ptr + pid_k * M * N, tl.trans(acc), rows, offs_n, M, N, b_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _int8_linear_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, k_split,
+    PER_GROUP: tl.constexpr, GS: tl.constexpr, GPB: tl.constexpr, GS_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The tl.dot version: the weight tile (laid out as in the GEMV kernel) is dequantized to the
+    activation dtype (exactly, per channel: the scale comes in the epilogue) and multiplied on
+    the tensor cores with an fp32 accumulator."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    BLOCK_K: tl.constexpr = GPB * GS_T
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    offs_g = tl.arange(0, GPB)
+    offs_t = offs_g[:, None] * GS_T + tl.arange(0, GS_T)[None, :]
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * k_split
+    for k0 in range(k_start, k_start + k_split, BLOCK_K):
+        xk = k0 + offs_k
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + xk[None, :], mask=m_ok[:, None] & (xk < K)[None, :], other=0.0)
+        if INTERPRET:
+            xt = xt.to(tl.float32)
+        k = k0 + offs_t
+        w = tl.load(w_ptr + offs_n[:, None, None] * K + k[None, :, :], mask=n_ok[:, None, None] & (k < K)[None, :, :], other=0)
+        w = _s8_to_f32(w)
+        if PER_GROUP:
+            kg = k0 + offs_g * GS_T
+            s = tl.load(s_ptr + offs_n[:, None] * G + (kg // GS)[None, :], mask=n_ok[:, None] & (kg < K)[None, :], other=0.0)
+            w = w * s[:, :, None]
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(xt.dtype)
+        acc = tl.dot(xt, tl.trans(w), acc, input_precision=PRECISION)
+    if not PER_GROUP:
+        acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    _store(out_ptr + pid_k * M * N, acc, offs_m, offs_n, M, N, b_ptr, HAS_BIAS)
+
+
+def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (q * scale)^T (+ bias) -> [..., N] in x.dtype, for int8 q [N, K] and fp32 scales
+    per output channel [N] or per group of K/G input columns [N, G] (G > 1: K/G a power of two)."""
+    N, K = qweight.shape
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    s = scale.reshape(N, -1).contiguous()
+    G = s.shape[1]
+    per_group = G > 1
+    gs = K // G
+    if per_group:
+        assert gs * G == K and gs & (gs - 1) == 0, f"per-group scales need a power-of-two group, got K={K}, G={G}"
+    if M == 0:
+        return x.new_empty(*x.shape[:-1], N)
+    qweight = qweight.contiguous()
+    gemv = M <= GEMV_MAX_M_INT8
+    if gemv:
+        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(M), _GEMV_BLOCK_N, _GEMV_BLOCK_K, 4, 3
+    else:
+        block_m, block_n, block_k, warps, stages = _dot_config(M, fp32=x.dtype == torch.float32)
+    gs_t = min(gs, block_k) if per_group else block_k
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    per, splits = _split_k(tiles, triton.cdiv(K, block_k), (4 if gemv else 2) * _num_sms(x.device))
+    out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
+    has_bias = bias is not None and splits == 1
+    common = {"PER_GROUP": per_group, "GS": gs if per_group else 1, "GPB": block_k // gs_t, "GS_T": gs_t, "BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages}
+    args = (x2, qweight, s, bias if has_bias else s, part, M, N, K, G, x2.stride(0), per * block_k)
+    if gemv:
+        _int8_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
+    else:
+        _int8_linear_kernel[(tiles, splits)](*args, GROUP_M=_GROUP_M, PRECISION=_precision(x.dtype), INTERPRET=_interpret(), **common)
+    _reduce(part, out, bias)
+    return out.view(*x.shape[:-1], N)
+
+
+# -- int4 weights (pack_int4 layout), float activations -------------------------------------------------
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, p_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, stride_xm, kb_split,
+    GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Rows [pid_n * BLOCK_N, +BLOCK_N) over the byte slice pid_k, for all M <= BLOCK_M rows of x.
+    A packed tile is [BLOCK_N, GPB, HT] bytes: GPB runs of HT bytes inside one group of GS values,
+    whose low nibbles are the values at k = group * GS + j and high ones at k + GS/2. Per group,
+    sum_k w x = scale * sum_k q x + min * sum_k x."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    HALF: tl.constexpr = GS // 2
+    BLOCK_KB: tl.constexpr = GPB * HT
+    KB = K // 2
+    G = K // GS
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_g = tl.arange(0, GPB)
+    offs_j = tl.arange(0, HT)
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # rows of out as columns: no layout change
+    b_start = pid_k * kb_split
+    for b0 in range(b_start, b_start + kb_split, BLOCK_KB):
+        run = b0 + offs_g * HT  # first byte of each run
+        b = run[:, None] + offs_j[None, :]
+        b_ok = b < KB
+        p = tl.load(p_ptr + offs_n[:, None, None] * KB + b[None, :, :], mask=n_ok[:, None, None] & b_ok[None, :, :], other=0).to(tl.int32)
+        lo = _u4_to_f32(p & 15)
+        hi = _u4_to_f32(p >> 4)
+        grp = run // HALF
+        sg_off = offs_n[:, None] * G + grp[None, :]
+        sg_ok = n_ok[:, None] & (run < KB)[None, :]
+        s = tl.load(s_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)
+        mn = tl.load(mn_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)
+        k_lo = (grp * GS + run % HALF)[:, None] + offs_j[None, :]
+        for m in tl.static_range(BLOCK_M):  # the unpacked tile stays in registers for every row
+            x_ok = b_ok & (m < M)
+            xl = tl.load(x_ptr + m * stride_xm + k_lo, mask=x_ok, other=0.0).to(tl.float32)
+            xh = tl.load(x_ptr + m * stride_xm + k_lo + HALF, mask=x_ok, other=0.0).to(tl.float32)
+            r = tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2)
+            r = r * s + mn * tl.sum(xl + xh, axis=1)[None, :]
+            acc = tl.where(rows[None, :] == m, acc + tl.sum(r, axis=1)[:, None], acc)
+    _store(out_ptr + pid_k * M * N, tl.trans(acc), rows, offs_n, M, N, b_ptr, HAS_BIAS)
+
+
+@triton.jit
+def _int4_linear_kernel(
+    x_ptr, p_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, stride_xm, kb_split,
+    GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """The tl.dot version: a packed tile (as in the GEMV kernel) becomes two dequantized weight
+    tiles, the low and the high nibbles, each multiplied with the columns of x they stand for."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    HALF: tl.constexpr = GS // 2
+    BLOCK_KB: tl.constexpr = GPB * HT
+    KB = K // 2
+    G = K // GS
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    offs_g = tl.arange(0, GPB)
+    offs_j = tl.arange(0, HT)
+    offs_b = tl.arange(0, BLOCK_KB)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    b_start = pid_k * kb_split
+    for b0 in range(b_start, b_start + kb_split, BLOCK_KB):
+        xb = b0 + offs_b
+        x_off = offs_m[:, None] * stride_xm + (xb + (xb // HALF) * HALF)[None, :]  # k of the low nibbles
+        x_mask = m_ok[:, None] & (xb < KB)[None, :]
+        xl = tl.load(x_ptr + x_off, mask=x_mask, other=0.0)
+        xh = tl.load(x_ptr + x_off + HALF, mask=x_mask, other=0.0)
+        if INTERPRET:
+            xl = xl.to(tl.float32)
+            xh = xh.to(tl.float32)
+        run = b0 + offs_g * HT
+        b = run[:, None] + offs_j[None, :]
+        p = tl.load(p_ptr + offs_n[:, None, None] * KB + b[None, :, :], mask=n_ok[:, None, None] & (b < KB)[None, :, :], other=0).to(tl.int32)
+        sg_off = offs_n[:, None] * G + (run // HALF)[None, :]
+        sg_ok = n_ok[:, None] & (run < KB)[None, :]
+        s = tl.load(s_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)[:, :, None]
+        mn = tl.load(mn_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)[:, :, None]
+        wl = tl.reshape(_u4_to_f32(p & 15) * s + mn, [BLOCK_N, BLOCK_KB]).to(xl.dtype)
+        wh = tl.reshape(_u4_to_f32(p >> 4) * s + mn, [BLOCK_N, BLOCK_KB]).to(xl.dtype)
+        acc = tl.dot(xl, tl.trans(wl), acc, input_precision=PRECISION)
+        acc = tl.dot(xh, tl.trans(wh), acc, input_precision=PRECISION)
+    _store(out_ptr + pid_k * M * N, acc, offs_m, offs_n, M, N, b_ptr, HAS_BIAS)
+
+
+def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x.dtype, W = scale * q + min per group of group_size
+    (a power of two) input columns, q in 0..15 packed by pack_int4 into uint8 [N, K/2]."""
+    N, G = scales.shape
+    K = G * group_size
+    assert packed.shape == (N, K // 2) and group_size >= 2 and group_size & (group_size - 1) == 0, "packed [N, K/2] in groups of 2^n values"
+    x2 = x.reshape(-1, K).contiguous()
+    M = x2.shape[0]
+    if M == 0:
+        return x.new_empty(*x.shape[:-1], N)
+    packed, scales, mins = packed.contiguous(), scales.contiguous(), mins.contiguous()
+    gemv = M <= GEMV_MAX_M_INT4
+    if gemv:
+        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(M), _GEMV_BLOCK_N, _GEMV_BLOCK_K, 4, 3
+    else:
+        block_m, block_n, block_k, warps, stages = _dot_config(M, fp32=x.dtype == torch.float32)
+    block_kb = block_k // 2
+    ht = min(group_size // 2, block_kb)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    per, splits = _split_k(tiles, triton.cdiv(K // 2, block_kb), (4 if gemv else 2) * _num_sms(x.device))
+    out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
+    has_bias = bias is not None and splits == 1
+    common = {"GS": group_size, "GPB": block_kb // ht, "HT": ht, "BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages}
+    args = (x2, packed, scales, mins, bias if has_bias else scales, part, M, N, K, x2.stride(0), per * block_kb)
+    if gemv:
+        _int4_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
+    else:
+        _int4_linear_kernel[(tiles, splits)](*args, GROUP_M=_GROUP_M, PRECISION=_precision(x.dtype), INTERPRET=_interpret(), **common)
+    _reduce(part, out, bias)
+    return out.view(*x.shape[:-1], N)
+
+
+# -- W8A8: int8 activations x int8 weights -----------------------------------------------------------------
+@triton.jit
+def _int8_gemm_kernel(
+    a_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_am, k_split,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Exact int32 xq @ qweight^T on the tensor cores over K slice pid_k; with EPILOGUE (one slice)
+    dequantized in place, else stored as int32 partials for _splitk_reduce_kernel."""
+    pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    pid_k = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    k_start = pid_k * k_split
+    for k0 in range(k_start, k_start + k_split, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0)
+        w = tl.load(w_ptr + offs_n[None, :] * K + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+        acc = tl.dot(a, w, acc, out_dtype=tl.int32)
+    out_ptr += pid_k * M * N
+    if EPILOGUE:
+        y = acc.to(tl.float32) * tl.load(xs_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+        y = y * tl.load(ws_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        _store(out_ptr, y, offs_m, offs_n, M, N, b_ptr, HAS_BIAS)
+    else:
+        tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """(int8 xq [M, K] @ int8 qweight [N, K]^T, exact in int32) * x_scale[m] * w_scale[n] (+ bias[n])
+    -> out_dtype [M, N], for any M: dequantize_gemm(int8_gemm(xq, qweight.t()), ...) in one kernel."""
+    M, K = xq.shape
+    N = qweight.shape[0]
+    if M == 0:
+        return torch.empty(0, N, dtype=out_dtype, device=xq.device)
+    xq, qweight = xq.contiguous(), qweight.contiguous()
+    x_scale, w_scale = x_scale.float().contiguous(), w_scale.float().contiguous()
+    block_m, block_n, block_k, warps, stages = _dot_config(M, int8_operands=True)
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    per, splits = _split_k(tiles, triton.cdiv(K, block_k), 2 * _num_sms(xq.device))
+    out, part = _buffers(M, N, splits, out_dtype, torch.int32, xq.device)
+    _int8_gemm_kernel[(tiles, splits)](
+        xq, qweight, x_scale, w_scale, w_scale if bias is None else bias, part, M, N, K, xq.stride(0), per * block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, EPILOGUE=splits == 1, HAS_BIAS=bias is not None,
+        num_warps=warps, num_stages=stages,
+    )
+    _reduce(part, out, bias, x_scale, w_scale)
+    return out

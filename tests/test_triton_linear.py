@@ -1,0 +1,164 @@
+"""The Triton quantized linears (fasterllama/backends/cuda/triton_linear.py) against the PyTorch
+reference ops of the same names in fasterllama/ops/quantized.py. On a GPU at 7B shapes; without
+one under TRITON_INTERPRET=1 on CPU tensors at small shapes (M, N, K chosen so that the GEMV and
+the tl.dot kernels, split-K and a single slice, and K tails all run)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = [
+    pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),  # the interpreter's
+]
+
+from fasterllama.backends.cuda import triton_linear as tlin
+from fasterllama.ops import quantized as ref
+
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+if DEVICE == "cuda":
+    SHAPES = [(4096, 4096), (22016, 4096), (4096, 11008)]  # (N, K)
+    ROWS = [1, 7, 16, 64, 300]
+else:
+    SHAPES = [(48, 64), (96, 256)]  # K = 64: one K slice; K = 256: split-K in both kernels
+    ROWS = [1, 3, 17, 40]  # GEMV (M <= 2 or 4), then tl.dot with BLOCK_M 16, 32, 64
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, tol: float | None = None) -> None:
+    """Relative Frobenius error, and the largest error against the largest reference value."""
+    assert out.shape == expected.shape and out.dtype == expected.dtype and out.device == expected.device
+    out, expected = out.float(), expected.float()
+    tol = tol or (1e-5 if dtype == torch.float32 else 1e-2)
+    rel = ((out - expected).norm() / expected.norm()).item()
+    worst = ((out - expected).abs().max() / expected.abs().max()).item()
+    assert rel < tol and worst < 10 * tol, f"relative error {rel:.2e}, max abs error / max |ref| {worst:.2e}"
+
+
+def _int8_weight(N: int, K: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 weights with scales [N] (groups == 0) or [N, groups]; outputs of order 1."""
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE)
+    scale = (torch.rand(N, max(groups, 1), device=DEVICE) + 0.5) / (127 * math.sqrt(K))
+    return q, scale[:, 0].contiguous() if groups == 0 else scale
+
+
+def _int4_weight(N: int, K: int, group_size: int, q4_0: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random pack_int4 weights with fp16 scales and mins (GGUF Q4_0's min = -8 * scale, or any)."""
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=DEVICE)
+    scales = (torch.rand(N, K // group_size, device=DEVICE) + 0.5) / (8 * math.sqrt(K))
+    mins = -8 * scales if q4_0 else scales * (4 * torch.randn_like(scales) - 8)
+    return ref.pack_int4(q, group_size), scales.half(), mins.half()
+
+
+def _x(M: int, K: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(M, K, device=DEVICE).to(dtype)
+
+
+def _bias(N: int, dtype: torch.dtype, with_bias: bool) -> torch.Tensor | None:
+    return torch.randn(N, device=DEVICE).to(dtype) if with_bias else None
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("group_size", [0, 32, 64])  # 0: per output channel
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_int8_weight_linear(N: int, K: int, group_size: int, M: int, dtype: torch.dtype, with_bias: bool) -> None:
+    q, scale = _int8_weight(N, K, K // group_size if group_size else 0)
+    x, bias = _x(M, K, dtype), _bias(N, dtype, with_bias)
+    _check(tlin.int8_weight_linear(x, q, scale, bias), ref.int8_weight_linear(x, q, scale, bias), dtype)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("N,K,group_size,q4_0", [(N, K, g, q4_0) for N, K in SHAPES for g, q4_0 in [(32, True), (64, False), (128, False)] if K % g == 0])
+def test_int4_weight_linear(N: int, K: int, group_size: int, q4_0: bool, M: int, dtype: torch.dtype, with_bias: bool) -> None:
+    packed, scales, mins = _int4_weight(N, K, group_size, q4_0)
+    x, bias = _x(M, K, dtype), _bias(N, dtype, with_bias)
+    expected = ref.int4_weight_linear(x, packed, scales, mins, group_size, bias)
+    _check(tlin.int4_weight_linear(x, packed, scales, mins, group_size, bias), expected, dtype)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_int8_gemm_dequant(N: int, K: int, M: int, dtype: torch.dtype, with_bias: bool) -> None:
+    xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE)
+    x_scale = (torch.rand(M, device=DEVICE) + 0.5) / 127
+    w_scale = (torch.rand(N, device=DEVICE) + 0.5) / (127 * math.sqrt(K))
+    bias = _bias(N, dtype, with_bias)
+    expected = ref.dequantize_gemm(ref.int8_gemm(xq, q.t()), x_scale, w_scale, bias, dtype)
+    _check(tlin.int8_gemm_dequant(xq, x_scale, q, w_scale, bias, dtype), expected, dtype, tol=1e-6 if dtype == torch.float32 else None)
+
+
+@pytest.mark.parametrize("M", ROWS)
+def test_int8_gemm_is_exact(M: int) -> None:
+    """Unit scales: the output is the int32 accumulator itself (as fp32), split-K or not."""
+    N, K = SHAPES[-1]
+    xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE)
+    ones_m, ones_n = torch.ones(M, device=DEVICE), torch.ones(N, device=DEVICE)
+    out = tlin.int8_gemm_dequant(xq, ones_m, q, ones_n, None, torch.float32)
+    assert torch.equal(out, ref.int8_gemm(xq, q.t()).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [2, 40] if DEVICE == "cpu" else [1, 64])
+def test_k_tails_and_batched_input(M: int, dtype: torch.dtype) -> None:
+    """K not a multiple of the K block (per channel: any K; per group: fewer groups than a block),
+    and x with leading batch dimensions, not contiguous."""
+    N = 40 if DEVICE == "cpu" else 4000
+    x = torch.randn(2, M, 200 + 7, device=DEVICE).to(dtype)[..., :200]
+    q, scale = _int8_weight(N, 200, 0)
+    bias = _bias(N, dtype, True)
+    _check(tlin.int8_weight_linear(x, q, scale, bias), ref.int8_weight_linear(x, q, scale, bias), dtype)
+    x = x[..., :96]
+    q, scale = _int8_weight(N, 96, 96 // 32)
+    _check(tlin.int8_weight_linear(x, q, scale), ref.int8_weight_linear(x, q, scale), dtype)
+    packed, scales, mins = _int4_weight(N, 96, 32, False)
+    _check(tlin.int4_weight_linear(x, packed, scales, mins, 32), ref.int4_weight_linear(x, packed, scales, mins, 32), dtype)
+
+
+def test_empty_input() -> None:
+    q, scale = _int8_weight(48, 64, 0)
+    assert tlin.int8_weight_linear(torch.empty(0, 64, device=DEVICE), q, scale).shape == (0, 48)
+    assert tlin.int8_gemm_dequant(torch.empty(0, 64, dtype=torch.int8, device=DEVICE), torch.empty(0, device=DEVICE), q, scale, None, torch.bfloat16).shape == (0, 48)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("M", [1, 16])
+def test_cuda_graph_capture(M: int) -> None:
+    """The launchers capture into a CUDA graph (no host syncs) and replay on new inputs."""
+    N, K = 4096, 4096
+    q, scale = _int8_weight(N, K, K // 32)
+    packed, scales, mins = _int4_weight(N, K, 32, True)
+    w_scale = (torch.rand(N, device=DEVICE) + 0.5) / (127 * math.sqrt(K))
+    x = _x(M, K, torch.bfloat16)
+    xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE)
+    x_scale = torch.rand(M, device=DEVICE) / 127
+
+    def run() -> list[torch.Tensor]:
+        return [
+            tlin.int8_weight_linear(x, q, scale),
+            tlin.int4_weight_linear(x, packed, scales, mins, 32),
+            tlin.int8_gemm_dequant(xq, x_scale, q, w_scale, None, torch.bfloat16),
+        ]
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    x.copy_(_x(M, K, torch.bfloat16))
+    xq.copy_(torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE))
+    graph.replay()
+    for out, expected in zip(outs, run()):
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
