@@ -96,7 +96,7 @@ def _kernel_backend(llm: LLM) -> bool:
 def test_cuda_graph_decode_same_as_eager(models, dtype: str, quantization) -> None:
     """Decode steps replayed from CUDA graphs (batches padded to a bucket) give the tokens and
     logprobs of the same kernels launched one by one."""
-    _, path = models["gqa"]
+    _, path = models["mistral"]
     llm = LLM(model=path, device="cuda", dtype=dtype, quantization=quantization, progress=False)
     if not _kernel_backend(llm):
         pytest.skip("Triton kernels unavailable")

@@ -27,13 +27,19 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}  # atol and rtol
 # RoPE outputs round like the reference's on a GPU; the interpreter truncates each cast to bf16
 ROPE_TOL = {**TOL, torch.bfloat16: 6e-2} if INTERPRET else TOL
+# PADDED_DIM: a head_dim that is not a power of two, which the kernels pad and mask
 if INTERPRET:  # MHA, GQA group 3, GQA group 4, MQA; every dtype with each
-    HEADS, HEAD_DIMS = [(4, 4), (6, 2), (8, 2), (4, 1)], [16, 32]
+    HEADS, HEAD_DIMS, PADDED_DIM = [(4, 4), (6, 2), (8, 2), (4, 1)], [16, 32], 24
     CASES = [(h, kvh, HEAD_DIMS[(i + j) % 2], dt) for i, (h, kvh) in enumerate(HEADS) for j, dt in enumerate(DTYPES)]
+    # head dims padded to 16 (8: half of a RoPE half pads too), 32 and 128; group 3 with one of them
+    CASES += [(4, 4, 8, torch.float32), (6, 2, 24, torch.bfloat16), (8, 2, 80, torch.float16), (4, 1, 8, torch.bfloat16)]
 else:  # plus group 8; bf16 (the GPU default) everywhere, fp32 or fp16 besides (each config compiles once)
-    HEADS, HEAD_DIMS = [(32, 32), (9, 3), (32, 8), (64, 8), (8, 1)], [64, 128]
+    HEADS, HEAD_DIMS, PADDED_DIM = [(32, 32), (9, 3), (32, 8), (64, 8), (8, 1)], [64, 128], 80
     CASES = [(h, kvh, d, dt) for i, (h, kvh) in enumerate(HEADS) for j, d in enumerate(HEAD_DIMS)
              for dt in (torch.bfloat16, DTYPES[2 * ((i + j) % 2)])]
+    # padded head dims (80, 96: 128 lanes), group 3 among them
+    CASES += [(32, 8, 80, torch.bfloat16), (9, 3, 96, torch.bfloat16), (32, 32, 80, torch.float16),
+              (8, 1, 96, torch.float32), (64, 8, 96, torch.float16)]
 CASE_IDS = [f"h{h}-kv{kvh}-d{d}-{str(dt).split('.')[1]}" for h, kvh, d, dt in CASES]
 
 
@@ -123,11 +129,12 @@ def test_rope_and_store_kv_matches_reference(h: int, kvh: int, d: int, dtype: to
     assert torch.equal(v_got.isnan(), v_ref.isnan()) and torch.equal(v_got.nan_to_num(), v_ref.nan_to_num())
 
 
+@pytest.mark.parametrize("d", [HEAD_DIMS[0], PADDED_DIM])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 12])
-def test_rope_and_store_paged_skips_padding_rows(block_size: int, dtype: torch.dtype) -> None:
+def test_rope_and_store_paged_skips_padding_rows(block_size: int, dtype: torch.dtype, d: int) -> None:
     torch.manual_seed(1)
-    h, kvh, d = HEADS[1][0], HEADS[1][1], HEAD_DIMS[0]
+    h, kvh = HEADS[1][0], HEADS[1][1]
     num_blocks, T = 6, 20
     slot_mapping = torch.randperm(num_blocks * block_size)[:T]
     slot_mapping[[3, 11, 19]] = -1  # CUDA-graph padding rows
@@ -179,13 +186,14 @@ else:
     DECODE_LENGTHS = [[3000, 0, 1, 4096, 513, 64], [0, 5, 200]]
 
 
+@pytest.mark.parametrize("d", [HEAD_DIMS[-1], PADDED_DIM])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("lengths", DECODE_LENGTHS, ids=["long", "short"])
 @pytest.mark.parametrize("block_size", [8, 12, 16])
-def test_decode_paged(block_size: int, lengths: list[int], dtype: torch.dtype) -> None:
+def test_decode_paged(block_size: int, lengths: list[int], dtype: torch.dtype, d: int) -> None:
     """The launcher on a paged cache, with an empty sequence (zeros out) among others."""
     torch.manual_seed(2)
-    h, kvh, d = HEADS[2][0], HEADS[2][1], HEAD_DIMS[-1]
+    h, kvh = HEADS[2][0], HEADS[2][1]
     k_cache, v_cache, tables, dense, capacity = _paged_cache(lengths, kvh, d, block_size, dtype)
     q = _rand(len(lengths), h, d, dtype=dtype)
     seq_lens = torch.tensor(lengths, device=DEVICE)
@@ -219,12 +227,13 @@ def test_prefill_matches_reference(h: int, kvh: int, d: int, dtype: torch.dtype)
     _close(got, want, dtype)
 
 
+@pytest.mark.parametrize("d", [HEAD_DIMS[-1], PADDED_DIM])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [8, 12, 16])
-def test_prefill_paged(block_size: int, dtype: torch.dtype) -> None:
+def test_prefill_paged(block_size: int, dtype: torch.dtype, d: int) -> None:
     """The launcher on a paged cache, an empty sequence included, q a strided view."""
     torch.manual_seed(4)
-    h, kvh, d = HEADS[1][0], HEADS[1][1], HEAD_DIMS[-1]
+    h, kvh = HEADS[1][0], HEADS[1][1]
     step = PREFILL_STEP[:3] + [(0, 5)] + PREFILL_STEP[3:]
     new_lens, starts = [n for n, _ in step], [s for _, s in step]
     k_cache, v_cache, tables, dense, _ = _paged_cache([n + s for n, s in step], kvh, d, block_size, dtype)
@@ -271,3 +280,8 @@ def test_decode_step_replays_in_cuda_graph() -> None:
         want = step()  # eager, on the same inputs (stores the same k/v again)
         torch.testing.assert_close(out, want, atol=0, rtol=0)
         assert torch.equal(k_after, k_cache) and torch.equal(v_after, v_cache)
+
+
+def test_supports_even_head_dims() -> None:
+    assert all(ta.supports(d) for d in (8, 24, 40, 64, 80, 96, 128, 160, 256))
+    assert not any(ta.supports(d) for d in (0, 6, 7, 9, 33, 258, 512))

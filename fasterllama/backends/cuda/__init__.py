@@ -17,12 +17,41 @@ from .. import Backend, DecodePlan
 log = logging.getLogger(__name__)
 
 
+def _gemv_ops(gemv, triton_linear) -> dict:
+    """The linears' ops: the decode GEMVs for 1-2 activation rows where the device's timing chose
+    them (gemv.tune), cuBLAS (float) or the tiled kernels otherwise."""
+    import torch.nn.functional as F
+
+    def rows(x: torch.Tensor) -> int:
+        return x.numel() // x.shape[-1]
+
+    def linear(x, weight, bias=None):
+        if rows(x) <= gemv.MAX_ROWS and gemv.choice("float", *weight.shape, 0, x.dtype) == "gemv":
+            return gemv.float_gemv(x, weight, bias)
+        return F.linear(x, weight, bias)
+
+    def int8_weight_linear(x, qweight, scale, bias=None):
+        N, K = qweight.shape
+        group = K // scale.shape[1] if scale.dim() == 2 else 0
+        if rows(x) <= gemv.MAX_ROWS and gemv.supports("int8", K, group or 32) and gemv.choice("int8", N, K, group, x.dtype) == "gemv":
+            return gemv.int8_gemv(x, qweight, scale, bias)
+        return triton_linear.int8_weight_linear(x, qweight, scale, bias)
+
+    def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
+        N, K = packed.shape[0], packed.shape[1] * 2
+        if rows(x) <= gemv.MAX_ROWS and gemv.supports("int4", K, group_size) and gemv.choice("int4", N, K, group_size, x.dtype) == "gemv":
+            return gemv.int4_gemv(x, packed, scales, mins, group_size, bias)
+        return triton_linear.int4_weight_linear(x, packed, scales, mins, group_size, bias)
+
+    return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear}
+
+
 def kernel_ops() -> dict | None:
     """The Triton versions of the op layer's ops, or None where Triton is missing or turned off."""
     if os.environ.get("FASTERLLAMA_NO_TRITON") == "1":
         return None
     try:
-        from . import triton_attention, triton_linear, triton_norm
+        from . import gemv, triton_attention, triton_linear, triton_norm
     except ImportError as e:  # triton not installed: the reference ops still run
         log.warning("Triton unavailable (%s): CUDA runs the PyTorch reference ops", e)
         return None
@@ -30,8 +59,7 @@ def kernel_ops() -> dict | None:
         **triton_norm.OPS,
         "rope_and_store_kv": triton_attention.rope_and_store_kv,
         "attention": triton_attention.attention,
-        "int8_weight_linear": triton_linear.int8_weight_linear,
-        "int4_weight_linear": triton_linear.int4_weight_linear,
+        **_gemv_ops(gemv, triton_linear),
         "int8_linear": triton_linear.int8_gemm_dequant,
     }
 
@@ -42,6 +70,7 @@ class CUDABackend(Backend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.kernels = False
+        self.gemv_timings: dict = {}  # what prepare_model measured: {linear shape: {kernel: ms}}
 
     def register_ops(self) -> None:
         table = kernel_ops()
@@ -51,6 +80,14 @@ class CUDABackend(Backend):
 
     def keeps_gguf_quantized(self, dtype: torch.dtype) -> bool:
         return self.kernels  # GEMV/GEMM kernels read Q8_0 / Q4_0 / Q4_1 blocks as they are
+
+    def prepare_model(self, model) -> None:
+        """Weights stay in the layouts they load in; the decode GEMV of each linear shape is chosen
+        by timing the candidates on this device (gemv.tune)."""
+        if self.kernels and self.device.type == "cuda":
+            from . import gemv
+
+            self.gemv_timings = gemv.tune(model, model.norm.weight.dtype)
 
     def decode_plan(self, model, kv_cache) -> DecodePlan | None:
         """CUDA graphs need every op of the step to be a kernel that reads its inputs from device

@@ -12,8 +12,11 @@ one-slot-per-sequence cache [num_slots, kv_heads, max_len, head_dim] is the case
 block_size = max_len, block_tables = slots[:, None]; the op wrappers at the bottom adapt it.
 Only head_dim has to be contiguous; every other dimension is addressed through its stride.
 
-Kernels need a power-of-two head_dim in [16, 256] (no masks along head_dim); the op wrappers
-fall back to the reference ops otherwise.
+Kernels take any even head_dim D in [8, 256]. They work on the head dimension padded to a power
+of two of at least 16 (BLOCK_D; RoPE on each half padded to a power of two); when D is not already
+that size (PADDED), loads and stores are masked with d < D and the padded lanes hold zeros, which
+add nothing to the dot products. Power-of-two D from 16 up runs unmasked, as before. The op
+wrappers fall back to the reference ops for other head dims.
 
 Under TRITON_INTERPRET=1 (CPU tests) half-precision tiles are upcast to fp32 right after loading,
 because the interpreter's bf16 tl.dot is wrong; on a GPU the dots stay in the input dtype.
@@ -37,7 +40,12 @@ _LOG2E = 1.4426950408889634
 
 def supports(head_dim: int) -> bool:
     """Whether the kernels take this head_dim (CUDA graphs of decode steps need them to)."""
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+    return 8 <= head_dim <= 256 and head_dim % 2 == 0
+
+
+def _block_d(head_dim: int) -> int:
+    """The head dimension the attention kernels work on: a power of two, at least 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -69,22 +77,35 @@ def _rope_store_kernel(
     stride_qkv_t, stride_cos_t, stride_sin_t, stride_qo_t, stride_qo_h,
     stride_cb, stride_ch, stride_cs, block_size,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
 ):
-    """One program per token: rotate its q and k heads, write q out and k/v into the cache."""
+    """One program per token: rotate its q and k heads, write q out and k/v into the cache. Lane d
+    of a head's first half pairs with lane d + D // 2 of the real D; BLOCK_HALF pads a half to a
+    power of two, with masked lanes d >= D // 2 when that pads anything."""
     HALF: tl.constexpr = D // 2
+    PADDED: tl.constexpr = BLOCK_HALF != HALF
     DT: tl.constexpr = qkv_ptr.dtype.element_ty
     CDT: tl.constexpr = k_cache_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
-    offs_d = tl.arange(0, HALF)
+    offs_d = tl.arange(0, BLOCK_HALF)
     # cos/sin are fp32; the reference casts them to the input dtype before multiplying
-    c1 = tl.load(cos_ptr + t * stride_cos_t + offs_d).to(DT).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_cos_t + HALF + offs_d).to(DT).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_sin_t + offs_d).to(DT).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_sin_t + HALF + offs_d).to(DT).to(tl.float32)
+    if PADDED:
+        md = offs_d < HALF
+        c1 = tl.load(cos_ptr + t * stride_cos_t + offs_d, mask=md, other=0).to(DT).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_cos_t + HALF + offs_d, mask=md, other=0).to(DT).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_sin_t + offs_d, mask=md, other=0).to(DT).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * stride_sin_t + HALF + offs_d, mask=md, other=0).to(DT).to(tl.float32)
+    else:
+        c1 = tl.load(cos_ptr + t * stride_cos_t + offs_d).to(DT).to(tl.float32)
+        c2 = tl.load(cos_ptr + t * stride_cos_t + HALF + offs_d).to(DT).to(tl.float32)
+        s1 = tl.load(sin_ptr + t * stride_sin_t + offs_d).to(DT).to(tl.float32)
+        s2 = tl.load(sin_ptr + t * stride_sin_t + HALF + offs_d).to(DT).to(tl.float32)
     row = qkv_ptr + t * stride_qkv_t
 
     hq = tl.arange(0, BLOCK_HQ)
     mq = (hq < H)[:, None]
+    if PADDED:
+        mq = mq & md[None, :]
     x = row + hq[:, None] * D + offs_d[None, :]
     o1, o2 = _rope_half_rounded(
         tl.load(x, mask=mq, other=0).to(tl.float32), tl.load(x + HALF, mask=mq, other=0).to(tl.float32),
@@ -97,6 +118,8 @@ def _rope_store_kernel(
     slot = tl.load(slot_ptr + t)
     hk = tl.arange(0, BLOCK_HK)
     mk = (hk < KVH)[:, None] & (slot >= 0)  # slot -1: a padding row, nothing to store
+    if PADDED:
+        mk = mk & md[None, :]
     x = row + (H + hk[:, None]) * D + offs_d[None, :]
     k1, k2 = _rope_half_rounded(
         tl.load(x, mask=mk, other=0).to(tl.float32), tl.load(x + HALF, mask=mk, other=0).to(tl.float32),
@@ -121,6 +144,7 @@ def rope_and_store(
     T = qkv.shape[0]
     assert qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride(-1) == 1
     assert qkv.shape[1] == (num_heads + 2 * num_kv_heads) * head_dim and k_cache.shape[1] == num_kv_heads
+    assert supports(head_dim) and k_cache.shape[3] == head_dim and cos.shape[-1] == sin.shape[-1] == head_dim
     q = torch.empty(T, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if T == 0:
         return q
@@ -130,6 +154,7 @@ def rope_and_store(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2],
         H=num_heads, KVH=num_kv_heads, D=head_dim,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         num_warps=4 if num_heads * head_dim >= 2048 else 2,
     )
     return q
@@ -178,8 +203,9 @@ def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexp
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
-    H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Program (sequence b, KV head, split): all GROUP query heads of the KV head attend keys
     [split * CHUNK, (split + 1) * CHUNK) ∩ [0, seq_len), so each K/V tile is read once. One split
@@ -193,16 +219,20 @@ def _decode_kernel(
         return
     hi = tl.minimum(lo + CHUNK, seq_len)
 
+    PADDED: tl.constexpr = BLOCK_D != D
     offs_g = tl.arange(0, GROUP_PAD)
-    offs_d = tl.arange(0, D)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = (offs_d < D)[None, :]
     heads = kvh * GROUP + offs_g
     mask_g = (offs_g < GROUP)[:, None]
+    if PADDED:
+        mask_g = mask_g & mask_d
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g, other=0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
     v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
@@ -210,8 +240,11 @@ def _decode_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         rows = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, mask_n, True)[:, None] + offs_d[None, :]
-        k = tl.load(k_base + rows, mask=mask_n[:, None], other=0)
-        v = tl.load(v_base + rows, mask=mask_n[:, None], other=0)
+        mask_kv = mask_n[:, None]
+        if PADDED:
+            mask_kv = mask_kv & mask_d
+        k = tl.load(k_base + rows, mask=mask_kv, other=0)
+        v = tl.load(v_base + rows, mask=mask_kv, other=0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -231,7 +264,8 @@ def _decode_kernel(
 @triton.jit
 def _decode_combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     """Program (sequence, query head): merge the splits' partials by their log-sum-exp. Only the
     splits that held keys are read; the others exited without writing."""
@@ -245,11 +279,19 @@ def _decode_combine_kernel(
     l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # seq_len 0: all weights 0
-    offs_d = tl.arange(0, D)
-    acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_s[:, None], other=0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    mask_acc = mask_s[:, None]
+    if BLOCK_D != D:
+        mask_acc = mask_acc & mask_d[None, :]
+    acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_acc, other=0.0)
     total = tl.sum(l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
+    if BLOCK_D != D:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    else:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
@@ -301,7 +343,8 @@ def decode_attention(
     if B == 0:
         return out
     use_dot = group > 1  # pad the group to 16 rows for tensor cores; a lone query multiplies and sums
-    block_n = _decode_block_n(D, use_dot, q.dtype)
+    block_d = _block_d(D)
+    block_n = _decode_block_n(block_d, use_dot, q.dtype)
     chunk, num_splits = _decode_splits(B, KVH, max_len, block_n, q.device)
     if num_splits > 1:
         part_acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
@@ -313,14 +356,15 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
-        H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_N=block_n,
+        H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_D=block_d,
+        BLOCK_N=block_n,
         CHUNK=chunk, NUM_SPLITS=num_splits, USE_DOT=use_dot, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_combine_kernel[(B, H)](
             part_acc, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1),
-            H=H, D=D, CHUNK=chunk, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            H=H, D=D, BLOCK_D=block_d, CHUNK=chunk, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
 
@@ -332,7 +376,7 @@ def decode_attention(
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, start_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
-    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (query head, query block, sequence): flash-attention forward over the sequence's
@@ -349,8 +393,12 @@ def _prefill_kernel(
     kvh = h // GROUP
 
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # query rows within the sequence
-    offs_d = tl.arange(0, D)
+    PADDED: tl.constexpr = BLOCK_D != D
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = (offs_d < D)[None, :]
     mask_m = (offs_m < n)[:, None]
+    if PADDED:
+        mask_m = mask_m & mask_d
     rows = (q_lo + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=mask_m, other=0)
     if UPCAST:
@@ -359,7 +407,7 @@ def _prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + s.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
     v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
@@ -368,8 +416,12 @@ def _prefill_kernel(
     for k_lo in range(0, full_end, BLOCK_N):
         offs_n = k_lo + tl.arange(0, BLOCK_N)
         kv = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, None, False)[:, None] + offs_d[None, :]
-        k = tl.load(k_base + kv)
-        v = tl.load(v_base + kv)
+        if PADDED:
+            k = tl.load(k_base + kv, mask=mask_d, other=0)
+            v = tl.load(v_base + kv, mask=mask_d, other=0)
+        else:
+            k = tl.load(k_base + kv)
+            v = tl.load(v_base + kv)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -378,8 +430,11 @@ def _prefill_kernel(
         offs_n = k_lo + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
         kv = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, mask_n, True)[:, None] + offs_d[None, :]
-        k = tl.load(k_base + kv, mask=mask_n[:, None], other=0)
-        v = tl.load(v_base + kv, mask=mask_n[:, None], other=0)
+        mask_kv = mask_n[:, None]
+        if PADDED:
+            mask_kv = mask_kv & mask_d
+        k = tl.load(k_base + kv, mask=mask_kv, other=0)
+        v = tl.load(v_base + kv, mask=mask_kv, other=0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -392,8 +447,8 @@ def _prefill_kernel(
 
 
 def _prefill_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per head_dim and dtype instead of autotuning; each
-    compiles for sm_90 without register spills (half types: wgmma, fp32: "ieee" FMA dots)."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head_dim (BLOCK_D) and dtype instead of
+    autotuning; each compiles for sm_90 without register spills (half types: wgmma, fp32: "ieee" FMA dots)."""
     if _INTERPRET:  # small tiles so that small tests cross tile and diagonal boundaries
         return 16, 16, 4, 1
     if dtype == torch.float32:
@@ -419,12 +474,13 @@ def prefill_attention(
     num_seqs = cu_seqlens_q.shape[0] - 1
     if T == 0 or num_seqs == 0 or max_q_len == 0:
         return out
-    block_m, block_n, num_warps, num_stages = _prefill_config(D, q.dtype)
+    block_d = _block_d(D)
+    block_m, block_n, num_warps, num_stages = _prefill_config(block_d, q.dtype)
     _prefill_kernel[(H, triton.cdiv(max_q_len, block_m), num_seqs)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, start_positions,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
-        GROUP=H // KVH, D=D, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
+        GROUP=H // KVH, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,0 +1,263 @@
+"""Decode GEMVs (one or two activation rows) over float, int8 and 4-bit weights, and the per-shape
+choice between them and the general kernels, made by timing both on the device.
+
+A batch-1 decode step reads every weight once: its speed is the rate at which the GEMVs stream
+weights from memory. That takes many bytes in flight per multiprocessor, so each program here
+reads a 16 KB weight tile per iteration (32 rows x 512 bytes), and it keeps its partial sums in
+registers across the whole K loop ([rows, groups] for quantized weights: the scale of a group is
+applied once per group, the sum over a group's values stays inside one thread), reducing them
+across threads once at the end. Few row blocks (N = 4096: 128 of them) are split over K (split-K,
+with the deterministic reduce of triton_linear.py). Which kernel is fastest for a shape depends
+on the chip, so `tune()` times the candidates for each linear of a model once when the model is
+prepared (milliseconds) and the ops dispatch on what it found; untuned shapes take the defaults."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from . import triton_linear
+
+MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
+_BLOCK_N = 32
+_TILE_BYTES = 512  # bytes of a row a program reads per iteration
+_WARPS = 8
+
+
+@triton.jit
+def _to_f32_u4(q):
+    """A nibble (int32 0..15) -> fp32 through its bit pattern (no int-to-float conversion)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _to_f32_s8(q):
+    return (q.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+
+
+@triton.jit
+def _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO: tl.constexpr):
+    """Row sums of the accumulators -> out[pid_k, m, n] (the output itself without split-K)."""
+    base = out_ptr + pid_k * M * N
+    tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+    if TWO:
+        tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64) * K
+    acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        w = tl.load(w_ptr + rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc0 += w * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        if TWO:
+            acc1 += w * tl.load(x_ptr + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+
+
+@triton.jit
+def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
+                      GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr):
+    """Tiles [BLOCK_N, GPB, GS]: GPB groups of GS columns (per channel: GS-column chunks, the
+    scale applied at the end). K % GS == 0."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows = offs_n.to(tl.int64) * K
+    offs_g = tl.arange(0, GPB)
+    offs_j = tl.arange(0, GS)
+    acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    for k0 in range(pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K), GPB * GS):
+        g = k0 // GS + offs_g
+        g_ok = g < K // GS
+        k = g[:, None] * GS + offs_j[None, :]
+        q = tl.load(w_ptr + rows[:, None, None] + k[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
+        w = _to_f32_s8(q)
+        x0 = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        r0 = tl.sum(w * x0[None, :, :], axis=2)
+        if TWO:
+            x1 = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            r1 = tl.sum(w * x1[None, :, :], axis=2)
+        if PER_GROUP:
+            s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+            acc0 += r0 * s
+            if TWO:
+                acc1 += r1 * s
+        else:
+            acc0 += r0
+            if TWO:
+                acc1 += r1
+    if not PER_GROUP:
+        s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        acc0 *= s
+        acc1 *= s
+    _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
+                      GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr):
+    """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
+    per group, sum w x = scale * sum q x + min * sum x."""
+    HALF: tl.constexpr = GS // 2
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    KB = K // 2
+    G = K // GS
+    rows = offs_n.to(tl.int64) * KB
+    offs_g = tl.arange(0, GPB)
+    offs_j = tl.arange(0, HALF)
+    acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    for b0 in range(pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, KB), GPB * HALF):
+        g = b0 // HALF + offs_g
+        g_ok = g < G
+        b = g[:, None] * HALF + offs_j[None, :]
+        p = tl.load(p_ptr + rows[:, None, None] + b[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None], other=0).to(tl.int32)
+        lo, hi = _to_f32_u4(p & 15), _to_f32_u4(p >> 4)
+        gs_off = offs_n[:, None] * G + g[None, :]
+        gs_ok = n_ok[:, None] & g_ok[None, :]
+        s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+        mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+        k = g[:, None] * GS + offs_j[None, :]
+        xl = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        xh = tl.load(x_ptr + k + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        acc0 += tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2) * s + mn * tl.sum(xl + xh, axis=1)[None, :]
+        if TWO:
+            xl = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            xh = tl.load(x_ptr + stride_xm + k + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+            acc1 += tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2) * s + mn * tl.sum(xl + xh, axis=1)[None, :]
+    _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+
+
+def _launch(kernel, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple, **meta) -> torch.Tensor:
+    """Grid over row blocks and slices of the `span` a program walks in `step`s (K, or K/2 bytes of
+    4-bit weights): split-K when the row blocks alone do not fill the chip."""
+    M = x2.shape[0]
+    blocks = triton.cdiv(N, _BLOCK_N)
+    steps = triton.cdiv(span, step)
+    per = triton.cdiv(steps, max(1, min(steps, triton.cdiv(2 * triton_linear._num_sms(x2.device), blocks))))
+    splits = triton.cdiv(steps, per)
+    out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
+    part = out if splits == 1 and bias is None else torch.empty(splits, M, N, dtype=torch.float32, device=x2.device)
+    kernel[(blocks, splits)](x2, *args, part, M, N, K, x2.stride(0), per * step, BLOCK_N=_BLOCK_N, TWO=M == 2, num_warps=_WARPS, **meta)
+    triton_linear._reduce(part, out, bias)
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def float_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    N, K = weight.shape
+    x2 = _rows(x)
+    block_k = _TILE_BYTES // weight.element_size()
+    out = _launch(_float_gemv_kernel, x2, N, K, K, block_k, bias, x.dtype, (weight.contiguous(),), BLOCK_K=block_k)
+    return out.view(*x.shape[:-1], N)
+
+
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    N, K = qweight.shape
+    s = scale.reshape(N, -1)
+    G = s.shape[1]
+    gs = K // G if G > 1 else 32
+    x2 = _rows(x)
+    gpb = max(1, _TILE_BYTES // gs)
+    args = (qweight.contiguous(), s.contiguous())
+    out = _launch(_int8_gemv_kernel, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1)
+    return out.view(*x.shape[:-1], N)
+
+
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    N = packed.shape[0]
+    K = packed.shape[1] * 2
+    x2 = _rows(x)
+    gpb = max(1, _TILE_BYTES // (group_size // 2))
+    args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
+    out = _launch(_int4_gemv_kernel, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb)
+    return out.view(*x.shape[:-1], N)
+
+
+def supports(kind: str, K: int, group: int) -> bool:
+    """Shapes the GEMVs take: int8 groups/chunks of a power of two dividing K; 4-bit groups of 32..128."""
+    if kind == "float":
+        return True
+    if kind == "int8":
+        return group & (group - 1) == 0 and K % group == 0
+    return group in (32, 64, 128)
+
+
+# -- the choice ----------------------------------------------------------------------------------------
+_CHOICE: dict[tuple, str] = {}  # (kind, N, K, group, dtype) -> "gemv" | "tiled" | "cublas"
+DEFAULT = {"float": "cublas", "int8": "gemv", "int4": "gemv"}
+
+
+def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype) -> str:
+    return _CHOICE.get((kind, N, K, group, dtype), DEFAULT[kind])
+
+
+def _time(fn, reps: int = 20) -> float:
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
+    from ...model.llama import Linear
+    from ...quant.linear import Int4Linear, Int8Linear
+
+    if type(module) is Linear and module.weight.is_floating_point():
+        w = module.weight
+        return ("float", *w.shape, 0, x.dtype), {"cublas": lambda: F.linear(x, w), "gemv": lambda: float_gemv(x, w)}
+    if isinstance(module, Int8Linear) and not module.panels:
+        q, s = module.qweight, module.weight_scale
+        g = module.group_size or 32
+        if not supports("int8", q.shape[1], g):
+            return (), {}
+        return ("int8", *q.shape, module.group_size or 0, x.dtype), {
+            "tiled": lambda: triton_linear.int8_weight_linear(x, q, s), "gemv": lambda: int8_gemv(x, q, s)}
+    if isinstance(module, Int4Linear) and not module.panels:
+        args = (module.qweight, module.scales, module.mins, module.group_size)
+        return ("int4", module.out_features, module.in_features, module.group_size, x.dtype), {
+            "tiled": lambda: triton_linear.int4_weight_linear(x, *args), "gemv": lambda: int4_gemv(x, *args)}
+    return (), {}
+
+
+def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, float]]:
+    """Time each candidate kernel for every distinct linear shape of the model at one activation
+    row and remember the fastest; returns {shape: {kernel: ms}} (a CUDA model only)."""
+    device = model.norm.weight.device
+    timings: dict[tuple, dict[str, float]] = {}
+    with torch.inference_mode():
+        for module in model.modules():
+            x = None
+            in_features = getattr(module, "in_features", None)
+            if in_features is None:
+                continue
+            x = torch.randn(1, in_features, dtype=dtype, device=device)
+            key, fns = _candidates(module, x)
+            if not fns or key in timings:
+                continue
+            timings[key] = {name: _time(fn) for name, fn in fns.items()}
+            _CHOICE[key] = min(timings[key], key=timings[key].get)
+    return timings
+

@@ -1,0 +1,72 @@
+"""The decode GEMVs (backends/cuda/gemv.py) against the reference ops, one and two activation rows:
+on a GPU at real shapes, on the CPU under TRITON_INTERPRET=1 at small ones."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+
+from fasterllama.backends.cuda import gemv
+from fasterllama.ops import quantized
+from fasterllama.quant.quantize import quantize_int4, quantize_int8
+
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+# (N, K): a K tail past one tile, N not a multiple of the row block, split-K
+SHAPES = [(40, 96), (70, 1088)] if DEVICE == "cpu" else [(4096, 4096), (12288, 4096), (4096, 11008), (32000, 4096), (1728, 576)]
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got.float()).all()
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_float_gemv(shape, dtype, rows) -> None:
+    N, K = shape
+    x = torch.randn(rows, K, device=DEVICE).to(dtype)
+    w = (torch.randn(N, K, device=DEVICE) * 0.05).to(dtype)
+    b = torch.randn(N, device=DEVICE).to(dtype)
+    ref = (x.float() @ w.float().t() + b.float()).to(dtype)
+    assert _rel(gemv.float_gemv(x, w, b), ref) < _tol(dtype)
+
+
+@pytest.mark.parametrize("group", [None, 32, 64])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_int8_gemv(shape, dtype, rows, group) -> None:
+    N, K = shape
+    if group is not None and K % group:
+        pytest.skip("group does not divide K")
+    q, s = quantize_int8(torch.randn(N, K, device=DEVICE), group)
+    x = torch.randn(1, rows, K, device=DEVICE).to(dtype)  # 3-D input: rows of a batch
+    ref = quantized.int8_weight_linear(x.float(), q, s).to(dtype)  # fp32 sums, as the kernel's
+    assert _rel(gemv.int8_gemv(x, q, s), ref) < _tol(dtype)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_int4_gemv(shape, dtype, rows, group) -> None:
+    N, K = shape
+    if K % group:
+        pytest.skip("group does not divide K")
+    q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), group)
+    packed, s16, m16 = quantized.pack_int4(q, group), s.half(), m.half()
+    x = torch.randn(rows, K, device=DEVICE).to(dtype)
+    b = torch.randn(N, device=DEVICE).to(dtype)
+    ref = quantized.int4_weight_linear(x.float(), packed, s16, m16, group, b.float()).to(dtype)  # fp32 sums, as the kernel's
+    assert _rel(gemv.int4_gemv(x, packed, s16, m16, group, b), ref) < _tol(dtype)
