@@ -186,7 +186,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
     N = packed.shape[0]
     K = packed.shape[1] * 2
     x2 = _rows(x)
-    gpb = max(1, _TILE_BYTES // (group_size // 2))
+    gpb = max(1, _TILE_BYTES // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
     args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
     out = _launch(_int4_gemv_kernel, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb)
     return out.view(*x.shape[:-1], N)
