@@ -26,41 +26,47 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+CONFIGS = gemv.CONFIGS if DEVICE == "cpu" else gemv.CONFIGS[:1]  # (on a GPU: real shapes, one config; the interpreter: every config)
+
+
 def _tol(dtype: torch.dtype) -> float:
     return 1e-5 if dtype == torch.float32 else 1e-2
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_float_gemv(shape, dtype, rows) -> None:
+def test_triton_float_gemv(shape, dtype, rows, cfg) -> None:
     N, K = shape
     x = torch.randn(rows, K, device=DEVICE).to(dtype)
     w = (torch.randn(N, K, device=DEVICE) * 0.05).to(dtype)
     b = torch.randn(N, device=DEVICE).to(dtype)
     ref = (x.float() @ w.float().t() + b.float()).to(dtype)
-    assert _rel(gemv.float_gemv(x, w, b), ref) < _tol(dtype)
+    assert _rel(gemv.float_gemv(x, w, b, cfg), ref) < _tol(dtype)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("group", [None, 32, 64])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_int8_gemv(shape, dtype, rows, group) -> None:
+def test_triton_int8_gemv(shape, dtype, rows, group, cfg) -> None:
     N, K = shape
     if group is not None and K % group:
         pytest.skip("group does not divide K")
     q, s = quantize_int8(torch.randn(N, K, device=DEVICE), group)
     x = torch.randn(1, rows, K, device=DEVICE).to(dtype)  # 3-D input: rows of a batch
     ref = quantized.int8_weight_linear(x.float(), q, s).to(dtype)  # fp32 sums, as the kernel's
-    assert _rel(gemv.int8_gemv(x, q, s), ref) < _tol(dtype)
+    assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg), ref) < _tol(dtype)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_int4_gemv(shape, dtype, rows, group) -> None:
+def test_triton_int4_gemv(shape, dtype, rows, group, cfg) -> None:
     N, K = shape
     if K % group:
         pytest.skip("group does not divide K")
@@ -69,4 +75,36 @@ def test_triton_int4_gemv(shape, dtype, rows, group) -> None:
     x = torch.randn(rows, K, device=DEVICE).to(dtype)
     b = torch.randn(N, device=DEVICE).to(dtype)
     ref = quantized.int4_weight_linear(x.float(), packed, s16, m16, group, b.float()).to(dtype)  # fp32 sums, as the kernel's
-    assert _rel(gemv.int4_gemv(x, packed, s16, m16, group, b), ref) < _tol(dtype)
+    assert _rel(gemv.int4_gemv(x, packed, s16, m16, group, b, cfg), ref) < _tol(dtype)
+
+
+def test_triton_gemv_tune_keeps_the_fastest(monkeypatch) -> None:
+    """tune() times every candidate of each distinct linear shape once and the ops dispatch on the
+    fastest (timings faked here: the choice logic, not the clock)."""
+    import tiny_models as tm
+
+    from fasterllama.model.llama import Linear
+    from fasterllama.quant import QuantConfig, quantize_model
+
+    model = tm.build_hf_model(tm.SPECS["mha"])  # any torch module tree with .norm works: build ours
+    from fasterllama.loading.model_loader import load_model
+
+    path = tm.save_hf_checkpoint(model, str(__import__("tempfile").mkdtemp()))
+    net = load_model(path, torch.float32, torch.device("cpu"), None, True, progress=False).model
+    quantize_model(net, QuantConfig.parse("w4-g32"))
+    seen = []
+
+    def fake_time(fn):
+        seen.append(fn)
+        return 1.0 if len(seen) % 3 else 0.5  # every third candidate is fastest
+
+    monkeypatch.setattr(gemv, "_time", fake_time)
+    monkeypatch.setattr(gemv, "_CHOICE", {})
+    timings = gemv.tune(net, torch.float32)
+    shapes = {("int4", m.out_features, m.in_features, 32, torch.float32) for m in net.modules() if hasattr(m, "scales")}
+    assert set(timings) == shapes  # once per distinct shape (the tied head: once)
+    assert all(len(t) == 1 + len(gemv.CONFIGS) for t in timings.values())
+    for key in shapes:
+        kernel, cfg = gemv.choice(*key)
+        assert timings[key][f"{kernel}{tuple(cfg) if kernel == 'gemv' else ''}"] == 0.5
+    assert not any(isinstance(m, Linear) for m in net.layers.modules())

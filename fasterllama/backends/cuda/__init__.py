@@ -26,21 +26,27 @@ def _gemv_ops(gemv, triton_linear) -> dict:
         return x.numel() // x.shape[-1]
 
     def linear(x, weight, bias=None):
-        if rows(x) <= gemv.MAX_ROWS and gemv.choice("float", *weight.shape, 0, x.dtype) == "gemv":
-            return gemv.float_gemv(x, weight, bias)
+        if rows(x) <= gemv.MAX_ROWS:
+            kernel, cfg = gemv.choice("float", *weight.shape, 0, x.dtype)
+            if kernel == "gemv":
+                return gemv.float_gemv(x, weight, bias, cfg)
         return F.linear(x, weight, bias)
 
     def int8_weight_linear(x, qweight, scale, bias=None):
         N, K = qweight.shape
         group = K // scale.shape[1] if scale.dim() == 2 else 0
-        if rows(x) <= gemv.MAX_ROWS and gemv.supports("int8", K, group or 32) and gemv.choice("int8", N, K, group, x.dtype) == "gemv":
-            return gemv.int8_gemv(x, qweight, scale, bias)
+        if rows(x) <= gemv.MAX_ROWS and gemv.supports("int8", K, group or 32):
+            kernel, cfg = gemv.choice("int8", N, K, group, x.dtype)
+            if kernel == "gemv":
+                return gemv.int8_gemv(x, qweight, scale, bias, cfg)
         return triton_linear.int8_weight_linear(x, qweight, scale, bias)
 
     def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
         N, K = packed.shape[0], packed.shape[1] * 2
-        if rows(x) <= gemv.MAX_ROWS and gemv.supports("int4", K, group_size) and gemv.choice("int4", N, K, group_size, x.dtype) == "gemv":
-            return gemv.int4_gemv(x, packed, scales, mins, group_size, bias)
+        if rows(x) <= gemv.MAX_ROWS and gemv.supports("int4", K, group_size):
+            kernel, cfg = gemv.choice("int4", N, K, group_size, x.dtype)
+            if kernel == "gemv":
+                return gemv.int4_gemv(x, packed, scales, mins, group_size, bias, cfg)
         return triton_linear.int4_weight_linear(x, packed, scales, mins, group_size, bias)
 
     return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear}
@@ -87,7 +93,10 @@ class CUDABackend(Backend):
         if self.kernels and self.device.type == "cuda":
             from . import gemv
 
-            self.gemv_timings = gemv.tune(model, model.norm.weight.dtype)
+            try:
+                self.gemv_timings = gemv.tune(model, model.norm.weight.dtype)
+            except RuntimeError as e:  # an optimization only: the default kernels stay
+                log.warning("timing the decode GEMVs failed (%s); using the defaults", e)
 
     def decode_plan(self, model, kv_cache) -> DecodePlan | None:
         """CUDA graphs need every op of the step to be a kernel that reads its inputs from device

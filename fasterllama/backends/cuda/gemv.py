@@ -13,6 +13,8 @@ prepared (milliseconds) and the ops dispatch on what it found; untuned shapes ta
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -21,9 +23,17 @@ import triton.language as tl
 from . import triton_linear
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
-_BLOCK_N = 32
-_TILE_BYTES = 512  # bytes of a row a program reads per iteration
-_WARPS = 8
+
+
+class Config(NamedTuple):
+    block_n: int  # rows of W a program owns
+    tile_bytes: int  # bytes of each row it reads per iteration (4-bit: half, each byte is two values)
+    warps: int
+    programs_per_sm: int  # split-K until the grid has this many programs per multiprocessor
+
+
+CONFIGS = (Config(32, 512, 8, 2), Config(16, 512, 4, 4), Config(64, 256, 8, 2), Config(8, 1024, 4, 8))
+DEFAULT_CONFIG = CONFIGS[0]
 
 
 @triton.jit
@@ -141,17 +151,17 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
 
 
-def _launch(kernel, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple, **meta) -> torch.Tensor:
+def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple, **meta) -> torch.Tensor:
     """Grid over row blocks and slices of the `span` a program walks in `step`s (K, or K/2 bytes of
     4-bit weights): split-K when the row blocks alone do not fill the chip."""
     M = x2.shape[0]
-    blocks = triton.cdiv(N, _BLOCK_N)
+    blocks = triton.cdiv(N, cfg.block_n)
     steps = triton.cdiv(span, step)
-    per = triton.cdiv(steps, max(1, min(steps, triton.cdiv(2 * triton_linear._num_sms(x2.device), blocks))))
+    per = triton.cdiv(steps, max(1, min(steps, triton.cdiv(cfg.programs_per_sm * triton_linear._num_sms(x2.device), blocks))))
     splits = triton.cdiv(steps, per)
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     part = out if splits == 1 and bias is None else torch.empty(splits, M, N, dtype=torch.float32, device=x2.device)
-    kernel[(blocks, splits)](x2, *args, part, M, N, K, x2.stride(0), per * step, BLOCK_N=_BLOCK_N, TWO=M == 2, num_warps=_WARPS, **meta)
+    kernel[(blocks, splits)](x2, *args, part, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, TWO=M == 2, num_warps=cfg.warps, **meta)
     triton_linear._reduce(part, out, bias)
     return out
 
@@ -161,34 +171,35 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def float_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def float_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG) -> torch.Tensor:
     N, K = weight.shape
     x2 = _rows(x)
-    block_k = _TILE_BYTES // weight.element_size()
-    out = _launch(_float_gemv_kernel, x2, N, K, K, block_k, bias, x.dtype, (weight.contiguous(),), BLOCK_K=block_k)
+    block_k = cfg.tile_bytes // weight.element_size()
+    out = _launch(_float_gemv_kernel, cfg, x2, N, K, K, block_k, bias, x.dtype, (weight.contiguous(),), BLOCK_K=block_k)
     return out.view(*x.shape[:-1], N)
 
 
-def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+              cfg: Config = DEFAULT_CONFIG) -> torch.Tensor:
     N, K = qweight.shape
     s = scale.reshape(N, -1)
     G = s.shape[1]
     gs = K // G if G > 1 else 32
     x2 = _rows(x)
-    gpb = max(1, _TILE_BYTES // gs)
+    gpb = max(1, cfg.tile_bytes // gs)
     args = (qweight.contiguous(), s.contiguous())
-    out = _launch(_int8_gemv_kernel, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1)
+    out = _launch(_int8_gemv_kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1)
     return out.view(*x.shape[:-1], N)
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG) -> torch.Tensor:
     N = packed.shape[0]
     K = packed.shape[1] * 2
     x2 = _rows(x)
-    gpb = max(1, _TILE_BYTES // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
+    gpb = max(1, cfg.tile_bytes // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
     args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
-    out = _launch(_int4_gemv_kernel, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb)
+    out = _launch(_int4_gemv_kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb)
     return out.view(*x.shape[:-1], N)
 
 
@@ -202,62 +213,75 @@ def supports(kind: str, K: int, group: int) -> bool:
 
 
 # -- the choice ----------------------------------------------------------------------------------------
-_CHOICE: dict[tuple, str] = {}  # (kind, N, K, group, dtype) -> "gemv" | "tiled" | "cublas"
+_CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> ("gemv" | "tiled" | "cublas", config)
 DEFAULT = {"float": "cublas", "int8": "gemv", "int4": "gemv"}
 
 
-def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype) -> str:
-    return _CHOICE.get((kind, N, K, group, dtype), DEFAULT[kind])
+def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype) -> tuple[str, Config]:
+    return _CHOICE.get((kind, N, K, group, dtype), (DEFAULT[kind], DEFAULT_CONFIG))
 
 
-def _time(fn, reps: int = 20) -> float:
-    fn()
+def _time(fn, calls: int = 10, replays: int = 5) -> float:
+    """Milliseconds a call, launched from a CUDA graph as decode steps launch it (timed eagerly,
+    the host's launch overhead would decide: Triton's launcher costs more than cuBLAS's)."""
+    fn()  # compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(reps):
-        fn()
+    for _ in range(replays):
+        graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / reps
+    return start.elapsed_time(end) / (calls * replays)
 
 
 def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
+    """(shape key, {(kernel, config): call}) for one linear module at activation x."""
     from ...model.llama import Linear
     from ...quant.linear import Int4Linear, Int8Linear
 
     if type(module) is Linear and module.weight.is_floating_point():
         w = module.weight
-        return ("float", *w.shape, 0, x.dtype), {"cublas": lambda: F.linear(x, w), "gemv": lambda: float_gemv(x, w)}
+        fns = {("gemv", c): (lambda c=c: float_gemv(x, w, cfg=c)) for c in CONFIGS}
+        return ("float", *w.shape, 0, x.dtype), {("cublas", DEFAULT_CONFIG): lambda: F.linear(x, w), **fns}
     if isinstance(module, Int8Linear) and not module.panels:
         q, s = module.qweight, module.weight_scale
-        g = module.group_size or 32
-        if not supports("int8", q.shape[1], g):
+        if not supports("int8", q.shape[1], module.group_size or 32):
             return (), {}
-        return ("int8", *q.shape, module.group_size or 0, x.dtype), {
-            "tiled": lambda: triton_linear.int8_weight_linear(x, q, s), "gemv": lambda: int8_gemv(x, q, s)}
+        fns = {("gemv", c): (lambda c=c: int8_gemv(x, q, s, cfg=c)) for c in CONFIGS}
+        return ("int8", *q.shape, module.group_size or 0, x.dtype), {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s), **fns}
     if isinstance(module, Int4Linear) and not module.panels:
         args = (module.qweight, module.scales, module.mins, module.group_size)
+        fns = {("gemv", c): (lambda c=c: int4_gemv(x, *args, cfg=c)) for c in CONFIGS}
         return ("int4", module.out_features, module.in_features, module.group_size, x.dtype), {
-            "tiled": lambda: triton_linear.int4_weight_linear(x, *args), "gemv": lambda: int4_gemv(x, *args)}
+            ("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(x, *args), **fns}
     return (), {}
 
 
 def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, float]]:
-    """Time each candidate kernel for every distinct linear shape of the model at one activation
-    row and remember the fastest; returns {shape: {kernel: ms}} (a CUDA model only)."""
+    """Time each candidate kernel and config for every distinct linear shape of the model at one
+    activation row and remember the fastest; returns {shape: {kernel/config: ms}} (CUDA only)."""
     device = model.norm.weight.device
     timings: dict[tuple, dict[str, float]] = {}
     with torch.inference_mode():
         for module in model.modules():
-            x = None
             in_features = getattr(module, "in_features", None)
             if in_features is None:
                 continue
             x = torch.randn(1, in_features, dtype=dtype, device=device)
             key, fns = _candidates(module, x)
-            if not fns or key in timings:
+            if not fns or key in timings or key in _CHOICE:
                 continue
-            timings[key] = {name: _time(fn) for name, fn in fns.items()}
-            _CHOICE[key] = min(timings[key], key=timings[key].get)
+            ms = {name: _time(fn) for name, fn in fns.items()}
+            _CHOICE[key] = min(ms, key=ms.get)
+            timings[key] = {f"{name}{tuple(cfg) if name == 'gemv' else ''}": t for (name, cfg), t in ms.items()}
     return timings
-
