@@ -164,13 +164,31 @@ def rope_and_store(
 
 
 @triton.jit
-def _kv_offsets(bt_row_ptr, offs_n, block_size, stride_cb, stride_cs, mask_n, MASKED: tl.constexpr):
-    """Element offsets of key positions offs_n [BLOCK_N] in a paged cache, via a block-table row."""
+def _load_kv(k_base, v_base, bt_row_ptr, offs_n, mask_n, offs_d, mask_d, block_size, stride_cb, stride_cs,
+             MASKED: tl.constexpr, PADDED: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V tiles [BLOCK_N, BLOCK_D] of key positions offs_n in a paged cache, found through a
+    block-table row; positions outside mask_n (MASKED) and padded head lanes (PADDED) read 0."""
     if MASKED:
         blk = tl.load(bt_row_ptr + offs_n // block_size, mask=mask_n, other=0)
     else:
         blk = tl.load(bt_row_ptr + offs_n // block_size)
-    return blk.to(tl.int64) * stride_cb + (offs_n % block_size).to(tl.int64) * stride_cs
+    rows = (blk.to(tl.int64) * stride_cb + (offs_n % block_size).to(tl.int64) * stride_cs)[:, None] + offs_d[None, :]
+    if MASKED:
+        mask = mask_n[:, None]
+        if PADDED:
+            mask = mask & mask_d
+        k = tl.load(k_base + rows, mask=mask, other=0)
+        v = tl.load(v_base + rows, mask=mask, other=0)
+    elif PADDED:
+        k = tl.load(k_base + rows, mask=mask_d, other=0)
+        v = tl.load(v_base + rows, mask=mask_d, other=0)
+    else:
+        k = tl.load(k_base + rows)
+        v = tl.load(v_base + rows)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
 
 
 @triton.jit
@@ -239,15 +257,7 @@ def _decode_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        rows = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, mask_n, True)[:, None] + offs_d[None, :]
-        mask_kv = mask_n[:, None]
-        if PADDED:
-            mask_kv = mask_kv & mask_d
-        k = tl.load(k_base + rows, mask=mask_kv, other=0)
-        v = tl.load(v_base + rows, mask=mask_kv, other=0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, bt_row, offs_n, mask_n, offs_d, mask_d, block_size, stride_cb, stride_cs, True, PADDED, UPCAST)
         m_i, l_i, acc = _softmax_step(q, k, v, mask_n[None, :], m_i, l_i, acc, qk_scale, USE_DOT, PRECISION)
 
     if NUM_SPLITS == 1:
@@ -415,29 +425,12 @@ def _prefill_kernel(
     hi = start + tl.minimum((mb + 1) * BLOCK_M, n)
     for k_lo in range(0, full_end, BLOCK_N):
         offs_n = k_lo + tl.arange(0, BLOCK_N)
-        kv = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, None, False)[:, None] + offs_d[None, :]
-        if PADDED:
-            k = tl.load(k_base + kv, mask=mask_d, other=0)
-            v = tl.load(v_base + kv, mask=mask_d, other=0)
-        else:
-            k = tl.load(k_base + kv)
-            v = tl.load(v_base + kv)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, bt_row, offs_n, None, offs_d, mask_d, block_size, stride_cb, stride_cs, False, PADDED, UPCAST)
         m_i, l_i, acc = _softmax_step(q, k, v, None, m_i, l_i, acc, qk_scale, True, PRECISION)
     for k_lo in range(full_end, hi, BLOCK_N):
         offs_n = k_lo + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
-        kv = _kv_offsets(bt_row, offs_n, block_size, stride_cb, stride_cs, mask_n, True)[:, None] + offs_d[None, :]
-        mask_kv = mask_n[:, None]
-        if PADDED:
-            mask_kv = mask_kv & mask_d
-        k = tl.load(k_base + kv, mask=mask_kv, other=0)
-        v = tl.load(v_base + kv, mask=mask_kv, other=0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = _load_kv(k_base, v_base, bt_row, offs_n, mask_n, offs_d, mask_d, block_size, stride_cb, stride_cs, True, PADDED, UPCAST)
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale, True, PRECISION)
 
