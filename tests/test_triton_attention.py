@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from fasterllama.backends.cuda import triton_attention as ta
 from fasterllama.ops import reference
-from fasterllama.ops.reference import AttentionMetadata
+from fasterllama.ops.metadata import AttentionMetadata
 
 DEVICE = "cpu" if INTERPRET else "cuda"
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

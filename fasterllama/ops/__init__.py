@@ -5,13 +5,14 @@ registers its version for a device type with `register`; tests compare it with t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Iterator
 
 import torch
 
 from . import quantized, reference
+from .metadata import AttentionMetadata
 
 _BACKENDS: dict[str, dict[str, Callable]] = {}
 
@@ -21,11 +22,11 @@ def register(device_type: str, name: str, fn: Callable) -> None:
     _BACKENDS.setdefault(device_type, {})[name] = fn
 
 
-_step: ContextVar["reference.AttentionMetadata | None"] = ContextVar("fasterllama_step", default=None)
+_step: ContextVar[AttentionMetadata | None] = ContextVar("fasterllama_step", default=None)
 
 
 @contextmanager
-def step(meta: "reference.AttentionMetadata") -> Iterator[None]:
+def step(meta: AttentionMetadata) -> Iterator[None]:
     """Make the running forward's metadata visible to code whose call signature does not carry it
     (calibration hooks leave the rows that start a sequence out of static int8 statistics)."""
     token = _step.set(meta)
@@ -35,7 +36,7 @@ def step(meta: "reference.AttentionMetadata") -> Iterator[None]:
         _step.reset(token)
 
 
-def current_step() -> "reference.AttentionMetadata | None":
+def current_step() -> AttentionMetadata | None:
     return _step.get()
 
 
@@ -71,7 +72,7 @@ def rope_and_store_kv(qkv, cos, sin, kv, meta, num_heads: int, num_kv_heads: int
     return get_op("rope_and_store_kv", qkv.device)(qkv, cos, sin, kv[0], kv[1], meta, num_heads, num_kv_heads, head_dim)
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: "reference.AttentionMetadata", scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     return get_op("attention", q.device)(q, k_cache, v_cache, meta, scale)
 
 
@@ -126,4 +127,3 @@ unpack_int4 = quantized.unpack_int4
 unpack_int4_rows = quantized.unpack_int4_rows
 to_panels, from_panels, panel_rows = quantized.to_panels, quantized.from_panels, quantized.panel_rows
 int8_to_panels, int8_panel_rows = quantized.int8_to_panels, quantized.int8_panel_rows
-AttentionMetadata = reference.AttentionMetadata

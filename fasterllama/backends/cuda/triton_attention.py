@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ...ops import reference
-from ...ops.reference import AttentionMetadata
+from ...ops.metadata import AttentionMetadata
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
