@@ -169,3 +169,21 @@ def test_temperature_and_filters_match_hf(case):
     assert torch.equal(torch.isinf(ours), torch.isinf(ref))
     finite = ~torch.isinf(ref)
     torch.testing.assert_close(ours[finite], ref[finite], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_top_p_without_full_sort_same_nucleus(flat: bool, monkeypatch) -> None:
+    """The nucleus found among the top candidates equals the full sort's; flat rows (candidates
+    short of top_p) fall back to the sort, peaked ones never sort the vocabulary."""
+    from fasterllama.engine import sampler as smp
+
+    gen = torch.Generator().manual_seed(3 + flat)
+    logits = torch.randn(6, 5000, generator=gen) * (0.05 if flat else 6.0)
+    top_p = torch.tensor([0.1, 0.5, 0.8, 0.9, 0.95, 0.99])
+    sorted_logits, sorted_idx = torch.sort(logits, descending=False)
+    remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p[:, None])
+    remove[:, -1] = False
+    expected = remove.scatter(1, sorted_idx, remove)
+    if not flat:
+        monkeypatch.setattr(torch, "sort", lambda *a, **k: pytest.fail("sorted the whole vocabulary"))
+    assert torch.equal(smp.top_p_outside(logits, top_p), expected)

@@ -74,6 +74,27 @@ def apply_penalties(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return logits
 
 
+TOP_P_CANDIDATES = 256
+
+
+def top_p_outside(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Tokens outside each row's nucleus: those whose higher-ranked tokens hold top_p of the mass
+    already (the top token always stays; HF's TopPLogitsWarper). The nucleus almost always lies
+    within a few hundred tokens, so it is found among the top TOP_P_CANDIDATES (topk, sorted)
+    instead of sorting the whole vocabulary; rows whose candidates hold less than top_p of the
+    mass fall back to the full sort."""
+    probs = logits.softmax(dim=-1)
+    k = min(TOP_P_CANDIDATES, probs.shape[-1])
+    top, idx = probs.topk(k, dim=-1)
+    if bool((top.sum(dim=-1) >= top_p).all()):
+        keep = (top.cumsum(dim=-1) - top) < top_p[:, None]  # mass above each candidate
+        return torch.ones_like(probs, dtype=torch.bool).scatter(1, idx, ~keep)
+    sorted_probs, sorted_idx = torch.sort(probs, descending=False)
+    remove = sorted_probs.cumsum(dim=-1) <= (1 - top_p[:, None])
+    remove[:, -1] = False
+    return remove.scatter(1, sorted_idx, remove)
+
+
 def apply_temperature_and_filters(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p masks (-inf outside the kept set), HF semantics."""
     temp = torch.where(b.temperature > 0, b.temperature, torch.ones_like(b.temperature))
@@ -85,12 +106,7 @@ def apply_temperature_and_filters(logits: torch.Tensor, b: SamplingBatch) -> tor
         kth = torch.topk(logits, int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
         logits = torch.where(logits < kth, neg_inf, logits)
     if (b.top_p < 1).any():
-        sorted_logits, sorted_idx = torch.sort(logits, descending=False)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        remove = cum <= (1 - b.top_p[:, None])
-        remove[:, -1] = False
-        remove = remove.scatter(1, sorted_idx, remove)
-        logits = torch.where(remove, neg_inf, logits)
+        logits = torch.where(top_p_outside(logits, b.top_p), neg_inf, logits)
     if (b.min_p > 0).any():
         probs = logits.softmax(dim=-1)
         threshold = b.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
