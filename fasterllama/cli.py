@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import sys
 import time
@@ -12,6 +13,12 @@ from .errors import FasterLlamaError
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Every parser, subcommands' included, takes --debug: `fasterllama generate --debug ...`
+        works as well as `fasterllama --debug generate ...` (SUPPRESS: absent stays unset)."""
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks on errors")
+
     def error(self, message: str) -> None:  # one line, no usage dump
         print(f"error: {message} (see '{self.prog} --help')", file=sys.stderr)
         raise SystemExit(2)
@@ -107,10 +114,29 @@ def _print_reply(llm: Any, prompt: Any, params: Any) -> str:
     return llm.last_output.text
 
 
+def _tolerant_stdin() -> None:
+    """Decode piped stdin as UTF-8 with U+FFFD for bad bytes (a tty keeps its encoding): Python's
+    default surrogateescape lets undecodable bytes through as lone surrogates, which the tokenizer
+    then rejects after the model has loaded ("TextInputSequence must be str")."""
+    stdin = sys.stdin
+    if isinstance(stdin, io.TextIOWrapper):
+        stdin.reconfigure(encoding=stdin.encoding if stdin.isatty() else "utf-8", errors="replace")
+
+
+def _argv_text(text: str | None) -> str | None:
+    """A command-line argument as valid text: bytes the locale could not decode become U+FFFD."""
+    if text is None:
+        return None
+    encoding = sys.getfilesystemencoding()  # what Python decoded argv with, undecodable bytes escaped
+    return text.encode(encoding, "surrogateescape").decode(encoding, "replace")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # validate before the (slow) load
-    prompt = args.prompt
+    prompt = _argv_text(args.prompt)
+    args.system = _argv_text(args.system)
     if prompt is None or prompt == "-":
+        _tolerant_stdin()
         prompt = sys.stdin.read()
     if not prompt:
         raise FasterLlamaError("empty prompt")
@@ -129,6 +155,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
+    args.system = _argv_text(args.system)
+    _tolerant_stdin()
     llm = _load(args)
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -261,8 +289,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fasterllama", description="Fast, hackable inference for LLaMA-family models.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser = _Parser(prog="fasterllama", description="Fast, hackable inference for LLaMA-family models.")  # --debug: see _Parser
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate a continuation of PROMPT (streamed to stdout)")
@@ -323,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    debug = args.debug or os.environ.get("FASTERLLAMA_DEBUG") == "1"
+    debug = getattr(args, "debug", False) or os.environ.get("FASTERLLAMA_DEBUG") == "1"
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -2,18 +2,78 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence as Seq
+from numbers import Number
+from typing import Any
 
+import numpy as np
 import torch
 
 from .engine.beam_search import BeamSearch
-from .engine.llm_engine import LLMEngine
+from .engine.llm_engine import LLMEngine, check_text
 from .engine.sequence import Sequence
 from .errors import FasterLlamaError
 from .sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def _kind(value: object) -> str:
+    """A value's type for an error message ('None' rather than 'NoneType')."""
+    return "None" if value is None else type(value).__name__
+
+
+def _is_scalar(value: object) -> bool:
+    """A number (Python, numpy or 0-d torch): an element of a token-id prompt, not a prompt."""
+    return isinstance(value, (Number, np.generic)) or (isinstance(value, torch.Tensor) and value.ndim == 0)
+
+
+def prompt_list(prompts: object) -> list[Prompt]:
+    """One prompt or a list of prompts as a list of prompts, refusing anything else with one error.
+
+    Without this a dict generated from its keys, None/int/bytes raised raw TypeErrors, and a list
+    mixing strings and ids failed deep inside; token ids themselves are checked by the engine."""
+    if isinstance(prompts, str) or (isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 1):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        hint = " (decode bytes to a string first)" if isinstance(prompts, (bytes, bytearray)) else ""
+        raise FasterLlamaError(f"prompts must be a string, a list of token ids, or a list of those; got {_kind(prompts)}{hint}")
+    has_text = any(isinstance(p, str) for p in prompts)
+    if any(_is_scalar(p) for p in prompts):
+        if has_text:
+            raise FasterLlamaError("the prompts mix strings and token ids: pass a string, a list of token ids, "
+                                   "or a list of prompts that are each a string or a list of token ids")
+        return [list(prompts)]  # one token-id prompt
+    for i, p in enumerate(prompts):
+        if not (isinstance(p, (str, list, tuple)) or (isinstance(p, (torch.Tensor, np.ndarray)) and p.ndim == 1)):
+            hint = " (decode bytes to a string first)" if isinstance(p, (bytes, bytearray)) else ""
+            raise FasterLlamaError(f"prompt {i} must be a string or a list of token ids, got {_kind(p)}{hint}")
+    return list(prompts)
+
+
+def check_messages(messages: object) -> list[dict[str, Any]]:
+    """One conversation: a non-empty list of {"role": ..., "content": str} dicts. Checked here so
+    a missing content or an unknown role is one clear error, not a KeyError in the chat template."""
+    if not isinstance(messages, (list, tuple)):
+        raise FasterLlamaError(f"a conversation must be a list of message dicts, got {_kind(messages)}")
+    if not messages:
+        raise FasterLlamaError("a conversation must have at least one message, got an empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise FasterLlamaError(f"message {i} must be a dict with 'role' and 'content', got {_kind(m)}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise FasterLlamaError(f"message {i}: role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if "content" not in m:
+            raise FasterLlamaError(f"message {i} ({role}) has no 'content'")
+        if not isinstance(m["content"], str):
+            raise FasterLlamaError(f"message {i} ({role}): content must be a string, got {_kind(m['content'])}")
+        check_text(m["content"], f"message {i} ({role})")
+    return list(messages)
 
 
 @dataclass
@@ -28,7 +88,7 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
 
     @classmethod
-    def from_sequence(cls, index: int, seq: Sequence) -> "CompletionOutput":
+    def from_sequence(cls, index: int, seq: Sequence) -> CompletionOutput:
         asked = seq.params.logprobs is not None
         return cls(index, seq.text, list(seq.output_token_ids), seq.finish_reason,
                    seq.logprobs if asked else None, seq.cumulative_logprob if asked else None)
@@ -64,7 +124,7 @@ class RequestOutput:
         return self.outputs[0].cumulative_logprob
 
     @classmethod
-    def from_sequences(cls, prompt: Prompt, seqs: list[Sequence]) -> "RequestOutput":
+    def from_sequences(cls, prompt: Prompt, seqs: list[Sequence]) -> RequestOutput:
         return cls(
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=seqs[0].prompt_token_ids,
@@ -113,29 +173,34 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string or a list of token ids); one output per prompt."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
-        else:
+        elif isinstance(params, (list, tuple)):
             params_list = list(params)
+            bad = [_kind(p) for p in params_list if not isinstance(p, SamplingParams)]
+            if bad:
+                raise FasterLlamaError(f"params must be a SamplingParams or a list of them, got a list holding {bad[0]}")
             if len(params_list) != len(prompts):
                 raise FasterLlamaError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        else:
+            raise FasterLlamaError(f"params must be a SamplingParams, a list of them, or None; got {_kind(params)}")
         engine = self.engine
+        prompt_ids = [engine.encode_prompt(p) for p in prompts]  # every prompt checked before any work
         results: dict[int, RequestOutput] = {}
         beam_groups: dict[int, list[int]] = {}  # prompts sharing one beam-search params object run batched
         for i, p in enumerate(params_list):
             if p.beam_width > 1:
                 beam_groups.setdefault(id(p), []).append(i)
         for idx in beam_groups.values():
-            for i, out in zip(idx, self._beam_search([prompts[i] for i in idx], params_list[idx[0]])):
+            outs = self._beam_search([prompts[i] for i in idx], [prompt_ids[i] for i in idx], params_list[idx[0]])
+            for i, out in zip(idx, outs):
                 results[i] = out
         groups: dict[int, list[Sequence]] = {}
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            for i, (ids, p) in enumerate(zip(prompt_ids, params_list)):
                 if p.beam_width == 1:
-                    groups[i] = [engine.add_request(prompt, p, sample_index=k) for k in range(p.n)]
+                    groups[i] = [engine.add_request(ids, p, sample_index=k) for k in range(p.n)]
             while engine.has_unfinished():
                 engine.step()
         except BaseException:
@@ -146,8 +211,7 @@ class LLM:
             results[i] = RequestOutput.from_sequences(prompts[i], g)
         return [results[i] for i in range(len(prompts))]
 
-    def _beam_search(self, prompts: list[Prompt], params: SamplingParams) -> list[RequestOutput]:
-        ids = [self.engine.encode_prompt(p) for p in prompts]
+    def _beam_search(self, prompts: list[Prompt], ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         outs = []
         for prompt, prompt_ids, beams in zip(prompts, ids, BeamSearch(self.engine).run(ids, params)):
             outputs = [CompletionOutput(k, b.text, b.token_ids, b.finish_reason, None, b.cumulative_logprob) for k, b in enumerate(beams)]
@@ -156,6 +220,10 @@ class LLM:
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
         """Generate for one prompt, yielding text deltas as they become printable."""
+        batch = prompt_list(prompt)
+        if len(batch) != 1:
+            raise FasterLlamaError(f"stream takes one prompt (a string or a list of token ids), got {len(batch)} prompts")
+        prompt = batch[0]
         engine = self.engine
         seq = engine.add_request(prompt, params)
         try:
@@ -168,7 +236,8 @@ class LLM:
         self.last_output = RequestOutput.from_sequences(prompt, [seq])
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        """Token ids of one conversation rendered by the model's chat template (messages checked)."""
+        return self.tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=True, tokenize=True)
 
     def chat(
         self,
@@ -176,6 +245,8 @@ class LLM:
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        if not isinstance(messages, (list, tuple)):
+            raise FasterLlamaError(f"messages must be a list of message dicts (or a list of such lists), got {_kind(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self.chat_prompt(c) for c in conversations], params)
 

@@ -1,10 +1,79 @@
-"""SamplingParams: how one request decodes. Validated on construction with clear errors."""
+"""SamplingParams: how one request decodes. Validated on construction with clear errors.
+
+Every field's type and range is checked here, once, so that the Python API, the CLI and a
+server all reject the same bad values with the same one-line FasterLlamaError (instead of a
+TypeError deep in the sampler, or a silently wrong result such as temperature="0.5")."""
 
 from __future__ import annotations
 
+import math
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from numbers import Real
+from typing import Any
 
 from .errors import FasterLlamaError
+
+_INT64_MAX = 2**63 - 1
+_INT32_MAX = 2**31 - 1
+
+
+def _show(value: Any) -> str:
+    """repr of a bad value, with its type when the repr alone would hide it ('0.5' vs 0.5)."""
+    return repr(value) if type(value) in (int, float, type(None)) else f"{value!r} ({type(value).__name__})"
+
+
+def _is_bool(value: Any) -> bool:
+    """Python, numpy and torch booleans: integers to Python, but never a count or a token id."""
+    return isinstance(value, bool) or str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
+def integer_value(value: Any) -> int | None:
+    """value as an int if it is an integer (int, numpy or torch integer scalar); None for bools,
+    floats, strings and the rest: 1.5 must not be truncated to 1, nor True taken for 1."""
+    if _is_bool(value):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_int(name: str, value: Any, low: int, high: int | None = None, note: str = "") -> int:
+    """An integer in [low, high] (normalized to a Python int), or one error naming the range."""
+    number = integer_value(value)
+    if number is None or number < low or (high is not None and number > high):
+        allowed = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+        raise FasterLlamaError(f"{name} must be {allowed}{note}, got {_show(value)}")
+    return number
+
+
+def _check_real(name: str, value: Any, allowed: str, ok: Callable[[float], bool] = lambda x: True) -> float:
+    """A finite real number (int or float, not bool or str) for which ok(x) holds, as a float."""
+    if isinstance(value, Real) and not _is_bool(value):
+        number = float(value)
+        if math.isfinite(number) and ok(number):
+            return number
+    raise FasterLlamaError(f"{name} must be {allowed}, got {_show(value)}")
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    """A real bool: a server's "false" string or a 0/1 must not pass as a flag by truthiness."""
+    if not isinstance(value, bool):
+        raise FasterLlamaError(f"{name} must be True or False, got {_show(value)}")
+    return value
+
+
+def _check_list(name: str, value: Any, single: type | None, allowed: str) -> list[Any]:
+    """None -> [], a lone `single` value -> [value], a list/tuple -> a list; anything else fails."""
+    if value is None:
+        return []
+    if single is not None and isinstance(value, single):
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise FasterLlamaError(f"{name} must be {allowed}, got {_show(value)}")
+    return list(value)
 
 
 @dataclass
@@ -19,7 +88,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # a string, a list of strings, or None (no stop strings)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token
@@ -32,34 +101,37 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens, f"min_tokens must be in [0, max_tokens], got {self.min_tokens!r}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers"),
-            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20), f"logprobs must be an integer in [0, 20], got {self.logprobs!r}"),
-            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20), f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}"),
-            (isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}"),
-            (isinstance(self.beam_width, int) and self.beam_width >= 1, f"beam_width must be an integer >= 1, got {self.beam_width!r}"),
-            (self.beam_width == 1 or self.n <= self.beam_width, f"n ({self.n}) cannot exceed beam_width ({self.beam_width})"),
-            (self.early_stopping in (True, False, "never"), f"early_stopping must be True, False or 'never', got {self.early_stopping!r}"),
-            (self.diversity_rate >= 0, f"diversity_rate must be >= 0, got {self.diversity_rate}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise FasterLlamaError(message)
+        """Check every field's type and range, normalizing numbers (numpy ints -> int, 0 -> 0.0)."""
+        self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
+        self.temperature = _check_real("temperature", self.temperature, "a finite number >= 0 (0 = greedy)", lambda x: x >= 0)
+        self.top_k = _check_int("top_k", self.top_k, 0, _INT32_MAX, " (0 = off)")
+        self.top_p = _check_real("top_p", self.top_p, "a number in (0, 1]", lambda x: 0 < x <= 1)
+        self.min_p = _check_real("min_p", self.min_p, "a number in [0, 1]", lambda x: 0 <= x <= 1)
+        self.repetition_penalty = _check_real("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)", lambda x: x > 0)
+        self.presence_penalty = _check_real("presence_penalty", self.presence_penalty, "a number in [-2, 2]", lambda x: -2 <= x <= 2)
+        self.frequency_penalty = _check_real("frequency_penalty", self.frequency_penalty, "a number in [-2, 2]", lambda x: -2 <= x <= 2)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, " (at most max_tokens)")
+        self.stop = _check_list("stop", self.stop, str, "a string, a list of strings or None")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise FasterLlamaError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        ids = _check_list("stop_token_ids", self.stop_token_ids, None, "a list of integers >= 0 or None")
+        self.stop_token_ids = [_check_int("each of stop_token_ids", t, 0, _INT64_MAX) for t in ids]
+        self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            self.logprobs = _check_int("logprobs", self.logprobs, 0, 20, " or None")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _check_int("prompt_logprobs", self.prompt_logprobs, 0, 20, " or None")
+        self.n = _check_int("n", self.n, 1)
+        self.beam_width = _check_int("beam_width", self.beam_width, 1, note=" (1 = no beam search)")
+        if self.beam_width > 1 and self.n > self.beam_width:
+            raise FasterLlamaError(f"n ({self.n}) cannot exceed beam_width ({self.beam_width})")
+        self.length_penalty = _check_real("length_penalty", self.length_penalty, "a finite number")
+        if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
+            raise FasterLlamaError(f"early_stopping must be True, False or 'never', got {_show(self.early_stopping)}")
+        self.diversity_rate = _check_real("diversity_rate", self.diversity_rate, "a finite number >= 0", lambda x: x >= 0)
+        self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        if self.seed is not None:  # sample k draws with seed + k, packed into int64
+            self.seed = _check_int("seed", self.seed, -(2**63), 2**63 - self.n, " (a 64-bit integer; seed + n - 1 must fit too)")
 
     @property
     def greedy(self) -> bool:

@@ -4,10 +4,12 @@ request -> Sequence -> Scheduler -> ModelRunner -> Sampler -> detokenize -> fini
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import ops
@@ -16,7 +18,7 @@ from ..errors import ContextLengthError, FasterLlamaError
 from ..loading.model_loader import LoadedModel, load_model
 from ..model import LlamaForCausalLM
 from ..quant import QuantConfig, quantize_model
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, integer_value
 from ..tokenizer import Tokenizer
 from . import sampler
 from .kv_cache import KVCache
@@ -49,6 +51,29 @@ def _check_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
     for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_model_arg(model: object) -> str | None:
+    """The model argument as a str (a path, a known name) or None (the default model)."""
+    if model is None or isinstance(model, str):
+        return model
+    if isinstance(model, os.PathLike):
+        path = os.fspath(model)
+        if isinstance(path, str):
+            return path
+    raise FasterLlamaError(f"model must be a path or a known model name (a string), or None for the default model; got {model!r}")
+
+
+def check_text(text: str, what: str) -> str:
+    """text, if it is valid Unicode: a lone surrogate (undecodable bytes smuggled in by Python's
+    surrogateescape) would otherwise fail in the tokenizer as "TextInputSequence must be str"."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise FasterLlamaError(f"{what} is not valid Unicode text: lone surrogate {text[e.start]!r} at character {e.start} "
+                                   "(decode bytes with errors='replace')") from None
+    return text
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, backend: Backend) -> torch.dtype:
@@ -105,6 +130,11 @@ class LLMEngine:
         calibration_tokens: int = 2048,
     ) -> None:
         _check_limits(max_num_seqs, max_num_batched_tokens)
+        model = _check_model_arg(model)
+        if quantization is not None and not isinstance(quantization, (str, QuantConfig)):
+            raise FasterLlamaError(f"quantization must be a string such as 'w8' or 'none', got {type(quantization).__name__}")
+        if calibration_text is not None and not isinstance(calibration_text, str):
+            raise FasterLlamaError(f"calibration_text must be a string, got {type(calibration_text).__name__}")
         if quantization not in (None, "gguf", "none"):
             try:
                 QuantConfig.parse(quantization)  # a bad spec fails before the model loads
@@ -144,8 +174,11 @@ class LLMEngine:
         cfg = self.config
         if max_model_len is None:
             max_model_len = min(cfg.max_position_embeddings, 8192)
-        if not isinstance(max_model_len, int) or max_model_len < 2:
+        if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 2:
             raise FasterLlamaError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        if max_model_len > cfg.max_position_embeddings:  # past it the positions are untrained (and tables too short)
+            raise FasterLlamaError(f"max_model_len {max_model_len} exceeds the model's context of {cfg.max_position_embeddings} tokens "
+                                   "(max_position_embeddings); use at most that")
         self.max_model_len = max_model_len
         self.kv_cache = KVCache(cfg, max_num_seqs, max_model_len, self.dtype, self.device)
         self.scheduler = Scheduler(self.kv_cache, max_num_batched_tokens)
@@ -171,13 +204,13 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
+        """Token ids of a prompt (a string, or token ids checked against the vocabulary)."""
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise FasterLlamaError("a prompt must be a string or a list of token ids, got bytes (decode them to a string first)")
         else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-            if bad:
-                raise FasterLlamaError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+            ids = self.check_token_ids(prompt, "prompt")
         if not ids:
             raise FasterLlamaError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -187,8 +220,30 @@ class LLMEngine:
             )
         return ids
 
+    def check_token_ids(self, token_ids: object, what: str = "token_ids") -> list[int]:
+        """token_ids as a list of ints in the vocabulary: a list/tuple of ints (numpy or 0-d torch
+        integers too) or a 1-D integer array; floats and bools are refused rather than truncated."""
+        if isinstance(token_ids, (torch.Tensor, np.ndarray)) and token_ids.ndim == 1:
+            token_ids = token_ids.tolist()  # float/bool arrays become floats/bools, refused below
+        if not isinstance(token_ids, (list, tuple, range)):
+            allowed = "a string or a list of token ids" if what == "prompt" else "a list of token ids"
+            raise FasterLlamaError(f"{what} must be {allowed}, got {type(token_ids).__name__}")
+        vocab = self.config.vocab_size
+        ids = []
+        for pos, value in enumerate(token_ids):
+            tok = integer_value(value)
+            if tok is None:
+                raise FasterLlamaError(f"{what} must hold integer token ids (not floats, bools or strings), "
+                                       f"got {value!r} ({type(value).__name__}) at position {pos}")
+            if not 0 <= tok < vocab:
+                raise FasterLlamaError(f"token id {tok} (position {pos} of {what}) is outside the vocabulary (0..{vocab - 1})")
+            ids.append(tok)
+        return ids
+
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, sample_index: int = 0) -> Sequence:
         """Queue one sequence; sample_index picks an independent random stream for each of n samples."""
+        if params is not None and not isinstance(params, SamplingParams):
+            raise FasterLlamaError(f"params must be a SamplingParams (or None for the defaults), got {type(params).__name__}")
         params = params or SamplingParams()
         ids = self.encode_prompt(prompt)
         seed = params.seed + sample_index if params.seed is not None else random.getrandbits(62)
@@ -348,7 +403,7 @@ class LLMEngine:
     # -- research / tests -------------------------------------------------------------------
     def compute_logits(self, token_ids: Seq[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence (no sampling)."""
-        ids = [int(t) for t in token_ids]
+        ids = self.check_token_ids(token_ids)
         if not ids:
             raise FasterLlamaError("compute_logits needs at least one token")
         if len(ids) > self.max_model_len:

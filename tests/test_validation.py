@@ -1,0 +1,273 @@
+"""Bad input to the Python API and the CLI ends in one clear FasterLlamaError naming the parameter
+(and, on the command line, one `error:` line without a traceback), never a raw TypeError, an
+IndexError or a silently wrong result; non-UTF-8 input still gives a prompt. Tiny random model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tiny_models as tm
+import torch
+
+from fasterllama import LLM, SamplingParams
+from fasterllama.cli import main
+from fasterllama.errors import FasterLlamaError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny GQA model (context 512, vocabulary 320) with a minimal chat template."""
+    path = str(tmp_path_factory.mktemp("tiny_gqa"))
+    tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), path)
+    cfg_path = os.path.join(path, "tokenizer_config.json")
+    with open(cfg_path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    with open(cfg_path, "w", encoding="utf-8") as fh:
+        json.dump({**cfg, "chat_template": TEMPLATE}, fh)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str) -> LLM:
+    return LLM(model=model_path, progress=False)
+
+
+def run_cli(*args: str | bytes, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    """`fasterllama ARGS` in a subprocess; bytes in and out (stdin may be invalid UTF-8)."""
+    proc = subprocess.run([sys.executable, "-m", "fasterllama", *args], check=False, input=stdin, capture_output=True, timeout=120,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc.stdout, proc.stderr = proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+    return proc
+
+
+def one_error_line(stderr: str, *fragments: str) -> None:
+    """stderr ends in a single `error: ...` line holding every fragment, with no traceback."""
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), stderr
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+# -- 1-3: prompts ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "prompts,fragment",
+    [
+        ({"a": 1}, "got dict"),  # generated from its key "a" before
+        (None, "got None"),
+        (5, "got int"),
+        (b"hi", "decode bytes"),
+        (["hi", 5], "mix strings and token ids"),
+        ([5, "hi"], "mix strings and token ids"),
+        (["hi", None], "prompt 1 must be a string or a list of token ids, got None"),
+        ([1.5, 2], "integer token ids"),  # was truncated to [1, 2]
+        ([True, 2], "integer token ids"),
+        ([[3, 4], [np.float32(1.0)]], "integer token ids"),
+        (torch.tensor([1.0, 2.0]), "integer token ids"),
+        ([3, 400], "token id 400 (position 1 of prompt) is outside the vocabulary (0..319)"),
+        ([[]], "empty"),
+        ("\udcff hi", "not valid Unicode"),  # a lone surrogate: the tokenizer raised TypeError
+    ],
+)
+def test_bad_prompts_are_one_clear_error(llm: LLM, prompts: object, fragment: str) -> None:
+    with pytest.raises(FasterLlamaError) as info:
+        llm.generate(prompts, GREEDY)
+    assert fragment in str(info.value)
+    assert not llm.engine.has_unfinished()
+
+
+def test_integer_like_token_ids_are_accepted(llm: LLM) -> None:
+    want = llm.generate([5, 3, 7], GREEDY)[0]
+    for ids in ([np.int64(5), torch.tensor(3), 7], (5, 3, 7), np.array([5, 3, 7]), torch.tensor([5, 3, 7])):
+        got = llm.generate(ids, GREEDY)
+        assert len(got) == 1 and got[0].prompt_token_ids == [5, 3, 7] and got[0].token_ids == want.token_ids
+    batch = llm.generate(["hello", [5, 3, 7]], GREEDY)
+    assert [o.prompt_token_ids for o in batch][1] == [5, 3, 7] and batch[1].token_ids == want.token_ids
+    assert llm.generate([], GREEDY) == []
+    assert "".join(llm.stream([5, 3, 7], GREEDY)) == want.text
+
+
+def test_bad_params_and_stream_prompts(llm: LLM) -> None:
+    with pytest.raises(FasterLlamaError, match="params must be a SamplingParams"):
+        llm.generate("hi", {"temperature": 0})
+    with pytest.raises(FasterLlamaError, match="params must be a SamplingParams or a list of them"):
+        llm.generate(["a", "b"], [GREEDY, None])
+    with pytest.raises(FasterLlamaError, match="got None"):
+        list(llm.stream(None, GREEDY))
+    with pytest.raises(FasterLlamaError, match="stream takes one prompt"):
+        list(llm.stream(["a", "b"], GREEDY))
+
+
+# -- 4: SamplingParams -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,fragment",
+    [
+        ({"temperature": "0.5"}, "temperature must be a finite number >= 0"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": True}, "temperature"),
+        ({"max_tokens": -5}, "max_tokens must be an integer >= 1"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 10.0}, "max_tokens"),
+        ({"max_tokens": "10"}, "max_tokens"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": 2**40}, "top_k"),
+        ({"top_p": 0}, "top_p must be a number in (0, 1]"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": "0"}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"frequency_penalty": -2.5}, "frequency_penalty"),
+        ({"frequency_penalty": None}, "frequency_penalty"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"min_tokens": 300}, "min_tokens"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"stop": 5}, "stop must be a string, a list of strings or None"),
+        ({"stop": [""]}, "stop must be a list of non-empty strings"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": [2.0]}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos must be True or False"),
+        ({"logprobs": 21}, "logprobs must be an integer in [0, 20]"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"prompt_logprobs": 50}, "prompt_logprobs"),
+        ({"n": 0}, "n must be an integer >= 1"),
+        ({"n": 1.0}, "n must be"),
+        ({"beam_width": 0}, "beam_width"),
+        ({"beam_width": 2, "n": 3}, "cannot exceed beam_width"),
+        ({"length_penalty": math.nan}, "length_penalty"),
+        ({"length_penalty": "1"}, "length_penalty"),
+        ({"early_stopping": 1}, "early_stopping"),
+        ({"early_stopping": "always"}, "early_stopping"),
+        ({"diversity_rate": -1}, "diversity_rate"),
+        ({"skip_special_tokens": None}, "skip_special_tokens"),
+    ],
+)
+def test_sampling_params_checks_every_field(kwargs: dict, fragment: str) -> None:
+    with pytest.raises(FasterLlamaError) as info:
+        SamplingParams(**kwargs)
+    assert fragment in str(info.value)
+
+
+def test_sampling_params_valid_values_still_work() -> None:
+    assert SamplingParams(stop=None).stop == [] and SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"] and SamplingParams(stop_token_ids=None).stop_token_ids == []
+    p = SamplingParams(max_tokens=np.int64(8), temperature=0, top_k=np.int32(5), top_p=np.float32(0.5), seed=-3, logprobs=0,
+                       prompt_logprobs=20, stop_token_ids=(np.int64(2),), early_stopping="never", min_tokens=8)
+    assert p.greedy and type(p.max_tokens) is int and p.max_tokens == 8 and type(p.top_k) is int and p.top_p == 0.5
+    assert p.stop_token_ids == [2] and type(p.stop_token_ids[0]) is int and p.seed == -3
+    assert SamplingParams(beam_width=4, n=4, early_stopping=True, length_penalty=-0.5).n == 4
+    assert SamplingParams(temperature=2, presence_penalty=-2, frequency_penalty=2, min_p=1, top_p=1).temperature == 2.0
+
+
+# -- 5, 8: LLM arguments -----------------------------------------------------------------------
+def test_llm_arguments(model_path: str) -> None:
+    for bad in (123, b"/some/model", ["model"]):
+        with pytest.raises(FasterLlamaError, match="model must be a path or a known model name"):
+            LLM(bad, progress=False)
+    with pytest.raises(FasterLlamaError) as info:
+        LLM(model=model_path, max_model_len=100_000, progress=False)
+    assert "100000" in str(info.value) and "512" in str(info.value)
+    assert LLM(model=pathlib.Path(model_path), max_model_len=512, progress=False).engine.max_model_len == 512
+
+
+# -- 6: chat messages --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "messages,fragment",
+    [
+        ([{"role": "user"}], "message 0 (user) has no 'content'"),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": None}], "message 1 (user): content must be a string, got None"),
+        ([{"role": "user", "content": ["hi"]}], "content must be a string, got list"),
+        ([{"role": "robot", "content": "hi"}], "role must be one of system, user, assistant, tool, got 'robot'"),
+        ([{"content": "hi"}], "role must be one of"),
+        ([{"role": "user", "content": "hi"}, "hi"], "message 1 must be a dict"),
+        ([[{"role": "user", "content": "hi"}], []], "at least one message"),
+        ({"role": "user", "content": "hi"}, "messages must be a list"),
+        ("hi", "messages must be a list"),
+        ([{"role": "user", "content": "\ud800"}], "not valid Unicode"),
+    ],
+)
+def test_bad_chat_messages(llm: LLM, messages: object, fragment: str) -> None:
+    with pytest.raises(FasterLlamaError) as info:
+        llm.chat(messages, GREEDY)
+    assert fragment in str(info.value)
+
+
+def test_good_chat_matches_its_template(llm: LLM) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    ids = llm.tokenizer.encode("<s>system\nbe brief</s>\n<s>user\nhi</s>\n<s>assistant\n", add_special_tokens=False)
+    assert llm.chat_prompt(messages) == ids
+    assert llm.chat(messages, GREEDY)[0].token_ids == llm.generate(ids, GREEDY)[0].token_ids
+
+
+# -- 7: compute_logits -------------------------------------------------------------------------
+def test_compute_logits_checks_ids(llm: LLM) -> None:
+    with pytest.raises(FasterLlamaError, match=r"token id 320 \(position 1 of token_ids\) is outside the vocabulary \(0..319\)"):
+        llm.compute_logits([1, 320])
+    with pytest.raises(FasterLlamaError, match="outside the vocabulary"):
+        llm.compute_logits([-1])
+    with pytest.raises(FasterLlamaError, match="integer token ids"):
+        llm.compute_logits([1, 2.5])
+    with pytest.raises(FasterLlamaError, match="token_ids must be a list of token ids, got str"):
+        llm.compute_logits("hello")
+    assert torch.equal(llm.compute_logits(np.array([1, 2, 3])), llm.compute_logits([1, 2, 3]))
+
+
+# -- 8-10: the command line --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args,fragments",
+    [
+        (["--temperature", "nan"], ["temperature"]),
+        (["--temperature", "inf"], ["temperature"]),
+        (["--top-p", "0"], ["top_p"]),
+        (["--max-tokens", "-3"], ["max_tokens"]),
+        (["--max-model-len", "100000"], ["100000", "512"]),
+    ],
+)
+def test_cli_errors_are_one_line(model_path: str, capsys: pytest.CaptureFixture, args: list[str], fragments: list[str]) -> None:
+    assert main(["generate", "-q", "--model", model_path, *args, "hi"]) == 1
+    one_error_line(capsys.readouterr().err, *fragments)
+
+
+def test_cli_debug_after_the_subcommand(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture) -> None:
+    missing = str(tmp_path / "nope")
+    assert main(["generate", "--model", missing, "hi"]) == 1  # no --debug: one line
+    one_error_line(capsys.readouterr().err, "no such model")
+    for argv in (["--debug", "generate", "--model", missing, "hi"], ["generate", "--debug", "--model", missing, "hi"]):
+        with pytest.raises(FasterLlamaError, match="no such model"):  # --debug re-raises: the traceback
+            main(argv)
+    proc = run_cli("generate", "--model", missing, "--debug", "hi")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_cli_non_utf8_stdin_and_argv(llm: LLM, model_path: str) -> None:
+    flags = ["-q", "--model", model_path, "-t", "0", "-n", "4", "--ignore-eos"]
+    want = llm.generate("\ufffd\ufffd hi", GREEDY)[0].text + "\n"
+    proc = run_cli("generate", *flags, "-", stdin=b"\xff\xfe hi")
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == want
+    proc = run_cli("generate", *flags, b"\xff\xfe hi")  # undecodable bytes in argv too
+    assert proc.returncode == 0 and proc.stdout == want, proc.stderr
+    chat = run_cli("chat", *flags, stdin=b"a\xff b\n")
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout == llm.chat([{"role": "user", "content": "a\ufffd b"}], GREEDY)[0].text + "\n"
