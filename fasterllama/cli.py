@@ -288,6 +288,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """OpenAI-compatible HTTP server over one engine; returns 0 after SIGTERM / Ctrl-C."""
+    try:
+        from .server.run import bind, serve
+    except ImportError as e:
+        raise FasterLlamaError(f"the server needs its extra: pip install 'fasterllama[serve]' ({e.name} is missing)") from None
+    from .engine.async_engine import EngineLoop
+    from .loading.registry import DEFAULT_MODEL
+
+    api_key = args.api_key or os.environ.get("FASTERLLAMA_API_KEY") or None
+    sock = bind(args.host, args.port)  # a busy port fails before the model loads
+    try:
+        llm = _load(args, max_num_seqs=args.max_num_seqs)
+        name = args.served_model_name or args.model or DEFAULT_MODEL
+        serve(EngineLoop(llm.engine), name, args.host, args.port, api_key, "warning" if args.quiet else "info", sock=sock)
+    finally:
+        sock.close()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fasterllama", description="Fast, hackable inference for LLaMA-family models.")  # --debug: see _Parser
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -341,6 +361,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default=None, help="also write the results as JSON")
     b.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     b.set_defaults(func=cmd_bench)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /metrics")
+    _add_model_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $FASTERLLAMA_API_KEY, else none)")
+    sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model, or the default model's name)")
+    sv.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together: KV cache slots (default 16)")
+    sv.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no access log")
+    sv.set_defaults(func=cmd_serve)
 
     m = sub.add_parser("models", help="list known model names, which are installed, and where")
     m.set_defaults(func=cmd_models)

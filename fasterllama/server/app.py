@@ -1,0 +1,80 @@
+"""create_app: the FastAPI app over one EngineLoop (routes, auth, errors, metrics)."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..engine.async_engine import EngineLoop
+from .body import DEFAULT_MAX_BODY_BYTES
+from .chat import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, install_error_handlers
+from .logprobs import TokenTexts
+from .metrics import ServerMetrics
+from .serving import ServerState
+
+
+def _auth(api_key: str | None) -> Any:
+    """A dependency that lets a request through only with `Authorization: Bearer <api_key>`."""
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key")
+
+    return check
+
+
+def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The OpenAI-compatible API over `loop`, serving it as `model_name`.
+
+    /v1/* need the API key when one is given; /health and /metrics never do (probes, scrapers).
+    The loop is the caller's: the app does not shut it down."""
+    state = ServerState(loop, model_name, ServerMetrics(loop), TokenTexts(loop.engine.tokenizer), max_body_bytes)
+    app = FastAPI(title="fasterllama", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.fasterllama = state
+    install_error_handlers(app, state.metrics.count_http_error)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.is_running:
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_auth(api_key))])
+
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": state.created, "owned_by": "fasterllama",
+                "max_model_len": loop.max_model_len}
+
+    @v1.get("/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id != model_name:
+            raise APIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+        return model_card()
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await create_completion(request, state)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await create_chat_completion(request, state)
+
+    app.include_router(v1)
+    return app

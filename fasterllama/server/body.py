@@ -1,0 +1,59 @@
+"""Reading a JSON request body with a size limit, validated into a pydantic model.
+
+The routes read their bodies here rather than through FastAPI's body parameters so that bad
+JSON, wrong types and oversized bodies all get OpenAI-style 400/413 errors (not FastAPI's 422)."""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+
+from .errors import APIError, from_validation_error
+
+M = TypeVar("M", bound=BaseModel)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_DRAIN_LIMIT = 64 * 1024 * 1024  # read (and drop) an oversized body up to this so the client sees the 413
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"The request body is larger than the limit of {limit} bytes.", code="request_too_large")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, or a 413 as soon as it is known to exceed limit bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _drain(request, int(declared))
+        raise _too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():  # no (or a false) Content-Length: count as it comes
+        size += len(chunk)
+        if size > _DRAIN_LIMIT:
+            break
+        if size <= limit:
+            chunks.append(chunk)
+    if size > limit:
+        raise _too_large(limit)
+    return b"".join(chunks)
+
+
+async def _drain(request: Request, declared: int) -> None:
+    """Consume a body we refuse (up to a point), so the client is not cut off while still
+    sending it and reads the 413 instead of a reset connection."""
+    if declared > _DRAIN_LIMIT:
+        return
+    async for _ in request.stream():
+        pass
+
+
+async def read_json(request: Request, model: type[M], limit: int) -> M:
+    """The body parsed and validated as `model` (400 on bad JSON or values, 413 when too big)."""
+    raw = await read_body(request, limit)
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise from_validation_error(e) from None

@@ -1,0 +1,89 @@
+"""Token log-probabilities in the two OpenAI shapes.
+
+The engine gives one {token id: logprob} dict per generated token (the chosen token plus the
+top N). /v1/completions wants `{tokens, token_logprobs, top_logprobs, text_offset}` lists;
+/v1/chat/completions wants `content: [{token, logprob, bytes, top_logprobs: [...]}]`."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..tokenizer import Tokenizer, bytes_to_unicode
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_FLOOR = -9999.0  # JSON has no -inf
+
+
+def _finite(logprob: float) -> float:
+    return max(_FLOOR, logprob)
+
+
+class TokenTexts:
+    """Each token's text and exact bytes (cached). A token holding part of a UTF-8 character
+    decodes to U+FFFD as text, but its bytes are the real ones."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        decoder = getattr(tokenizer.backend, "decoder", None) if tokenizer else None
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._unicode_to_byte = {c: b for b, c in bytes_to_unicode().items()}
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def get(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._lookup(token_id)
+        return hit
+
+    def _lookup(self, token_id: int) -> tuple[str, bytes]:
+        if self.tokenizer is None:
+            return f"<{token_id}>", b""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        piece = self.tokenizer.backend.id_to_token(token_id) or ""
+        if self._byte_level and piece and all(c in self._unicode_to_byte for c in piece):
+            return text, bytes(self._unicode_to_byte[c] for c in piece)
+        m = _BYTE_TOKEN.fullmatch(piece)
+        if m:
+            return text, bytes([int(m.group(1), 16)])
+        return text, text.encode("utf-8")
+
+    def text(self, token_id: int) -> str:
+        return self.get(token_id)[0]
+
+
+class CompletionLogprobs:
+    """Accumulates /v1/completions logprobs for one choice (text_offset runs across chunks)."""
+
+    def __init__(self, tokens: TokenTexts) -> None:
+        self.tokens = tokens
+        self.offset = 0
+        self.all: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, list[Any]]:
+        """The entries of these tokens (also kept for the whole response)."""
+        part: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tok, top in zip(token_ids, logprobs):
+            text = self.tokens.text(tok)
+            part["tokens"].append(text)
+            part["token_logprobs"].append(_finite(top[tok]))
+            part["top_logprobs"].append({self.tokens.text(t): _finite(lp) for t, lp in top.items()})
+            part["text_offset"].append(self.offset)
+            self.offset += len(text)
+        for key, values in part.items():
+            self.all[key].extend(values)
+        return part
+
+
+def chat_logprobs(tokens: TokenTexts, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> list[dict[str, Any]]:
+    """`choices[].logprobs.content` entries of these tokens, each with its top_n alternatives."""
+
+    def entry(tok: int, lp: float) -> dict[str, Any]:
+        text, raw = tokens.get(tok)
+        return {"token": text, "logprob": _finite(lp), "bytes": list(raw)}
+
+    out = []
+    for tok, top in zip(token_ids, logprobs):
+        best = sorted(top.items(), key=lambda kv: -kv[1])[:top_n]  # top holds the true top N plus the chosen token
+        out.append({**entry(tok, top[tok]), "top_logprobs": [entry(t, lp) for t, lp in best]})
+    return out

@@ -1,0 +1,210 @@
+"""Request bodies of the OpenAI API (the fields we honour), validated strictly.
+
+Strict mode: a string is not a number and 5.0 is not an integer, as in OpenAI's API; NaN and
+infinities are refused. Fields we cannot honour (echo, suffix, logit_bias, tools, ...) are
+refused when set rather than silently ignored; unknown fields are ignored, as OpenAI does.
+Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
+min_tokens, stop_token_ids, skip_special_tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..sampling_params import SamplingParams
+
+MAX_N = 128  # sequences per prompt
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_STOP = 16
+MAX_LOGPROBS = 20
+_INT64_MAX = 2**63 - 1
+
+
+def _refuse(param: str, message: str) -> PydanticCustomError:
+    """A validation error naming its parameter (for rules checked across fields)."""
+    return PydanticCustomError("invalid_value", message, {"param": param})
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class GenerationRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=_INT64_MAX - MAX_N)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop sequences")
+        if any(not s for s in stops):
+            raise ValueError("stop sequences must be non-empty strings")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> None:
+        if v:
+            raise ValueError("logit_bias is not supported")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for one prompt (FasterLlamaError on a combination it refuses)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            min_p=self.min_p or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            seed=self.seed,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            min_tokens=min(self.min_tokens, max_tokens),
+            logprobs=logprobs,
+            n=self.n,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+
+Prompt = str | list[int]
+
+
+class CompletionRequest(GenerationRequest):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below for a clear message
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> list[Prompt]:
+        """Normalized to a list of prompts, each a string or a list of token ids."""
+
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
+        if isinstance(v, str):
+            prompts: list[Any] = [v]
+        elif is_ids(v):
+            prompts = [v]
+        elif isinstance(v, list) and v and (all(isinstance(p, str) for p in v) or all(is_ids(p) for p in v)):
+            prompts = v
+        else:
+            raise ValueError("prompt must be a string, a list of strings, a non-empty list of token ids, or a list of such lists")
+        if len(prompts) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        return prompts
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise _refuse("echo", "echo is not supported")
+        if self.suffix:
+            raise _refuse("suffix", "suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refuse("best_of", "best_of other than n is not supported")
+        return self
+
+
+class ContentPart(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    text: str | None = None
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _role(cls, v: str) -> str:
+        if v not in _ROLES:
+            raise ValueError(f"role must be one of {', '.join(sorted(_ROLES))}")
+        return v
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v: str | list[ContentPart] | None) -> str:
+        """Text parts joined; other part types (images, audio) are refused."""
+        if v is None or isinstance(v, str):
+            return v or ""
+        for part in v:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
+        return "".join(part.text or "" for part in v)
+
+    def template_dict(self) -> dict[str, str]:
+        """What the chat template sees ('developer' is OpenAI's new name for 'system')."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": str(self.content)}
+
+
+class ChatCompletionRequest(GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> ChatCompletionRequest:
+        if self.tools:
+            raise _refuse("tools", "tools are not supported")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise _refuse("response_format", "response_format other than text is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _refuse("top_logprobs", "top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The engine's logprobs count: top_logprobs (0 when only logprobs is true) or None."""
+        return (self.top_logprobs or 0) if self.logprobs else None

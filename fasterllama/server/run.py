@@ -1,0 +1,67 @@
+"""serve(): run the app with uvicorn until SIGTERM / Ctrl-C, then end the streams and return.
+
+On the signal uvicorn stops accepting connections and waits for the open ones; we also shut the
+engine loop down at once, which ends every running request with an error event, so streams close
+within a step instead of running on to max_tokens. uvicorn re-raises the signal after its
+shutdown; we absorb it, so `fasterllama serve` exits 0."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from ..engine.async_engine import EngineLoop
+from ..errors import FasterLlamaError
+from .app import create_app
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop) -> None:
+        super().__init__(config)
+        self.engine_loop = loop
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self.engine_loop.shutdown(wait=False)  # only sets a flag: safe in a signal handler
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket, bound before uvicorn starts so a busy port is one clear error."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise FasterLlamaError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Serve until a signal; the loop is shut down on return. sock: already bound by bind()
+    (the CLI binds before the slow model load, so a busy port fails at once)."""
+    sock = sock or bind(host, port)
+    app = create_app(loop, model_name, api_key)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="off")
+    server = _Server(config, loop)
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
+    try:
+        for sig in _SIGNALS:  # uvicorn restores these and re-raises the signal it got: ignore it then
+            signal.signal(sig, lambda *_: None)
+        shown = f"[{host}]" if ":" in host else host
+        print(f"serving {model_name} at http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C or SIGTERM stops)", file=sys.stderr, flush=True)
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        loop.shutdown()
+        sock.close()

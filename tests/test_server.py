@@ -1,0 +1,591 @@
+"""`fasterllama serve`: the EngineLoop and the OpenAI-compatible HTTP server, on a tiny random model.
+
+The server runs in this process (uvicorn on 127.0.0.1, a free port, a background thread) and is
+driven by the official `openai` client and by httpx for raw bodies; its answers are checked
+against offline `LLM.generate` / `LLM.chat` on the same checkpoint (greedy and seeded sampling
+give the same text and logprobs). Also: 16 concurrent streams, clients that leave mid-stream
+(their KV slots come back, read from /metrics), an engine step that fails, API keys, a batch of
+malformed bodies (4xx JSON errors, never a 500), and the CLI's SIGTERM handling. Loopback only;
+every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+import tiny_models as tm
+
+from fasterllama import LLM, SamplingParams
+from fasterllama.engine.async_engine import (
+    SHUTDOWN_MESSAGE,
+    EngineLoop,
+    EngineLoopClosed,
+)
+
+MODEL = "tiny"
+CONTEXT = 4096  # long enough that a request left running would be seen running on
+MAX_NUM_SEQS = 8
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+TIMEOUT = 30.0  # seconds, any single HTTP call
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny GQA model (context 4096) as a HF folder whose tokenizer has a chat template."""
+    spec = dataclasses.replace(tm.SPECS["gqa"], max_position_embeddings=CONTEXT)
+    folder = tm.save_hf_checkpoint(tm.build_hf_model(spec), str(tmp_path_factory.mktemp("serve") / "gqa"))
+    cfg_path = os.path.join(folder, "tokenizer_config.json")
+    with open(cfg_path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    with open(cfg_path, "w", encoding="utf-8") as fh:
+        json.dump({**cfg, "chat_template": CHAT_TEMPLATE}, fh)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: str) -> LLM:
+    return LLM(model_dir, progress=False)
+
+
+class Server:
+    """create_app over an EngineLoop, served by uvicorn in a thread on 127.0.0.1:<free port>."""
+
+    def __init__(self, model_dir: str, api_key: str | None = None) -> None:
+        import uvicorn
+
+        from fasterllama.server import create_app
+
+        self.llm = LLM(model_dir, progress=False, max_num_seqs=MAX_NUM_SEQS)
+        self.loop = EngineLoop(self.llm.engine)
+        self.app = create_app(self.loop, MODEL, api_key)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        self.base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+
+    def client(self, **kwargs: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0, timeout=TIMEOUT, **kwargs)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+    def metrics(self) -> str:
+        return httpx.get(self.base + "/metrics", timeout=TIMEOUT).text
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+        self.loop.shutdown(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: str) -> Iterator[Server]:
+    s = Server(model_dir)
+    yield s
+    s.close()
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample's value from Prometheus text (labels as written, e.g. 'status="ok"')."""
+    pattern = "^" + re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else "") + r" (\S+)$"
+    m = re.search(pattern, text, re.MULTILINE)
+    assert m, f"{name}{{{labels}}} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def slots_free(server: Server) -> bool:
+    text = server.metrics()
+    return metric(text, "fasterllama_kv_slots_used") == 0 and metric(text, "fasterllama_requests_running") == 0
+
+
+def sse_events(response: httpx.Response) -> list[Any]:
+    """The JSON payloads of an SSE body, with '[DONE]' kept as a string."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_logprobs_close(got: list[float], want: list[float]) -> None:
+    assert len(got) == len(want)
+    assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4
+
+
+# -- EngineLoop on its own --------------------------------------------------------------------------
+@pytest.fixture()
+def loop(model_dir: str) -> Iterator[EngineLoop]:
+    llm = LLM(model_dir, progress=False, max_num_seqs=4)
+    loop = EngineLoop(llm.engine)
+    yield loop
+    loop.shutdown(timeout=15)
+
+
+def test_loop_matches_offline_from_threads(loop: EngineLoop, offline: LLM) -> None:
+    """Requests added and read from several threads at once: each gets what LLM.generate gives,
+    n=2 samples seeded seed and seed + 1, logprobs included."""
+    params = SamplingParams(temperature=0.9, seed=11, max_tokens=12, n=2, logprobs=2)
+    prompts = ["Hello there", "The cat sat", [5, 6, 7, 8]]
+    results: dict[int, dict[int, tuple[str, list[int], list[dict[int, float]]]]] = {}
+
+    def run(i: int) -> None:
+        handle = loop.add_request(prompts[i], params)
+        got: dict[int, tuple[str, list[int], list[dict[int, float]]]] = {k: ("", [], []) for k in range(2)}
+        for out in handle:
+            text, ids, lps = got[out.index]
+            got[out.index] = (text + out.text, ids + out.token_ids, lps + (out.logprobs or []))
+        assert handle.finished
+        results[i] = got
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert sorted(results) == [0, 1, 2]
+    for i, prompt in enumerate(prompts):
+        ref = offline.generate([prompt], params)[0]
+        for k, want in enumerate(ref.outputs):
+            text, ids, lps = results[i][k]
+            assert (text, ids) == (want.text, want.token_ids)
+            assert_logprobs_close([lp[t] for lp, t in zip(lps, ids)], [lp[t] for lp, t in zip(want.logprobs, want.token_ids)])
+    wait_for(lambda: loop.stats.kv_slots_free == loop.stats.kv_slots_total, what="free slots")
+
+
+def test_loop_step_error_fails_the_running_requests_only(loop: EngineLoop) -> None:
+    """A step that raises ends its requests with an error output; the loop keeps serving."""
+    engine = loop.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = flaky_step
+    try:
+        handle = loop.add_request("Hello", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=2))
+        outs = list(handle)
+    finally:
+        engine.step = real_step
+    finals = [o for o in outs if o.finish_reason is not None]
+    assert sorted(o.index for o in finals) == [0, 1]
+    assert all(o.finish_reason == "error" and "boom" in (o.error or "") for o in finals)
+    again = list(loop.add_request("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
+    assert sum(len(o.token_ids) for o in again) == 5 and again[-1].finish_reason == "length"
+    wait_for(lambda: loop.stats.kv_slots_free == loop.stats.kv_slots_total, what="free slots")
+
+
+def test_loop_abort_and_shutdown(loop: EngineLoop) -> None:
+    """abort() frees a request's slots at once; shutdown() ends the rest with an error output
+    and refuses new requests."""
+
+    async def main() -> int:
+        aborted = loop.add_request("Hello", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+        count = 0
+        async for out in aborted:
+            count += len(out.token_ids)
+            if count == 3:
+                aborted.abort()
+        return count
+
+    count = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
+    assert count < 900
+    wait_for(lambda: loop.stats.kv_slots_free == loop.stats.kv_slots_total, what="free slots")
+    running = loop.add_request("Hello", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+    first = next(iter(running))
+    assert first.token_ids
+    loop.shutdown(timeout=15)
+    rest = list(running)
+    assert rest[-1].finish_reason == "error" and rest[-1].error == SHUTDOWN_MESSAGE
+    assert not loop.is_running
+    with pytest.raises(EngineLoopClosed):
+        loop.add_request("Hello")
+
+
+# -- the HTTP server ----------------------------------------------------------------------------------
+def test_models_health_metrics(server: Server) -> None:
+    models = server.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server.base + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    text = server.metrics()
+    assert metric(text, "fasterllama_kv_slots_total") == MAX_NUM_SEQS
+    for name in ("fasterllama_time_to_first_token_seconds_count", "fasterllama_inter_token_latency_seconds_count",
+                 "fasterllama_prompt_tokens_total", "fasterllama_generation_tokens_total", "fasterllama_requests_waiting"):
+        metric(text, name)
+
+
+def test_completion_greedy_matches_offline(server: Server, offline: LLM) -> None:
+    client = server.client()
+    for prompt in ["Hello world, this is", [17, 42, 99, 7, 250]]:
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=3)
+        ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logprobs=3))[0]
+        (choice,) = r.choices
+        assert choice.text == ref.text
+        assert choice.finish_reason == ref.finish_reason
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+        assert r.usage.completion_tokens == len(ref.token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        lp = choice.logprobs
+        assert lp.tokens == [offline.tokenizer.decode([t]) for t in ref.token_ids]
+        assert_logprobs_close(lp.token_logprobs, [d[t] for d, t in zip(ref.logprobs, ref.token_ids)])
+        assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # several prompts in one request: choices in prompt order
+    prompts = ["Hello world, this is", "Once upon a time"]
+    r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1]
+    for c, prompt in zip(r.choices, prompts):
+        assert c.text == offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].text
+
+
+def test_completion_streaming_seeded_n2_matches_offline(server: Server, offline: LLM) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, n=2, logprobs=1)
+    ref = offline.generate(["The quick brown fox"], params)[0]
+    stream = server.client().completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=16, temperature=0.9,
+                                                top_p=0.95, seed=1234, n=2, logprobs=1, stream=True,
+                                                stream_options={"include_usage": True})
+    texts, reasons, lps, usage = ["", ""], [None, None], [[], []], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            assert chunk.choices == []
+            usage = chunk.usage
+            continue
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+            if c.logprobs is not None:
+                lps[c.index] += c.logprobs.token_logprobs
+    assert texts == [o.text for o in ref.outputs]
+    assert reasons == [o.finish_reason for o in ref.outputs]
+    for k, o in enumerate(ref.outputs):
+        assert_logprobs_close(lps[k], [d[t] for d, t in zip(o.logprobs, o.token_ids)])
+    assert usage is not None and usage.completion_tokens == sum(len(o.token_ids) for o in ref.outputs)
+    assert usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_matches_offline(server: Server, offline: LLM) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10, logprobs=3))[0]
+    r = server.client().chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0,
+                                                logprobs=True, top_logprobs=3)
+    (choice,) = r.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref.text
+    assert choice.finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(offline.chat_prompt(messages))
+    content = choice.logprobs.content
+    assert_logprobs_close([e.logprob for e in content], [d[t] for d, t in zip(ref.logprobs, ref.token_ids)])
+    for entry, d, t in zip(content, ref.logprobs, ref.token_ids):
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.top_logprobs[0].logprob == pytest.approx(max(d.values()), abs=1e-4)
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token or "\ufffd" in entry.token
+    # streamed, seeded, n=2: the same samples as offline
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=12, n=2)
+    ref2 = offline.chat(messages, params)[0]
+    stream = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=12, seed=5, n=2, stream=True)
+    texts, roles, reasons = ["", ""], [None, None], [None, None]
+    for chunk in stream:
+        for c in chunk.choices:
+            roles[c.index] = c.delta.role or roles[c.index]
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+    assert roles == ["assistant", "assistant"]
+    assert texts == [o.text for o in ref2.outputs]
+    assert reasons == [o.finish_reason for o in ref2.outputs]
+
+
+def test_sixteen_concurrent_streams_complete(server: Server) -> None:
+    """16 streams (twice the KV slots: half wait) all finish with every token."""
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
+        stream = await client.completions.create(model=MODEL, prompt=f"Request number {i}:", max_tokens=24, temperature=0.7, seed=i,
+                                                 stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        tokens, reason = 0, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            for c in chunk.choices:
+                reason = c.finish_reason or reason
+        return tokens, reason
+
+    async def main() -> list[tuple[int, str | None]]:
+        client = server.async_client()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(asyncio.wait_for(main(), 60))
+    assert results == [(24, "length")] * 16
+    wait_for(lambda: slots_free(server), what="free KV slots")
+
+
+def test_client_leaving_mid_stream_frees_its_slots(server: Server) -> None:
+    before = server.metrics()
+    aborted_before = metric(before, "fasterllama_requests_total", 'status="aborted"')
+    steps_before = server.loop.stats.steps
+    max_tokens = CONTEXT - 64
+
+    async def leave_early(client: httpx.AsyncClient, i: int) -> int:
+        body = {"model": MODEL, "prompt": f"Long story {i}", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        if i % 2:
+            body = {"model": MODEL, "messages": [{"role": "user", "content": f"Long story {i}"}], "max_tokens": max_tokens,
+                    "ignore_eos": True, "stream": True}
+        url = server.base + ("/v1/chat/completions" if i % 2 else "/v1/completions")
+        seen = 0
+        async with client.stream("POST", url, json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 4:
+                    break  # leaving the block closes the connection
+        return seen
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            return await asyncio.gather(*(leave_early(client, i) for i in range(4)))
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == [4] * 4
+    wait_for(lambda: slots_free(server), what="free KV slots")
+    wait_for(lambda: metric(server.metrics(), "fasterllama_requests_total", 'status="aborted"') == aborted_before + 4, what="4 aborts")
+    assert server.loop.stats.steps - steps_before < max_tokens / 2  # stopped, not run to max_tokens
+    # and the server goes on answering
+    r = server.client().completions.create(model=MODEL, prompt="Still there?", max_tokens=4, temperature=0)
+    assert r.usage.completion_tokens == 4
+
+
+def test_client_leaving_before_a_whole_response_aborts_it(server: Server) -> None:
+    """A non-streaming request whose client gives up (a read timeout) is aborted too."""
+    before = server.metrics()
+    aborted_before = metric(before, "fasterllama_requests_total", 'status="aborted"')
+    steps_before = server.loop.stats.steps
+    max_tokens = CONTEXT - 64
+    body = {"model": MODEL, "prompt": "Patience", "max_tokens": max_tokens, "ignore_eos": True, "n": 2}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json=body, timeout=httpx.Timeout(TIMEOUT, read=0.3))
+    wait_for(lambda: metric(server.metrics(), "fasterllama_requests_total", 'status="aborted"') == aborted_before + 1, what="the abort")
+    wait_for(lambda: slots_free(server), what="free KV slots")
+    assert server.loop.stats.steps - steps_before < max_tokens / 2  # stopped, not run to max_tokens
+
+
+def test_failed_step_ends_the_stream_with_an_error_event(server: Server) -> None:
+    engine = server.loop.engine
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step() -> Any:
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("simulated kernel failure")
+        return real_step()
+
+    engine.step = flaky_step
+    try:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=TIMEOUT) as response:
+            assert response.status_code == 200
+            events = sse_events(response)
+    finally:
+        engine.step = real_step
+    assert events[-1] == "[DONE]"
+    assert "simulated kernel failure" in events[-2]["error"]["message"]
+    assert events[-2]["error"]["type"] == "server_error"
+    with pytest.raises(openai.APIError):  # the client raises on the error event
+        engine.step = flaky_step
+        calls["n"] = 0
+        try:
+            for _ in server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=200, stream=True,
+                                                        extra_body={"ignore_eos": True}):
+                pass
+        finally:
+            engine.step = real_step
+    wait_for(lambda: slots_free(server), what="free KV slots")
+    assert server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=3).usage.completion_tokens >= 1
+
+
+def test_api_key(model_dir: str) -> None:
+    """With an API key, /v1 needs `Authorization: Bearer KEY` (401 otherwise); probes do not."""
+    from fasterllama.server import create_app
+
+    llm = LLM(model_dir, progress=False, max_num_seqs=2)
+    loop = EngineLoop(llm.engine)
+    app = create_app(loop, MODEL, api_key="sekrit")
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=TIMEOUT) as client:
+            body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}, {"Authorization": "Basic sekrit"}):
+                for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+                    r = await client.request(method, path, json=body, headers=headers)
+                    assert r.status_code == 401, (headers, path)
+                    assert r.json()["error"]["code"] == "invalid_api_key"
+            ok = {"Authorization": "Bearer sekrit"}
+            assert (await client.get("/v1/models", headers=ok)).status_code == 200
+            r = await client.post("/v1/completions", json=body, headers=ok)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            assert (await client.get("/health")).status_code == 200
+            metrics = (await client.get("/metrics")).text
+            assert metric(metrics, "fasterllama_requests_total", 'status="rejected"') == 12
+            assert metric(metrics, "fasterllama_requests_total", 'status="ok"') == 1
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        loop.shutdown(timeout=15)
+
+
+MALFORMED: list[tuple[str, Any, int]] = [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", b"", 400),
+    ("/v1/completions", b"[1, 2, 3]", 400),
+    ("/v1/completions", {"model": MODEL}, 400),  # no prompt
+    ("/v1/completions", {"prompt": "Hi"}, 400),  # no model
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": "5"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 5.5}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "temperature": "hot"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "temperature": -1}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "top_p": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "n": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logprobs": 21}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stop": ["ok", 3]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stream": "yes"}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": CONTEXT}, 400),  # beyond the context
+    ("/v1/completions", {"model": MODEL, "prompt": list(range(3, 3 + CONTEXT)), "max_tokens": 1}, 400),  # prompt over it
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, 400),  # outside the vocabulary
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], "mixed"]}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "seed": 2**70}, 400),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, 404),
+    ("/v1/chat/completions", {"model": MODEL}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "Hi"}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "Hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 21}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10**6}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, 400),
+    ("/v1/chat/completions", {"model": "gpt-4", "messages": [{"role": "user", "content": "Hi"}]}, 404),
+    ("/v1/no-such-route", {"model": MODEL}, 404),
+]
+
+
+def test_malformed_requests_get_json_errors(server: Server) -> None:
+    errors_before = metric(server.metrics(), "fasterllama_requests_total", 'status="error"')
+    with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
+        cases: list[tuple[str, httpx.Response, int]] = []
+        for path, body, status in MALFORMED:
+            if isinstance(body, bytes):
+                r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+            else:
+                r = client.post(path, json=body)
+            cases.append((f"{path} {body!r:.80}", r, status))
+        big = b'{"model": "tiny", "prompt": "' + b"a" * (5 * 1024 * 1024) + b'"}'
+        cases.append(("5 MB body", client.post("/v1/completions", content=big), 413))
+        chunked = (big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20))  # no Content-Length
+        cases.append(("5 MB chunked body", client.post("/v1/completions", content=chunked), 413))
+        cases.append(("GET on a POST route", client.get("/v1/completions"), 405))
+        for what, r, status in cases:
+            assert r.status_code == status, (what, r.status_code, r.text)
+            error = r.json()["error"]
+            assert isinstance(error["message"], str) and error["message"], what
+            assert isinstance(error["type"], str) and "param" in error and "code" in error, what
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    assert metric(server.metrics(), "fasterllama_requests_total", 'status="error"') == errors_before  # no 500s
+
+
+def test_openai_client_sees_typed_errors(server: Server) -> None:
+    client = server.client()
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="Hi")
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=CONTEXT)
+    assert info.value.code == "context_length_exceeded"
+
+
+# -- the command ----------------------------------------------------------------------------------------
+def test_cli_serve_sigterm_ends_streams_and_exits_0(model_dir: str, tmp_path: Any) -> None:
+    """`fasterllama serve` on a free loopback port, keyed from FASTERLLAMA_API_KEY: answers, then
+    on SIGTERM ends an open stream with an error event and exits 0."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    env = {**os.environ, "FASTERLLAMA_API_KEY": "k3y", "PYTHONUNBUFFERED": "1"}
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "fasterllama", "serve", "--model", model_dir, "--port", str(port), "-q",
+                                 "--served-model-name", MODEL, "--max-num-seqs", "2"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        assert httpx.get(base + "/v1/models", timeout=TIMEOUT).status_code == 401
+        headers = {"Authorization": "Bearer k3y"}
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": CONTEXT - 16, "ignore_eos": True, "stream": True}
+        events: list[Any] = []
+        with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=TIMEOUT) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+                    if len(events) == 2:
+                        proc.send_signal(signal.SIGTERM)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["message"] == SHUTDOWN_MESSAGE
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
