@@ -1,8 +1,18 @@
-"""fasterllama: a fast, hackable inference engine for LLaMA-family models."""
+"""fasterllama: a fast, hackable inference engine for LLaMA-family models.
+
+The API names load on first use, so `fasterllama --help` answers without importing torch."""
 
 from .errors import FasterLlamaError
-from .llm import LLM, RequestOutput
-from .sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "FasterLlamaError"]
 __version__ = "0.1.0"
+
+_LAZY = {"LLM": "llm", "RequestOutput": "llm", "SamplingParams": "sampling_params"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

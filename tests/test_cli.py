@@ -215,3 +215,16 @@ def test_bench_fixed_prompt_ids_are_deterministic():
     a = fixed_prompt_ids(64, 49152)
     assert a == fixed_prompt_ids(64, 49152) and a != fixed_prompt_ids(64, 49152, seed=1)
     assert all(100 <= t < 49152 for t in a) and len(set(a)) > 50
+
+
+def test_help_does_not_import_torch() -> None:
+    """`fasterllama --help` (and each subcommand's) answers without loading torch."""
+    code = (
+        "import sys\nfrom fasterllama import cli\n"
+        "for argv in (['--help'], ['serve', '--help'], ['generate', '--help']):\n"
+        "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "serve" in out.stdout
