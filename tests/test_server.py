@@ -55,11 +55,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny GQA model (context 4096) as a HF folder whose tokenizer has a chat template."""
     spec = dataclasses.replace(tm.SPECS["gqa"], max_position_embeddings=CONTEXT)
     folder = tm.save_hf_checkpoint(tm.build_hf_model(spec), str(tmp_path_factory.mktemp("serve") / "gqa"))
-    cfg_path = os.path.join(folder, "tokenizer_config.json")
-    with open(cfg_path, encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    with open(cfg_path, "w", encoding="utf-8") as fh:
-        json.dump({**cfg, "chat_template": CHAT_TEMPLATE}, fh)
+    tm.add_chat_template(folder, CHAT_TEMPLATE)
     return folder
 
 

@@ -4,7 +4,6 @@ IndexError or a silently wrong result; non-UTF-8 input still gives a prompt. Tin
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import pathlib
@@ -30,11 +29,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The tiny GQA model (context 512, vocabulary 320) with a minimal chat template."""
     path = str(tmp_path_factory.mktemp("tiny_gqa"))
     tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), path)
-    cfg_path = os.path.join(path, "tokenizer_config.json")
-    with open(cfg_path, encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    with open(cfg_path, "w", encoding="utf-8") as fh:
-        json.dump({**cfg, "chat_template": TEMPLATE}, fh)
+    tm.add_chat_template(path, TEMPLATE)
     return path
 
 

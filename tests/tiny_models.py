@@ -209,6 +209,15 @@ def save_tokenizer(folder: str, vocab_size: int) -> None:
 
 
 # -- HF folder --------------------------------------------------------------------------------
+def add_chat_template(folder: str, template: str) -> None:
+    """Give a saved checkpoint's tokenizer a chat template (tokenizer_config.json)."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({**cfg, "chat_template": template}, fh)
+
+
 def save_hf_checkpoint(model: torch.nn.Module, folder: str, max_shard_size: str | int | None = None) -> str:
     """config.json + safetensors (sharded with an index when max_shard_size is small) + tokenizer."""
     kwargs = {"safe_serialization": True}
