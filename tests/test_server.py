@@ -585,3 +585,67 @@ def test_cli_serve_sigterm_ends_streams_and_exits_0(model_dir: str, tmp_path: An
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_fuzzed_bodies_never_get_a_5xx(server: Server) -> None:
+    """600 bodies from hypothesis (hostile ones: fields of both endpoints with values of every JSON
+    type, out-of-range numbers, unknown keys, non-JSON bytes; valid ones, and valid ones with one or
+    two fields made hostile): each gets a 2xx or a 4xx with an OpenAI error body, never a 5xx or a
+    hang; the server answers normally after, with no KV slot held."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                       st.text(max_size=20), st.sampled_from([MODEL, "gpt-4", "", "\x00", "\ud7ff" * 3]))
+    value = st.recursive(scalar, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                         max_leaves=8)
+    small = st.one_of(st.integers(1, 4), value)  # generation stays short whenever the value is valid
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "robot"]) | value, "content": value | st.text(max_size=30)})
+    fields = {
+        "model": st.just(MODEL) | value, "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 400), max_size=8) | value,
+        "messages": st.lists(message, max_size=3) | value, "max_tokens": small, "max_completion_tokens": small, "n": small,
+        "temperature": st.floats(-1, 3) | value, "top_p": st.floats(-0.5, 1.5) | value, "top_k": st.integers(-2, 50) | value,
+        "stop": st.text(max_size=5) | st.lists(st.text(max_size=5), max_size=5) | value, "seed": st.integers(-(2**64), 2**64) | value,
+        "logprobs": st.integers(-1, 25) | st.booleans() | value, "top_logprobs": st.integers(-1, 25) | value,
+        "stream": st.booleans() | value, "stream_options": value, "presence_penalty": st.floats(-3, 3) | value,
+        "repetition_penalty": st.floats(-1, 3) | value, "min_p": st.floats(-1, 2) | value, "ignore_eos": value,
+    }
+    body = st.fixed_dictionaries({}, optional=fields) | st.dictionaries(st.text(max_size=10), value, max_size=5)
+    raw = st.binary(max_size=64) | st.sampled_from([b"", b"{", b"[]", b"null", b'{"model": "tiny", "prompt": "\\ud800"}', b"\xff\xfe"])
+    sensible = {"temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(0, 50), "n": st.integers(1, 2),
+                "seed": st.integers(0, 2**31), "stop": st.lists(st.text(max_size=3), max_size=2), "stream": st.booleans(),
+                "presence_penalty": st.floats(-2, 2)}
+    text_prompt = st.text(min_size=1, max_size=20) | st.lists(st.integers(3, 300), min_size=1, max_size=8)
+    chat_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]), "content": st.text(max_size=20)})
+    valid = st.tuples(st.just("/v1/completions"), st.fixed_dictionaries(
+        {"model": st.just(MODEL), "prompt": text_prompt, "max_tokens": st.integers(1, 4)}, optional={**sensible, "logprobs": st.integers(0, 5)},
+    )) | st.tuples(st.just("/v1/chat/completions"), st.fixed_dictionaries(
+        {"model": st.just(MODEL), "messages": st.lists(chat_message, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)}, optional=sensible,
+    ))
+    mutated = st.builds(lambda pb, m: (pb[0], {**pb[1], **m}), valid, st.dictionaries(st.sampled_from(sorted(fields)), value, max_size=2))
+    request = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body | raw) | valid | mutated
+    seen: list[int] = []
+    deadline = time.monotonic() + 240
+
+    with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
+
+        @hypothesis.settings(max_examples=600, deadline=None, derandomize=True, database=None,
+                             suppress_health_check=list(hypothesis.HealthCheck))
+        @hypothesis.given(request)
+        def post(request: tuple[str, Any]) -> None:
+            path, payload = request
+            assert time.monotonic() < deadline, "fuzzing ran past its time bound"
+            if isinstance(payload, bytes):
+                r = client.post(path, content=payload, headers={"Content-Type": "application/json"})
+            else:
+                r = client.post(path, content=json.dumps(payload, allow_nan=False), headers={"Content-Type": "application/json"})
+            seen.append(r.status_code)
+            assert r.status_code < 500, (path, payload, r.status_code, r.text[:300])
+            if r.status_code >= 400:
+                assert isinstance(r.json()["error"]["message"], str), r.text[:300]
+
+        post()
+        assert len(seen) >= 500 and any(s >= 400 for s in seen) and any(s == 200 for s in seen)
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    wait_for(lambda: slots_free(server), what="every KV slot free after fuzzing")
