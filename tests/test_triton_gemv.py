@@ -78,18 +78,16 @@ def test_triton_int4_gemv(shape, dtype, rows, group, cfg) -> None:
     assert _rel(gemv.int4_gemv(x, packed, s16, m16, group, b, cfg), ref) < _tol(dtype)
 
 
-def test_triton_gemv_tune_keeps_the_fastest(monkeypatch) -> None:
+def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     """tune() times every candidate of each distinct linear shape once and the ops dispatch on the
     fastest (timings faked here: the choice logic, not the clock)."""
     import tiny_models as tm
 
+    from fasterllama.loading.model_loader import load_model
     from fasterllama.model.llama import Linear
     from fasterllama.quant import QuantConfig, quantize_model
 
-    model = tm.build_hf_model(tm.SPECS["mha"])  # any torch module tree with .norm works: build ours
-    from fasterllama.loading.model_loader import load_model
-
-    path = tm.save_hf_checkpoint(model, str(__import__("tempfile").mkdtemp()))
+    path = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["mha"]), str(tmp_path))
     net = load_model(path, torch.float32, torch.device("cpu"), None, True, progress=False).model
     quantize_model(net, QuantConfig.parse("w4-g32"))
     seen = []

@@ -51,9 +51,6 @@ class ModelRunner:
         self.backend.prepare_model(self.model)
         self.decode_plan = self.backend.decode_plan(self.model, self.kv_cache)
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, ops.AttentionMetadata]:
-        return pack_batch(batch, self.device)
-
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; fp32 logits of the given packed-token rows (default: every row)."""
@@ -62,7 +59,7 @@ class ModelRunner:
             logits = self.decode_plan.run(batch)  # embedding to logits in one call
             logits = logits if index is None else logits[index]
         else:
-            input_ids, meta = self.prepare(batch)
+            input_ids, meta = pack_batch(batch, self.device)
             hidden = self.model(input_ids, meta, self.kv_cache.layers)
             logits = self.model.compute_logits(hidden if index is None else hidden[index]).float()
         for item in batch:
