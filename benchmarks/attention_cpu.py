@@ -27,13 +27,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=166, help="cached tokens per sequence")
     ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--block-size", type=int, default=16, help="KV cache block size (rows)")
     args = ap.parse_args()
     B, L = args.batch, args.context
-    max_len = L + 8
+    bs = args.block_size
+    nb = -(-(L + 8) // bs)
     torch.manual_seed(0)
-    caches = [(torch.randn(B, KV_HEADS, max_len, HEAD_DIM), torch.randn(B, KV_HEADS, max_len, HEAD_DIM)) for _ in range(LAYERS)]
+    shape = (B * nb, KV_HEADS, bs, HEAD_DIM)  # the paged cache, each sequence's blocks shuffled among all
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
     q = torch.randn(B, HEADS, HEAD_DIM)
-    slots = torch.arange(B, dtype=torch.int64)
+    tables = torch.randperm(B * nb).to(torch.int32).view(B, nb)
     lengths = torch.full((B,), L, dtype=torch.int64)
     libs = {str(src): cpu_kernels.open_library(src) for src in args.sources}
     times = {(name, mode): [] for name in libs for mode in ("cold", "hot")}
@@ -45,13 +48,13 @@ def main() -> None:
                 t = time.perf_counter()
                 for layer in range(LAYERS):
                     k, v = caches[layer if mode == "cold" else 0]
-                    lib.fl_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
-                                            B, HEADS, KV_HEADS, HEAD_DIM, max_len, HEAD_DIM**-0.5, out.data_ptr())
+                    lib.fl_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), nb, lengths.data_ptr(),
+                                            B, HEADS, KV_HEADS, HEAD_DIM, bs, HEAD_DIM**-0.5, out.data_ptr())
                 times[(name, mode)].append(time.perf_counter() - t)
                 outputs[name] = out
     first = next(iter(outputs.values()))
     kv_bytes = LAYERS * B * KV_HEADS * L * HEAD_DIM * 4 * 2
-    print(f"batch {B}, {L} cached tokens, {LAYERS} layers, {HEADS}/{KV_HEADS} heads, dim {HEAD_DIM}; "
+    print(f"batch {B}, {L} cached tokens in blocks of {bs}, {LAYERS} layers, {HEADS}/{KV_HEADS} heads, dim {HEAD_DIM}; "
           f"{kv_bytes / 1e6:.0f} MB of K/V a step; best of {args.repeats}")
     for name in libs:
         diff = (outputs[name] - first).abs().max().item()

@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quantization", default=None, help="none: fp32 weights (default: the GGUF's 4-bit tensors kept)")
     args = ap.parse_args()
-    llm = LLM(args.model, quantization=args.quantization, progress=False)
+    llm = LLM(args.model, quantization=args.quantization, progress=False, enable_prefix_caching=False)  # every run computes its prompts
     ids = llm.tokenizer.encode(TEXT)
     prompts = [ids[i * 7 : i * 7 + n] for i, n in enumerate(LENGTHS)]
     pad = llm.tokenizer.token_to_id(llm.tokenizer.special_tokens.get("pad_token") or "") or 0

@@ -35,8 +35,10 @@ def _peak_rss_mb() -> float:
 
 
 def _prefill_seconds(llm: Any, ids: list[int]) -> float:
-    """Time to the first generated token of one request (prefill + one sampling step)."""
+    """Time to the first generated token of one request (prefill + one sampling step), computing
+    the whole prompt: the prefix cache would otherwise hold it from the previous repeat."""
     engine = llm.engine
+    engine.blocks.reset_prefix_cache()
     seq = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     t = time.perf_counter()
     while not seq.is_finished:

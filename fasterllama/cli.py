@@ -32,6 +32,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, help="default: a GGUF file's Q8_0/Q4_0/Q4_1 tensors stay quantized on the CPU (gguf: exact, the same weights as none); "
                    "none (float weights), gguf, w8, w8-g32, w4[-g32|-g64|-g128], w8a8, w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA]")
     p.add_argument("--calibration-file", default=None, help="text to calibrate static activation scales on (default: a built-in sample)")
+    p.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes such as 2GiB or 512MB, or a fraction of free memory "
+                   "such as 0.5 (default: up to 2GiB on the CPU, 0.8 of free GPU memory)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (default: reuse cached blocks of earlier prompts)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,7 +98,9 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        max_num_seqs=max_num_seqs or max(1, getattr(args, "beam_width", 1)),
+        max_num_seqs=max_num_seqs or 16,
+        kv_cache_memory=getattr(args, "kv_cache_memory", None),  # (`quantize` has no cache flags)
+        enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         progress=not args.quiet,
     )
 
@@ -368,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $FASTERLLAMA_API_KEY, else none)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model, or the default model's name)")
-    sv.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together: KV cache slots (default 16)")
+    sv.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default 16)")
     sv.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no access log")
     sv.set_defaults(func=cmd_serve)
 

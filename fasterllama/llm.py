@@ -147,12 +147,17 @@ class LLM:
         max_num_batched_tokens: int = 2048,
         progress: bool = True,
         calibration_text: str | None = None,
+        kv_cache_memory: float | str | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q8_0/Q4_0/Q4_1
         tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
         weights, dequantizing a GGUF file), "gguf", or a spec such as "w8", "w8-g32", "w4", "w4-g64",
         "w8a8", "w8a8-static-mse", "w8a8-static-percentile99.99-sq0.5" (see fasterllama.quant.config).
-        "gguf" is exact: its kernels expand each block to the very floats "none" holds."""
+        "gguf" is exact: its kernels expand each block to the very floats "none" holds.
+        kv_cache_memory: the paged KV cache's size, bytes (an int, "2GiB") or a fraction of free
+        memory (0.5); by default up to 2 GiB on the CPU and 0.8 of the free memory of a GPU."""
         self.engine = LLMEngine(
             model,
             dtype=dtype,
@@ -160,6 +165,9 @@ class LLM:
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=kv_cache_memory,
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
             progress=progress,
             quantization=quantization,
             calibration_text=calibration_text,
@@ -200,7 +208,7 @@ class LLM:
         try:
             for i, (ids, p) in enumerate(zip(prompt_ids, params_list)):
                 if p.beam_width == 1:
-                    groups[i] = [engine.add_request(ids, p, sample_index=k) for k in range(p.n)]
+                    groups[i] = engine.add_group(ids, p)
             while engine.has_unfinished():
                 engine.step()
         except BaseException:

@@ -144,36 +144,68 @@ def test_argmax_is_torch_argmax(n):
     assert ck.argmax(x).tolist() == ref.argmax(x).tolist()
     assert ck.argmax(x[2:3]).tolist() == [0]
 
-def _meta(starts: list[int], news: list[int], slots: list[int]) -> ops.AttentionMetadata:
-    positions, slot_of_token, offsets = [], [], [0]
-    for start, n, slot in zip(starts, news, slots):
+def _to_paged(dense: torch.Tensor, bs: int = 16, seed: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
+    """A per-sequence cache [seqs, kv_heads, max_len, d] as a paged one [blocks, kv_heads, bs, d]
+    whose blocks are shuffled, and each sequence's block table."""
+    S, KVH, L, d = dense.shape
+    nb = -(-L // bs)
+    perm = torch.randperm(S * nb, generator=torch.Generator().manual_seed(seed)).tolist()
+    tables = [perm[s * nb : (s + 1) * nb] for s in range(S)]
+    padded = torch.full((S, KVH, nb * bs, d), float("nan"))
+    padded[:, :, :L] = dense
+    paged = torch.empty(S * nb, KVH, bs, d)
+    for s in range(S):
+        for j, block in enumerate(tables[s]):
+            paged[block] = padded[s, :, j * bs : (j + 1) * bs]
+    return paged, tables
+
+
+def _meta(starts: list[int], news: list[int], tables: list[list[int]], bs: int = 16) -> ops.AttentionMetadata:
+    """A step whose sequence i has starts[i] tokens cached, news[i] new ones, blocks tables[i]."""
+    positions, slot_mapping, offsets = [], [], [0]
+    for start, n, table in zip(starts, news, tables):
         positions += range(start, start + n)
-        slot_of_token += [slot] * n
+        slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
         offsets.append(offsets[-1] + n)
-    return ops.AttentionMetadata(torch.tensor(slot_of_token), torch.tensor(positions), slots, starts, offsets)
+    return ops.AttentionMetadata(torch.tensor(slot_mapping), torch.tensor(positions), ops.block_tables_tensor(tables, "cpu"), starts, offsets)
 
 
 @pytest.mark.parametrize("d", [16, 24, 64])  # 16, 64: 512-bit attention loops on AVX-512; 24: 256-bit ones
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
-def test_rope_store_and_attention(heads, kv_heads, d):
+@pytest.mark.parametrize("bs", [8, 16, 64])
+def test_rope_store_and_attention(heads, kv_heads, d, bs):
     """A mixed step (two decodes, one prefill chunk, one fresh prompt) through both op sets."""
-    max_len, slots = 80, [3, 0, 2, 1]
-    meta = _meta([40, 7, 20, 0], [1, 1, 9, 13], slots)
+    paged, tables = _to_paged(torch.randn(4, kv_heads, 80, d), bs)
+    order = [3, 0, 2, 1]
+    meta = _meta([40, 7, 20, 0], [1, 1, 9, 13], [tables[i] for i in order], bs)
     T = meta.token_offsets[-1]
     qkv = torch.randn(T, (heads + 2 * kv_heads) * d)
     ang = meta.positions.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
     cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    caches = [torch.randn(4, kv_heads, max_len, d) for _ in range(2)]
+    caches = [paged, torch.randn_like(paged)]
     mine = [c.clone() for c in caches]
     q_ref = ref.rope_and_store_kv(qkv, cos, sin, *caches, meta, heads, kv_heads, d)
     q = ck.rope_and_store_kv(qkv, cos, sin, *mine, meta, heads, kv_heads, d)
     _close(q, q_ref)
-    _close(mine[0], caches[0])
-    _close(mine[1], caches[1])
+    torch.testing.assert_close(mine[0], caches[0], equal_nan=True, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mine[1], caches[1], equal_nan=True, atol=1e-5, rtol=1e-5)
     _close(ck.attention(q, *mine, meta, d**-0.5), ref.attention(q_ref, *caches, meta, d**-0.5))
-    decode_only = _meta([40, 7], [1, 1], [3, 0])
+    decode_only = _meta([40, 7], [1, 1], [tables[3], tables[0]], bs)
     qd = torch.randn(2, heads, d)
     _close(ck.attention(qd, *mine, decode_only, 0.3), ref.attention(qd, *caches, decode_only, 0.3))
+
+
+def test_rope_store_skips_padding_rows():
+    """Slot -1 (a CUDA-graph padding row) rotates q but stores nothing."""
+    heads, kv_heads, d, bs = 2, 1, 16, 8
+    meta = ops.AttentionMetadata(torch.tensor([5, -1]), torch.tensor([5, 3]), ops.block_tables_tensor([[0], [1]], "cpu"), [5, 3], [0, 1, 2])
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * d)
+    cos, sin = torch.rand(2, d), torch.rand(2, d)
+    caches = [torch.zeros(2, kv_heads, bs, d) for _ in range(2)]
+    mine = [c.clone() for c in caches]
+    _close(ck.rope_and_store_kv(qkv, cos, sin, *mine, meta, heads, kv_heads, d), ref.rope_and_store_kv(qkv, cos, sin, *caches, meta, heads, kv_heads, d))
+    assert torch.equal(mine[0], caches[0]) and torch.equal(mine[1], caches[1])
+    assert mine[1][0, 0, 5].abs().sum() > 0 and mine[1][1].abs().sum() == 0
 
 
 def _three_ways(llm, prompts, params) -> list[tuple[list[list[int]], list]]:
@@ -250,17 +282,18 @@ def test_decode_step_past_eight_rows(tmp_path, quantization):
 def test_decode_attention_ignores_rows_past_each_sequence():
     """Cache rows past a sequence's length may hold anything (torch.empty), NaN included; batched
     decode attention must not read them into the result (0 * NaN = NaN)."""
-    d, lengths, slots = 16, [5, 30, 12], [2, 0, 1]
-    k_cache = torch.full((3, 2, 40, d), float("nan"))
-    v_cache = torch.full((3, 2, 40, d), float("nan"))
-    for slot, n in zip(slots, lengths):
-        k_cache[slot, :, :n] = torch.randn(2, n, d)
-        v_cache[slot, :, :n] = torch.randn(2, n, d)
-    meta = _meta([n - 1 for n in lengths], [1, 1, 1], slots)
+    d, lengths, order = 16, [5, 30, 12], [2, 0, 1]
+    dense_k = torch.full((3, 2, 40, d), float("nan"))
+    dense_v = torch.full((3, 2, 40, d), float("nan"))
+    for s, n in zip(order, lengths):
+        dense_k[s, :, :n] = torch.randn(2, n, d)
+        dense_v[s, :, :n] = torch.randn(2, n, d)
+    (k_cache, tables), (v_cache, _) = _to_paged(dense_k), _to_paged(dense_v)
+    meta = _meta([n - 1 for n in lengths], [1, 1, 1], [tables[s] for s in order])
     q = torch.randn(3, 4, d)
     expected = torch.stack([
-        F.scaled_dot_product_attention(q[i, :, None], k_cache[s, :, :n].repeat_interleave(2, 0), v_cache[s, :, :n].repeat_interleave(2, 0), scale=0.25)[:, 0]
-        for i, (s, n) in enumerate(zip(slots, lengths))
+        F.scaled_dot_product_attention(q[i, :, None], dense_k[s, :, :n].repeat_interleave(2, 0), dense_v[s, :, :n].repeat_interleave(2, 0), scale=0.25)[:, 0]
+        for i, (s, n) in enumerate(zip(order, lengths))
     ])
     _close(ref.attention(q, k_cache, v_cache, meta, 0.25), expected)
     _close(ck.attention(q, k_cache, v_cache, meta, 0.25), expected)
@@ -273,17 +306,18 @@ def test_decode_attention_every_group_size(group, d, batch, kv_heads, threads):
     """Batched decode attention against torch's SDPA for 1-9 query heads per KV head: with
     AVX-512 the heads of a group run together (1-8), else head by head. Where the (sequence, KV
     head) pairs do not divide between the threads, each pair's keys are split into parts and
-    merged; lengths cover key tails of every size, a single key, and parts of unequal length."""
-    max_len = 300
+    merged; lengths cover key tails of every size, a single key, and parts of unequal length,
+    over shuffled cache blocks."""
     lengths = [1, 9, 300, 37][:batch] if batch > 1 else [259]
-    slots = [3, 0, 2, 1][:batch]
-    k_cache, v_cache = torch.randn(4, kv_heads, max_len, d), torch.randn(4, kv_heads, max_len, d)
+    order = [3, 0, 2, 1][:batch]
+    dense_k, dense_v = torch.randn(4, kv_heads, 300, d), torch.randn(4, kv_heads, 300, d)
+    (k_cache, tables), (v_cache, _) = _to_paged(dense_k), _to_paged(dense_v)
     q = torch.randn(batch, kv_heads * group, d)
-    meta = _meta([n - 1 for n in lengths], [1] * batch, slots)
+    meta = _meta([n - 1 for n in lengths], [1] * batch, [tables[s] for s in order])
     expected = torch.stack([
-        F.scaled_dot_product_attention(q[i, :, None], k_cache[s, :, :n].repeat_interleave(group, 0),
-                                       v_cache[s, :, :n].repeat_interleave(group, 0), scale=0.3)[:, 0]
-        for i, (s, n) in enumerate(zip(slots, lengths))
+        F.scaled_dot_product_attention(q[i, :, None], dense_k[s, :, :n].repeat_interleave(group, 0),
+                                       dense_v[s, :, :n].repeat_interleave(group, 0), scale=0.3)[:, 0]
+        for i, (s, n) in enumerate(zip(order, lengths))
     ])
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # the OpenMP pool the kernels share
@@ -300,13 +334,14 @@ def test_prefill_attention(group, d, start, n):
     """A sequence's new queries against its cache (a whole prompt, or a chunk after cached tokens)
     through the C kernel (where the head dim fills whole vectors) and through SDPA: the same
     outputs, and cache rows past the sequence (NaN here) never read in."""
-    kv_heads, max_len, slot = 2, 260, 1
-    k_cache = torch.full((3, kv_heads, max_len, d), float("nan"))
-    v_cache = torch.full((3, kv_heads, max_len, d), float("nan"))
-    k_cache[slot, :, : start + n] = torch.randn(kv_heads, start + n, d)
-    v_cache[slot, :, : start + n] = torch.randn(kv_heads, start + n, d)
+    kv_heads = 2
+    dense_k = torch.full((3, kv_heads, 260, d), float("nan"))
+    dense_v = torch.full((3, kv_heads, 260, d), float("nan"))
+    dense_k[1, :, : start + n] = torch.randn(kv_heads, start + n, d)
+    dense_v[1, :, : start + n] = torch.randn(kv_heads, start + n, d)
+    (k_cache, tables), (v_cache, _) = _to_paged(dense_k), _to_paged(dense_v)
     q = torch.randn(n, kv_heads * group, d)
-    meta = _meta([start], [n], [slot])
+    meta = _meta([start], [n], [tables[1]])
     _close(ck.attention(q, k_cache, v_cache, meta, 0.3), ref.attention(q, k_cache, v_cache, meta, 0.3))
 
 

@@ -130,7 +130,7 @@ def test_first_token_rows_are_the_sequence_starts():
     # three sequences: a fresh prompt (rows 0-2), a decode (row 3), a second prompt chunk (4-5), a fresh one (6)
     starts, offsets = [0, 5, 3, 0], [0, 3, 4, 6, 7]
     positions = [0, 1, 2, 5, 3, 4, 0]
-    meta = ops.AttentionMetadata(torch.tensor([0, 0, 0, 1, 2, 2, 3]), torch.tensor(positions), [0, 1, 2, 3], starts, offsets)
+    meta = ops.AttentionMetadata(torch.tensor(positions), torch.tensor(positions), ops.block_tables_tensor([[0]] * 4, "cpu"), starts, offsets)
     assert meta.first_token_rows.tolist() == [0, 6]
 
 

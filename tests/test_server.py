@@ -126,7 +126,7 @@ def wait_for(predicate: Any, timeout: float = 10.0, what: str = "condition") -> 
 
 def slots_free(server: Server) -> bool:
     text = server.metrics()
-    return metric(text, "fasterllama_kv_slots_used") == 0 and metric(text, "fasterllama_requests_running") == 0
+    return metric(text, "fasterllama_kv_blocks_used") == 0 and metric(text, "fasterllama_requests_running") == 0
 
 
 def sse_events(response: httpx.Response) -> list[Any]:
@@ -181,7 +181,7 @@ def test_loop_matches_offline_from_threads(loop: EngineLoop, offline: LLM) -> No
             text, ids, lps = results[i][k]
             assert (text, ids) == (want.text, want.token_ids)
             assert_logprobs_close([lp[t] for lp, t in zip(lps, ids)], [lp[t] for lp, t in zip(want.logprobs, want.token_ids)])
-    wait_for(lambda: loop.stats.kv_slots_free == loop.stats.kv_slots_total, what="free slots")
+    wait_for(lambda: loop.stats.kv_blocks_used == 0, what="free KV blocks")
 
 
 def test_loop_step_error_fails_the_running_requests_only(loop: EngineLoop) -> None:
@@ -207,7 +207,7 @@ def test_loop_step_error_fails_the_running_requests_only(loop: EngineLoop) -> No
     assert all(o.finish_reason == "error" and "boom" in (o.error or "") for o in finals)
     again = list(loop.add_request("Hello", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)))
     assert sum(len(o.token_ids) for o in again) == 5 and again[-1].finish_reason == "length"
-    wait_for(lambda: loop.stats.kv_slots_free == loop.stats.kv_slots_total, what="free slots")
+    wait_for(lambda: loop.stats.kv_blocks_used == 0, what="free KV blocks")
 
 
 def test_loop_abort_and_shutdown(loop: EngineLoop) -> None:
@@ -225,7 +225,7 @@ def test_loop_abort_and_shutdown(loop: EngineLoop) -> None:
 
     count = asyncio.run(asyncio.wait_for(main(), TIMEOUT))
     assert count < 900
-    wait_for(lambda: loop.stats.kv_slots_free == loop.stats.kv_slots_total, what="free slots")
+    wait_for(lambda: loop.stats.kv_blocks_used == 0, what="free KV blocks")
     running = loop.add_request("Hello", SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
     first = next(iter(running))
     assert first.token_ids
@@ -243,7 +243,7 @@ def test_models_health_metrics(server: Server) -> None:
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(server.base + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
     text = server.metrics()
-    assert metric(text, "fasterllama_kv_slots_total") == MAX_NUM_SEQS
+    assert metric(text, "fasterllama_kv_blocks_total") == server.llm.engine.blocks.num_blocks > 0
     for name in ("fasterllama_time_to_first_token_seconds_count", "fasterllama_inter_token_latency_seconds_count",
                  "fasterllama_prompt_tokens_total", "fasterllama_generation_tokens_total", "fasterllama_requests_waiting"):
         metric(text, name)
@@ -331,30 +331,52 @@ def test_chat_matches_offline(server: Server, offline: LLM) -> None:
     assert reasons == [o.finish_reason for o in ref2.outputs]
 
 
-def test_sixteen_concurrent_streams_complete(server: Server) -> None:
-    """16 streams (twice the KV slots: half wait) all finish with every token."""
+def test_64_concurrent_streams_complete_and_16_aborted_free_their_blocks(server: Server) -> None:
+    """64 streams of mixed lengths (8x the seats: most wait); 16 clients leave mid-stream. The
+    other 48 finish with every token, and no KV block stays used."""
 
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, str | None]:
-        stream = await client.completions.create(model=MODEL, prompt=f"Request number {i}:", max_tokens=24, temperature=0.7, seed=i,
+        max_tokens = 8 + (i * 7) % 40
+        prompt = f"Request number {i}: " + "and more " * (i % 9)
+        stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.7, seed=i,
                                                  stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        tokens, reason = 0, None
+        tokens, reason, chunks = 0, None, 0
         async for chunk in stream:
+            chunks += 1
+            if i % 4 == 0 and chunks == 3:  # this client leaves
+                await stream.close()
+                return -1, "left"
             if chunk.usage is not None:
                 tokens = chunk.usage.completion_tokens
             for c in chunk.choices:
                 reason = c.finish_reason or reason
-        return tokens, reason
+        return tokens - max_tokens, reason
 
     async def main() -> list[tuple[int, str | None]]:
         client = server.async_client()
         try:
-            return await asyncio.gather(*(one(client, i) for i in range(16)))
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
         finally:
             await client.close()
 
-    results = asyncio.run(asyncio.wait_for(main(), 60))
-    assert results == [(24, "length")] * 16
-    wait_for(lambda: slots_free(server), what="free KV slots")
+    results = asyncio.run(asyncio.wait_for(main(), 120))
+    assert results.count((-1, "left")) == 16 and results.count((0, "length")) == 48
+    wait_for(lambda: slots_free(server), what="no used KV blocks")
+
+
+def test_prefix_cache_over_http(server: Server, model_dir: str) -> None:
+    """A second request sharing a 256-token prefix reports it as cached_tokens and gets the tokens
+    it gets with prefix caching off."""
+    prefix = [(7 * i) % 300 + 10 for i in range(256)]
+    client = server.client()
+    first = client.completions.create(model=MODEL, prompt=prefix + [11, 12], max_tokens=6, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prefix + [13, 14, 15], max_tokens=6, temperature=0, logprobs=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 256
+    off = LLM(model_dir, progress=False, enable_prefix_caching=False)
+    want = off.generate([prefix + [13, 14, 15]], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert second.choices[0].text == want.text
+    assert metric(server.metrics(), "fasterllama_prefix_cache_hit_tokens") >= 256
 
 
 def test_client_leaving_mid_stream_frees_its_slots(server: Server) -> None:

@@ -1,4 +1,5 @@
-"""The Triton attention kernels against the reference ops (slot cache) and a dense oracle (paged cache).
+"""The Triton attention kernels against the reference ops (a slot cache: one block a sequence) and a
+dense oracle (a paged cache of shuffled blocks).
 
 Runs on a CUDA GPU at real shapes, or on the CPU under the Triton interpreter at small ones:
     TRITON_INTERPRET=1 python -m pytest tests/test_triton_attention.py
@@ -52,13 +53,15 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, tol: dict[
     torch.testing.assert_close(got.float(), want.float(), atol=tol[dtype], rtol=tol[dtype], equal_nan=True)
 
 
-def _meta(new_lens: list[int], starts: list[int], slots: list[int]) -> AttentionMetadata:
+def _meta(new_lens: list[int], starts: list[int], slots: list[int], capacity: int) -> AttentionMetadata:
+    """A step over a slot cache: each sequence owns one block of `capacity` rows (block `slot`)."""
     offsets = [0]
     for n in new_lens:
         offsets.append(offsets[-1] + n)
-    slot_of_token = torch.tensor([s for s, n in zip(slots, new_lens) for _ in range(n)], dtype=torch.int64)
+    slot_mapping = torch.tensor([s * capacity + p for s, st, n in zip(slots, starts, new_lens) for p in range(st, st + n)], dtype=torch.int64)
     positions = torch.tensor([p for st, n in zip(starts, new_lens) for p in range(st, st + n)], dtype=torch.int64)
-    return AttentionMetadata(slot_of_token.to(DEVICE), positions.to(DEVICE), slots, starts, offsets)
+    tables = torch.tensor([[s] for s in slots], dtype=torch.int32)
+    return AttentionMetadata(slot_mapping.to(DEVICE), positions.to(DEVICE), tables.to(DEVICE), starts, offsets)
 
 
 def _slot_cache(num_slots: int, kvh: int, max_len: int, d: int, dtype: torch.dtype, filled: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,7 +121,7 @@ def _qkv(T: int, h: int, kvh: int, d: int, dtype: torch.dtype):
 def test_rope_and_store_kv_matches_reference(h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     new_lens, starts, slots = [5, 1, 7, 1, 2], [0, 9, 3, 20, 30], [2, 0, 5, 3, 4]
-    meta = _meta(new_lens, starts, slots)
+    meta = _meta(new_lens, starts, slots, 32)
     qkv, cos, sin = _qkv(sum(new_lens), h, kvh, d, dtype)
     k_ref, v_ref = _slot_cache(6, kvh, 32, d, dtype, {})
     k_got, v_got = k_ref.clone(), v_ref.clone()
@@ -172,7 +175,7 @@ def test_decode_matches_reference(h: int, kvh: int, d: int, dtype: torch.dtype, 
     slots = torch.randperm(num_slots)[:batch].tolist()
     starts = torch.randint(0, max_len, (batch,)).tolist()
     starts[0] = max_len - 1  # one sequence fills the cache
-    meta = _meta([1] * batch, starts, slots)
+    meta = _meta([1] * batch, starts, slots, max_len)
     k_cache, v_cache = _slot_cache(num_slots, kvh, max_len, d, dtype, {s: st + 1 for s, st in zip(slots, starts)})
     q = _rand(batch, h, d, dtype=dtype)
     want = reference.attention(q, k_cache, v_cache, meta, d**-0.5)
@@ -219,7 +222,7 @@ def test_prefill_matches_reference(h: int, kvh: int, d: int, dtype: torch.dtype)
     torch.manual_seed(3)
     new_lens, starts = [n for n, _ in PREFILL_STEP], [s for _, s in PREFILL_STEP]
     slots = [4, 0, 6, 2, 1, 3]
-    meta = _meta(new_lens, starts, slots)
+    meta = _meta(new_lens, starts, slots, PREFILL_CAPACITY)
     k_cache, v_cache = _slot_cache(7, kvh, PREFILL_CAPACITY, d, dtype, {s: st + n for s, n, st in zip(slots, new_lens, starts)})
     q = _rand(sum(new_lens), h, d, dtype=dtype)
     want = reference.attention(q, k_cache, v_cache, meta, d**-0.5)

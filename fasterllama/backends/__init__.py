@@ -43,7 +43,7 @@ class Backend:
     def prepare_model(self, model: LlamaForCausalLM) -> None:
         """Put the loaded (and quantized) model's weights in the layouts the kernels read."""
 
-    def decode_plan(self, model: LlamaForCausalLM, kv_cache: KVCache) -> DecodePlan | None:
+    def decode_plan(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> DecodePlan | None:
         return None
 
 

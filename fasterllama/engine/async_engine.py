@@ -23,7 +23,7 @@ from typing import Any
 from ..errors import FasterLlamaError
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,11 @@ class LoopStats:
 
     running_requests: int = 0
     waiting_requests: int = 0
-    kv_slots_total: int = 0
-    kv_slots_free: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    prefix_cache_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int = 0  # of those, found there (not computed)
+    preemptions: int = 0
     steps: int = 0
 
 
@@ -74,6 +77,7 @@ class RequestHandle:
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.arrival_time = time.monotonic()
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache (set when the prompt is in)
         self._loop = loop
         self._cond = threading.Condition()
         self._items: deque[SequenceOutput] = deque()
@@ -88,7 +92,7 @@ class RequestHandle:
             return self._open == 0
 
     def abort(self) -> None:
-        """Stop generating and free the request's KV slots (no-op once finished)."""
+        """Stop generating and free the request's KV blocks (no-op once finished)."""
         self._loop.abort(self.request_id)
 
     # -- loop thread side ------------------------------------------------------------------
@@ -151,7 +155,7 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.stats = LoopStats(kv_slots_total=engine.kv_cache.num_slots, kv_slots_free=engine.kv_cache.num_free)
+        self.stats = LoopStats(kv_blocks_total=engine.blocks.num_blocks)
         self._cond = threading.Condition(threading.RLock())  # reentrant: shutdown() may run in a signal handler
         self._commands: deque[tuple[str, Any]] = deque()
         self._stopping = False
@@ -193,7 +197,7 @@ class EngineLoop:
         return handle
 
     def abort(self, request_id: str) -> None:
-        """Finish a request's sequences and free their KV slots before the next step."""
+        """Finish a request's sequences and free their KV blocks before the next step."""
         with self._cond:
             if request_id in self._ids:
                 self._commands.append(("abort", request_id))
@@ -249,9 +253,8 @@ class EngineLoop:
         req = _Request(handle)
         self._requests[handle.request_id] = req
         try:
-            for k in range(handle.params.n):
-                seq = self.engine.add_request(handle.prompt_token_ids, handle.params, sample_index=k)
-                req.seqs.append(seq)
+            req.seqs = self.engine.add_group(handle.prompt_token_ids, handle.params)
+            for k, seq in enumerate(req.seqs):
                 self._owner[seq.seq_id] = (req, k)
         except Exception as e:  # a request the engine refuses fails alone
             logger.exception("adding request %s failed", handle.request_id)
@@ -288,6 +291,8 @@ class EngineLoop:
             if owner is None:
                 continue
             req, k = owner
+            if k == 0 and len(seq.output_token_ids) == 1:
+                req.handle.cached_tokens = seq.num_prefix_cached
             logprobs = [seq.logprobs[-1]] if seq.params.logprobs is not None and seq.logprobs else None
             reason = seq.finish_reason if seq.is_finished else None
             req.handle._push(SequenceOutput(k, update.text_delta, [update.token_id], logprobs, reason, now))
@@ -297,12 +302,12 @@ class EngineLoop:
                     self._forget(req)
 
     def _fail(self, req: _Request, message: str) -> None:
-        """End every unfinished sequence of a request with an error output and free its slots."""
+        """End every unfinished sequence of a request with an error output and free its blocks."""
         now = time.monotonic()
         for seq in req.seqs:
             try:
                 self.engine.abort(seq)
-            except Exception:  # the engine is in a bad state; the slot may leak, the loop lives on
+            except Exception:  # the engine is in a bad state; blocks may leak, the loop lives on
                 logger.exception("aborting a failed sequence raised")
         for k in range(req.handle.params.n):  # the handle drops those already finished
             req.handle._push(SequenceOutput(k, "", [], None, "error", now, error=message))
@@ -316,6 +321,7 @@ class EngineLoop:
             self._ids.discard(req.handle.request_id)
 
     def _publish(self) -> None:
-        running = sum(1 for r in self._requests.values() if any(s.slot is not None for s in r.seqs))
-        kv = self.engine.kv_cache
-        self.stats = LoopStats(running, len(self._requests) - running, kv.num_slots, kv.num_free, self._steps)
+        running = sum(1 for r in self._requests.values() if any(s.status == SequenceStatus.RUNNING for s in r.seqs))
+        blocks = self.engine.blocks
+        self.stats = LoopStats(running, len(self._requests) - running, blocks.num_blocks, blocks.num_used, blocks.queried_tokens,
+                               blocks.hit_tokens, self.engine.scheduler.num_preemptions, self._steps)

@@ -1,9 +1,11 @@
 """Beam search above the model runner: HF `generate(num_beams=W, do_sample=False)` semantics
 (length_penalty, early_stopping True/False/"never") plus FasterTransformer's diversity_rate.
 
-Each beam owns a KV-cache slot; the prompt is prefilled once and copied to the other beams'
-slots, and after every step the caches follow their beams (`KVCache.copy_slots`). The beams of
-all prompts run as one packed batch."""
+Each beam is a sequence with a block table. The prompt is prefilled once, in beam 0, and the other
+beams share its blocks; after every step a beam continued from another takes that beam's blocks
+(`BlockManager.share`), so beams share everything they have in common and only a last, partial
+block is copied, when a beam first writes into it. The beams of all prompts run as one packed
+batch."""
 
 from __future__ import annotations
 
@@ -45,25 +47,34 @@ class BeamSearch:
         self.engine = engine
 
     def run(self, prompts: list[list[int]], params: SamplingParams) -> list[list[BeamHypothesis]]:
-        W = params.beam_width
-        kv = self.engine.kv_cache
-        if kv.num_slots < W:
-            from ..errors import FasterLlamaError
-
-            raise FasterLlamaError(f"beam_width {W} needs {W} KV cache slots; the engine has {kv.num_slots} (raise max_num_seqs)")
+        """The best hypotheses of each prompt; as many prompts at a time as the free blocks hold
+        at their longest (the prompt's blocks once, each beam's new blocks W times)."""
+        blocks, W = self.engine.blocks, params.beam_width
         results: list[list[BeamHypothesis]] = []
-        per_round = max(1, kv.num_free // W)
-        for lo in range(0, len(prompts), per_round):
-            results += self._run_group(prompts[lo : lo + per_round], params)
+        group: list[list[int]] = []
+        budget = blocks.num_free
+        for prompt in prompts:
+            max_length = min(len(prompt) + params.max_tokens, self.engine.max_model_len)
+            need = blocks.blocks_for(len(prompt)) + W * (blocks.blocks_for(max_length) - len(prompt) // blocks.block_size)
+            if need > blocks.num_free:
+                from ..errors import FasterLlamaError
+
+                raise FasterLlamaError(f"beam search of width {W} may need {need} KV cache blocks for this prompt; {blocks.num_free} are free "
+                                       "(raise kv_cache_memory, or lower max_tokens or beam_width)")
+            if need > budget:
+                results += self._run_group(group, params)
+                group, budget = [], blocks.num_free
+            group.append(prompt)
+            budget -= need
+        if group:
+            results += self._run_group(group, params)
         return results
 
     def _run_group(self, prompts: list[list[int]], params: SamplingParams) -> list[list[BeamHypothesis]]:
-        engine, kv, W = self.engine, self.engine.kv_cache, params.beam_width
+        engine, blocks, W = self.engine, self.engine.blocks, params.beam_width
         states = []
         for prompt in prompts:
             seqs = [Sequence(prompt, params, None, 0) for _ in range(W)]
-            for s in seqs:
-                s.slot = kv.allocate()
             max_length = min(len(prompt) + params.max_tokens, engine.max_model_len)
             states.append(_BeamState(prompt, seqs, max_length, tokens=[[] for _ in range(W)],
                                      scores=torch.tensor([0.0] + [NEG] * (W - 1)), logprobs=[0.0] * W))
@@ -73,29 +84,30 @@ class BeamSearch:
                 active = [st for st in states if not st.done]
                 if not active:
                     break
-                if first:  # prefill each prompt once, in beam 0's slot
+                if first:  # prefill each prompt once, in beam 0
                     batch = [ScheduledSeq(st.seqs[0], len(st.prompt)) for st in active]
                 else:
                     batch = [ScheduledSeq(s, 1) for st in active for s in st.seqs]
                 rows, offset = [], 0
                 for item in batch:
+                    if not blocks.reserve(item.seq, item.seq.num_cached + item.num_tokens):  # run() sized the groups to fit
+                        raise RuntimeError("beam search ran out of KV cache blocks")
                     offset += item.num_tokens
                     rows.append(offset - 1)
                 logits = engine.runner.execute(batch, rows)
+                engine.scheduler.advance(batch)
                 row = 0
                 for st in active:
                     n = 1 if first else W
-                    if first:
-                        kv.copy_slots([st.seqs[0].slot] * (W - 1), [s.slot for s in st.seqs[1:]], len(st.prompt))
-                        for s in st.seqs[1:]:
-                            s.num_cached = len(st.prompt)
+                    if first:  # the other beams share the prompt's blocks
+                        blocks.share(st.seqs[1:], [st.seqs[0]] * (W - 1))
                     self._advance(st, logits[row : row + n].expand(W, -1), params)
                     row += n
                 first = False
         finally:
             for st in states:
                 for s in st.seqs:
-                    kv.free(s.slot)
+                    blocks.free(s)
         tok = engine.tokenizer
         out = []
         for st in states:
@@ -144,9 +156,8 @@ class BeamSearch:
         src_beams = [beam_l[j] for j in pick]
         new_tokens = [st.tokens[beam_l[j]] + [token_l[j]] for j in pick]
         new_logprobs = [st.logprobs[beam_l[j]] + true_l[j] for j in pick]
-        slots = [s.slot for s in st.seqs]
-        if src_beams != list(range(W)):
-            self.engine.kv_cache.copy_slots([slots[b] for b in src_beams], slots, cur_len)
+        if src_beams != list(range(W)):  # beams continued from others take their blocks
+            self.engine.blocks.share(st.seqs, [st.seqs[b] for b in src_beams])
         st.tokens, st.logprobs, st.scores = new_tokens, new_logprobs, running.values
         for s, t in zip(st.seqs, new_tokens):
             s.output_token_ids = t

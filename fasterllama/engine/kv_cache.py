@@ -1,39 +1,94 @@
-"""KV cache: preallocated per layer as [slots, kv_heads, max_len, head_dim]; one slot a sequence.
+"""The paged KV cache: per layer, K and V as [num_blocks, kv_heads, block_size, head_dim].
 
-torch.empty leaves pages untouched until written, so resident memory grows with the tokens
-actually cached, not with max_len."""
+A sequence's keys live in whichever blocks its block table names (BlockManager hands them out),
+so the cache is sized by memory rather than by max_num_seqs x max_model_len, and sequences with a
+common prefix share its blocks. On the CPU torch.empty leaves pages untouched until written, so
+resident memory grows with the blocks actually used."""
 
 from __future__ import annotations
+
+import re
 
 import torch
 
 from ..config import ModelConfig
+from ..errors import FasterLlamaError
+
+DEFAULT_BLOCK_SIZE = 16  # 16 rows of a 64-wide fp32 head: one 4 KiB page per block and head
+DEFAULT_CPU_MEMORY = 2 << 30  # the CPU default cap (pages are touched only as blocks are used)
+DEFAULT_GPU_FRACTION = 0.8  # of the device memory free once the model is loaded
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_slots, cfg.num_kv_heads, max_len, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
         self.layers = [
             (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_layers)
         ]
-        self.num_slots, self.max_len = num_slots, max_len
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.num_blocks, self.block_size = num_blocks, block_size
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * dtype.itemsize
 
-    def allocate(self) -> int:
-        return self._free.pop()
-
-    def copy_slots(self, src: list[int], dst: list[int], length: int) -> None:
-        """Make slots dst[i] hold the first `length` cached tokens of src[i] (src may overlap dst)."""
-        src_t = torch.tensor(src, device=self.layers[0][0].device)
-        dst_t = torch.tensor(dst, device=self.layers[0][0].device)
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Make blocks dst[i] hold what blocks src[i] hold, in every layer (copy-on-write)."""
+        device = self.layers[0][0].device
+        src_t, dst_t = torch.tensor(src, device=device), torch.tensor(dst, device=device)
         for k, v in self.layers:
-            k[dst_t, :, :length] = k[src_t, :, :length]
-            v[dst_t, :, :length] = v[src_t, :, :length]
+            k[dst_t] = k[src_t]
+            v[dst_t] = v[src_t]
 
-    def free(self, slot: int) -> None:
-        self._free.append(slot)
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_memory(value: float | str) -> int | float:
+    """Bytes (an int, or "2GiB", "512MB", "1e9") or a fraction of free memory (a float in (0, 1], or "0.5")."""
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise FasterLlamaError(f"kv_cache_memory {value!r} is not a size such as 2GiB, 512MB or 0.5 (a fraction of free memory)")
+        number, unit = float(m.group(1)), m.group(2).lower()
+        value = number if not unit and number <= 1 and "." in m.group(1) else int(number * _UNITS[unit])
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise FasterLlamaError(f"kv_cache_memory must be bytes (an int or a string such as 2GiB) or a fraction of free memory, got {value!r}")
+    if isinstance(value, float) and not 0 < value <= 1:
+        raise FasterLlamaError(f"kv_cache_memory as a fraction of free memory must be in (0, 1], got {value}")
+    if isinstance(value, int) and value <= 0:
+        raise FasterLlamaError(f"kv_cache_memory must be positive, got {value}")
+    return value
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for the cache now: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def num_blocks_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, memory: float | str | None, block_size: int,
+                   max_num_seqs: int, max_model_len: int) -> int:
+    """How many blocks the cache gets. By default: on the CPU up to DEFAULT_CPU_MEMORY, on a GPU
+    DEFAULT_GPU_FRACTION of the free memory, never more than max_num_seqs full-length sequences
+    need and never less than one full-length sequence needs."""
+    per_block = KVCache.bytes_per_block(cfg, block_size, dtype)
+    blocks_per_seq = -(-max_model_len // block_size)
+    if memory is None:
+        budget = int(free_memory(device) * DEFAULT_GPU_FRACTION) if device.type == "cuda" else DEFAULT_CPU_MEMORY
+        return max(blocks_per_seq, min(budget // per_block, max_num_seqs * blocks_per_seq))
+    memory = parse_memory(memory)
+    budget = int(free_memory(device) * memory) if isinstance(memory, float) else memory
+    if budget < per_block:
+        raise FasterLlamaError(f"kv_cache_memory of {budget} bytes is less than one KV cache block ({per_block} bytes: "
+                               f"{block_size} tokens x {cfg.num_layers} layers)")
+    return budget // per_block

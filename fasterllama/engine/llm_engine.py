@@ -21,7 +21,8 @@ from ..quant import QuantConfig, quantize_model
 from ..sampling_params import SamplingParams, integer_value
 from ..tokenizer import Tokenizer
 from . import sampler
-from .kv_cache import KVCache
+from .block_manager import BlockManager
+from .kv_cache import DEFAULT_BLOCK_SIZE, KVCache, num_blocks_for
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
@@ -47,10 +48,12 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def _check_limits(max_num_seqs: int, max_num_batched_tokens: int) -> None:
-    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+def _check_limits(max_num_seqs: int, max_num_batched_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
+    if block_size < 8 or block_size & (block_size - 1):
+        raise FasterLlamaError(f"block_size must be a power of two >= 8 (the kernels address blocks with shifts), got {block_size}")
 
 
 def _check_model_arg(model: object) -> str | None:
@@ -124,12 +127,15 @@ class LLMEngine:
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
+        kv_cache_memory: float | str | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        enable_prefix_caching: bool = True,
         progress: bool = True,
         quantization: str | QuantConfig | None = None,
         calibration_text: str | None = None,
         calibration_tokens: int = 2048,
     ) -> None:
-        _check_limits(max_num_seqs, max_num_batched_tokens)
+        _check_limits(max_num_seqs, max_num_batched_tokens, block_size)
         model = _check_model_arg(model)
         if quantization is not None and not isinstance(quantization, (str, QuantConfig)):
             raise FasterLlamaError(f"quantization must be a string such as 'w8' or 'none', got {type(quantization).__name__}")
@@ -145,27 +151,30 @@ class LLMEngine:
         dtype = resolve_dtype(dtype, backend)
         loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, "gguf") else "none",
                             backend.keeps_gguf_quantized(dtype), progress)
-        self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens)
+        self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
+                    enable_prefix_caching)
         if quantization not in (None, "gguf", "none"):
             self.quantize(quantization, calibration_text, calibration_tokens)
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer | None = None, *, max_model_len: int | None = None,
-                   max_num_seqs: int = 16, max_num_batched_tokens: int = 2048) -> LLMEngine:
+                   max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, kv_cache_memory: float | str | None = None,
+                   block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True) -> LLMEngine:
         """An engine over a model built in memory (random weights for benchmarks, a model changed
         by research code), on the device and dtype of its weights; without a tokenizer, prompts
         are token ids and outputs have no text."""
-        _check_limits(max_num_seqs, max_num_batched_tokens)
+        _check_limits(max_num_seqs, max_num_batched_tokens, block_size)
         weight = model.norm.weight  # float in every mode: the model's dtype and device
         backend = get_backend(weight.device)
         backend.register_ops()
         engine = cls.__new__(cls)
         loaded = LoadedModel(model, model.config, tokenizer, None, getattr(model, "quant_config", None), 0.0)
-        engine._start(loaded, backend, weight.dtype, max_model_len, max_num_seqs, max_num_batched_tokens)
+        engine._start(loaded, backend, weight.dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
+                      enable_prefix_caching)
         return engine
 
     def _start(self, loaded: LoadedModel, backend: Backend, dtype: torch.dtype, max_model_len: int | None, max_num_seqs: int,
-               max_num_batched_tokens: int) -> None:
+               max_num_batched_tokens: int, kv_cache_memory: float | str | None, block_size: int, prefix_caching: bool) -> None:
         """Size the KV cache and set up the scheduler and the model runner around a loaded model."""
         self.backend, self.device, self.dtype = backend, backend.device, dtype
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -180,9 +189,11 @@ class LLMEngine:
             raise FasterLlamaError(f"max_model_len {max_model_len} exceeds the model's context of {cfg.max_position_embeddings} tokens "
                                    "(max_position_embeddings); use at most that")
         self.max_model_len = max_model_len
-        self.kv_cache = KVCache(cfg, max_num_seqs, max_model_len, self.dtype, self.device)
-        self.scheduler = Scheduler(self.kv_cache, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend)
+        num_blocks = num_blocks_for(cfg, self.dtype, self.device, kv_cache_memory, block_size, max_num_seqs, max_model_len)
+        self.kv_cache = KVCache(cfg, num_blocks, block_size, self.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, block_size, self.kv_cache.copy_blocks, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, backend, max_num_seqs, max_model_len)
         self.eos_token_ids = set(cfg.eos_token_ids)
 
     def quantize(self, spec: str | QuantConfig, calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
@@ -242,14 +253,42 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, sample_index: int = 0) -> Sequence:
         """Queue one sequence; sample_index picks an independent random stream for each of n samples."""
-        if params is not None and not isinstance(params, SamplingParams):
-            raise FasterLlamaError(f"params must be a SamplingParams (or None for the defaults), got {type(params).__name__}")
-        params = params or SamplingParams()
+        params = self._check_params(params)
         ids = self.encode_prompt(prompt)
-        seed = params.seed + sample_index if params.seed is not None else random.getrandbits(62)
-        seq = Sequence(ids, params, self.tokenizer, seed)
+        self._check_fits(ids, params)
+        seq = Sequence(ids, params, self.tokenizer, self._seed(params, sample_index))
         self.scheduler.add(seq)
         return seq
+
+    def add_group(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> list[Sequence]:
+        """Queue a request's params.n samples: the first prefills the prompt, the others then fork
+        from it (sharing its blocks) and draw their own first tokens from the same logits."""
+        params = self._check_params(params)
+        ids = self.encode_prompt(prompt)
+        self._check_fits(ids, params)
+        seqs = [Sequence(ids, params, self.tokenizer, self._seed(params, k)) for k in range(params.n)]
+        seqs[0].forks = seqs[1:]
+        self.scheduler.add(seqs[0])
+        return seqs
+
+    @staticmethod
+    def _check_params(params: object) -> SamplingParams:
+        if params is not None and not isinstance(params, SamplingParams):
+            raise FasterLlamaError(f"params must be a SamplingParams (or None for the defaults), got {type(params).__name__}")
+        return params or SamplingParams()
+
+    @staticmethod
+    def _seed(params: SamplingParams, sample_index: int) -> int:
+        return params.seed + sample_index if params.seed is not None else random.getrandbits(62)
+
+    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+        """A request that could never fit the KV cache alone fails now, not when it runs out."""
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
+            raise FasterLlamaError(
+                f"this request may need {longest} tokens of KV cache, but the cache holds {self.blocks.num_blocks * self.blocks.block_size} "
+                "(raise kv_cache_memory, or lower max_tokens)"
+            )
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
@@ -281,13 +320,25 @@ class LLMEngine:
                 rows.append(offset + n - 1)
             offset += n
         starts = {id(item): item.seq.num_cached for item in batch}
-        seqs = [item.seq for item in batch if item.samples]  # before execute advances num_cached
+        seqs = [item.seq for item in batch if item.samples]  # before advance moves num_cached
         every_row = rows == list(range(offset))  # a decode step: no row gather needed
         all_logits = self.runner.execute(batch, None if every_row else rows)
+        self.scheduler.advance(batch)
         for item, first in prompt_rows:
             self._add_prompt_logprobs(item.seq, starts[id(item)], all_logits[first : first + item.num_tokens])
         if not seqs:
             return []
+        for i in range(len(seqs)):  # a request's other samples start once its prompt is in the cache
+            parent = seqs[i]
+            for child in parent.forks:
+                if child.is_finished:  # aborted before it started
+                    continue
+                self.scheduler.fork(parent, child)
+                child.prompt_logprobs = None if parent.prompt_logprobs is None else list(parent.prompt_logprobs)
+                child.num_prefix_cached = parent.num_prefix_cached
+                seqs.append(child)
+                sample_rows.append(sample_rows[i])
+            parent.forks = []
         logits = all_logits if sample_rows == list(range(len(rows))) else all_logits[sample_rows]
         if all(s.params.greedy and self._plain_logits(s) for s in seqs):
             token_ids = ops.argmax(logits).tolist()  # what sampler.sample does here, without its per-row tensors
@@ -408,15 +459,16 @@ class LLMEngine:
             raise FasterLlamaError("compute_logits needs at least one token")
         if len(ids) > self.max_model_len:
             raise ContextLengthError(f"{len(ids)} tokens exceed the context of {self.max_model_len}")
-        if not self.kv_cache.num_free:
-            raise FasterLlamaError("no free KV cache slot (requests are running)")
         seq = Sequence(ids, SamplingParams(max_tokens=1), None, 0)
-        seq.slot = self.kv_cache.allocate()
         try:
             chunks = []
             while seq.num_cached < len(ids):
                 n = min(len(ids) - seq.num_cached, self.scheduler.max_num_batched_tokens)
-                chunks.append(self.runner.execute([ScheduledSeq(seq, n)]))
+                if not self.blocks.reserve(seq, seq.num_cached + n):
+                    raise FasterLlamaError(f"too few free KV cache blocks for {len(ids)} tokens (requests are running, or raise kv_cache_memory)")
+                batch = [ScheduledSeq(seq, n)]
+                chunks.append(self.runner.execute(batch))
+                seq.num_cached += n  # not committed: its blocks hold no prompt that others may reuse
             return torch.cat(chunks)
         finally:
-            self.kv_cache.free(seq.slot)
+            self.blocks.free(seq)

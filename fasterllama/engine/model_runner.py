@@ -12,23 +12,23 @@ from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
 
 
-def pack_batch(batch: list[ScheduledSeq], device: torch.device) -> tuple[torch.Tensor, ops.AttentionMetadata]:
+def pack_batch(batch: list[ScheduledSeq], block_size: int, device: torch.device) -> tuple[torch.Tensor, ops.AttentionMetadata]:
     """The step's new tokens of every sequence, packed, and where each goes in the KV cache."""
     tokens: list[int] = []
     positions: list[int] = []
-    slot_of_token: list[int] = []
+    slot_mapping: list[int] = []
     offsets = [0]
     for item in batch:
         seq, n = item.seq, item.num_tokens
-        start = seq.num_cached
+        start, table, bs = seq.num_cached, seq.block_table, block_size
         tokens += seq.token_ids(start, start + n)
         positions += range(start, start + n)
-        slot_of_token += [seq.slot] * n
+        slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
         offsets.append(offsets[-1] + n)
     meta = ops.AttentionMetadata(
-        slot_of_token=torch.tensor(slot_of_token, dtype=torch.int64, device=device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        slots=[item.seq.slot for item in batch],
+        block_tables=ops.block_tables_tensor([item.seq.block_table for item in batch], device),
         start_positions=[item.seq.num_cached for item in batch],
         token_offsets=offsets,
     )
@@ -36,7 +36,8 @@ def pack_batch(batch: list[ScheduledSeq], device: torch.device) -> tuple[torch.T
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: Backend) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: Backend, max_num_seqs: int, max_model_len: int) -> None:
+        self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len  # the whole-step decode's static shapes
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
@@ -49,19 +50,18 @@ class ModelRunner:
         its whole-step decode; needed after modules change (quantization)."""
         self.decode_plan = None  # let go of the old tensors before they move
         self.backend.prepare_model(self.model)
-        self.decode_plan = self.backend.decode_plan(self.model, self.kv_cache)
+        self.decode_plan = self.backend.decode_plan(self.model, self.kv_cache, self.max_num_seqs, self.max_model_len)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
-        """Run one step; fp32 logits of the given packed-token rows (default: every row)."""
+        """Run one step; fp32 logits of the given packed-token rows (default: every row). The
+        caller advances the sequences (Scheduler.advance)."""
         index = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device)
         if self.decode_plan is not None and self.decode_plan.covers(batch):
             logits = self.decode_plan.run(batch)  # embedding to logits in one call
             logits = logits if index is None else logits[index]
         else:
-            input_ids, meta = pack_batch(batch, self.device)
+            input_ids, meta = pack_batch(batch, self.kv_cache.block_size, self.device)
             hidden = self.model(input_ids, meta, self.kv_cache.layers)
             logits = self.model.compute_logits(hidden if index is None else hidden[index]).float()
-        for item in batch:
-            item.seq.num_cached += item.num_tokens
         return logits

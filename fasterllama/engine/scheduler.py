@@ -1,12 +1,16 @@
 """Scheduler: picks each step's work — one token for every decoding sequence plus prompt chunks
-of waiting sequences — within a token budget and the KV cache's free slots."""
+of waiting sequences — within a token budget, max_num_seqs and the KV cache's free blocks.
+
+When blocks run out the newest running sequence is preempted: its blocks are freed and it waits
+at the front of the queue to be recomputed (prompt and output so far; the prefix cache usually
+still holds most of it). No request fails because the cache is momentarily full."""
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
 
-from .kv_cache import KVCache
+from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
 
 
@@ -22,11 +26,13 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, kv_cache: KVCache, max_num_batched_tokens: int) -> None:
-        self.kv_cache = kv_cache
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -37,21 +43,57 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
-        for seq in self.running:  # decodes first, then prompts still being prefilled
+        preempted, i = self.num_preemptions, 0
+        while i < len(self.running) and budget > 0:  # decodes first, then prompts still being prefilled
+            seq = self.running[i]
             n = min(seq.num_tokens - seq.num_cached, budget)
-            if n <= 0:
-                break
+            if not self._reserve(seq, seq.num_cached + n):
+                break  # seq itself was preempted, and everything after it
             batch.append(ScheduledSeq(seq, n))
             budget -= n
-        while self.waiting and self.kv_cache.num_free and budget > 0:
-            seq = self.waiting.popleft()
-            seq.slot = self.kv_cache.allocate()
+            i += 1
+        if self.num_preemptions != preempted:
+            return batch  # short of blocks: admit nothing new
+        seats = self.max_num_seqs - len(self.running)
+        while self.waiting and budget > 0 and seats >= 1 + len(self.waiting[0].forks):
+            seq = self.waiting[0]
+            self.blocks.reuse_prefix(seq)
+            n = min(seq.num_tokens - seq.num_cached, budget)
+            if not self.blocks.reserve(seq, seq.num_cached + n):
+                self.blocks.free(seq)
+                break
+            self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_cached, budget)
+            seats -= 1 + len(seq.forks)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
+
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for seq's tokens, preempting the newest running sequences until they fit; False
+        if seq itself had to go."""
+        while not self.blocks.reserve(seq, num_tokens):
+            victim = self.running.pop()
+            self.blocks.free(victim)
+            victim.status = SequenceStatus.WAITING
+            self.waiting.appendleft(victim)
+            self.num_preemptions += 1
+            if victim is seq:
+                return False
+        return True
+
+    def advance(self, batch: list[ScheduledSeq]) -> None:
+        """After a step ran: its tokens are cached, and the blocks they filled can be found."""
+        for item in batch:
+            item.seq.num_cached += item.num_tokens
+            self.blocks.commit(item.seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child (another sample of parent's request) starts running on parent's blocks."""
+        self.blocks.share([child], [parent])
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
@@ -60,6 +102,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.slot is not None:
-            self.kv_cache.free(seq.slot)
-            seq.slot = None
+        self.blocks.free(seq)
+        for child in seq.forks:  # samples that never started end with it
+            child.status, child.finish_reason = SequenceStatus.FINISHED, reason
+        seq.forks = []

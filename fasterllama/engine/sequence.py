@@ -1,4 +1,4 @@
-"""Sequence: one request's tokens, sampling params, status and place in the KV cache."""
+"""Sequence: one request's tokens, sampling params, status and blocks of the paged KV cache."""
 
 from __future__ import annotations
 
@@ -26,8 +26,11 @@ class Sequence:
         self.params = params
         self.seed = seed
         self.status = SequenceStatus.WAITING
-        self.slot: int | None = None
+        self.block_table: list[int] = []  # KV cache blocks (BlockManager); key position p in block_table[p // block_size]
+        self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks
         self.num_cached = 0  # tokens whose K/V are in the cache
+        self.num_prefix_cached = 0  # prompt tokens found in the prefix cache instead of computed
+        self.forks: list[Sequence] = []  # the other samples of its request: they share its prompt once prefilled
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0  # sum of chosen tokens' logprobs (when logprobs are asked)

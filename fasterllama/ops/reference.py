@@ -47,9 +47,23 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Write this step's K/V ([T, kv_heads, head_dim]) into caches [slots, kv_heads, max_len, head_dim]."""
-    k_cache[meta.slot_of_token, :, meta.positions] = k
-    v_cache[meta.slot_of_token, :, meta.positions] = v
+    """Write this step's K/V ([T, kv_heads, head_dim]) into the paged caches [blocks, kv_heads, block_size, head_dim]."""
+    bs = k_cache.shape[2]
+    keep = meta.slot_mapping >= 0  # padding rows (-1) are stored nowhere
+    slots = meta.slot_mapping if bool(keep.all()) else meta.slot_mapping[keep]
+    k, v = (k, v) if slots is meta.slot_mapping else (k[keep], v[keep])
+    k_cache[slots // bs, :, slots % bs] = k
+    v_cache[slots // bs, :, slots % bs] = v
+
+
+def gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached rows of sequences with block tables `blocks` ([B, nb] or [nb]) as
+    contiguous [B, kv_heads, length, head_dim] (or [kv_heads, length, head_dim])."""
+    bs = cache.shape[2]
+    nb = -(-length // bs)
+    g = cache[blocks[..., :nb].long()]  # [..., nb, kv_heads, bs, d]
+    g = g.movedim(-3, -4)  # [..., kv_heads, nb, bs, d]
+    return g.reshape(*g.shape[:-3], nb * bs, g.shape[-1])[..., :length, :]
 
 
 def rope_and_store_kv(
@@ -71,11 +85,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Grouped-query heads share their K/V without copies: q is viewed as [B, kv_heads, group, d]."""
     B, H, D = q.shape
     L = meta.decode_max_len
-    if meta.decode_slot_range is not None:
-        lo, hi = meta.decode_slot_range
-        k, v = k_cache[lo:hi, :, :L], v_cache[lo:hi, :, :L]
-    else:
-        k, v = k_cache[meta.decode_slot_index, :, :L], v_cache[meta.decode_slot_index, :, :L]
+    k = gather_kv(k_cache, meta.decode_block_tables, L)
+    v = gather_kv(v_cache, meta.decode_block_tables, L)
     kv_heads = k.shape[1]
     qg = q.view(B, kv_heads, H // kv_heads, D)
     scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # [B, kv_heads, group, L]
@@ -93,23 +104,23 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
 
     No attention crosses sequences. New tokens sit at the end of their sequence, so the causal
     mask is aligned bottom-right (query j of n new tokens sees start + j + 1 keys). `decode` attends
-    the single-token sequences, `prefill(q [n, H, D], k_cache, v_cache, slot, start, scale)` each
-    longer one (a backend passes its kernels; SDPA by default)."""
+    the single-token sequences, `prefill(q [n, H, D], k_cache, v_cache, block_table [nb], start, scale)`
+    each longer one (a backend passes its kernels; SDPA by default)."""
     if meta.all_decode:
         return decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    if meta.decode_slots:
+    if meta.decode_lengths.numel():
         out[meta.decode_rows] = decode(q[meta.decode_rows], k_cache, v_cache, meta, scale)
     for i in meta.multi_token_seqs:
         lo, hi = meta.token_offsets[i], meta.token_offsets[i + 1]
-        n, start, slot = hi - lo, meta.start_positions[i], meta.slots[i]
+        n, start, table = hi - lo, meta.start_positions[i], meta.block_tables[i]
         if prefill is not None:
-            out[lo:hi] = prefill(q[lo:hi], k_cache, v_cache, slot, start, scale)
+            out[lo:hi] = prefill(q[lo:hi], k_cache, v_cache, table, start, scale)
             continue
         total = start + n
         qi = q[lo:hi].transpose(0, 1)  # [heads, n, d]
-        ki = k_cache[slot, :, :total]  # [kv_heads, total, d]
-        vi = v_cache[slot, :, :total]
+        ki = gather_kv(k_cache, table, total)  # [kv_heads, total, d]
+        vi = gather_kv(v_cache, table, total)
         if start == 0:
             mask, causal = None, True
         else:

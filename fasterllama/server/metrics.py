@@ -37,10 +37,15 @@ class ServerMetrics:
                              buckets=_ITL_BUCKETS, registry=r)
         gauges = [
             ("fasterllama_requests_running", "Requests with sequences in the KV cache", lambda: loop.stats.running_requests),
-            ("fasterllama_requests_waiting", "Requests waiting for a KV slot", lambda: loop.stats.waiting_requests),
-            ("fasterllama_kv_slots_used", "KV cache slots in use (one per running sequence)",
-             lambda: loop.stats.kv_slots_total - loop.stats.kv_slots_free),
-            ("fasterllama_kv_slots_total", "KV cache slots (max_num_seqs)", lambda: loop.stats.kv_slots_total),
+            ("fasterllama_requests_waiting", "Requests waiting for KV cache blocks or a seat", lambda: loop.stats.waiting_requests),
+            ("fasterllama_kv_blocks_used", "KV cache blocks held by sequences", lambda: loop.stats.kv_blocks_used),
+            ("fasterllama_kv_blocks_total", "KV cache blocks", lambda: loop.stats.kv_blocks_total),
+            ("fasterllama_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
+             lambda: loop.stats.prefix_cache_queried_tokens),
+            ("fasterllama_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache (not computed)",
+             lambda: loop.stats.prefix_cache_hit_tokens),
+            ("fasterllama_preemptions", "Sequences preempted (blocks freed, recomputed later) for lack of KV cache blocks",
+             lambda: loop.stats.preemptions),
         ]
         for name, doc, read in gauges:
             Gauge(name, doc, registry=r).set_function(read)

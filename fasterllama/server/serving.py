@@ -162,7 +162,7 @@ class Generation:
         prompt = sum(len(h.prompt_token_ids) for h in self.handles)
         completion = sum(c.num_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": 0}}
+                "prompt_tokens_details": {"cached_tokens": sum(h.cached_tokens for h in self.handles)}}
 
     def envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.state.model_name, "choices": choices}

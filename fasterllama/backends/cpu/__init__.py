@@ -38,7 +38,7 @@ class CPUBackend(Backend):
             use_cpu_panels(model)
         huge_pages.pack_weights(model)
 
-    def decode_plan(self, model, kv_cache) -> DecodePlan | None:
+    def decode_plan(self, model, kv_cache, max_num_seqs: int, max_model_len: int) -> DecodePlan | None:
         from .decode_plan import CPUDecodePlan
 
         return CPUDecodePlan.build(model, kv_cache.layers)

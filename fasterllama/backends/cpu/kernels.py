@@ -43,12 +43,12 @@ _SIGNATURES = {
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
     "fl_argmax_rows": [_P, _I, _I, _P],
-    "fl_rope_store_kv": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
-    "fl_decode_attention": [_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
-    "fl_prefill_attention": [_P, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+    "fl_rope_store_kv": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
+    "fl_decode_attention": [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+    "fl_prefill_attention": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
     "fl_quantize_rows": [_P, _I, _I, _P, _I, _P, _P],
-    "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _P, _P, _P, _P],
+    "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -279,13 +279,19 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _paged(k_cache: torch.Tensor) -> bool:
+    """The C kernels address blocks with shifts: block sizes are powers of two of at least 8 rows."""
+    bs = k_cache.shape[2]
+    return bs >= 8 and bs & (bs - 1) == 0
+
+
 def rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    if not _f32(qkv, cos, sin, k_cache, v_cache) or head_dim % 2 != 0:
+    if not _f32(qkv, cos, sin, k_cache, v_cache) or head_dim % 2 != 0 or not _paged(k_cache):
         return reference.rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim)
     T = qkv.shape[0]
     q = torch.empty(T, num_heads, head_dim, dtype=torch.float32)
     _lib.fl_rope_store_kv(
-        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slot_of_token.data_ptr(), meta.positions.data_ptr(),
+        qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
         T, num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], q.data_ptr(),
     )
     return q
@@ -295,25 +301,27 @@ def decode_attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     B, H, D = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
+    tables = meta.decode_block_tables
     _lib.fl_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), meta.decode_slot_index.data_ptr(), meta.decode_lengths.data_ptr(),
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), meta.decode_lengths.data_ptr(),
         B, H, k_cache.shape[1], D, k_cache.shape[2], scale, out.data_ptr(),
     )
     return out
 
 
-def prefill_attention(q, k_cache, v_cache, slot: int, start: int, scale: float) -> torch.Tensor:
-    """One sequence's new queries q [n, H, D] (positions start .. start + n - 1) against its cache."""
+def prefill_attention(q, k_cache, v_cache, table: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """One sequence's new queries q [n, H, D] (positions start .. start + n - 1) against its cache
+    blocks `table` (int32, contiguous)."""
     n, H, D = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    _lib.fl_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot, start, n, H, k_cache.shape[1], D,
+    _lib.fl_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), start, n, H, k_cache.shape[1], D,
                               k_cache.shape[2], scale, out.data_ptr())
     return out
 
 
 def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-    if not _f32(k_cache, v_cache) or q.dtype != torch.float32 or q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
+    if not _f32(k_cache, v_cache) or q.dtype != torch.float32 or q.shape[-1] % 8 != 0 or q.shape[-1] > 256 or not _paged(k_cache):
         return reference.attention(q, k_cache, v_cache, meta, scale)
     prefill = prefill_attention if q.shape[-1] % _lib.fl_vector_lanes() == 0 else None
     return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention, prefill=prefill)

@@ -98,7 +98,7 @@ class CUDABackend(Backend):
             except RuntimeError as e:  # an optimization only: the default kernels stay
                 log.warning("timing the decode GEMVs failed (%s); using the defaults", e)
 
-    def decode_plan(self, model, kv_cache) -> DecodePlan | None:
+    def decode_plan(self, model, kv_cache, max_num_seqs: int, max_model_len: int) -> DecodePlan | None:
         """CUDA graphs need every op of the step to be a kernel that reads its inputs from device
         tensors (the reference ops slice by Python lengths): only with the kernels registered."""
         if not self.kernels or os.environ.get("FASTERLLAMA_NO_CUDA_GRAPHS") == "1":
@@ -109,4 +109,4 @@ class CUDABackend(Backend):
         if not supports(model.config.head_dim):
             return None
 
-        return CUDAGraphDecode(model, kv_cache)
+        return CUDAGraphDecode(model, kv_cache, max_num_seqs, max_model_len)

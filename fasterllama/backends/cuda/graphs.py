@@ -5,7 +5,8 @@ from Python one by one, the GPU idles between them. Captured once into a CUDA gr
 step (embedding, every layer, final norm, lm_head) is one launch. Graphs replay fixed shapes and
 fixed addresses, so each is captured for a bucket of batch sizes over static buffers: a step of
 B sequences fills the smallest bucket >= B, the rows past B marked as padding (KV slot -1: no
-store; context length 0: no attention). Captured lazily, the first time a bucket is needed, into
+store; context length 0: no attention). Block tables live in a static [bucket, max blocks a
+sequence can have] buffer, so the attention kernel's launch shape never changes. Captured lazily, the first time a bucket is needed, into
 one shared memory pool. The inputs of a step travel in one copy from a pinned host buffer.
 
 On a device without graphs (the kernels on CPU tensors under TRITON_INTERPRET=1, in tests) the
@@ -21,21 +22,25 @@ from ...model import LlamaForCausalLM
 from ...ops import AttentionMetadata
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-_IDS, _POS, _SLOT, _LEN, _SLOT_INDEX = range(5)  # rows of the input buffer
+_IDS, _POS, _SLOT, _LEN = range(4)  # rows of the input buffer
 
 
 class CUDAGraphDecode:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.layers[0][0].device
-        self.buckets = [b for b in BUCKETS if b <= kv_cache.num_slots] or [1]
-        if self.buckets[-1] < kv_cache.num_slots <= BUCKETS[-1]:
-            self.buckets.append(kv_cache.num_slots)
+        self.buckets = [b for b in BUCKETS if b <= max_num_seqs] or [1]
+        if self.buckets[-1] < max_num_seqs <= BUCKETS[-1]:
+            self.buckets.append(max_num_seqs)
         n = self.buckets[-1]
+        width = -(-max_model_len // kv_cache.block_size)
         self.use_graphs = self.device.type == "cuda"
-        self.inputs = torch.zeros(5, n, dtype=torch.int64, device=self.device)
-        self.host = torch.zeros(5, n, dtype=torch.int64, pin_memory=self.use_graphs)
+        self.inputs = torch.zeros(4, n, dtype=torch.int64, device=self.device)
+        self.host = torch.zeros(4, n, dtype=torch.int64, pin_memory=self.use_graphs)
         self.host_rows = self.host.numpy()
+        self.tables = torch.zeros(n, width, dtype=torch.int32, device=self.device)
+        self.host_tables = torch.zeros(n, width, dtype=torch.int32, pin_memory=self.use_graphs)
+        self.host_table_rows = self.host_tables.numpy()
         self.copied = torch.cuda.Event() if self.use_graphs else None  # the host buffer is refilled once its last copy ran
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | AttentionMetadata]] = {}
         self.pool = None
@@ -46,11 +51,10 @@ class CUDAGraphDecode:
     def _meta(self, n: int) -> AttentionMetadata:
         """Metadata whose tensors are views of the static input buffer (what the kernels read)."""
         meta = AttentionMetadata(
-            slot_of_token=self.inputs[_SLOT, :n], positions=self.inputs[_POS, :n],
-            slots=[0] * n, start_positions=[0] * n, token_offsets=list(range(n + 1)),
+            slot_mapping=self.inputs[_SLOT, :n], positions=self.inputs[_POS, :n], block_tables=self.tables[:n],
+            start_positions=[0] * n, token_offsets=list(range(n + 1)),
         )
         meta.decode_lengths = self.inputs[_LEN, :n]
-        meta.__dict__["decode_slot_index"] = self.inputs[_SLOT_INDEX, :n]
         return meta
 
     def _forward(self, n: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -85,16 +89,20 @@ class CUDAGraphDecode:
             self.copied.synchronize()
         seqs = [item.seq for item in batch]
         positions = [s.num_cached for s in seqs]
-        slots = [s.slot for s in seqs]
-        rows = self.host_rows
+        bs = self.kv_cache.block_size
+        rows, tables = self.host_rows, self.host_table_rows
         rows[_IDS, :B] = [s.token_ids(p, p + 1)[0] for s, p in zip(seqs, positions)]
         rows[_POS, :B] = positions
-        rows[_SLOT, :B] = slots
+        rows[_SLOT, :B] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
         rows[_LEN, :B] = [p + 1 for p in positions]
-        rows[_SLOT_INDEX, :B] = slots
         rows[:, B:n] = 0
         rows[_SLOT, B:n] = -1
+        width = max(len(s.block_table) for s in seqs)  # columns past it: unread (beyond every length)
+        for i, s in enumerate(seqs):
+            tables[i, : len(s.block_table)] = s.block_table
+        tables[B:n, :width] = 0
         self.inputs[:, :n].copy_(self.host[:, :n], non_blocking=True)
+        self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
         if graph is None:
             return self._forward(n, out)[:B]
         self.copied.record()

@@ -5,12 +5,11 @@ Why: the reference ops gather each sequence's cache into new tensors every step 
 kernels read K/V where they lie, in one launch per op, and keep the decode path free of host syncs
 so that it can be captured in a CUDA graph.
 
-Cache layout: paged-ready. Every kernel addresses a cache of shape [num_blocks, kv_heads,
-block_size, head_dim] through `block_tables` [num_seqs, max_blocks_per_seq]: key position p of
-sequence s lives in block block_tables[s, p // block_size] at offset p % block_size. Today's
-one-slot-per-sequence cache [num_slots, kv_heads, max_len, head_dim] is the case
-block_size = max_len, block_tables = slots[:, None]; the op wrappers at the bottom adapt it.
-Only head_dim has to be contiguous; every other dimension is addressed through its stride.
+Cache layout: paged. Every kernel addresses a cache of shape [num_blocks, kv_heads, block_size,
+head_dim] through `block_tables` [num_seqs, max_blocks_per_seq]: key position p of sequence s
+lives in block block_tables[s, p // block_size] at offset p % block_size (the engine's
+AttentionMetadata). Only head_dim has to be contiguous; every other dimension is addressed
+through its stride.
 
 Kernels take any even head_dim D in [8, 256]. They work on the head dimension padded to a power
 of two of at least 16 (BLOCK_D; RoPE on each half padded to a power of two); when D is not already
@@ -479,41 +478,40 @@ def prefill_attention(
     return out
 
 
-# -- op wrappers (reference signatures, today's slot cache) ---------------------------------------
+# -- op wrappers (the reference ops' signatures) ---------------------------------------------------
 
 
 def rope_and_store_kv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
 ) -> torch.Tensor:
-    """reference.rope_and_store_kv on the slot cache [slots, kv_heads, max_len, D], seen as blocks
-    of max_len: token t goes to flat slot slot_of_token * max_len + position (-1 stays -1)."""
     if not supports(head_dim):
         return reference.rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim)
-    slot_mapping = torch.where(meta.slot_of_token >= 0, meta.slot_of_token * k_cache.shape[2] + meta.positions, -1)
-    return rope_and_store(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads, head_dim)
+    return rope_and_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, num_heads, num_kv_heads, head_dim)
 
 
-def _prefill_plan(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(block_tables, cu_seqlens_q, start_positions, max_q_len) of a step, built with one host-to-device
-    copy and kept on the metadata, which every layer of the step shares."""
+def _prefill_plan(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(cu_seqlens_q, start_positions, max_q_len) of a step, built with one host-to-device copy and
+    kept on the metadata, which every layer of the step shares."""
     plan = getattr(meta, "_triton_prefill_plan", None)
     if plan is None:
         n = meta.num_seqs
-        packed = torch.tensor(meta.slots + meta.token_offsets + meta.start_positions, dtype=torch.int32).to(device)
+        packed = torch.tensor(meta.token_offsets + meta.start_positions, dtype=torch.int32).to(device)
         lengths = [hi - lo for lo, hi in zip(meta.token_offsets, meta.token_offsets[1:])]
-        plan = (packed[:n, None], packed[n : 2 * n + 1], packed[2 * n + 1 :], max(lengths, default=0))
+        plan = (packed[: n + 1], packed[n + 1 :], max(lengths, default=0))
         meta._triton_prefill_plan = plan
     return plan
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """reference.attention on the slot cache. A decode-only step uses nothing from meta but its
-    tensors (decode_slot_index, decode_lengths), so it can be captured in a CUDA graph; any other
-    step runs every sequence, single-token ones included, through one prefill launch."""
+    """reference.attention on the paged cache. A decode-only step uses nothing from meta but its
+    tensors (block_tables, decode_lengths) and the block tables' width, so it can be captured in a
+    CUDA graph; any other step runs every sequence, single-token ones included, through one
+    prefill launch."""
     if not supports(q.shape[-1]):
         return reference.attention(q, k_cache, v_cache, meta, scale)
     if meta.all_decode:
-        return decode_attention(q, k_cache, v_cache, meta.decode_slot_index[:, None], meta.decode_lengths, scale, k_cache.shape[2])
-    block_tables, cu_seqlens_q, start_positions, max_q_len = _prefill_plan(meta, q.device)
-    return prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, start_positions, scale, max_q_len)
+        tables = meta.decode_block_tables
+        return decode_attention(q, k_cache, v_cache, tables, meta.decode_lengths, scale, tables.shape[1] * k_cache.shape[2])
+    cu_seqlens_q, start_positions, max_q_len = _prefill_plan(meta, q.device)
+    return prefill_attention(q, k_cache, v_cache, meta.block_tables, cu_seqlens_q, start_positions, scale, max_q_len)

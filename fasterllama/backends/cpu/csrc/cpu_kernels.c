@@ -611,40 +611,60 @@ void fl_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
     for (int64_t m = 0; m < M; m++) out[m] = argmax_row(x + m * N, N);
 }
 
+/* The KV cache is paged: per layer K and V are [blocks][KVH][bs][D] (bs = 1 << shift, a power of
+ * two >= 8), and key position p of a sequence sits in block table[p >> shift], row p & (bs - 1).
+ * A block holds bs rows of one head contiguously (16 x 64 floats: one 4 KiB page). */
+typedef struct {
+    const float *k, *v;   /* the layer's caches, advanced to one KV head's rows (head * bs * D) */
+    const int32_t *table; /* the sequence's block table */
+    int64_t shift, stride, D; /* stride: floats from one block to the next (KVH * bs * D) */
+} kv_pages_t;
+
+static inline int64_t page_row(const kv_pages_t *pg, int64_t p) {
+    return (int64_t)pg->table[p >> pg->shift] * pg->stride + (p & ((1 << pg->shift) - 1)) * pg->D;
+}
+
+static inline int64_t log2_exact(int64_t x) {
+    int64_t s = 0;
+    while ((1LL << s) < x) s++;
+    return s;
+}
+
 static inline void rope_store_token(const float *src, const float *c, const float *s, int64_t base, int64_t H, int64_t KVH,
-                                    int64_t D, float *k_cache, float *v_cache, int64_t max_len, float *q_out) {
-    const int64_t half = D / 2;
+                                    int64_t D, float *k_cache, float *v_cache, int64_t bs, float *q_out) {
+    const int64_t half = D / 2, heads = base >= 0 ? H + KVH : H; /* base -1: a padding row, q only */
     /* The cache rows written here are cold: ask for all their lines at once (with intent to
      * write) instead of missing on them one store at a time. */
-    for (int64_t h = 0; h < KVH; h++)
+    for (int64_t h = 0; h < KVH && base >= 0; h++)
         for (int64_t i = 0; i < D; i += 16) {
-            _mm_prefetch((const char *)(k_cache + (base + h * max_len) * D + i), _MM_HINT_ET0);
-            _mm_prefetch((const char *)(v_cache + (base + h * max_len) * D + i), _MM_HINT_ET0);
+            _mm_prefetch((const char *)(k_cache + (base + h * bs) * D + i), _MM_HINT_ET0);
+            _mm_prefetch((const char *)(v_cache + (base + h * bs) * D + i), _MM_HINT_ET0);
         }
-    for (int64_t h = 0; h < H + KVH; h++) {
+    for (int64_t h = 0; h < heads; h++) {
         const float *x = src + h * D;
-        float *o = h < H ? q_out + h * D : k_cache + (base + (h - H) * max_len) * D;
+        float *o = h < H ? q_out + h * D : k_cache + (base + (h - H) * bs) * D;
         for (int64_t i = 0; i < half; i++) {
             o[i] = x[i] * c[i] - x[i + half] * s[i];
             o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
         }
     }
-    for (int64_t h = 0; h < KVH; h++) {
+    for (int64_t h = 0; h < KVH && base >= 0; h++) {
         const float *x = src + (H + KVH + h) * D;
-        float *o = v_cache + (base + h * max_len) * D;
+        float *o = v_cache + (base + h * bs) * D;
         for (int64_t i = 0; i < D; i++) o[i] = x[i];
     }
 }
 
 /* Rotate-half RoPE on the q and k parts of a fused qkv row, k and v stored into the cache.
- * qkv [T, (H + 2 KVH) * D]; cos, sin [T, D]; caches [slots, KVH, max_len, D]; q_out [T, H, D]. */
-void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slot_of_token,
-                      const int64_t *positions, int64_t T, int64_t H, int64_t KVH, int64_t D, float *k_cache,
-                      float *v_cache, int64_t max_len, float *q_out) {
+ * qkv [T, (H + 2 KVH) * D]; cos, sin [T, D]; caches [blocks, KVH, bs, D]; token t's K/V go to
+ * block slot_mapping[t] / bs, row slot_mapping[t] % bs (nowhere for -1); q_out [T, H, D]. */
+void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slot_mapping, int64_t T,
+                      int64_t H, int64_t KVH, int64_t D, float *k_cache, float *v_cache, int64_t bs, float *q_out) {
     const int64_t row = (H + 2 * KVH) * D;
     FOR_ROWS(t, T, {
-        rope_store_token(qkv + t * row, cos + t * D, sin + t * D, slot_of_token[t] * KVH * max_len + positions[t], H, KVH, D,
-                         k_cache, v_cache, max_len, q_out + t * H * D);
+        const int64_t slot = slot_mapping[t];
+        const int64_t base = slot >= 0 ? slot / bs * KVH * bs + slot % bs : -1; /* row of head 0, in D units */
+        rope_store_token(qkv + t * row, cos + t * D, sin + t * D, base, H, KVH, D, k_cache, v_cache, bs, q_out + t * H * D);
     })
 }
 
@@ -706,48 +726,61 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
             dots[g] = hsum8x8(r);                                                                                    \
         }                                                                                                            \
     }                                                                                                                \
-    /* out[g] = sum_j p[g][j] V[j] * inv[g] */                                                                       \
+    /* out[g] = sum_j p[g][j] V[j] * inv[g], V rows k0 .. k0 + L - 1 of pg, a block's rows at a time */          \
     static inline __attribute__((always_inline)) void group_weighted_v_##SUFFIX(                                     \
-        const float *p, int64_t stride, const float *V, int64_t L, int64_t D, const float *inv, float *out, const int G, \
-        const float *next_K, int64_t next_L) {                                                                       \
+        const float *p, int64_t stride, const kv_pages_t *pg, int64_t k0, int64_t L, int64_t D, const float *inv,    \
+        float *out, const int G, const kv_pages_t *next, int64_t next_k0, int64_t next_L) {                          \
         const int dc = COLS(G);                                                                                      \
+        const int64_t bs = 1LL << pg->shift;                                                                         \
         for (int64_t d0 = 0; d0 < D; d0 += dc) {                                                                     \
             const int nv = (int)((D - d0 < dc ? D - d0 : dc) / LANES);                                               \
             VEC acc[GROUP_MAX][64 / LANES];                                                                          \
             for (int g = 0; g < G; g++)                                                                              \
                 for (int v = 0; v < 64 / LANES; v++) acc[g][v] = ZERO();                                             \
-            for (int64_t j = 0; j < L; j++) {                                                                        \
-                const float *vr = V + j * D + d0;                                                                    \
-                if (d0 == 0 && j < next_L)                                                                           \
-                    for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(next_K + j * D + i), _MM_HINT_T0); \
-                VEC pj[GROUP_MAX];                                                                                   \
-                for (int g = 0; g < G; g++) pj[g] = SET1(p[g * stride + j]);                                         \
-                for (int v = 0; v < nv; v++) {                                                                       \
-                    const VEC vv = LOAD(vr + v * LANES);                                                             \
-                    for (int g = 0; g < G; g++) acc[g][v] = FMA(pj[g], vv, acc[g][v]);                               \
+            for (int64_t j0 = 0; j0 < L;) {                                                                          \
+                const int64_t left = bs - ((k0 + j0) & (bs - 1)), run = L - j0 < left ? L - j0 : left;               \
+                const float *vb = pg->v + page_row(pg, k0 + j0) + d0;                                                \
+                for (int64_t r = 0; r < run; r++) {                                                                  \
+                    const int64_t j = j0 + r;                                                                        \
+                    const float *vr = vb + r * D;                                                                    \
+                    if (d0 == 0 && j < next_L) {                                                                     \
+                        const float *nk = next->k + page_row(next, next_k0 + j);                                     \
+                        for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(nk + i), _MM_HINT_T0);       \
+                    }                                                                                                \
+                    VEC pj[GROUP_MAX];                                                                               \
+                    for (int g = 0; g < G; g++) pj[g] = SET1(p[g * stride + j]);                                     \
+                    for (int v = 0; v < nv; v++) {                                                                   \
+                        const VEC vv = LOAD(vr + v * LANES);                                                         \
+                        for (int g = 0; g < G; g++) acc[g][v] = FMA(pj[g], vv, acc[g][v]);                           \
+                    }                                                                                                \
                 }                                                                                                    \
+                j0 += run;                                                                                           \
             }                                                                                                        \
             for (int g = 0; g < G; g++)                                                                              \
                 for (int v = 0; v < nv; v++) STORE(out + g * D + d0 + v * LANES, MUL(acc[g][v], SET1(inv[g])));     \
         }                                                                                                            \
     }                                                                                                                \
     static inline __attribute__((always_inline)) void attend_group_##SUFFIX(                                         \
-        const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p, float *out,     \
-        const int G, const float *next_K, int64_t next_L, float *partial) {                                          \
+        const float *q, const kv_pages_t *pg, int64_t k0, int64_t L, int64_t D, float scale, float *p, float *out,   \
+        const int G, const kv_pages_t *next, int64_t next_k0, int64_t next_L, float *partial) {                      \
         const int n = KEYS(G);                                                                                       \
         const int64_t stride = L + 8;                                                                                \
         __m256 vmax[GROUP_MAX], dots[GROUP_MAX];                                                                     \
         for (int g = 0; g < G; g++) vmax[g] = _mm256_set1_ps(-INFINITY);                                             \
         const __m256 vscale = _mm256_set1_ps(scale);                                                                 \
         int64_t l0 = 0;                                                                                              \
-        for (; l0 + n <= L; l0 += n) {                                                                               \
-            if (n == 8) group_scores_##SUFFIX(q, K + l0 * D, D, G, 8, dots);                                         \
-            else if (n == 4) group_scores_##SUFFIX(q, K + l0 * D, D, G, 4, dots);                                    \
-            else if (n == 2) group_scores_##SUFFIX(q, K + l0 * D, D, G, 2, dots);                                    \
-            else group_scores_##SUFFIX(q, K + l0 * D, D, G, 1, dots);                                                \
-            for (int64_t i = 0; i < n * D; i += 16) _mm_prefetch((const char *)(V + l0 * D + i), _MM_HINT_T0);     \
-            for (int64_t i = 0; i < n * D && l0 + 16 + n <= L; i += 16) /* K, 16 rows on */                          \
-                _mm_prefetch((const char *)(K + (l0 + 16) * D + i), _MM_HINT_T0);                                    \
+        for (; l0 + n <= L; l0 += n) { /* k0 % 8 == 0 and n | 8 | bs: the n rows share a block */                  \
+            const int64_t row = page_row(pg, k0 + l0);                                                               \
+            const float *K = pg->k + row;                                                                            \
+            if (n == 8) group_scores_##SUFFIX(q, K, D, G, 8, dots);                                                  \
+            else if (n == 4) group_scores_##SUFFIX(q, K, D, G, 4, dots);                                             \
+            else if (n == 2) group_scores_##SUFFIX(q, K, D, G, 2, dots);                                             \
+            else group_scores_##SUFFIX(q, K, D, G, 1, dots);                                                         \
+            for (int64_t i = 0; i < n * D; i += 16) _mm_prefetch((const char *)(pg->v + row + i), _MM_HINT_T0);     \
+            if (l0 + 16 + n <= L) { /* K, 16 rows on */                                                              \
+                const float *ahead = pg->k + page_row(pg, k0 + l0 + 16);                                             \
+                for (int64_t i = 0; i < n * D; i += 16) _mm_prefetch((const char *)(ahead + i), _MM_HINT_T0);        \
+            }                                                                                                        \
             for (int g = 0; g < G; g++) {                                                                            \
                 const __m256 sc = _mm256_mul_ps(dots[g], vscale);                                                    \
                 _mm256_storeu_ps(p + g * stride + l0, sc); /* lanes past n: overwritten by the next step */          \
@@ -755,7 +788,7 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
             }                                                                                                        \
         }                                                                                                            \
         for (; l0 < L; l0++) {                                                                                       \
-            group_scores_##SUFFIX(q, K + l0 * D, D, G, 1, dots);                                                     \
+            group_scores_##SUFFIX(q, pg->k + page_row(pg, k0 + l0), D, G, 1, dots);                                  \
             for (int g = 0; g < G; g++) {                                                                            \
                 const __m256 sc = _mm256_mul_ps(dots[g], vscale);                                                    \
                 p[g * stride + l0] = _mm256_cvtss_f32(sc);                                                           \
@@ -768,7 +801,7 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
             inv[g] = partial ? 1.f : 1.f / sum;                                                                      \
             if (partial) partial[2 * g] = mx, partial[2 * g + 1] = sum;                                              \
         }                                                                                                            \
-        group_weighted_v_##SUFFIX(p, stride, V, L, D, inv, out, G, next_K, next_L);                                  \
+        group_weighted_v_##SUFFIX(p, stride, pg, k0, L, D, inv, out, G, next, next_k0, next_L);                      \
     }
 
 /* 16 ymm registers: fewer keys a step and fewer V columns a pass as G grows */
@@ -783,16 +816,16 @@ GROUP_KERNELS(512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu
               _mm512_mul_ps, FOLD512, KEYS512, COLS512)
 #endif
 
-static void attend_group_any_256(const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p,
-                                 float *out, int64_t G, const float *next_K, int64_t next_L, float *partial) {
-#define GROUP_CALL(R) attend_group_256(q, K, V, L, D, scale, p, out, R, next_K, next_L, partial)
+static void attend_group_any_256(const float *q, const kv_pages_t *pg, int64_t k0, int64_t L, int64_t D, float scale, float *p,
+                                 float *out, int64_t G, const kv_pages_t *next, int64_t next_k0, int64_t next_L, float *partial) {
+#define GROUP_CALL(R) attend_group_256(q, pg, k0, L, D, scale, p, out, R, next, next_k0, next_L, partial)
     DISPATCH_ROWS(G, GROUP_CALL)
 #undef GROUP_CALL
 }
 #if defined(__AVX512F__)
-static void attend_group_any_512(const float *q, const float *K, const float *V, int64_t L, int64_t D, float scale, float *p,
-                                 float *out, int64_t G, const float *next_K, int64_t next_L, float *partial) {
-#define GROUP_CALL(R) attend_group_512(q, K, V, L, D, scale, p, out, R, next_K, next_L, partial)
+static void attend_group_any_512(const float *q, const kv_pages_t *pg, int64_t k0, int64_t L, int64_t D, float scale, float *p,
+                                 float *out, int64_t G, const kv_pages_t *next, int64_t next_k0, int64_t next_L, float *partial) {
+#define GROUP_CALL(R) attend_group_512(q, pg, k0, L, D, scale, p, out, R, next, next_k0, next_L, partial)
     DISPATCH_ROWS(G, GROUP_CALL)
 #undef GROUP_CALL
 }
@@ -808,21 +841,22 @@ typedef struct {
 static attn_job_t attn_job(int64_t j, int64_t KVH, int64_t parts, const int64_t *lengths) {
     attn_job_t job = {j / (KVH * parts), j / parts % KVH, 0, 0};
     const int64_t s = j % parts, L = lengths[job.b];
-    job.k0 = L * s / parts;
-    job.len = L * (s + 1) / parts - job.k0;
+    job.k0 = L * s / parts & ~(int64_t)7; /* on a multiple of 8 keys: a scores step's rows share a block */
+    job.len = (s + 1 == parts ? L : L * (s + 1) / parts & ~(int64_t)7) - job.k0;
     return job;
 }
 
 /* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
- * cache slot slots[b] rows 0..lengths[b]-1; query head h uses kv head h / (H / KVH). D % 8 == 0,
- * D <= 256. Jobs are (sequence, KV head, key part): when the (sequence, KV head) pairs do not
+ * key positions 0..lengths[b]-1 through its block table block_tables[b * bt_stride ..] (paged
+ * caches [blocks, KVH, bs, D], bs a power of two >= 8); query head h uses kv head h / (H / KVH).
+ * D % 8 == 0, D <= 256. Jobs are (sequence, KV head, key part): when the (sequence, KV head) pairs do not
  * divide evenly between the threads (SmolLM2 at batch 1: 3 pairs, 2 threads), each pair's keys
  * are split into `parts` and the parts' results merged by their score maxima (the flash-decoding
  * combine). Small steps run on one thread: a fork/join costs more than they do. */
-void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int64_t *slots,
-                         const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t max_len,
+void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
+                         int64_t bt_stride, const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                          float scale, float *out) {
-    const int64_t group = H / KVH, pairs = B * KVH;
+    const int64_t group = H / KVH, pairs = B * KVH, shift = log2_exact(bs);
 #if defined(__AVX512F__)
     const int wide = D % 16 == 0;
 #endif
@@ -838,15 +872,15 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
     float *stats = partial ? partial + jobs * group * D : NULL;
 #pragma omp parallel if (parallel)
     {
-        const int64_t need = group * (longest / parts + 9);
+        const int64_t need = group * (longest / parts + 17); /* a part: up to 8 keys past L / parts, + 8 lanes */
         float stack_p[need <= 16384 ? need : 1], *p = need <= 16384 ? stack_p : malloc(sizeof(float) * need);
         /* the static schedule by hand: each thread knows the job it runs next, to prefetch its keys */
         const int64_t nth = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t j0 = jobs * t / nth, j1 = jobs * (t + 1) / nth;
         for (int64_t j = j0; j < j1; j++) {
             const attn_job_t job = attn_job(j, KVH, parts, lengths), next = attn_job(j + 1 < j1 ? j + 1 : j, KVH, parts, lengths);
-            const int64_t off = ((slots[job.b] * KVH + job.kh) * max_len + job.k0) * D;
-            const float *next_K = k_cache + ((slots[next.b] * KVH + next.kh) * max_len + next.k0) * D;
+            const kv_pages_t pg = {k_cache + job.kh * bs * D, v_cache + job.kh * bs * D, block_tables + job.b * bt_stride, shift, KVH * bs * D, D};
+            const kv_pages_t npg = {k_cache + next.kh * bs * D, v_cache + next.kh * bs * D, block_tables + next.b * bt_stride, shift, KVH * bs * D, D};
             const int64_t first = (job.b * H + job.kh * group) * D;
             for (int64_t h0 = 0; h0 < group; h0 += GROUP_MAX) { /* heads h0 .. h0 + G - 1 of the group */
                 const int64_t G = group - h0 < GROUP_MAX ? group - h0 : GROUP_MAX;
@@ -855,10 +889,10 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
                 float *st = stats ? stats + (j * group + h0) * 2 : NULL;
 #if defined(__AVX512F__)
                 if (wide)
-                    attend_group_any_512(q + first + h0 * D, k_cache + off, v_cache + off, job.len, D, scale, p, o, G, next_K, next_L, st);
+                    attend_group_any_512(q + first + h0 * D, &pg, job.k0, job.len, D, scale, p, o, G, &npg, next.k0, next_L, st);
                 else
 #endif
-                    attend_group_any_256(q + first + h0 * D, k_cache + off, v_cache + off, job.len, D, scale, p, o, G, next_K, next_L, st);
+                    attend_group_any_256(q + first + h0 * D, &pg, job.k0, job.len, D, scale, p, o, G, &npg, next.k0, next_L, st);
             }
         }
         if (p != stack_p) free(p);
@@ -922,14 +956,14 @@ static inline void pf_scores_tile(const float *Qt, int64_t D, const float *Kt, f
         for (int v = 0; v < 4; v++) VSTORE(S + r * PF_BK + v * VLANES, acc[r][v]);
 }
 
-/* O[r][d0, d0 + nv lanes) = O * alpha[r] + sum_{j < jn} P[r][j] V[j][.], rows r < PF_QR */
-static inline void pf_pv_tile(const float *P, const float *V, int64_t jn, int64_t D, int64_t d0, int nv, const float *alpha,
+/* O[r][d0, d0 + nv lanes) = O * alpha[r] + sum_{j < jn} P[r][j] V[j][.], rows r < PF_QR; V[j]: a cache row */
+static inline void pf_pv_tile(const float *P, const float *const *V, int64_t jn, int64_t D, int64_t d0, int nv, const float *alpha,
                               float *O) {
     vf acc[PF_QR][4];
     for (int r = 0; r < PF_QR; r++)
         for (int v = 0; v < 4; v++) acc[r][v] = v < nv ? VMUL(VLOAD(O + r * D + d0 + v * VLANES), VSET1(alpha[r])) : VZERO();
     for (int64_t j = 0; j < jn; j++) {
-        const float *vj = V + j * D + d0;
+        const float *vj = V[j] + d0;
         vf vv[4];
         for (int v = 0; v < 4; v++) vv[v] = v < nv ? VLOAD(vj + v * VLANES) : VZERO();
         for (int r = 0; r < PF_QR; r++) {
@@ -964,20 +998,24 @@ static inline float pf_softmax_row(float *s, int64_t lim, float *m, float *l) {
     return alpha;
 }
 
-/* q [n, H, D] (positions start .. start + n - 1 of cache slot `slot`, whose K/V rows 0 .. start + n
- * - 1 are stored) -> out [n, H, D]. D a multiple of VLANES (fl_vector_lanes()). */
-void fl_prefill_attention(const float *q, const float *k_cache, const float *v_cache, int64_t slot, int64_t start, int64_t n,
-                          int64_t H, int64_t KVH, int64_t D, int64_t max_len, float scale, float *out) {
+/* q [n, H, D] (positions start .. start + n - 1 of the sequence whose block table is `table`, with
+ * K/V of positions 0 .. start + n - 1 stored in the paged caches [blocks, KVH, bs, D]) -> out [n, H, D].
+ * D a multiple of VLANES (fl_vector_lanes()). */
+void fl_prefill_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t start, int64_t n,
+                          int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out) {
     const int64_t G = H / KVH, total = start + n, nblk = (total + PF_BK - 1) / PF_BK, nq = (n + PF_BQ - 1) / PF_BQ;
+    const int64_t shift = log2_exact(bs);
     const int64_t R = G * PF_BQ; /* rows of a job: head g, position i at row g * PF_BQ + i */
     float *kt = aligned_alloc(64, sizeof(float) * KVH * nblk * D * PF_BK); /* [KVH][nblk][D][PF_BK], zero past total */
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < KVH * nblk; t++) {
         const int64_t kh = t / nblk, j0 = t % nblk * PF_BK, jn = total - j0 < PF_BK ? total - j0 : PF_BK;
-        const float *K = k_cache + ((slot * KVH + kh) * max_len + j0) * D;
+        const kv_pages_t pg = {k_cache + kh * bs * D, v_cache, table, shift, KVH * bs * D, D};
         float *dst = kt + t * D * PF_BK;
-        for (int64_t d = 0; d < D; d++)
-            for (int64_t j = 0; j < PF_BK; j++) dst[d * PF_BK + j] = j < jn ? K[j * D + d] : 0.f;
+        for (int64_t j = 0; j < PF_BK; j++) {
+            const float *K = j < jn ? pg.k + page_row(&pg, j0 + j) : NULL;
+            for (int64_t d = 0; d < D; d++) dst[d * PF_BK + j] = K ? K[d] : 0.f;
+        }
     }
 #pragma omp parallel
     {
@@ -1001,7 +1039,9 @@ void fl_prefill_attention(const float *q, const float *k_cache, const float *v_c
                     const int64_t see = start + i0 + r % PF_BQ + 1 - j0;
                     alpha[r] = pf_softmax_row(S + r * PF_BK, see < jn ? see : jn, m + r, l + r);
                 }
-                const float *V = v_cache + ((slot * KVH + kh) * max_len + j0) * D;
+                const float *V[PF_BK];
+                const kv_pages_t pg = {k_cache, v_cache + kh * bs * D, table, shift, KVH * bs * D, D};
+                for (int64_t j = 0; j < jn; j++) V[j] = pg.v + page_row(&pg, j0 + j);
                 for (int64_t r0 = 0; r0 < R; r0 += PF_QR)
                     for (int64_t d0 = 0; d0 < D; d0 += 4 * VLANES)
                         pf_pv_tile(S + r0 * PF_BK, V, jn, D, d0, (int)((D - d0 < 4 * VLANES ? D - d0 : 4 * VLANES) / VLANES),
@@ -1217,13 +1257,16 @@ static void rope_tables(const int64_t *positions, int64_t B, const float *inv_fr
 }
 
 /* One decode step, tokens [B] in, logits [B, vocab] out: embedding, every layer, final norm and
- * lm_head. inv_freq [D/2]: RoPE frequencies; slots, positions [B] (lengths = positions + 1).
+ * lm_head. inv_freq [D/2]: RoPE frequencies; slot_mapping, positions [B] (where each token's K/V
+ * go, see fl_rope_store_kv); block_tables [B, bt_stride]; lengths [B] = positions + 1; caches paged
+ * with blocks of bs rows.
  * profile: NULL, or 11 doubles that accumulate the seconds spent in each stage (order below). */
 enum { ST_NORM, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_GATE_UP, ST_SILU, ST_DOWN, ST_RESIDUAL, ST_EMBED, ST_LM_HEAD };
 #define STAGE(id, call) do { double t0_ = profile ? omp_get_wtime() : 0; call; if (profile) profile[id] += omp_get_wtime() - t0_; } while (0)
 void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t *tokens, const fl_linear_t *embed, int64_t B,
-                       int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t max_len, float eps,
-                       const float *inv_freq, const int64_t *slots, const int64_t *positions, const int64_t *lengths,
+                       int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t bs, float eps,
+                       const float *inv_freq, const int64_t *slot_mapping, const int64_t *positions, const int32_t *block_tables,
+                       int64_t bt_stride, const int64_t *lengths,
                        const float *final_norm, const fl_linear_t *lm_head, float *logits, double *profile) {
     const int64_t qkv_n = (H + 2 * KVH) * D;
     float *h = floats64(B * hidden), *out = floats64(B * hidden);
@@ -1239,8 +1282,8 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
         const fl_layer_t *L = layers + i;
         STAGE(ST_NORM, fl_rms_norm(h, L->attn_norm, eps, B, hidden, x));
         STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv, xq, xs));
-        STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos_t, sin_t, slots, positions, B, H, KVH, D, L->k_cache, L->v_cache, max_len, q));
-        STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, slots, lengths, B, H, KVH, D, max_len, scale, att));
+        STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos_t, sin_t, slot_mapping, B, H, KVH, D, L->k_cache, L->v_cache, bs, q));
+        STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, block_tables, bt_stride, lengths, B, H, KVH, D, bs, scale, att));
         STAGE(ST_O, run_linear(&L->o, att, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
         STAGE(ST_NORM, fl_rms_norm(h, L->mlp_norm, eps, B, hidden, x));

@@ -1,0 +1,231 @@
+"""The paged KV cache: the block manager's bookkeeping (reference counts, prefix caching, LRU,
+copy-on-write), and the engine on top of it: prefix reuse, preemption, forked samples and
+beams give the tokens they give without any of it."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models as tm
+import torch
+
+from fasterllama import LLM, SamplingParams
+from fasterllama.engine.block_manager import BlockManager
+from fasterllama.engine.kv_cache import parse_memory
+from fasterllama.engine.sequence import Sequence
+from fasterllama.errors import FasterLlamaError
+
+
+def _seq(tokens: list[int], **params) -> Sequence:
+    return Sequence(tokens, SamplingParams(**params), None, 0)
+
+
+class _Copies:
+    def __init__(self) -> None:
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    def __call__(self, src: list[int], dst: list[int]) -> None:
+        self.calls.append((list(src), list(dst)))
+
+
+def _computed(bm: BlockManager, seq: Sequence, upto: int) -> None:
+    """What the scheduler and a step do for seq's tokens up to `upto`."""
+    assert bm.reserve(seq, upto)
+    seq.num_cached = upto
+    bm.commit(seq)
+
+
+# -- BlockManager ---------------------------------------------------------------------------------
+def test_reserve_and_free_count_blocks():
+    bm = BlockManager(8, 4, _Copies())
+    a = _seq(list(range(10)))
+    assert bm.reserve(a, 10) and len(a.block_table) == 3 and bm.num_used == 3
+    assert bm.reserve(a, 12) and len(a.block_table) == 3  # still fits the third block
+    assert bm.reserve(a, 13) and len(a.block_table) == 4
+    b = _seq(list(range(20)))
+    assert not bm.reserve(b, 20) and b.block_table == [] and bm.num_used == 4  # 5 needed, 4 free: nothing taken
+    bm.free(a)
+    assert bm.num_used == 0 and a.block_table == [] and a.num_cached == 0
+    assert bm.reserve(b, 20) and len(set(b.block_table)) == 5
+
+
+def test_prefix_reuse_takes_only_full_matching_blocks():
+    bm = BlockManager(16, 4, _Copies())
+    a = _seq(list(range(14)))
+    _computed(bm, a, 14)  # blocks 0-2 full (12 tokens), the fourth half full
+    b = _seq(list(range(9)) + [99, 98, 97])  # shares 9 tokens: two full blocks
+    bm.reuse_prefix(b)
+    assert b.block_table == a.block_table[:2] and b.num_cached == 8 and b.num_prefix_cached == 8
+    assert [bm.ref_counts[x] for x in a.block_table] == [2, 2, 1, 1]
+    c = _seq(list(range(12)))  # all of its 3 blocks cached: the last one is computed anyway
+    bm.reuse_prefix(c)
+    assert c.num_cached == 8
+    d = _seq([5] + list(range(1, 14)))  # equal later blocks after a different first block: no hit (chained hashes)
+    bm.reuse_prefix(d)
+    assert d.num_cached == 0
+    e = _seq(list(range(14)), prompt_logprobs=1)  # prompt logprobs need every prompt position computed
+    bm.reuse_prefix(e)
+    assert e.num_cached == 0
+
+
+def test_freed_blocks_stay_cached_until_needed_lru():
+    bm = BlockManager(4, 4, _Copies())
+    a = _seq(list(range(8)) + [1])
+    _computed(bm, a, 9)  # 2 full blocks (cached) + 1 partial
+    full = a.block_table[:2]
+    bm.free(a)
+    assert bm.num_used == 0
+    b = _seq([50, 51, 52, 53])
+    assert bm.reserve(b, 4)  # takes the unused block, not a cached one
+    assert b.block_table[0] not in full
+    again = _seq(list(range(8)) + [7])
+    bm.reuse_prefix(again)
+    assert again.block_table == full  # still findable after its owner left
+    bm.free(again)
+    c = _seq(list(range(100, 112)))
+    assert bm.reserve(c, 12)  # needs 3 of the 3 free blocks: evicts the cached ones
+    assert _reuse(bm, list(range(8)) + [7]) == 0
+
+
+def _reuse(bm: BlockManager, tokens: list[int]) -> int:
+    s = _seq(tokens)
+    bm.reuse_prefix(s)
+    bm.free(s)
+    return s.num_prefix_cached
+
+
+def test_shared_partial_block_is_copied_before_a_write():
+    copies = _Copies()
+    bm = BlockManager(8, 4, copies)
+    parent = _seq(list(range(6)))
+    _computed(bm, parent, 6)
+    child = _seq(list(range(6)))
+    bm.share([child], [parent])
+    assert child.block_table == parent.block_table and child.num_cached == 6
+    assert [bm.ref_counts[b] for b in parent.block_table] == [2, 2]
+    parent.output_token_ids.append(7)
+    assert bm.reserve(parent, 7)  # writes position 6: in the shared second block
+    assert copies.calls == [([child.block_table[1]], [parent.block_table[1]])]
+    assert parent.block_table[0] == child.block_table[0] and parent.block_table[1] != child.block_table[1]
+    assert [bm.ref_counts[b] for b in child.block_table] == [2, 1]
+    child.output_token_ids.append(8)
+    assert bm.reserve(child, 7) and len(copies.calls) == 1  # the child's block is its own now: no copy
+
+
+def test_share_lets_beams_swap_blocks():
+    bm = BlockManager(8, 4, _Copies())
+    beams = [_seq(list(range(5))) for _ in range(2)]
+    for s in beams:
+        _computed(bm, s, 5)
+    tables = [list(s.block_table) for s in beams]
+    bm.share(beams, [beams[1], beams[1]])  # both continue beam 1
+    assert beams[0].block_table == beams[1].block_table == tables[1]
+    assert bm.num_used == 2 and all(bm.ref_counts[b] == 2 for b in tables[1])
+
+
+def test_parse_memory():
+    assert parse_memory("2GiB") == 2 << 30 and parse_memory("512MB") == 512 * 10**6 and parse_memory("0.5") == 0.5
+    assert parse_memory(1 << 20) == 1 << 20 and parse_memory(0.25) == 0.25 and parse_memory("1e9") == 10**9
+    for bad in ("lots", "2 parsecs", -1, 0, 1.5, "0", True, None):
+        with pytest.raises(FasterLlamaError):
+            parse_memory(bad)
+
+
+# -- the engine -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> str:
+    model = tm.build_hf_model(tm.SPECS["gqa"])
+    return tm.save_hf_checkpoint(model, str(tmp_path_factory.mktemp("paged") / "hf"))
+
+
+def _llm(folder: str, **kwargs) -> LLM:
+    return LLM(folder, progress=False, max_model_len=512, **kwargs)
+
+
+def test_prefix_cache_computes_only_the_new_tokens(tiny_folder):
+    """A second request sharing a 256-token prefix computes only its own tokens and returns what
+    it returns with caching off."""
+    llm = _llm(tiny_folder)
+    engine = llm.engine
+    prefix = [(11 * i) % 300 + 10 for i in range(256)]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    computed: list[int] = []
+    real_execute = engine.runner.execute
+
+    def counting(batch, rows=None):
+        computed.append(sum(item.num_tokens for item in batch))
+        return real_execute(batch, rows)
+
+    engine.runner.execute = counting
+    llm.generate([prefix + [1, 2, 3]], params)
+    assert computed == [259]
+    computed.clear()
+    seq = engine.add_request(prefix + [9, 8, 7, 6, 5], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert computed == [5] and seq.num_prefix_cached == 256  # 256 tokens from the cache
+    engine.runner.execute = real_execute
+    off = _llm(tiny_folder, enable_prefix_caching=False).generate([prefix + [9, 8, 7, 6, 5]], params)[0]
+    assert seq.output_token_ids == off.token_ids
+
+
+def test_preemption_gives_every_request_its_tokens(tiny_folder):
+    """A cache too small for all running requests: the newest are preempted and recomputed, and
+    each request still gets the tokens it gets alone."""
+    roomy = _llm(tiny_folder)
+    per_block = roomy.engine.kv_cache.bytes_per_block(roomy.engine.config, 16, torch.float32)
+    tight = _llm(tiny_folder, kv_cache_memory=40 * per_block, enable_prefix_caching=False)  # 640 tokens for 6 x ~170
+    prompts = [[(13 * i + 5 * k) % 300 + 10 for i in range(40 + 9 * k)] for k in range(6)]
+    greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=120, ignore_eos=True)
+    for params in (greedy, seeded):
+        outs = tight.generate(prompts, params)
+        assert tight.engine.scheduler.num_preemptions > 0
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == roomy.generate([prompt], params)[0].token_ids
+        assert tight.engine.blocks.num_used == 0
+
+
+def test_n_samples_fork_from_one_prefill(tiny_folder):
+    """n samples prefill the prompt once and share its blocks; each gets the tokens a lone
+    sequence with its seed gets."""
+    llm = _llm(tiny_folder, enable_prefix_caching=False)
+    engine = llm.engine
+    prompt = [(3 * i) % 300 + 10 for i in range(70)]
+    params = SamplingParams(temperature=1.0, seed=11, n=3, max_tokens=20, ignore_eos=True)
+    computed: list[int] = []
+    real_execute = engine.runner.execute
+
+    def counting(batch, rows=None):
+        computed.append(sum(item.num_tokens for item in batch))
+        if len(batch) == 3:  # the samples decode on the prompt's shared blocks
+            tables = [item.seq.block_table for item in batch]
+            assert tables[0][:4] == tables[1][:4] == tables[2][:4]
+        return real_execute(batch, rows)
+
+    engine.runner.execute = counting
+    outs = llm.generate([prompt], params)[0].outputs
+    engine.runner.execute = real_execute
+    assert computed[0] == 70 and sum(computed) == 70 + 3 * 19
+    for k, out in enumerate(outs):
+        seq = engine.add_request(prompt, params, sample_index=k)
+        while engine.has_unfinished():
+            engine.step()
+        assert out.token_ids == seq.output_token_ids
+    assert len({tuple(o.token_ids) for o in outs}) == 3
+    assert engine.blocks.num_used == 0
+
+
+def test_beam_search_needs_no_seats_and_frees_its_blocks(tiny_folder):
+    llm = _llm(tiny_folder, max_num_seqs=1)
+    prompt = [(5 * i) % 300 + 10 for i in range(30)]
+    out = llm.generate([prompt], SamplingParams(beam_width=4, n=2, max_tokens=20))[0]
+    assert len(out.outputs) == 2
+    assert llm.engine.blocks.num_used == 0
+
+
+def test_request_that_can_never_fit_is_refused(tiny_folder):
+    llm = _llm(tiny_folder, kv_cache_memory="64KiB")
+    with pytest.raises(FasterLlamaError, match="kv_cache_memory"):
+        llm.generate([[10] * 300], SamplingParams(max_tokens=100))
+    with pytest.raises(FasterLlamaError, match="kv_cache_memory"):
+        _llm(tiny_folder, kv_cache_memory="1KiB")
