@@ -54,7 +54,7 @@ def test_prefix_reuse_takes_only_full_matching_blocks():
     _computed(bm, a, 14)  # blocks 0-2 full (12 tokens), the fourth half full
     b = _seq(list(range(9)) + [99, 98, 97])  # shares 9 tokens: two full blocks
     bm.reuse_prefix(b)
-    assert b.block_table == a.block_table[:2] and b.num_cached == 8 and b.num_prefix_cached == 8
+    assert b.block_table == a.block_table[:2] and b.num_cached == 8
     assert [bm.ref_counts[x] for x in a.block_table] == [2, 2, 1, 1]
     c = _seq(list(range(12)))  # all of its 3 blocks cached: the last one is computed anyway
     bm.reuse_prefix(c)
@@ -81,6 +81,7 @@ def test_freed_blocks_stay_cached_until_needed_lru():
     bm.reuse_prefix(again)
     assert again.block_table == full  # still findable after its owner left
     bm.free(again)
+    assert _reuse(bm, list(range(8)) + [7]) == 8
     c = _seq(list(range(100, 112)))
     assert bm.reserve(c, 12)  # needs 3 of the 3 free blocks: evicts the cached ones
     assert _reuse(bm, list(range(8)) + [7]) == 0
@@ -89,8 +90,9 @@ def test_freed_blocks_stay_cached_until_needed_lru():
 def _reuse(bm: BlockManager, tokens: list[int]) -> int:
     s = _seq(tokens)
     bm.reuse_prefix(s)
+    hit = s.num_cached
     bm.free(s)
-    return s.num_prefix_cached
+    return hit
 
 
 def test_shared_partial_block_is_copied_before_a_write():

@@ -322,6 +322,6 @@ class EngineLoop:
 
     def _publish(self) -> None:
         running = sum(1 for r in self._requests.values() if any(s.status == SequenceStatus.RUNNING for s in r.seqs))
-        blocks = self.engine.blocks
-        self.stats = LoopStats(running, len(self._requests) - running, blocks.num_blocks, blocks.num_used, blocks.queried_tokens,
-                               blocks.hit_tokens, self.engine.scheduler.num_preemptions, self._steps)
+        blocks, scheduler = self.engine.blocks, self.engine.scheduler
+        self.stats = LoopStats(running, len(self._requests) - running, blocks.num_blocks, blocks.num_used, scheduler.prefix_queried_tokens,
+                               scheduler.prefix_hit_tokens, scheduler.num_preemptions, self._steps)

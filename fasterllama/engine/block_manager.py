@@ -33,8 +33,6 @@ class BlockManager:
         self.block_keys: list[BlockKey | None] = [None] * num_blocks  # the content of a cached block
         self.cached: dict[int, int] = {}  # hash of a key -> the block holding it
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # first out: least recently freed
-        self.hit_tokens = 0  # tokens taken from the cache instead of computed (counters for /metrics)
-        self.queried_tokens = 0
 
     @property
     def num_free(self) -> int:
@@ -74,10 +72,6 @@ class BlockManager:
             self.ref_counts[block] += 1
         seq.block_table, seq.block_hashes = hits, hashes
         seq.num_cached = len(hits) * self.block_size
-        self.queried_tokens += seq.num_tokens
-        self.hit_tokens += seq.num_cached
-        if not seq.output_token_ids:
-            seq.num_prefix_cached = seq.num_cached
 
     def commit(self, seq: Sequence) -> None:
         """After a step: key the blocks the step filled, so later sequences can find them."""

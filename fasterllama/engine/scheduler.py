@@ -33,6 +33,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_queried_tokens = 0  # tokens of admitted sequences looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, found there (not computed)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -63,6 +65,10 @@ class Scheduler:
                 self.blocks.free(seq)
                 break
             self.waiting.popleft()
+            if not seq.output_token_ids:  # (not a preempted sequence coming back)
+                seq.num_prefix_cached = seq.num_cached
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += seq.num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats -= 1 + len(seq.forks)

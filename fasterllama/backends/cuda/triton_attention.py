@@ -510,8 +510,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
     prefill launch."""
     if not supports(q.shape[-1]):
         return reference.attention(q, k_cache, v_cache, meta, scale)
-    if meta.all_decode:
+    if meta.all_decode:  # the capacity rounded up: eager steps of growing tables compile a few split counts, not one per width
         tables = meta.decode_block_tables
-        return decode_attention(q, k_cache, v_cache, tables, meta.decode_lengths, scale, tables.shape[1] * k_cache.shape[2])
+        return decode_attention(q, k_cache, v_cache, tables, meta.decode_lengths, scale, triton.next_power_of_2(tables.shape[1] * k_cache.shape[2]))
     cu_seqlens_q, start_positions, max_q_len = _prefill_plan(meta, q.device)
     return prefill_attention(q, k_cache, v_cache, meta.block_tables, cu_seqlens_q, start_positions, scale, max_q_len)
