@@ -4,7 +4,8 @@ with ctypes, and registered as the CPU versions of the op layer's matmuls.
 Why C: at decode time every linear is a matrix-vector product that must stream its weights at
 memory speed on all cores; MKL's fp32 GEMV uses one core for these shapes and torch has no fast
 AVX2 kernel for 4-bit or int8 weights with float activations. The build takes about a second and
-is cached (FASTERLLAMA_CACHE, default ~/.cache/fasterllama). Without a compiler or AVX2, or with
+is cached (FASTERLLAMA_CACHE, default ~/.cache/fasterllama; where that cannot be written, each
+process builds its own copy in a temporary folder). Without a compiler or AVX2, or with
 FASTERLLAMA_NO_COMPILE=1, `load()` returns None and the PyTorch reference ops run instead."""
 
 from __future__ import annotations
@@ -67,29 +68,43 @@ def _cache_dir() -> Path:
     return Path(base)
 
 
-def _build(source: Path) -> Path:
+def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
+    proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"], check=False, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "compiler failed")
+
+
+def _build_and_open(source: Path) -> ctypes.CDLL:
+    """The library of `source` from the cache, built into it first if missing. Where the cache
+    cannot be written (read-only home, permission denied) it is built in a temporary folder,
+    removed once loaded: a second of compiling per process beats the ~5x slower PyTorch ops."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler found")
     flags = CFLAGS + os.environ.get("FASTERLLAMA_CFLAGS", "").split()
     key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *flags, str(source), "-o", str(out), "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "compiler failed")
-        os.replace(out, target)  # atomic: concurrent builders never load a half-written file
-    return target
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                out = Path(tmp) / target.name
+                _compile(cc, flags, source, out)
+                os.replace(out, target)  # atomic: concurrent builders never load a half-written file
+        except OSError as exc:
+            log.warning("fasterllama: kernel cache %s is not writable (%s); building the C kernels in a temporary "
+                        "folder (set FASTERLLAMA_CACHE to a writable folder to keep them)", target.parent, exc)
+            with tempfile.TemporaryDirectory(prefix="fasterllama-") as tmp:
+                out = Path(tmp) / target.name
+                _compile(cc, flags, source, out)
+                return ctypes.CDLL(str(out))  # mapped now: the file may go with its folder
+    return ctypes.CDLL(str(target))
 
 
 def open_library(source: Path) -> ctypes.CDLL:
     """Build (or find in the cache) and open the library of a kernel source file: SOURCE for the
     engine, an edited copy for benchmarks/ab_kernels.py."""
-    lib = ctypes.CDLL(str(_build(source)))
+    lib = _build_and_open(source)
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
@@ -107,7 +122,7 @@ def load() -> ctypes.CDLL | None:
         return None
     try:
         _lib = open_library(SOURCE)
-    except Exception as exc:  # no compiler, no AVX2, read-only cache...: the reference ops are correct
+    except Exception as exc:  # no compiler, no AVX2...: the reference ops are correct
         log.warning("fasterllama: C kernels unavailable (%s); using PyTorch ops", exc)
     return _lib
 
