@@ -105,18 +105,20 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
     )
 
 
-def _print_reply(llm: Any, prompt: Any, params: Any) -> str:
-    """Stream the reply to stdout (beam search prints it whole); sets llm.last_output."""
+def _print_reply(llm: Any, prompt: Any, params: Any) -> Any:
+    """Stream the reply to stdout (beam search prints it whole); returns its RequestOutput."""
     if params.beam_width > 1:
-        llm.last_output = llm.generate([prompt], params)[0]
-        sys.stdout.write(llm.last_output.text)
+        output = llm.generate([prompt], params)[0]
+        sys.stdout.write(output.text)
     else:
-        for delta in llm.stream(prompt, params):
+        stream = llm.stream(prompt, params)
+        for delta in stream:
             sys.stdout.write(delta)
             sys.stdout.flush()
+        output = stream.output
     sys.stdout.write("\n")
     sys.stdout.flush()
-    return llm.last_output.text
+    return output
 
 
 def _tolerant_stdin() -> None:
@@ -151,9 +153,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         prompt_ids: Any = llm.chat_prompt(messages)
     else:
         prompt_ids = prompt
-    _print_reply(llm, prompt_ids, params)
+    out = _print_reply(llm, prompt_ids, params)
     if args.verbose:
-        out = llm.last_output
         print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
     return 0
 
@@ -191,7 +192,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             continue
         history.append({"role": "user", "content": line})
         prompt_ids = _fit_history(llm, system, history, params.max_tokens)
-        history.append({"role": "assistant", "content": _print_reply(llm, prompt_ids, params)})
+        history.append({"role": "assistant", "content": _print_reply(llm, prompt_ids, params).text})
     return 0
 
 

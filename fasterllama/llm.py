@@ -133,6 +133,25 @@ class RequestOutput:
         )
 
 
+class TextStream:
+    """One request's text deltas, produced by stepping the engine as they are read; `output`
+    (a RequestOutput) is set when the iteration ends, or is abandoned (then finish_reason abort)."""
+
+    def __init__(self, engine: LLMEngine, prompt: Prompt, seq: Sequence) -> None:
+        self.engine, self.prompt, self.seq = engine, prompt, seq
+        self.output: RequestOutput | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        try:
+            while not self.seq.is_finished:
+                for update in self.engine.step():
+                    if update.seq is self.seq and update.text_delta:
+                        yield update.text_delta
+        finally:
+            self.engine.abort(self.seq)
+            self.output = RequestOutput.from_sequences(self.prompt, [self.seq])
+
+
 class LLM:
     """`LLM(model=None)` loads the default model; `generate`, `chat`, `compute_logits`."""
 
@@ -226,22 +245,13 @@ class LLM:
             outs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outputs))
         return outs
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
-        """Generate for one prompt, yielding text deltas as they become printable."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TextStream:
+        """Generate for one prompt: iterate the result for text deltas as they become printable;
+        its `output` is the RequestOutput once the iteration has ended."""
         batch = prompt_list(prompt)
         if len(batch) != 1:
             raise FasterLlamaError(f"stream takes one prompt (a string or a list of token ids), got {len(batch)} prompts")
-        prompt = batch[0]
-        engine = self.engine
-        seq = engine.add_request(prompt, params)
-        try:
-            while not seq.is_finished:
-                for update in engine.step():
-                    if update.seq is seq and update.text_delta:
-                        yield update.text_delta
-        finally:
-            engine.abort(seq)
-        self.last_output = RequestOutput.from_sequences(prompt, [seq])
+        return TextStream(self.engine, batch[0], self.engine.add_request(batch[0], params))
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of one conversation rendered by the model's chat template (messages checked)."""
