@@ -4,7 +4,12 @@ alternating. "cold" gives each layer its own cache, as a decode step finds them 
 streamed in between have pushed them out of the caches); "hot" reuses one layer's cache. Reports
 milliseconds a step and the KV read rate, and checks every library's output against the first's.
 
-    python benchmarks/attention_cpu.py [--batch 8] [--context 166] [old.c] [new.c]
+    python benchmarks/attention_cpu.py [--batch 8] [--context 166] [--block-size 16] [--layout block-major]
+                                       [--interleave] [old.c] [new.c]
+
+--layout: the engine's head-major cache (each head's blocks one after another) or block-major (a
+block's heads side by side); --interleave: the sequences' blocks alternate (as decoding several
+sequences allocates them) instead of each sequence's blocks being consecutive.
 """
 
 from __future__ import annotations
@@ -27,16 +32,24 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=166, help="cached tokens per sequence")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--block-size", type=int, default=16, help="KV cache block size (rows)")
+    ap.add_argument("--block-size", type=int, default=128, help="KV cache block size (rows)")
+    ap.add_argument("--layout", choices=["head-major", "block-major"], default="head-major")
+    ap.add_argument("--interleave", action="store_true", help="sequences' blocks alternate")
     args = ap.parse_args()
     B, L = args.batch, args.context
     bs = args.block_size
     nb = -(-(L + 8) // bs)
     torch.manual_seed(0)
-    shape = (B * nb, KV_HEADS, bs, HEAD_DIM)  # the paged cache, each sequence's blocks shuffled among all
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(LAYERS)]
+
+    def cache() -> torch.Tensor:
+        if args.layout == "head-major":
+            return torch.randn(KV_HEADS, B * nb, bs, HEAD_DIM).transpose(0, 1)
+        return torch.randn(B * nb, KV_HEADS, bs, HEAD_DIM)
+
+    caches = [(cache(), cache()) for _ in range(LAYERS)]
     q = torch.randn(B, HEADS, HEAD_DIM)
-    tables = torch.randperm(B * nb).to(torch.int32).view(B, nb)
+    blocks = torch.arange(B * nb, dtype=torch.int32)
+    tables = (blocks.view(nb, B).t() if args.interleave else blocks.view(B, nb)).contiguous()
     lengths = torch.full((B,), L, dtype=torch.int64)
     libs = {str(src): cpu_kernels.open_library(src) for src in args.sources}
     times = {(name, mode): [] for name in libs for mode in ("cold", "hot")}
@@ -49,12 +62,12 @@ def main() -> None:
                 for layer in range(LAYERS):
                     k, v = caches[layer if mode == "cold" else 0]
                     lib.fl_decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), nb, lengths.data_ptr(),
-                                            B, HEADS, KV_HEADS, HEAD_DIM, bs, HEAD_DIM**-0.5, out.data_ptr())
+                                            B, HEADS, KV_HEADS, HEAD_DIM, bs, k.stride(0), k.stride(1), HEAD_DIM**-0.5, out.data_ptr())
                 times[(name, mode)].append(time.perf_counter() - t)
                 outputs[name] = out
     first = next(iter(outputs.values()))
     kv_bytes = LAYERS * B * KV_HEADS * L * HEAD_DIM * 4 * 2
-    print(f"batch {B}, {L} cached tokens in blocks of {bs}, {LAYERS} layers, {HEADS}/{KV_HEADS} heads, dim {HEAD_DIM}; "
+    print(f"batch {B}, {L} cached tokens in {args.layout} blocks of {bs}{', interleaved' if args.interleave else ''}, {LAYERS} layers, {HEADS}/{KV_HEADS} heads, dim {HEAD_DIM}; "
           f"{kv_bytes / 1e6:.0f} MB of K/V a step; best of {args.repeats}")
     for name in libs:
         diff = (outputs[name] - first).abs().max().item()

@@ -167,7 +167,7 @@ class LLM:
         progress: bool = True,
         calibration_text: str | None = None,
         kv_cache_memory: float | str | None = None,
-        block_size: int = 16,
+        block_size: int | None = None,
         enable_prefix_caching: bool = True,
     ) -> None:
         """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q8_0/Q4_0/Q4_1

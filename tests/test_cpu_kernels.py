@@ -144,16 +144,17 @@ def test_argmax_is_torch_argmax(n):
     assert ck.argmax(x).tolist() == ref.argmax(x).tolist()
     assert ck.argmax(x[2:3]).tolist() == [0]
 
-def _to_paged(dense: torch.Tensor, bs: int = 16, seed: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
+def _to_paged(dense: torch.Tensor, bs: int = 16, seed: int = 0, head_major: bool = True) -> tuple[torch.Tensor, list[list[int]]]:
     """A per-sequence cache [seqs, kv_heads, max_len, d] as a paged one [blocks, kv_heads, bs, d]
-    whose blocks are shuffled, and each sequence's block table."""
+    whose blocks are shuffled, and each sequence's block table. head_major: laid out as the engine
+    does ([kv_heads, blocks, ...] in memory), else block after block."""
     S, KVH, L, d = dense.shape
     nb = -(-L // bs)
     perm = torch.randperm(S * nb, generator=torch.Generator().manual_seed(seed)).tolist()
     tables = [perm[s * nb : (s + 1) * nb] for s in range(S)]
     padded = torch.full((S, KVH, nb * bs, d), float("nan"))
     padded[:, :, :L] = dense
-    paged = torch.empty(S * nb, KVH, bs, d)
+    paged = torch.empty(KVH, S * nb, bs, d).transpose(0, 1) if head_major else torch.empty(S * nb, KVH, bs, d)
     for s in range(S):
         for j, block in enumerate(tables[s]):
             paged[block] = padded[s, :, j * bs : (j + 1) * bs]
@@ -172,17 +173,18 @@ def _meta(starts: list[int], news: list[int], tables: list[list[int]], bs: int =
 
 @pytest.mark.parametrize("d", [16, 24, 64])  # 16, 64: 512-bit attention loops on AVX-512; 24: 256-bit ones
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (4, 1)])
-@pytest.mark.parametrize("bs", [8, 16, 64])
-def test_rope_store_and_attention(heads, kv_heads, d, bs):
-    """A mixed step (two decodes, one prefill chunk, one fresh prompt) through both op sets."""
-    paged, tables = _to_paged(torch.randn(4, kv_heads, 80, d), bs)
+@pytest.mark.parametrize("bs,head_major", [(8, True), (16, False), (64, True)])
+def test_rope_store_and_attention(heads, kv_heads, d, bs, head_major):
+    """A mixed step (two decodes, one prefill chunk, one fresh prompt) through both op sets, on
+    either cache layout."""
+    paged, tables = _to_paged(torch.randn(4, kv_heads, 80, d), bs, head_major=head_major)
     order = [3, 0, 2, 1]
     meta = _meta([40, 7, 20, 0], [1, 1, 9, 13], [tables[i] for i in order], bs)
     T = meta.token_offsets[-1]
     qkv = torch.randn(T, (heads + 2 * kv_heads) * d)
     ang = meta.positions.float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))[None]
     cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    caches = [paged, torch.randn_like(paged)]
+    caches = [paged, paged.clone().normal_()]
     mine = [c.clone() for c in caches]
     q_ref = ref.rope_and_store_kv(qkv, cos, sin, *caches, meta, heads, kv_heads, d)
     q = ck.rope_and_store_kv(qkv, cos, sin, *mine, meta, heads, kv_heads, d)

@@ -140,7 +140,7 @@ def tiny_folder(tmp_path_factory) -> str:
 
 
 def _llm(folder: str, **kwargs) -> LLM:
-    return LLM(folder, progress=False, max_model_len=512, **kwargs)
+    return LLM(folder, progress=False, max_model_len=512, block_size=16, **kwargs)
 
 
 def test_prefix_cache_computes_only_the_new_tokens(tiny_folder):

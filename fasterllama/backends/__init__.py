@@ -29,6 +29,7 @@ class Backend:
     """The base: the PyTorch reference ops, no preparation, no whole-step decode."""
 
     default_dtype = torch.float32
+    kv_block_size = 16  # tokens a KV cache block holds by default (the granularity of sharing and prefix caching)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

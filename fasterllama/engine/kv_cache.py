@@ -1,9 +1,12 @@
-"""The paged KV cache: per layer, K and V as [num_blocks, kv_heads, block_size, head_dim].
+"""The paged KV cache: per layer, K and V as [num_blocks, kv_heads, block_size, head_dim] views.
 
 A sequence's keys live in whichever blocks its block table names (BlockManager hands them out),
 so the cache is sized by memory rather than by max_num_seqs x max_model_len, and sequences with a
-common prefix share its blocks. On the CPU torch.empty leaves pages untouched until written, so
-resident memory grows with the blocks actually used."""
+common prefix share its blocks. In memory each head's blocks follow one another ([kv_heads,
+num_blocks, ...]): consecutive blocks of a sequence read as one stream per head, which the CPU's
+decode attention needs to run at the speed of a contiguous per-sequence cache (kernels take any
+strides). On the CPU torch.empty leaves pages untouched until written, so resident memory grows
+with the blocks actually used."""
 
 from __future__ import annotations
 
@@ -14,16 +17,15 @@ import torch
 from ..config import ModelConfig
 from ..errors import FasterLlamaError
 
-DEFAULT_BLOCK_SIZE = 16  # 16 rows of a 64-wide fp32 head: one 4 KiB page per block and head
 DEFAULT_CPU_MEMORY = 2 << 30  # the CPU default cap (pages are touched only as blocks are used)
 DEFAULT_GPU_FRACTION = 0.8  # of the device memory free once the model is loaded
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = (num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim)
+        shape = (cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.layers = [
-            (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            (torch.empty(shape, dtype=dtype, device=device).transpose(0, 1), torch.empty(shape, dtype=dtype, device=device).transpose(0, 1))
             for _ in range(cfg.num_layers)
         ]
         self.num_blocks, self.block_size = num_blocks, block_size

@@ -22,7 +22,7 @@ from ..sampling_params import SamplingParams, integer_value
 from ..tokenizer import Tokenizer
 from . import sampler
 from .block_manager import BlockManager
-from .kv_cache import DEFAULT_BLOCK_SIZE, KVCache, num_blocks_for
+from .kv_cache import KVCache, num_blocks_for
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
@@ -48,11 +48,11 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def _check_limits(max_num_seqs: int, max_num_batched_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
-    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size)):
+def _check_limits(max_num_seqs: int, max_num_batched_tokens: int, block_size: int | None = None) -> None:
+    for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens), ("block_size", block_size or 8)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise FasterLlamaError(f"{name} must be an integer >= 1, got {value!r}")
-    if block_size < 8 or block_size & (block_size - 1):
+    if block_size is not None and (block_size < 8 or block_size & (block_size - 1)):
         raise FasterLlamaError(f"block_size must be a power of two >= 8 (the kernels address blocks with shifts), got {block_size}")
 
 
@@ -128,7 +128,7 @@ class LLMEngine:
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 2048,
         kv_cache_memory: float | str | None = None,
-        block_size: int = DEFAULT_BLOCK_SIZE,
+        block_size: int | None = None,
         enable_prefix_caching: bool = True,
         progress: bool = True,
         quantization: str | QuantConfig | None = None,
@@ -159,7 +159,7 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer | None = None, *, max_model_len: int | None = None,
                    max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, kv_cache_memory: float | str | None = None,
-                   block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True) -> LLMEngine:
+                   block_size: int | None = None, enable_prefix_caching: bool = True) -> LLMEngine:
         """An engine over a model built in memory (random weights for benchmarks, a model changed
         by research code), on the device and dtype of its weights; without a tokenizer, prompts
         are token ids and outputs have no text."""
@@ -174,7 +174,7 @@ class LLMEngine:
         return engine
 
     def _start(self, loaded: LoadedModel, backend: Backend, dtype: torch.dtype, max_model_len: int | None, max_num_seqs: int,
-               max_num_batched_tokens: int, kv_cache_memory: float | str | None, block_size: int, prefix_caching: bool) -> None:
+               max_num_batched_tokens: int, kv_cache_memory: float | str | None, block_size: int | None, prefix_caching: bool) -> None:
         """Size the KV cache and set up the scheduler and the model runner around a loaded model."""
         self.backend, self.device, self.dtype = backend, backend.device, dtype
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -189,6 +189,7 @@ class LLMEngine:
             raise FasterLlamaError(f"max_model_len {max_model_len} exceeds the model's context of {cfg.max_position_embeddings} tokens "
                                    "(max_position_embeddings); use at most that")
         self.max_model_len = max_model_len
+        block_size = block_size or backend.kv_block_size
         num_blocks = num_blocks_for(cfg, self.dtype, self.device, kv_cache_memory, block_size, max_num_seqs, max_model_len)
         self.kv_cache = KVCache(cfg, num_blocks, block_size, self.dtype, self.device)
         self.blocks = BlockManager(num_blocks, block_size, self.kv_cache.copy_blocks, prefix_caching)

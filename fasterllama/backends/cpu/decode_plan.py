@@ -77,7 +77,8 @@ class CPUDecodePlan:
         self._tensors = [t for m in (*model.layers, model.embed_tokens, model.lm_head) for t in (*m.parameters(), *m.buffers())]
         self._tensors += [model.norm.weight, model.inv_freq] + made
         cfg = model.config
-        self.dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, kv_caches[0][0].shape[2])  # .., block size
+        k = kv_caches[0][0]
+        self.dims = (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, k.shape[2], k.stride(0), k.stride(1))
         self.eps = ctypes.c_float(cfg.rms_norm_eps)
         self.profile: ctypes.Array | None = None  # set by start_profile(): seconds per stage
 
@@ -96,9 +97,7 @@ class CPUDecodePlan:
         cfg = model.config
         if cpu_kernels.load() is None or cfg.head_dim % 8 or cfg.head_dim > 256 or cfg.hidden_size % 8 or cfg.intermediate_size % 8:
             return None
-        if any(k.dtype != torch.float32 or k.device.type != "cpu" or not k.is_contiguous() for kv in kv_caches for k in kv):
-            return None
-        if not cpu_kernels._paged(kv_caches[0][0]):
+        if any(k.device.type != "cpu" or not cpu_kernels.paged(k, v) or k.stride() != kv_caches[0][0].stride() for k, v in kv_caches):
             return None
         norms = [model.norm] + [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if any(type(n) not in (RMSNorm, QuantRMSNorm) or n.weight.dtype != torch.float32 for n in norms) or type(model.norm) is not RMSNorm:
@@ -127,18 +126,18 @@ class CPUDecodePlan:
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         from ...engine.model_runner import pack_batch
 
-        return self.forward(*pack_batch(batch, self.dims[-1], torch.device("cpu")))
+        return self.forward(*pack_batch(batch, self.dims[5], torch.device("cpu")))
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """fp32 logits [B, vocab] of the step's tokens, as the model's forward and compute_logits give them."""
         model = self.model
         B = input_ids.shape[0]
         logits = torch.empty(B, self.lm_head.n, dtype=torch.float32)
-        hidden, H, KVH, D, inter, block_size = self.dims
+        hidden, H, KVH, D, inter, block_size, block_stride, head_stride = self.dims
         tables = meta.block_tables
         cpu_kernels.load().fl_decode_forward(
             ctypes.addressof(self.layers), len(self.layers), input_ids.data_ptr(), ctypes.addressof(self.embed), B, hidden, H, KVH, D, inter,
-            block_size, self.eps, model.inv_freq.data_ptr(), meta.slot_mapping.data_ptr(), meta.positions.data_ptr(), tables.data_ptr(),
+            block_size, block_stride, head_stride, self.eps, model.inv_freq.data_ptr(), meta.slot_mapping.data_ptr(), meta.positions.data_ptr(), tables.data_ptr(),
             tables.stride(0), meta.decode_lengths.data_ptr(),
             model.norm.weight.data_ptr(), ctypes.addressof(self.lm_head), logits.data_ptr(), None if self.profile is None else ctypes.addressof(self.profile),
         )

@@ -44,12 +44,12 @@ _SIGNATURES = {
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
     "fl_argmax_rows": [_P, _I, _I, _P],
-    "fl_rope_store_kv": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _P],
-    "fl_decode_attention": [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P],
-    "fl_prefill_attention": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+    "fl_rope_store_kv": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _I, _I, _P],
+    "fl_decode_attention": [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
+    "fl_prefill_attention": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
     "fl_quantize_rows": [_P, _I, _I, _P, _I, _P, _P],
-    "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P],
+    "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -294,20 +294,24 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _paged(k_cache: torch.Tensor) -> bool:
-    """The C kernels address blocks with shifts: block sizes are powers of two of at least 8 rows."""
-    bs = k_cache.shape[2]
-    return bs >= 8 and bs & (bs - 1) == 0
+def paged(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Caches the C kernels read: fp32 [blocks, kv_heads, block_size, head_dim] views whose rows
+    are contiguous (blocks and heads at any strides, the same for K and V), blocks of a power of
+    two of at least 8 rows (addressed with shifts)."""
+    bs, d = k_cache.shape[2], k_cache.shape[3]
+    return (_lib is not None and k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.stride() == v_cache.stride()
+            and k_cache.stride(3) == 1 and k_cache.stride(2) == d and bs >= 8 and bs & (bs - 1) == 0)
 
 
 def rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    if not _f32(qkv, cos, sin, k_cache, v_cache) or head_dim % 2 != 0 or not _paged(k_cache):
+    if not _f32(qkv, cos, sin) or head_dim % 2 != 0 or not paged(k_cache, v_cache):
         return reference.rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim)
     T = qkv.shape[0]
     q = torch.empty(T, num_heads, head_dim, dtype=torch.float32)
     _lib.fl_rope_store_kv(
         qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
-        T, num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], q.data_ptr(),
+        T, num_heads, num_kv_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[2], k_cache.stride(0), k_cache.stride(1),
+        q.data_ptr(),
     )
     return q
 
@@ -319,7 +323,7 @@ def decode_attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     tables = meta.decode_block_tables
     _lib.fl_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0), meta.decode_lengths.data_ptr(),
-        B, H, k_cache.shape[1], D, k_cache.shape[2], scale, out.data_ptr(),
+        B, H, k_cache.shape[1], D, k_cache.shape[2], k_cache.stride(0), k_cache.stride(1), scale, out.data_ptr(),
     )
     return out
 
@@ -331,12 +335,12 @@ def prefill_attention(q, k_cache, v_cache, table: torch.Tensor, start: int, scal
     q = q.contiguous()
     out = torch.empty_like(q)
     _lib.fl_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), start, n, H, k_cache.shape[1], D,
-                              k_cache.shape[2], scale, out.data_ptr())
+                              k_cache.shape[2], k_cache.stride(0), k_cache.stride(1), scale, out.data_ptr())
     return out
 
 
 def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
-    if not _f32(k_cache, v_cache) or q.dtype != torch.float32 or q.shape[-1] % 8 != 0 or q.shape[-1] > 256 or not _paged(k_cache):
+    if not paged(k_cache, v_cache) or q.dtype != torch.float32 or q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
         return reference.attention(q, k_cache, v_cache, meta, scale)
     prefill = prefill_attention if q.shape[-1] % _lib.fl_vector_lanes() == 0 else None
     return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention, prefill=prefill)

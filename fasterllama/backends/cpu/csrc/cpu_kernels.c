@@ -611,13 +611,16 @@ void fl_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
     for (int64_t m = 0; m < M; m++) out[m] = argmax_row(x + m * N, N);
 }
 
-/* The KV cache is paged: per layer K and V are [blocks][KVH][bs][D] (bs = 1 << shift, a power of
- * two >= 8), and key position p of a sequence sits in block table[p >> shift], row p & (bs - 1).
- * A block holds bs rows of one head contiguously (16 x 64 floats: one 4 KiB page). */
+/* The KV cache is paged: per layer K and V hold blocks of bs rows (bs = 1 << shift, a power of
+ * two >= 8) for each KV head, row r of head h of block b at b * sb + h * sh + r * D floats; key
+ * position p of a sequence sits in block table[p >> shift], row p & (bs - 1). The engine lays a
+ * head's blocks out one after another (sb = bs * D, sh = blocks * bs * D): a sequence's blocks,
+ * mostly consecutive, then read as one stream per head, as a cache slot did (with each block's
+ * heads side by side, decode attention ran 1.5x slower at 16-token blocks). */
 typedef struct {
-    const float *k, *v;   /* the layer's caches, advanced to one KV head's rows (head * bs * D) */
+    const float *k, *v;   /* the layer's caches, advanced to one KV head (head * sh) */
     const int32_t *table; /* the sequence's block table */
-    int64_t shift, stride, D; /* stride: floats from one block to the next (KVH * bs * D) */
+    int64_t shift, stride, D; /* stride: sb, floats from one block to the next */
 } kv_pages_t;
 
 static inline int64_t page_row(const kv_pages_t *pg, int64_t p) {
@@ -631,18 +634,18 @@ static inline int64_t log2_exact(int64_t x) {
 }
 
 static inline void rope_store_token(const float *src, const float *c, const float *s, int64_t base, int64_t H, int64_t KVH,
-                                    int64_t D, float *k_cache, float *v_cache, int64_t bs, float *q_out) {
-    const int64_t half = D / 2, heads = base >= 0 ? H + KVH : H; /* base -1: a padding row, q only */
+                                    int64_t D, float *k_cache, float *v_cache, int64_t sh, float *q_out) {
+    const int64_t half = D / 2, heads = base >= 0 ? H + KVH : H; /* base: the row's offset for head 0; -1: a padding row, q only */
     /* The cache rows written here are cold: ask for all their lines at once (with intent to
      * write) instead of missing on them one store at a time. */
     for (int64_t h = 0; h < KVH && base >= 0; h++)
         for (int64_t i = 0; i < D; i += 16) {
-            _mm_prefetch((const char *)(k_cache + (base + h * bs) * D + i), _MM_HINT_ET0);
-            _mm_prefetch((const char *)(v_cache + (base + h * bs) * D + i), _MM_HINT_ET0);
+            _mm_prefetch((const char *)(k_cache + base + h * sh + i), _MM_HINT_ET0);
+            _mm_prefetch((const char *)(v_cache + base + h * sh + i), _MM_HINT_ET0);
         }
     for (int64_t h = 0; h < heads; h++) {
         const float *x = src + h * D;
-        float *o = h < H ? q_out + h * D : k_cache + (base + (h - H) * bs) * D;
+        float *o = h < H ? q_out + h * D : k_cache + base + (h - H) * sh;
         for (int64_t i = 0; i < half; i++) {
             o[i] = x[i] * c[i] - x[i + half] * s[i];
             o[i + half] = x[i + half] * c[i + half] + x[i] * s[i + half];
@@ -650,21 +653,22 @@ static inline void rope_store_token(const float *src, const float *c, const floa
     }
     for (int64_t h = 0; h < KVH && base >= 0; h++) {
         const float *x = src + (H + KVH + h) * D;
-        float *o = v_cache + (base + h * bs) * D;
+        float *o = v_cache + base + h * sh;
         for (int64_t i = 0; i < D; i++) o[i] = x[i];
     }
 }
 
 /* Rotate-half RoPE on the q and k parts of a fused qkv row, k and v stored into the cache.
- * qkv [T, (H + 2 KVH) * D]; cos, sin [T, D]; caches [blocks, KVH, bs, D]; token t's K/V go to
- * block slot_mapping[t] / bs, row slot_mapping[t] % bs (nowhere for -1); q_out [T, H, D]. */
+ * qkv [T, (H + 2 KVH) * D]; cos, sin [T, D]; paged caches (bs, sb, sh: see kv_pages_t); token t's
+ * K/V go to block slot_mapping[t] / bs, row slot_mapping[t] % bs (nowhere for -1); q_out [T, H, D]. */
 void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, const int64_t *slot_mapping, int64_t T,
-                      int64_t H, int64_t KVH, int64_t D, float *k_cache, float *v_cache, int64_t bs, float *q_out) {
+                      int64_t H, int64_t KVH, int64_t D, float *k_cache, float *v_cache, int64_t bs, int64_t sb, int64_t sh,
+                      float *q_out) {
     const int64_t row = (H + 2 * KVH) * D;
     FOR_ROWS(t, T, {
         const int64_t slot = slot_mapping[t];
-        const int64_t base = slot >= 0 ? slot / bs * KVH * bs + slot % bs : -1; /* row of head 0, in D units */
-        rope_store_token(qkv + t * row, cos + t * D, sin + t * D, base, H, KVH, D, k_cache, v_cache, bs, q_out + t * H * D);
+        const int64_t base = slot >= 0 ? slot / bs * sb + slot % bs * D : -1;
+        rope_store_token(qkv + t * row, cos + t * D, sin + t * D, base, H, KVH, D, k_cache, v_cache, sh, q_out + t * H * D);
     })
 }
 
@@ -732,6 +736,7 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
         float *out, const int G, const kv_pages_t *next, int64_t next_k0, int64_t next_L) {                          \
         const int dc = COLS(G);                                                                                      \
         const int64_t bs = 1LL << pg->shift;                                                                         \
+        const float *nk = next->k;                                                                                   \
         for (int64_t d0 = 0; d0 < D; d0 += dc) {                                                                     \
             const int nv = (int)((D - d0 < dc ? D - d0 : dc) / LANES);                                               \
             VEC acc[GROUP_MAX][64 / LANES];                                                                          \
@@ -743,8 +748,8 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
                 for (int64_t r = 0; r < run; r++) {                                                                  \
                     const int64_t j = j0 + r;                                                                        \
                     const float *vr = vb + r * D;                                                                    \
-                    if (d0 == 0 && j < next_L) {                                                                     \
-                        const float *nk = next->k + page_row(next, next_k0 + j);                                     \
+                    if (d0 == 0 && j < next_L) { /* the next job's K row j: a table lookup at its blocks' starts */  \
+                        nk = j == 0 || ((next_k0 + j) & (bs - 1)) == 0 ? next->k + page_row(next, next_k0 + j) : nk + D; \
                         for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(nk + i), _MM_HINT_T0);       \
                     }                                                                                                \
                     VEC pj[GROUP_MAX];                                                                               \
@@ -848,14 +853,14 @@ static attn_job_t attn_job(int64_t j, int64_t KVH, int64_t parts, const int64_t 
 
 /* One query per sequence against its cached keys: q [B, H, D] -> out [B, H, D]; sequence b reads
  * key positions 0..lengths[b]-1 through its block table block_tables[b * bt_stride ..] (paged
- * caches [blocks, KVH, bs, D], bs a power of two >= 8); query head h uses kv head h / (H / KVH).
+ * caches: bs, sb, sh as in kv_pages_t); query head h uses kv head h / (H / KVH).
  * D % 8 == 0, D <= 256. Jobs are (sequence, KV head, key part): when the (sequence, KV head) pairs do not
  * divide evenly between the threads (SmolLM2 at batch 1: 3 pairs, 2 threads), each pair's keys
  * are split into `parts` and the parts' results merged by their score maxima (the flash-decoding
  * combine). Small steps run on one thread: a fork/join costs more than they do. */
 void fl_decode_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *block_tables,
                          int64_t bt_stride, const int64_t *lengths, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                         float scale, float *out) {
+                         int64_t sb, int64_t sh, float scale, float *out) {
     const int64_t group = H / KVH, pairs = B * KVH, shift = log2_exact(bs);
 #if defined(__AVX512F__)
     const int wide = D % 16 == 0;
@@ -879,8 +884,8 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
         const int64_t j0 = jobs * t / nth, j1 = jobs * (t + 1) / nth;
         for (int64_t j = j0; j < j1; j++) {
             const attn_job_t job = attn_job(j, KVH, parts, lengths), next = attn_job(j + 1 < j1 ? j + 1 : j, KVH, parts, lengths);
-            const kv_pages_t pg = {k_cache + job.kh * bs * D, v_cache + job.kh * bs * D, block_tables + job.b * bt_stride, shift, KVH * bs * D, D};
-            const kv_pages_t npg = {k_cache + next.kh * bs * D, v_cache + next.kh * bs * D, block_tables + next.b * bt_stride, shift, KVH * bs * D, D};
+            const kv_pages_t pg = {k_cache + job.kh * sh, v_cache + job.kh * sh, block_tables + job.b * bt_stride, shift, sb, D};
+            const kv_pages_t npg = {k_cache + next.kh * sh, v_cache + next.kh * sh, block_tables + next.b * bt_stride, shift, sb, D};
             const int64_t first = (job.b * H + job.kh * group) * D;
             for (int64_t h0 = 0; h0 < group; h0 += GROUP_MAX) { /* heads h0 .. h0 + G - 1 of the group */
                 const int64_t G = group - h0 < GROUP_MAX ? group - h0 : GROUP_MAX;
@@ -999,10 +1004,10 @@ static inline float pf_softmax_row(float *s, int64_t lim, float *m, float *l) {
 }
 
 /* q [n, H, D] (positions start .. start + n - 1 of the sequence whose block table is `table`, with
- * K/V of positions 0 .. start + n - 1 stored in the paged caches [blocks, KVH, bs, D]) -> out [n, H, D].
+ * K/V of positions 0 .. start + n - 1 stored in the paged caches: bs, sb, sh as in kv_pages_t) -> out [n, H, D].
  * D a multiple of VLANES (fl_vector_lanes()). */
 void fl_prefill_attention(const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t start, int64_t n,
-                          int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out) {
+                          int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t sb, int64_t sh, float scale, float *out) {
     const int64_t G = H / KVH, total = start + n, nblk = (total + PF_BK - 1) / PF_BK, nq = (n + PF_BQ - 1) / PF_BQ;
     const int64_t shift = log2_exact(bs);
     const int64_t R = G * PF_BQ; /* rows of a job: head g, position i at row g * PF_BQ + i */
@@ -1010,7 +1015,7 @@ void fl_prefill_attention(const float *q, const float *k_cache, const float *v_c
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < KVH * nblk; t++) {
         const int64_t kh = t / nblk, j0 = t % nblk * PF_BK, jn = total - j0 < PF_BK ? total - j0 : PF_BK;
-        const kv_pages_t pg = {k_cache + kh * bs * D, v_cache, table, shift, KVH * bs * D, D};
+        const kv_pages_t pg = {k_cache + kh * sh, v_cache, table, shift, sb, D};
         float *dst = kt + t * D * PF_BK;
         for (int64_t j = 0; j < PF_BK; j++) {
             const float *K = j < jn ? pg.k + page_row(&pg, j0 + j) : NULL;
@@ -1040,7 +1045,7 @@ void fl_prefill_attention(const float *q, const float *k_cache, const float *v_c
                     alpha[r] = pf_softmax_row(S + r * PF_BK, see < jn ? see : jn, m + r, l + r);
                 }
                 const float *V[PF_BK];
-                const kv_pages_t pg = {k_cache, v_cache + kh * bs * D, table, shift, KVH * bs * D, D};
+                const kv_pages_t pg = {k_cache, v_cache + kh * sh, table, shift, sb, D};
                 for (int64_t j = 0; j < jn; j++) V[j] = pg.v + page_row(&pg, j0 + j);
                 for (int64_t r0 = 0; r0 < R; r0 += PF_QR)
                     for (int64_t d0 = 0; d0 < D; d0 += 4 * VLANES)
@@ -1259,12 +1264,12 @@ static void rope_tables(const int64_t *positions, int64_t B, const float *inv_fr
 /* One decode step, tokens [B] in, logits [B, vocab] out: embedding, every layer, final norm and
  * lm_head. inv_freq [D/2]: RoPE frequencies; slot_mapping, positions [B] (where each token's K/V
  * go, see fl_rope_store_kv); block_tables [B, bt_stride]; lengths [B] = positions + 1; caches paged
- * with blocks of bs rows.
+ * with blocks of bs rows (sb, sh as in kv_pages_t).
  * profile: NULL, or 11 doubles that accumulate the seconds spent in each stage (order below). */
 enum { ST_NORM, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_GATE_UP, ST_SILU, ST_DOWN, ST_RESIDUAL, ST_EMBED, ST_LM_HEAD };
 #define STAGE(id, call) do { double t0_ = profile ? omp_get_wtime() : 0; call; if (profile) profile[id] += omp_get_wtime() - t0_; } while (0)
 void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t *tokens, const fl_linear_t *embed, int64_t B,
-                       int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t bs, float eps,
+                       int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t bs, int64_t sb, int64_t sh, float eps,
                        const float *inv_freq, const int64_t *slot_mapping, const int64_t *positions, const int32_t *block_tables,
                        int64_t bt_stride, const int64_t *lengths,
                        const float *final_norm, const fl_linear_t *lm_head, float *logits, double *profile) {
@@ -1282,8 +1287,8 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
         const fl_layer_t *L = layers + i;
         STAGE(ST_NORM, fl_rms_norm(h, L->attn_norm, eps, B, hidden, x));
         STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv, xq, xs));
-        STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos_t, sin_t, slot_mapping, B, H, KVH, D, L->k_cache, L->v_cache, bs, q));
-        STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, block_tables, bt_stride, lengths, B, H, KVH, D, bs, scale, att));
+        STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos_t, sin_t, slot_mapping, B, H, KVH, D, L->k_cache, L->v_cache, bs, sb, sh, q));
+        STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, block_tables, bt_stride, lengths, B, H, KVH, D, bs, sb, sh, scale, att));
         STAGE(ST_O, run_linear(&L->o, att, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
         STAGE(ST_NORM, fl_rms_norm(h, L->mlp_norm, eps, B, hidden, x));
