@@ -119,8 +119,9 @@ def test_stop_string_truncates_text(default_llm):
 
 
 def test_streaming_text_equals_decode(default_llm):
-    deltas = list(default_llm.stream("Write three emoji and a Chinese word:", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)))
-    out = default_llm.last_output
+    stream = default_llm.stream("Write three emoji and a Chinese word:", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    deltas = list(stream)
+    out = stream.output
     assert "".join(deltas) == out.text
     assert out.text == default_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
     assert all("\ufffd" not in d for d in deltas)
