@@ -671,3 +671,27 @@ def test_fuzzed_bodies_never_get_a_5xx(server: Server) -> None:
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     wait_for(lambda: slots_free(server), what="every KV slot free after fuzzing")
+
+
+def test_release_openmp_threads_frees_the_idle_team_and_torch_still_runs() -> None:
+    """serve() releases the main thread's idle OpenMP team (so the engine thread's team is the
+    runtime's only one and keeps its full idle spin); a later parallel op builds a new team and
+    computes as before. In a fresh process, whose threads are known."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("counts threads in /proc (Linux)")
+    code = (
+        "import os, torch\n"
+        "from fasterllama.server.run import release_openmp_threads\n"
+        "torch.manual_seed(0); x = torch.randn(512, 512); before = (x @ x).sum().item()\n"
+        "n0 = len(os.listdir('/proc/self/task'))\n"
+        "released = release_openmp_threads()\n"
+        "n1 = len(os.listdir('/proc/self/task'))\n"
+        "print(released, torch.get_num_threads(), n0, n1, (x @ x).sum().item() == before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    released, threads, n0, n1, same = out[0] == "True", int(out[1]), int(out[2]), int(out[3]), out[4] == "True"
+    assert same
+    if not released:
+        pytest.skip("no OpenMP runtime with omp_pause_resource_all loaded")
+    if threads > 1:
+        assert n1 <= n0 - (threads - 1), (n0, n1)  # the team's workers are gone

@@ -7,6 +7,8 @@ shutdown; we absorb it, so `fasterllama serve` exits 0."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import signal
 import socket
 import sys
@@ -31,6 +33,29 @@ class _Server(uvicorn.Server):
         self.engine_loop.shutdown(wait=False)  # only sets a flag: safe in a signal handler
 
 
+def release_openmp_threads() -> bool:
+    """Free the calling thread's idle OpenMP worker threads (OpenMP 5.0 omp_pause_resource_all, in
+    the runtime torch has already loaded); True if it did.
+
+    The model loads (and warms up) in the main thread, whose OpenMP team then stays in libgomp's
+    pool while the engine loop thread runs every step with a team of its own. With more OpenMP
+    threads than CPUs, libgomp cuts its idle spin from GOMP_SPINCOUNT to 100 rounds, so the many
+    parallel regions of a decode step wake their threads through the kernel: 43 ms per 16-sequence
+    step instead of LLM.generate's 33 ms (SmolLM2-135M, 2 cores; docs/performance.md, Serving).
+    Without the idle team the engine's is libgomp's only one, and it spins as LLM.generate's does.
+    A later parallel region in this thread would build a new team; the server runs none."""
+    for name in ("libgomp.so.1", "libomp.so", "libiomp5.so", "libomp.dylib"):
+        try:
+            lib = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)  # only one already loaded
+        except (OSError, AttributeError):  # not loaded; no RTLD_NOLOAD (Windows)
+            continue
+        pause = getattr(lib, "omp_pause_resource_all", None)
+        if pause is not None:
+            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+            return pause(2) == 0  # omp_pause_hard
+    return False
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A listening socket, bound before uvicorn starts so a busy port is one clear error."""
     try:
@@ -50,6 +75,7 @@ def serve(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port: int 
     """Serve until a signal; the loop is shut down on return. sock: already bound by bind()
     (the CLI binds before the slow model load, so a busy port fails at once)."""
     sock = sock or bind(host, port)
+    release_openmp_threads()
     app = create_app(loop, model_name, api_key)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="off")
     server = _Server(config, loop)
