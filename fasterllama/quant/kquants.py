@@ -1,0 +1,344 @@
+"""GGUF block quantizers in numpy, K-quants included (Q2_K, Q4_K, Q5_K, Q6_K).
+
+`gguf.quants.quantize` writes Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 but raises NotImplementedError for the
+K-quants, which is what most downloaded files (`Q4_K_M`, `Q5_K_M`, `Q6_K`) hold. Tests and
+`fasterllama quantize` need to write such files without llama.cpp, so this module writes the
+exact block bytes of the format as ggml defines it (ggml-common.h / ggml-quants.c):
+
+* Q4_K / Q5_K: super-blocks of 256 = 8 sub-blocks of 32; each sub-block has a 6-bit scale and a
+  6-bit min (packed into 12 bytes) relative to the fp16 super-block `d` and `dmin`;
+  value = d*sc*q - dmin*m with q in [0, 15] (Q4_K) or [0, 31] (Q5_K, 5th bit in `qh`).
+* Q6_K: 16 sub-blocks of 16 with int8 scales and an fp16 `d`; value = d*sc*(q - 32), q in [0, 63]
+  split into low nibbles `ql` and 2 high bits `qh`.
+* Q2_K: 16 sub-blocks of 16 with 4-bit scale and 4-bit min; value = d*sc*q - dmin*m, q in [0, 3].
+
+Scales and mins are chosen as llama.cpp's reference quantizers choose them (no importance
+matrix): a least-squares search over candidate inverse scales per sub-block (make_qkx2_quants for
+the min/scale types, make_qx_quants for Q6_K), then the sub-block scales are themselves quantized
+against the super-block maximum and the weights are re-rounded with the final scales. Everything
+is vectorized over blocks, so a 50k x 512 matrix quantizes in seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+QK_K = 256
+K_QUANT_TYPES = ("Q2_K", "Q4_K", "Q5_K", "Q6_K")
+BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # delegated to gguf.quants
+
+_CHUNK_SUPERBLOCKS = 4096  # super-blocks per vectorized step: ~4 MB float32 temporaries
+
+_EPS = np.float32(1e-15)  # ggml's GROUP_MAX_EPS: a group this small counts as all zero
+
+
+def _rint(a: np.ndarray) -> np.ndarray:
+    """Round half to even, like ggml's nearest_int (the 1.5*2^23 trick under the default FPU mode)."""
+    return np.rint(a)
+
+
+def _fp16(a: np.ndarray) -> np.ndarray:
+    """fp16 bits of `a` and the float32 they read back as (the value later math must use)."""
+    h = np.asarray(a, dtype=np.float32).astype(np.float16)
+    return h, h.astype(np.float32)
+
+
+# -- scale searches -------------------------------------------------------------------------------
+def _search_scale_min(
+    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(scale, min, levels) per group (rows of x) for value = scale*L - min, L in [0, nmax].
+
+    make_qkx2_quants: start from the min..max grid, then for nstep+1 candidate inverse scales
+    (nmax + rmin + rdelta*i)/(max - min) round the group, fit scale and offset by weighted least
+    squares and keep the fit with the least weighted error. The offset is never positive (a
+    group of positive values keeps 0 representable)."""
+    n = x.shape[0]
+    xmin = np.minimum(x.min(axis=1), 0).astype(np.float32)
+    xmax = x.max(axis=1).astype(np.float32)
+    rng = xmax - xmin
+    live = rng > 0
+    inv_rng = np.zeros(n, np.float32)
+    inv_rng[live] = 1.0 / rng[live]
+    shifted = x - xmin[:, None]
+    sum_w = w.sum(axis=1)
+    sum_x = (w * x).sum(axis=1)
+
+    def err(scale: np.ndarray, mn: np.ndarray, levels: np.ndarray) -> np.ndarray:
+        diff = scale[:, None] * levels + mn[:, None] - x
+        return (w * (np.abs(diff) if use_mad else diff * diff)).sum(axis=1)
+
+    scale = np.where(live, rng / np.float32(nmax), np.float32(0)).astype(np.float32)
+    levels = np.clip(_rint((nmax * inv_rng)[:, None] * shifted), 0, nmax).astype(np.float32)
+    levels[~live] = 0
+    mn = xmin.copy()
+    best = err(scale, mn, levels)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for step in range(nstep + 1):
+            iscale = np.float32(rmin + rdelta * step + nmax) * inv_rng
+            cand = np.clip(_rint(iscale[:, None] * shifted), 0, nmax).astype(np.float32)
+            wl = w * cand
+            sum_l = wl.sum(axis=1)
+            sum_l2 = (wl * cand).sum(axis=1)
+            sum_xl = (wl * x).sum(axis=1)
+            det = sum_w * sum_l2 - sum_l * sum_l
+            c_scale = (sum_w * sum_xl - sum_x * sum_l) / det
+            c_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            positive = c_min > 0  # the offset may only go down: refit the scale through zero
+            c_scale = np.where(positive, sum_xl / sum_l2, c_scale)
+            c_min = np.where(positive, np.float32(0), c_min)
+            c_err = err(c_scale, c_min, cand)
+            take = live & (det > 0) & (c_err < best)
+            if take.any():
+                best = np.where(take, c_err, best)
+                scale = np.where(take, c_scale, scale).astype(np.float32)
+                mn = np.where(take, c_min, mn).astype(np.float32)
+                levels[take] = cand[take]
+    return scale, -mn, levels
+
+
+def _search_symmetric(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, levels) per group for value = scale*L, L in [-nmax, nmax-1] (make_qx_quants, rmse 1).
+
+    The element of largest magnitude maps to -nmax (the side with one more level); candidate
+    inverse scales -(nmax + 0.1*i)/max, i in -9..9, are tried and the one whose least-squares
+    scale (weights x^2, so large weights matter most) explains the most of the group is kept."""
+    idx = np.abs(x).argmax(axis=1)
+    signed_max = np.take_along_axis(x, idx[:, None], axis=1)[:, 0]
+    live = np.abs(signed_max) >= _EPS
+    inv_max = np.zeros_like(signed_max)
+    inv_max[live] = 1.0 / signed_max[live]
+    w = x * x
+
+    def fit(factor: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        levels = np.clip(_rint((np.float32(-factor) * inv_max)[:, None] * x), -nmax, nmax - 1).astype(np.float32)
+        wl = w * levels
+        return levels, (wl * x).sum(axis=1), (wl * levels).sum(axis=1)
+
+    levels, sumlx, suml2 = fit(nmax)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(suml2 > 0, sumlx / suml2, np.float32(0)).astype(np.float32)
+        best = scale * sumlx
+        for step in range(-9, 10):
+            if step == 0:
+                continue
+            cand, c_lx, c_l2 = fit(nmax + 0.1 * step)
+            take = live & (c_l2 > 0) & (c_lx * c_lx > best * c_l2)
+            if take.any():
+                c_scale = c_lx / c_l2
+                scale = np.where(take, c_scale, scale).astype(np.float32)
+                best = np.where(take, c_scale * c_lx, best)
+                levels[take] = cand[take]
+    levels[~live] = -nmax  # ggml leaves an all-zero group's stored levels at 0, i.e. -nmax here
+    return np.where(live, scale, np.float32(0)).astype(np.float32), levels
+
+
+def _quantize_sub_scales(values: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sub-block scales (or mins) [nb, n] -> (integer codes in [0, top], fp16 super scale, its float).
+
+    The largest one maps to `top`: codes = round(top/max * v), super scale = max/top."""
+    vmax = values.max(axis=1)
+    inv = np.zeros_like(vmax)
+    pos = vmax > 0
+    inv[pos] = np.float32(top) / vmax[pos]
+    codes = np.clip(_rint(inv[:, None] * values), 0, top).astype(np.uint8)
+    h, f = _fp16(np.where(pos, vmax / np.float32(top), np.float32(0)))
+    return codes, h, f
+
+
+def _requantize(x: np.ndarray, step: np.ndarray, offset: np.ndarray, levels: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    """Round x to the final grid offset + step*L (step, offset per group); groups with step 0 keep
+    the search's levels, as ggml does (they dequantize to the offset whatever the levels are)."""
+    live = step != 0
+    safe = np.where(live, step, np.float32(1))
+    out = np.clip(_rint((x - offset[:, None]) / safe[:, None]), lo, hi).astype(np.float32)
+    return np.where(live[:, None], out, levels)
+
+
+# -- per-type quantizers: float32 super-blocks [nb, 256] -> parts ----------------------------------
+def _parts_min_type(
+    x: np.ndarray, group: int, nmax: int, top: int, rmin: float, nstep: int, mad: bool
+) -> dict[str, np.ndarray]:
+    """Shared by Q2_K, Q4_K and Q5_K: per-group scale/min search, then quantized sub-scales.
+
+    Q4_K/Q5_K weight the squared error by rms(group) + |x| (large weights matter more, small ones
+    still count); Q2_K, with only 4 levels, weights the absolute error by |x|."""
+    nb = x.shape[0]
+    g = x.reshape(-1, group)
+    w = np.abs(g) if mad else np.sqrt((g * g).mean(axis=1, keepdims=True)) + np.abs(g)
+    scale, mins, levels = _search_scale_min(g, w, nmax, rmin, 0.1, nstep, mad)
+    ls, d_h, d = _quantize_sub_scales(scale.reshape(nb, -1), top)
+    lm, dmin_h, dmin = _quantize_sub_scales(mins.reshape(nb, -1), top)
+    step = (d[:, None] * ls.astype(np.float32)).reshape(-1)
+    offset = -(dmin[:, None] * lm.astype(np.float32)).reshape(-1)
+    q = _requantize(g, step, offset, levels, 0, nmax).astype(np.uint8).reshape(nb, QK_K)
+    return {"d": d_h, "dmin": dmin_h, "sc": ls, "m": lm, "q": q}
+
+
+def _parts_q4_k(x: np.ndarray) -> dict[str, np.ndarray]:
+    return _parts_min_type(x, group=32, nmax=15, top=63, rmin=-1.0, nstep=20, mad=False)
+
+
+def _parts_q5_k(x: np.ndarray) -> dict[str, np.ndarray]:
+    return _parts_min_type(x, group=32, nmax=31, top=63, rmin=-0.5, nstep=15, mad=False)
+
+
+def _parts_q2_k(x: np.ndarray) -> dict[str, np.ndarray]:
+    return _parts_min_type(x, group=16, nmax=3, top=15, rmin=-0.5, nstep=15, mad=True)
+
+
+def _parts_q6_k(x: np.ndarray) -> dict[str, np.ndarray]:
+    nb = x.shape[0]
+    g = x.reshape(-1, 16)
+    scale, levels = _search_symmetric(g, 32)
+    scale = scale.reshape(nb, 16)
+    idx = np.abs(scale).argmax(axis=1)
+    max_scale = np.take_along_axis(scale, idx[:, None], axis=1)[:, 0]
+    live = np.abs(max_scale) >= _EPS
+    iscale = np.zeros_like(max_scale)
+    iscale[live] = np.float32(-128.0) / max_scale[live]
+    # the largest scale maps to -128 (int8's extra negative level), its sign folded into d
+    sc = np.clip(_rint(iscale[:, None] * scale), -128, 127).astype(np.int8)
+    d_h, d = _fp16(np.where(live, -max_scale / np.float32(128.0), np.float32(0)))
+    step = (d[:, None] * sc.astype(np.float32)).reshape(-1)
+    q = _requantize(g, step, np.zeros_like(step), levels, -32, 31) + 32
+    q = q.astype(np.uint8).reshape(nb, QK_K)
+    q[~live] = 0  # ggml zeroes a whole super-block whose scales are all ~0
+    sc[~live] = 0
+    return {"d": d_h, "sc": sc, "q": q}
+
+
+# -- byte packing (the inverse of ggml's dequantize_row_*) ------------------------------------------
+def _pack_scale_min_k4(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and 8 six-bit mins -> 12 bytes: bytes 0-3 low 6 bits of scales 0-3 (top 2
+    bits: high bits of scales 4-7), bytes 4-7 the same for mins, bytes 8-11 the low nibbles of
+    scales 4-7 and mins 4-7."""
+    out = np.empty((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = (sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6)
+    out[:, 4:8] = (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)
+    return out
+
+
+def _f16_bytes(h: np.ndarray) -> np.ndarray:
+    return h.astype("<f2").reshape(-1, 1).view(np.uint8)
+
+
+def _nibbles_q4(q: np.ndarray) -> np.ndarray:
+    """Levels [nb, 256] -> 128 bytes: each 64-value chunk's first 32 in low nibbles, next 32 high."""
+    q = q.reshape(-1, 4, 2, 32) & 15
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _pack_q4_k(p: dict[str, np.ndarray]) -> np.ndarray:
+    return np.concatenate([_f16_bytes(p["d"]), _f16_bytes(p["dmin"]), _pack_scale_min_k4(p["sc"], p["m"]), _nibbles_q4(p["q"])], axis=1)
+
+
+def _pack_q5_k(p: dict[str, np.ndarray]) -> np.ndarray:
+    q = p["q"]
+    high = (q.reshape(-1, 8, 32) >> 4).astype(np.uint8)  # bit j of qh[l] = 5th bit of sub-block j's l-th value
+    qh = np.zeros((q.shape[0], 32), np.uint8)
+    for j in range(8):
+        qh |= high[:, j] << j
+    return np.concatenate(
+        [_f16_bytes(p["d"]), _f16_bytes(p["dmin"]), _pack_scale_min_k4(p["sc"], p["m"]), qh, _nibbles_q4(q)], axis=1
+    )
+
+
+def _pack_q6_k(p: dict[str, np.ndarray]) -> np.ndarray:
+    q = p["q"].reshape(-1, 2, 4, 32)  # two halves of 128, four runs of 32
+    low, high = q & 15, q >> 4
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)  # [nb, 2, 64]
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)  # [nb, 2, 32]
+    return np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), p["sc"].view(np.uint8), _f16_bytes(p["d"])], axis=1)
+
+
+def _pack_q2_k(p: dict[str, np.ndarray]) -> np.ndarray:
+    q = p["q"].reshape(-1, 2, 4, 32)  # 2 bits each: four runs of 32 share 32 bytes per half
+    qs = q[:, :, 0] | (q[:, :, 1] << 2) | (q[:, :, 2] << 4) | (q[:, :, 3] << 6)
+    scales = (p["sc"] & 15) | (p["m"] << 4)
+    return np.concatenate([scales, qs.reshape(-1, 64), _f16_bytes(p["d"]), _f16_bytes(p["dmin"])], axis=1)
+
+
+def _values(type_name: str, p: dict[str, np.ndarray]) -> np.ndarray:
+    """The float32 values the parts stand for, computed as gguf's dequantizers compute them."""
+    q = p["q"].astype(np.float32)
+    d = p["d"].astype(np.float32)[:, None]
+    if type_name == "Q6_K":
+        step = d * p["sc"].astype(np.float32)
+        return (step[:, :, None] * (q.reshape(-1, 16, 16) - 32)).reshape(-1, QK_K)
+    group = 16 if type_name == "Q2_K" else 32
+    step = d * p["sc"].astype(np.float32)
+    offset = p["dmin"].astype(np.float32)[:, None] * p["m"].astype(np.float32)
+    return (step[:, :, None] * q.reshape(q.shape[0], -1, group) - offset[:, :, None]).reshape(-1, QK_K)
+
+
+_K: dict[str, tuple[Callable, Callable, int]] = {  # type -> (parts, pack, bytes per super-block)
+    "Q2_K": (_parts_q2_k, _pack_q2_k, 84),
+    "Q4_K": (_parts_q4_k, _pack_q4_k, 144),
+    "Q5_K": (_parts_q5_k, _pack_q5_k, 176),
+    "Q6_K": (_parts_q6_k, _pack_q6_k, 210),
+}
+
+
+def _k_blocks(arr: np.ndarray, type_name: str, with_values: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    parts_fn, pack_fn, nbytes = _K[type_name]
+    rows, k = arr.shape
+    x = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1, QK_K)
+    out = np.empty((x.shape[0], nbytes), np.uint8)
+    vals = np.empty_like(x) if with_values else None
+    for lo in range(0, x.shape[0], _CHUNK_SUPERBLOCKS):
+        parts = parts_fn(x[lo : lo + _CHUNK_SUPERBLOCKS])
+        out[lo : lo + _CHUNK_SUPERBLOCKS] = pack_fn(parts)
+        if vals is not None:
+            vals[lo : lo + _CHUNK_SUPERBLOCKS] = _values(type_name, parts)
+    return out.reshape(rows, -1), None if vals is None else vals.reshape(rows, k)
+
+
+def _check(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, str]:
+    name = type_name.upper()
+    if name not in K_QUANT_TYPES and name not in BLOCK32_TYPES:
+        raise ValueError(f"unsupported quantization type {type_name!r}; expected one of {K_QUANT_TYPES + BLOCK32_TYPES}")
+    arr = np.asarray(arr)
+    if arr.ndim == 1:
+        arr = arr[None]
+    if arr.ndim != 2:
+        raise ValueError(f"expected a [rows, K] matrix, got shape {arr.shape}")
+    block = QK_K if name in K_QUANT_TYPES else 32
+    if arr.shape[1] % block:
+        hint = " (llama.cpp falls back to Q5_0/Q5_1/Q8_0 for such tensors)" if block == QK_K else ""
+        raise ValueError(f"{name} needs rows whose length is a multiple of {block}, got K={arr.shape[1]}{hint}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"cannot quantize non-finite values to {name}")
+    return arr.astype(np.float32, copy=False), name
+
+
+def quantize(arr: np.ndarray, type_name: str) -> np.ndarray:
+    """Quantize a float [rows, K] matrix to GGUF blocks: uint8 [rows, K/block * bytes per block].
+
+    K-quants (Q2_K, Q4_K, Q5_K, Q6_K) need K % 256 == 0 and are computed here; Q4_0, Q4_1, Q5_0,
+    Q5_1 and Q8_0 (K % 32 == 0) are delegated to `gguf.quants.quantize`. The result is what a GGUF
+    tensor of that type stores, ready for `GGUFWriter.add_tensor(..., raw_dtype=...)`."""
+    arr, name = _check(arr, type_name)
+    if name in K_QUANT_TYPES:
+        return _k_blocks(arr, name, with_values=False)[0]
+    from gguf import GGMLQuantizationType, quants
+
+    return np.asarray(quants.quantize(arr, GGMLQuantizationType[name]), dtype=np.uint8)
+
+
+def quantize_with_values(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks, the float32 values they dequantize to), the values computed from the chosen codes
+    rather than by reading the bytes back, so tests can check the packing against a dequantizer."""
+    arr, name = _check(arr, type_name)
+    if name not in K_QUANT_TYPES:
+        from gguf import GGMLQuantizationType, quants
+
+        qt = GGMLQuantizationType[name]
+        blocks = np.asarray(quants.quantize(arr, qt), dtype=np.uint8)
+        return blocks, quants.dequantize(blocks, qt).reshape(arr.shape).astype(np.float32)
+    blocks, values = _k_blocks(arr, name, with_values=True)
+    assert values is not None
+    return blocks, values
