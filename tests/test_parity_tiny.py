@@ -229,7 +229,7 @@ def test_sharded_safetensors(zoo: Zoo, tmp_path) -> None:
     assert greedy(llm, [PROMPT]) == [zoo.hf_greedy(name, PROMPT)]
 
 
-@pytest.mark.parametrize("weight_type", [t for t in tm.WEIGHT_TYPES if t != "f32"])
+@pytest.mark.parametrize("weight_type", [t for t in tm.BLOCK_WEIGHT_TYPES if t != "f32"])
 def test_quantized_gguf(tmp_path, weight_type: str) -> None:
     """GGUF with F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 weights vs the HF model holding exactly the
     dequantized values."""
@@ -247,6 +247,64 @@ def test_quantized_gguf(tmp_path, weight_type: str) -> None:
     llm = LLM(model=path, progress=False)
     assert_logits_close(llm.compute_logits(PROMPT), ref)
     assert greedy(llm, [PROMPT]) == [tm.hf_greedy(model, PROMPT, N_GREEDY)]
+
+
+def _expected_kquant_types(name: str, weight_type: str) -> dict[str, str]:
+    """The GGML type of every 2-D weight in a K_SPECS file, spelled out (4 layers: the Q4_K_M
+    rule gives layers 2 and 3 more bits; kquant_mix's 288-wide ffn_down rows cannot be K-quants)."""
+    spec = tm.K_SPECS[name]
+    fallback = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+    names = ["token_embd.weight"] + ([] if spec.tie_word_embeddings else ["output.weight"])
+    names += [f"blk.{i}.{t}.weight" for i in range(spec.num_layers) for t in
+              ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]
+    out = {}
+    for n in names:
+        is_output = n == "output.weight" or (spec.tie_word_embeddings and n == "token_embd.weight")
+        more_bits = n.split(".")[1] in ("2", "3") and n.split(".")[2] in ("attn_v", "ffn_down")
+        if weight_type != "q4_k_m":
+            t = weight_type.upper()
+        else:
+            t = "Q6_K" if is_output or more_bits else "Q4_K"
+        out[n] = fallback[t] if (name == "kquant_mix" and "ffn_down" in n) else t
+    return out
+
+
+def test_q4_k_m_more_bits_layers() -> None:
+    """llama.cpp's use_more_bits: first and last eighth of the layers, every third in between."""
+    assert [i for i in range(4) if tm._use_more_bits(i, 4)] == [2, 3]
+    assert [i for i in range(8) if tm._use_more_bits(i, 8)] == [0, 3, 6, 7]
+    assert [i for i in range(30) if tm._use_more_bits(i, 30)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+
+
+@pytest.mark.parametrize("name", list(tm.K_SPECS))
+@pytest.mark.parametrize("weight_type", tm.K_WEIGHT_TYPES)
+def test_kquant_gguf(tmp_path, name: str, weight_type: str) -> None:
+    """GGUF files with Q4_K/Q5_K/Q6_K weights and a Q4_K_M-style mix (written by
+    fasterllama.quant.kquants): fasterllama's logits equal HF transformers loading the same
+    file within 1e-4 and greedy tokens are identical; HF loading the file in turn equals the HF
+    model holding the dequantized weights, so the file holds exactly those values."""
+    transformers = pytest.importorskip("transformers")
+    model = tm.build_hf_model(tm.K_SPECS[name])
+    original = tm.hf_logits(model, PROMPT)
+    tm.quantize_roundtrip_(model, weight_type)
+    ref = tm.hf_logits(model, PROMPT)
+    assert (ref - original).abs().max().item() > 0.1  # the round trip really changed the weights
+    fname = f"{name}-{weight_type}.gguf"
+    path = tm.write_gguf(model, str(tmp_path / fname), weight_type=weight_type)
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert {n: t for n, t in types.items() if not n.endswith("norm.weight")} == _expected_kquant_types(name, weight_type)
+    assert {t for n, t in types.items() if n.endswith("norm.weight")} == {"F32"}
+    if (name, weight_type) == ("kquant_mix", "q4_k_m"):  # the mix of SmolLM2's llama.cpp Q4_K_M file
+        assert set(types.values()) == {"F32", "Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+
+    hf_file = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=fname, dtype=torch.float32).eval()
+    from_file = tm.hf_logits(hf_file, PROMPT)
+    assert_logits_close(from_file, ref)
+    llm = LLM(model=path, progress=False)
+    assert_logits_close(llm.compute_logits(PROMPT), from_file)
+    tokens = greedy(llm, [PROMPT])[0]
+    assert tokens == tm.hf_greedy(hf_file, PROMPT, N_GREEDY) == tm.hf_greedy(model, PROMPT, N_GREEDY)
+    assert len(set(tokens)) >= 8  # not a degenerate loop
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -4,15 +4,20 @@
 and weights scaled so logits are not degenerate; `save_hf_checkpoint` writes a HF folder
 (config.json + safetensors, optionally sharded, + a small byte-level BPE tokenizer);
 `write_gguf` exports the same weights to a GGUF file the way llama.cpp's converter does
-(Q/K rows permuted, LLaMA-3 rope scaling as a `rope_freqs.weight` tensor, optional F16/BF16 or
-block-quantized tensors); `quantize_roundtrip_` sets a HF model's weights to exactly the values a
-quantized GGUF file dequantizes to, so the HF model stays an exact reference.
+(Q/K rows permuted, LLaMA-3 rope scaling as a `rope_freqs.weight` tensor, optional F16/BF16,
+block-quantized or K-quantized tensors, or a Q4_K_M-style mix); `quantize_roundtrip_` sets a HF
+model's weights to exactly the values a quantized GGUF file dequantizes to, so the HF model stays
+an exact reference.
 
-The GGUF export deliberately does not call fasterllama code: it is an independent oracle.
+The GGUF export does not call fasterllama's loading or model code: it is an independent oracle.
+The one exception is writing K-quant blocks (gguf-py cannot), done by fasterllama.quant.kquants;
+what those blocks mean is still decided by gguf-py's own dequantizers (`_roundtrip`), which is
+also what HF transformers reads the file with.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -81,6 +86,28 @@ SPECS: dict[str, TinySpec] = {
             seed=8,
         ),
         TinySpec("mistral", arch="mistral", num_heads=4, num_kv_heads=2, rope_theta=1e6, seed=7),
+    ]
+}
+
+# K-quants need rows that are a multiple of 256 (super-blocks), so these are wider; 4 layers so
+# the Q4_K_M rule gives some layers more bits and not others. Kept out of SPECS (not every
+# parity test needs them). "kquant": every 2-D weight's rows are multiples of 256. "kquant_mix"
+# (tied, ffn 288 wide): ffn_down falls back to Q5_0/Q8_0 as SmolLM2's 576-wide rows do in a
+# llama.cpp Q4_K_M file, so its q4_k_m file mixes Q4_K, Q6_K, Q5_0 and Q8_0.
+K_SPECS: dict[str, TinySpec] = {
+    s.name: s
+    for s in [
+        TinySpec("kquant", hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2, seed=11),
+        TinySpec(
+            "kquant_mix",
+            hidden_size=256,
+            intermediate_size=288,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=1,
+            tie_word_embeddings=True,
+            seed=12,
+        ),
     ]
 }
 
@@ -283,37 +310,88 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{_GGUF_LAYER_NAMES['.'.join(parts[3:])]}.{kind}"
 
 
-# weight_type -> GGML type name of the 2-D weights (norms and rope_freqs always stay F32)
-WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# weight_type -> GGML type of the 2-D weights (norms and rope_freqs always stay F32). The K
+# types need rows that are a multiple of 256 (see K_SPECS); "q4_k_m" mixes types per tensor.
+BLOCK_WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+K_WEIGHT_TYPES = ("q4_k", "q5_k", "q6_k", "q4_k_m")
+WEIGHT_TYPES = BLOCK_WEIGHT_TYPES + K_WEIGHT_TYPES
+
+# llama.cpp's fallback when a tensor's rows are not whole 256-element super-blocks
+K_FALLBACK = {"q2_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 
-def _qtype(weight_type: str):
+def _use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's rule for which layers' attn_v / ffn_down get Q6_K in a _K_M file: the first
+    and last eighth of the layers and every third one in between."""
+    eighth = n_layers // 8
+    return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
+
+
+def tensor_type(name: str, row_len: int, weight_type: str, n_layers: int, tied: bool) -> str:
+    """The (lowercase) GGML type a 2-D weight named `name` (GGUF naming) gets in a file of
+    `weight_type`, following llama.cpp's choices: for "q4_k_m", Q6_K for the output matrix (the
+    token embedding when tied), attn_v and ffn_down in the _use_more_bits layers, Q4_K for the
+    rest; K types whose rows are not a multiple of 256 fall back as in K_FALLBACK."""
+    t = weight_type
+    if weight_type == "q4_k_m":
+        parts = name.split(".")
+        is_output = name == "output.weight" or (tied and name == "token_embd.weight")
+        more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and _use_more_bits(int(parts[1]), n_layers)
+        t = "q6_k" if is_output or more_bits else "q4_k"
+    if t in K_FALLBACK and row_len % 256:
+        t = K_FALLBACK[t]
+    return t
+
+
+def _qtype(type_name: str):
     from gguf import GGMLQuantizationType
 
-    return GGMLQuantizationType[weight_type.upper()]
+    return GGMLQuantizationType[type_name.upper()]
 
 
-def _encode(arr: np.ndarray, weight_type: str) -> tuple[np.ndarray, Any]:
-    """(array to write, raw_dtype) for a 2-D float32 weight."""
+# K-quant searches are not idempotent: re-quantizing dequantized Q5_K (or Q2_K, Q6_K) values
+# can move a few sub-blocks by a step. So _roundtrip remembers which blocks each dequantized row
+# came from, and _encode writes those blocks again when it meets that row (also after the Q/K row
+# permutation): a file written from quantize_roundtrip_'s weights then holds exactly them.
+_K_ROW_BLOCKS: dict[tuple[str, bytes], np.ndarray] = {}
+
+
+def _row_key(type_name: str, row: np.ndarray) -> tuple[str, bytes]:
+    return type_name, hashlib.blake2b(np.ascontiguousarray(row, dtype=np.float32).tobytes(), digest_size=16).digest()
+
+
+def _encode(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
+    """(array to write, raw_dtype) for a 2-D float32 weight of one resolved type (see tensor_type)."""
     from gguf import quants
 
-    if weight_type == "f32":
+    from fasterllama.quant import kquants
+
+    if type_name == "f32":
         return arr, None
-    if weight_type == "f16":
+    if type_name == "f16":
         return arr.astype(np.float16), None
-    return quants.quantize(arr, _qtype(weight_type)), _qtype(weight_type)
+    if type_name.upper() in kquants.K_QUANT_TYPES:  # gguf-py has no K-quant quantizers
+        known = [_K_ROW_BLOCKS.get(_row_key(type_name, row)) for row in arr]
+        if all(b is not None for b in known):
+            return np.stack(known), _qtype(type_name)
+        return kquants.quantize(arr, type_name), _qtype(type_name)
+    return quants.quantize(arr, _qtype(type_name)), _qtype(type_name)
 
 
-def _roundtrip(arr: np.ndarray, weight_type: str) -> np.ndarray:
-    """The float32 values a weight of this type reads back as."""
+def _roundtrip(arr: np.ndarray, type_name: str) -> np.ndarray:
+    """The float32 values a weight of this (resolved) type reads back as, by gguf's dequantizers."""
     from gguf import quants
 
-    if weight_type == "f32":
+    if type_name == "f32":
         return arr
-    if weight_type == "f16":
+    if type_name == "f16":
         return arr.astype(np.float16).astype(np.float32)
-    qt = _qtype(weight_type)
-    return quants.dequantize(quants.quantize(arr, qt), qt).reshape(arr.shape).astype(np.float32)
+    data, qt = _encode(arr, type_name)
+    out = quants.dequantize(data, qt).reshape(arr.shape).astype(np.float32)
+    if type_name in K_FALLBACK:
+        for row, blocks in zip(out, data):
+            _K_ROW_BLOCKS[_row_key(type_name, row)] = blocks
+    return out
 
 
 def _is_quantized_weight(name: str, arr: np.ndarray) -> bool:
@@ -325,11 +403,14 @@ def quantize_roundtrip_(model: torch.nn.Module, weight_type: str) -> torch.nn.Mo
     """Set every 2-D weight of `model` to its value after a trip through `weight_type`.
 
     Block quantization works along rows, so it commutes with llama.cpp's Q/K row permutation:
-    the GGUF written from these weights dequantizes to exactly these values."""
+    the GGUF written from these weights dequantizes to exactly these values. A tied embedding is
+    one parameter here, and one tensor (token_embd) in the file, so it gets one type."""
+    cfg = model.config
     for name, p in model.named_parameters():
         arr = p.detach().cpu().numpy()
         if _is_quantized_weight(name, arr):
-            p.copy_(torch.from_numpy(_roundtrip(arr, weight_type)))
+            t = tensor_type(gguf_name(name), arr.shape[1], weight_type, cfg.num_hidden_layers, bool(cfg.tie_word_embeddings))
+            p.copy_(torch.from_numpy(_roundtrip(arr, t)))
     return model
 
 
@@ -387,7 +468,8 @@ def write_gguf(model: torch.nn.Module, path: str, weight_type: str = "f32") -> s
             arr = llama_cpp_permute(arr, kv_heads)
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if _is_quantized_weight(name, arr):
-            data, raw_dtype = _encode(arr, weight_type)
+            t = tensor_type(gguf_name(name), arr.shape[1], weight_type, cfg.num_hidden_layers, bool(cfg.tie_word_embeddings))
+            data, raw_dtype = _encode(arr, t)
         else:
             data, raw_dtype = arr, None
         w.add_tensor(gguf_name(name), data, raw_dtype=raw_dtype)
