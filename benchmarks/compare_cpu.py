@@ -24,16 +24,16 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from gemm_cpu import fma_peak_gflops
 
 from fasterllama import LLM
-from fasterllama.bench import _decode_rate, fixed_prompt_ids
 from fasterllama.backends.cpu import huge_pages
+from fasterllama.bench import _decode_rate, fixed_prompt_ids
 from fasterllama.errors import FasterLlamaError
 from fasterllama.loading.registry import resolve_model_path
-from gemm_cpu import fma_peak_gflops
 
 
 class MachineLimits:
@@ -280,8 +280,8 @@ def main() -> None:
         for peer in peers:
             row += f" {p / med[peer][0]:.2f}x | {d / med[peer][1]:.2f}x |"
         print(row)
-        result["engines"][e.name] = {"prefill_tok_s": p, "decode_tok_s": d, "weight_bytes": e.weight_bytes, "decode_ceiling_tok_s": ceil, "of_ceiling": of_ceiling, "ceiling_runs": ceiling[e.name],
-                                     "prefill_runs": prefill[e.name], "decode_runs": decode[e.name]}
+        result["engines"][e.name] = {"prefill_tok_s": p, "decode_tok_s": d, "weight_bytes": e.weight_bytes, "decode_ceiling_tok_s": ceil,
+                                     "of_ceiling": of_ceiling, "ceiling_runs": ceiling[e.name], "prefill_runs": prefill[e.name], "decode_runs": decode[e.name]}
     print()
     batch_caps = {}
     for e in ours:

@@ -93,7 +93,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, see
     """Random weights at a real model's shapes, made on the device (no file travels)."""
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
-    for name, p in list(model.named_parameters()):
+    for name, _p in list(model.named_parameters()):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         new = model._materialize(name, dtype, device)

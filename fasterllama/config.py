@@ -43,7 +43,7 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         """Build from a HF config.json (LlamaForCausalLM / MistralForCausalLM)."""
         archs = cfg.get("architectures") or ["LlamaForCausalLM"]
         arch = archs[0]

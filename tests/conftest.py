@@ -11,7 +11,7 @@ torch.manual_seed(0)
 
 
 def default_model_path() -> str | None:
-    from fasterllama.loading.registry import KNOWN_MODELS, DEFAULT_MODEL
+    from fasterllama.loading.registry import DEFAULT_MODEL, KNOWN_MODELS
 
     return KNOWN_MODELS[DEFAULT_MODEL].path()
 

@@ -10,7 +10,6 @@ import sys
 import gguf
 import numpy as np
 import pytest
-
 from conftest import default_model_path
 
 needs_model = pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
@@ -62,7 +61,7 @@ def test_chat_piped_keeps_history(default_llm):
 
     proc = run_cli("chat", "-q", "--temperature", "0", "--max-tokens", "20", stdin="My name is Ada.\n/reset\nWhat is 2+2?\n/exit\nnever read\n")
     assert proc.returncode == 0, proc.stderr
-    lines = [line for line in proc.stdout.split("\n")]
+    lines = list(proc.stdout.split("\n"))
     params = SamplingParams(temperature=0, max_tokens=20)
     first = default_llm.chat([{"role": "user", "content": "My name is Ada."}], params)[0].text
     second = default_llm.chat([{"role": "user", "content": "What is 2+2?"}], params)[0].text  # history was reset

@@ -4,9 +4,9 @@ logprobs, beam search against HF, and the finish conditions."""
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from fasterllama import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")

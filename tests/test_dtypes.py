@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import tiny_models as tm
 import torch
 
-import tiny_models as tm
 from fasterllama import LLM, SamplingParams
 
 pytest.importorskip("transformers")

@@ -8,8 +8,8 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import default_model_path
+
 from fasterllama.errors import ModelLoadError
 from fasterllama.loading import open_checkpoint
 from fasterllama.loading.gguf_file import permute_rope_rows, unpermute_rope_rows
@@ -107,9 +107,9 @@ def _anon_huge_kb(address: int) -> int | None:
 def test_weights_move_to_huge_pages(tmp_path, monkeypatch):
     """On the CPU, large weights move into one 2 MB-aligned arena (the largest collapse in place):
     same Parameter objects, bit-identical logits, and the load switch turns it off."""
+    import tiny_models as tm
     import torch
 
-    import tiny_models as tm
     from fasterllama import LLM
     from fasterllama.backends.cpu import huge_pages
 

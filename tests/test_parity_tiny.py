@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 import tiny_models as tm  # noqa: E402  (tests/ is on sys.path under pytest's default import mode)
+
 from fasterllama import LLM, SamplingParams  # noqa: E402
 
 FORMATS = ("safetensors", "gguf")

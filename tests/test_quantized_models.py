@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import default_model_path
+
 from fasterllama import LLM, SamplingParams
 from fasterllama.evaluate import perplexity
 from fasterllama.quant import weight_bytes

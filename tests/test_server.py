@@ -311,7 +311,7 @@ def test_chat_matches_offline(server: Server, offline: LLM) -> None:
     assert r.usage.prompt_tokens == len(offline.chat_prompt(messages))
     content = choice.logprobs.content
     assert_logprobs_close([e.logprob for e in content], [d[t] for d, t in zip(ref.logprobs, ref.token_ids)])
-    for entry, d, t in zip(content, ref.logprobs, ref.token_ids):
+    for entry, d, _t in zip(content, ref.logprobs, ref.token_ids):
         assert len(entry.top_logprobs) == 3
         assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
         assert entry.top_logprobs[0].logprob == pytest.approx(max(d.values()), abs=1e-4)

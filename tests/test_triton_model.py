@@ -16,6 +16,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not INTERPRET, reason="runs the Triton kernels in the interpreter (TRITON_INTERPRET=1)")
 
 import tiny_models as tm  # noqa: E402
+
 from fasterllama import SamplingParams, ops  # noqa: E402
 from fasterllama.backends.cuda import CUDABackend  # noqa: E402
 from fasterllama.backends.cuda.graphs import CUDAGraphDecode  # noqa: E402

@@ -150,7 +150,7 @@ def build_hf_model(spec: TinySpec) -> torch.nn.Module:
 
     RMSNorm weights are randomized too (around 1), so a loader that drops or mixes them up
     changes the logits."""
-    from transformers import MistralForCausalLM, LlamaForCausalLM
+    from transformers import LlamaForCausalLM, MistralForCausalLM
 
     torch.manual_seed(spec.seed)
     cls = MistralForCausalLM if spec.arch == "mistral" else LlamaForCausalLM

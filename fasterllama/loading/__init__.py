@@ -5,8 +5,8 @@ Nothing downstream knows which format a model came from."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import mmap
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -81,9 +82,9 @@ class GGUFCheckpoint:
                 continue
             shape = tuple(int(d) for d in reversed(t.shape))
             arr = _dequantize(t.data, t.tensor_type).reshape(shape)
-            if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
                 arr = unpermute_rope_rows(arr, cfg.num_heads)
-            elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
             yield name, torch.from_numpy(arr)
             self._release_pages(t.data_offset, t.n_bytes)
@@ -153,7 +154,7 @@ def open_gguf(path: str) -> GGUFCheckpoint:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
-    metadata = {k: f for k, f in reader.fields.items()}
+    metadata = dict(reader.fields.items())
     config = _config_from_gguf(reader, arch, path)
     return GGUFCheckpoint(path=path, config=config, metadata=metadata, reader=reader)
 

@@ -45,7 +45,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def resolve_model_path(model: "str | os.PathLike[str] | None") -> str:
+def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
     """A file/folder path, a known short name, or None (the default model) -> a local path."""
     if model is None:
         model = DEFAULT_MODEL

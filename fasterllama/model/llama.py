@@ -7,7 +7,7 @@ attention reads each sequence's own cache rows (see ops.AttentionMetadata)."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
             seen.add("lm_head.weight")
         missing = []
-        for pname, p in self.named_parameters():
+        for pname, _p in self.named_parameters():
             fused = next((f for f in split_sizes if f".{f}." in pname), None)
             keys = [f"{pname}#{i}" for i in range(len(split_sizes[fused]))] if fused else [pname]
             missing += [k for k in keys if k not in seen]

@@ -12,7 +12,7 @@ from contextvars import ContextVar
 import torch
 
 from . import quantized, reference
-from .metadata import AttentionMetadata, block_tables_tensor
+from .metadata import AttentionMetadata, block_tables_tensor  # noqa: F401  (ops.block_tables_tensor)
 
 _BACKENDS: dict[str, dict[str, Callable]] = {}
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from . import reference
 
+
 # -- int4 packing: per group of g values, byte j holds value j (low nibble) and j + g/2 (high) -------
 def pack_int4(q: torch.Tensor, group_size: int) -> torch.Tensor:
     """q int [N, K] in 0..15 -> uint8 [N, K/2]; unpacking a group is one concat, no interleave."""

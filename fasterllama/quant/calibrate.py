@@ -4,7 +4,7 @@ with max, percentile, MSE-minimizing or entropy (KL) calibration. Also SmoothQua
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -84,7 +85,7 @@ def save_quantized(engine: Any, out_dir: str) -> None:
     save_tokenizer(engine.tokenizer, out_dir)
 
 
-def load_quantized(model: torch.nn.Module, quant: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> "QuantConfig":
+def load_quantized(model: torch.nn.Module, quant: dict[str, Any], tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device) -> QuantConfig:
     """Rebuild the quantized module structure (on placeholder weights) and load the saved tensors."""
     from .convert import quantize_model
 

@@ -59,7 +59,7 @@ class QuantConfig:
         return self.static_activations or self.smoothquant_alpha is not None
 
     @classmethod
-    def parse(cls, spec: "str | QuantConfig") -> "QuantConfig":
+    def parse(cls, spec: str | QuantConfig) -> QuantConfig:
         if isinstance(spec, QuantConfig):
             return spec
         parts = spec.strip().lower().split("-")

@@ -18,8 +18,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +127,7 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
-def _onednn_linear() -> "Callable | None":
+def _onednn_linear() -> Callable | None:
     """oneDNN's fp32 linear, where torch has it. torch's default CPU sgemm is MKL's, and MKL runs
     AVX2 code on AMD CPUs: on this project's Zen 5 machine oneDNN's AVX-512 GEMM is 2.0-2.5x faster
     at prefill shapes (benchmarks/gemm_cpu.py). Same fp32 arithmetic, another summation order."""

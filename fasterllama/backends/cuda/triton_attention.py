@@ -285,7 +285,7 @@ def _decode_combine_kernel(
     mask_s = offs_s < tl.cdiv(seq_len, CHUNK)
     part = (b.to(tl.int64) * H + h) * NUM_SPLITS + offs_s
     m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
+    part_l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
     m_max = tl.max(m, axis=0)
     w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # seq_len 0: all weights 0
     offs_d = tl.arange(0, BLOCK_D)
@@ -294,7 +294,7 @@ def _decode_combine_kernel(
     if BLOCK_D != D:
         mask_acc = mask_acc & mask_d[None, :]
     acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_acc, other=0.0)
-    total = tl.sum(l * w, axis=0)
+    total = tl.sum(part_l * w, axis=0)
     out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
     if BLOCK_D != D:

@@ -256,7 +256,8 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     per, splits = _split_k(tiles, triton.cdiv(K, block_k), (4 if gemv else 2) * _num_sms(x.device))
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
-    common = {"PER_GROUP": per_group, "GS": gs if per_group else 1, "GPB": block_k // gs_t, "GS_T": gs_t, "BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages}
+    common = {"PER_GROUP": per_group, "GS": gs if per_group else 1, "GPB": block_k // gs_t, "GS_T": gs_t, "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages}
     args = (x2, qweight, s, bias if has_bias else s, part, M, N, K, G, x2.stride(0), per * block_k)
     if gemv:
         _int8_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
@@ -380,7 +381,8 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     per, splits = _split_k(tiles, triton.cdiv(K // 2, block_kb), (4 if gemv else 2) * _num_sms(x.device))
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
-    common = {"GS": group_size, "GPB": block_kb // ht, "HT": ht, "BLOCK_M": block_m, "BLOCK_N": block_n, "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages}
+    common = {"GS": group_size, "GPB": block_kb // ht, "HT": ht, "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages}
     args = (x2, packed, scales, mins, bias if has_bias else scales, part, M, N, K, x2.stride(0), per * block_kb)
     if gemv:
         _int4_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
