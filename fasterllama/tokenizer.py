@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer as BackendTokenizer
-from tokenizers import decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
 
 from .errors import FasterLlamaError, ModelLoadError
 
@@ -23,10 +24,7 @@ _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZER_SPLITS = {
-    name: _LLAMA3_SPLIT
-    for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe")
-}
+_PRE_TOKENIZER_SPLITS = dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT)
 
 
 @lru_cache(maxsize=1)
@@ -133,7 +131,7 @@ class Tokenizer:
 
     # -- construction -----------------------------------------------------------------------
     @classmethod
-    def from_gguf(cls, fields: dict[str, Any]) -> "Tokenizer":
+    def from_gguf(cls, fields: dict[str, Any]) -> Tokenizer:
         """Build from GGUF metadata fields (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
 
         def get(key: str, default: Any = None) -> Any:
@@ -180,7 +178,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_folder(cls, path: str) -> "Tokenizer":
+    def from_folder(cls, path: str) -> Tokenizer:
         """Build from a HF folder: tokenizer.json or tokenizer.model, plus tokenizer_config.json."""
         cfg: dict[str, Any] = {}
         cfg_path = os.path.join(path, "tokenizer_config.json")
