@@ -87,6 +87,31 @@ def test_freed_blocks_stay_cached_until_needed_lru():
     assert _reuse(bm, list(range(8)) + [7]) == 0
 
 
+def test_blocks_are_handed_out_lowest_first():
+    """A sequence's blocks stay ascending in memory however earlier sequences came and went (the
+    CPU attention streams them; out of order it runs slower)."""
+    bm = BlockManager(12, 4, _Copies())
+    a, b = _seq(list(range(12))), _seq(list(range(100, 112)))
+    _computed(bm, a, 12)
+    _computed(bm, b, 12)
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4, 5]
+    bm.free(b)
+    bm.free(a)  # all six cached (findable), the least recently freed (b's, tail first) to go first
+    bm.reset_prefix_cache()  # nothing findable any more: all free blocks are alike
+    c = _seq(list(range(200, 228)))
+    assert bm.reserve(c, 20) and c.block_table == [0, 1, 2, 3, 4]
+    for n in (24, 28):  # growing a token at a time takes the lowest free block each time
+        assert bm.reserve(c, n)
+    assert c.block_table == [0, 1, 2, 3, 4, 5, 6]
+    d = _seq(list(range(300, 309)))
+    _computed(bm, d, 9)  # blocks 7, 8 cached, 9 partial (nothing findable)
+    bm.free(d)
+    e = _seq(list(range(400, 404)))
+    assert bm.reserve(e, 4) and e.block_table == [9]  # empty blocks before cached ones, lowest first
+    f = _seq(list(range(500, 512)))
+    assert bm.reserve(f, 12) and f.block_table == [10, 11, 8]  # then evicts cached: the tail first
+
+
 def _reuse(bm: BlockManager, tokens: list[int]) -> int:
     s = _seq(tokens)
     bm.reuse_prefix(s)
