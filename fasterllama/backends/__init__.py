@@ -47,6 +47,9 @@ class Backend:
     def decode_plan(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> DecodePlan | None:
         return None
 
+    def begin_step(self) -> None:
+        """Called by the model runner before each step, in the thread that runs it."""
+
 
 def get_backend(device: torch.device) -> Backend:
     if device.type == "cpu":

@@ -56,6 +56,7 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; fp32 logits of the given packed-token rows (default: every row). The
         caller advances the sequences (Scheduler.advance)."""
+        self.backend.begin_step()
         index = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device)
         if self.decode_plan is not None and self.decode_plan.covers(batch):
             logits = self.decode_plan.run(batch)  # embedding to logits in one call

@@ -1,6 +1,7 @@
 """The CPU backend: C kernels (kernels.py, csrc/cpu_kernels.c; built at first use), quantized
-weights in the kernels' panels and all weights in 2 MB pages (huge_pages.py), and the decode
-step as one C call (decode_plan.py)."""
+weights in the kernels' panels and all weights in 2 MB pages (huge_pages.py), the decode
+step as one C call (decode_plan.py), and threads only on the cores other processes leave idle
+(core_sharing.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 from ... import ops
 from .. import Backend, DecodePlan
 from . import kernels
+from .core_sharing import CoreSharing
 
 
 def use_cpu_panels(model: nn.Module) -> None:
@@ -26,6 +28,13 @@ class CPUBackend(Backend):
     # decode attention streams each sequence's blocks: with 16-token blocks decoding 8 sequences
     # interleaves their blocks and attention ran 1.5x slower than a contiguous cache; at 128, 1.05x
     kv_block_size = 128
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.core_sharing = CoreSharing()
+
+    def begin_step(self) -> None:
+        self.core_sharing.update()  # threads: the cores other processes leave idle
 
     def register_ops(self) -> None:
         """The C kernels for CPU tensors; where they cannot be built, the reference ops stay."""
