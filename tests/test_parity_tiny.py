@@ -308,6 +308,69 @@ def test_kquant_gguf(tmp_path, name: str, weight_type: str) -> None:
     assert len(set(tokens)) >= 8  # not a degenerate loop
 
 
+# SmolLM2's shapes in small: 288-wide rows are not whole K-quant super-blocks, so a q4_k_m file
+# of it holds Q5_0 (Q4_K's fallback) and Q8_0 (Q6_K's) attention and gate/up weights, a Q5_0 and
+# Q8_0 mix in the fused qkv of layers 2 and 3, a Q8_0 tied embedding, and Q4_K / Q6_K ffn_down.
+SMOL_MIX = tm.TinySpec("smol_mix", hidden_size=288, intermediate_size=512, num_layers=4, num_heads=4, num_kv_heads=2,
+                       tie_word_embeddings=True, seed=13)
+# fasterllama module -> its GGUF tensors in row order (fused projections: several)
+_GGUF_PARTS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
+               "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
+
+
+def _file_weight(t, spec: tm.TinySpec) -> np.ndarray:
+    """A GGUF tensor as gguf-py dequantizes it, Q/K rows back in HF order (llama_cpp_permute undone)."""
+    w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0])).astype(np.float32)
+    heads = {"attn_q": spec.num_heads, "attn_k": spec.num_kv_heads}.get(t.name.split(".")[-2])
+    if heads is None:
+        return w
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("name,weight_type", [("smol_mix", "q5_0"), ("smol_mix", "q4_k_m"), ("kquant_mix", "q4_k_m")])
+def test_q5_0_kept_as_int8(tmp_path, name: str, weight_type: str) -> None:
+    """Q5_0 tensors (w = d * (q - 16)) load as Int8Linear like Q8_0, alone or fused with Q8_0 parts,
+    and dequantize to exactly gguf-py's floats; logits equal HF transformers loading the same
+    file within 1e-4, greedy tokens are identical, and decode still runs as one C call."""
+    transformers = pytest.importorskip("transformers")
+    from fasterllama.backends.cpu import kernels as ck
+    from fasterllama.quant.linear import Int8Linear
+
+    spec = SMOL_MIX if name == "smol_mix" else tm.K_SPECS[name]
+    model = tm.quantize_roundtrip_(tm.build_hf_model(spec), weight_type)
+    fname = f"{name}-{weight_type}.gguf"
+    path = tm.write_gguf(model, str(tmp_path / fname), weight_type=weight_type)
+    tensors = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    llm = LLM(model=path, progress=False)
+    net = llm.engine.model
+
+    modules = {f"layers.{i}.{m}": [f"blk.{i}.{p}.weight" for p in parts] for i in range(spec.num_layers) for m, parts in _GGUF_PARTS.items()}
+    modules["lm_head"] = ["token_embd.weight" if spec.tie_word_embeddings else "output.weight"]
+    int8_types = []
+    for module_name, parts in modules.items():
+        types = frozenset(tensors[p].tensor_type.name for p in parts)
+        module = net.get_submodule(module_name)
+        assert isinstance(module, Int8Linear) == (types <= {"Q5_0", "Q8_0"}), (module_name, types, type(module))
+        if isinstance(module, Int8Linear):
+            int8_types.append(types)
+            want = np.concatenate([_file_weight(tensors[p], spec) for p in parts])
+            assert torch.equal(module.dequantize(), torch.from_numpy(want)), module_name
+    if weight_type == "q5_0":
+        assert len(int8_types) == len(modules) and set(int8_types) == {frozenset({"Q5_0"})}
+    elif name == "smol_mix":  # as in SmolLM2's llama.cpp Q4_K_M file
+        assert {frozenset({"Q5_0"}), frozenset({"Q8_0"}), frozenset({"Q5_0", "Q8_0"})} <= set(int8_types)
+    else:
+        assert set(int8_types) == {frozenset({"Q5_0"}), frozenset({"Q8_0"})}  # ffn_down only
+    if ck.load() is not None:
+        assert llm.engine.runner.decode_plan is not None
+
+    hf_file = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=fname, dtype=torch.float32).eval()
+    assert_logits_close(llm.compute_logits(PROMPT), tm.hf_logits(hf_file, PROMPT))
+    tokens = greedy(llm, [PROMPT])[0]
+    assert tokens == tm.hf_greedy(hf_file, PROMPT, N_GREEDY)
+    assert len(set(tokens)) >= 8  # not a degenerate loop
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_chunked_prefill_matches_hf(zoo: Zoo, fmt: str) -> None:
     """A 7-token step budget splits prompts into chunks (mixed with other sequences' decodes)."""

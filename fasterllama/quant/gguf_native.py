@@ -1,6 +1,7 @@
-"""Load a GGUF file keeping its Q8_0 / Q4_0 / Q4_1 tensors quantized (repacked exactly into the
-engine's int8 / int4 layouts), so weight memory stays near the file size. Other tensor types are
-expanded to float as usual."""
+"""Load a GGUF file keeping its Q8_0 / Q5_0 / Q4_0 / Q4_1 tensors quantized (repacked exactly into
+the engine's int8 / int4 layouts), so weight memory stays near the file size. Other tensor types
+are expanded to float as usual: Q6_K's scales cover 16 columns, which the int8 kernels' groups of
+32 cannot hold; Q4_K / Q5_K / Q5_1 have no exact int8 or fp16-scaled 4-bit form."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from ..loading.gguf_file import GGUFCheckpoint, _dequantize, canonical_name, unp
 from ..model.llama import LlamaForCausalLM
 from .linear import Int4Linear, Int8Linear, QuantizedEmbedding
 
-NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
+NATIVE_TYPES = ("Q8_0", "Q5_0", "Q4_0", "Q4_1")
+# w = d * (q - 16), q 5-bit: int8 values q - 16 with Q8_0's scale per 32 columns, so Int8Linear
+INT8_TYPES = {"Q8_0", "Q5_0"}
 # fused parameter -> its canonical parts, in row order
 _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -20,11 +23,15 @@ _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 def decode_blocks(data: np.ndarray, type_name: str, rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """Raw GGUF blocks [rows, bytes] -> (q [rows, K] int, scale [rows, K/32], min or None)."""
     raw = np.ascontiguousarray(data).reshape(rows, -1)
-    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[type_name]
+    size = {"Q8_0": 34, "Q5_0": 22, "Q4_0": 18, "Q4_1": 20}[type_name]
     blocks = raw.reshape(rows, -1, size)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if type_name == "Q8_0":
         return blocks[..., 2:].copy().view(np.int8).reshape(rows, -1), d, None
+    if type_name == "Q5_0":  # 4 bytes of fifth bits (little-endian, bit j for element j), then nibbles
+        high = blocks[..., 2:6].copy().view("<u4")[..., 0][..., None] >> np.arange(32, dtype=np.uint32) & 1
+        low = np.concatenate((blocks[..., 6:] & 15, blocks[..., 6:] >> 4), axis=-1)  # element j, then j+16
+        return ((low | high.astype(np.uint8) << 4).astype(np.int8) - 16).reshape(rows, -1), d, None
     offset = 2 if type_name == "Q4_0" else 4
     nibbles = blocks[..., offset:]
     q = np.concatenate((nibbles & 15, nibbles >> 4), axis=-1).reshape(rows, -1)  # element j, then j+16
@@ -37,7 +44,7 @@ def _module(parts: list[tuple[str, np.ndarray, np.ndarray, np.ndarray | None]]) 
     types = {p[0] for p in parts}
     q = torch.from_numpy(np.concatenate([p[1] for p in parts]))
     scale = torch.from_numpy(np.concatenate([p[2] for p in parts]))
-    if types == {"Q8_0"}:
+    if types <= INT8_TYPES:
         return Int8Linear(q.to(torch.int8), scale)
     if types <= {"Q4_0", "Q4_1"}:
         mins = torch.from_numpy(np.concatenate([p[3] for p in parts]))
