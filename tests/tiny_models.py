@@ -10,9 +10,9 @@ model's weights to exactly the values a quantized GGUF file dequantizes to, so t
 an exact reference.
 
 The GGUF export does not call fasterllama's loading or model code: it is an independent oracle.
-The one exception is writing K-quant blocks (gguf-py cannot), done by fasterllama.quant.kquants;
-what those blocks mean is still decided by gguf-py's own dequantizers (`_roundtrip`), which is
-also what HF transformers reads the file with.
+The one exception is writing K-quant blocks (gguf-py cannot) and choosing each tensor's type in
+a mixed file, done by fasterllama.quant.kquants; what those blocks mean is still decided by
+gguf-py's own dequantizers (`_roundtrip`), which is also what HF transformers reads the file with.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from typing import Any
 import numpy as np
 import torch
 
+# llama.cpp's type per tensor (fallbacks, the _K_M rule) lives in fasterllama.quant.kquants, which
+# benchmarks/make_gguf.py uses too; test_kquant_gguf spells out the types it must give.
+from fasterllama.quant.kquants import K_FALLBACK, tensor_type
+from fasterllama.quant.kquants import use_more_bits as _use_more_bits  # noqa: F401  (tests use it)
 from fasterllama.tokenizer import bytes_to_unicode  # GPT-2's byte alphabet
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
@@ -315,33 +319,6 @@ def gguf_name(hf_name: str) -> str:
 BLOCK_WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 K_WEIGHT_TYPES = ("q4_k", "q5_k", "q6_k", "q4_k_m")
 WEIGHT_TYPES = BLOCK_WEIGHT_TYPES + K_WEIGHT_TYPES
-
-# llama.cpp's fallback when a tensor's rows are not whole 256-element super-blocks
-K_FALLBACK = {"q2_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
-
-
-def _use_more_bits(layer: int, n_layers: int) -> bool:
-    """llama.cpp's rule for which layers' attn_v / ffn_down get Q6_K in a _K_M file: the first
-    and last eighth of the layers and every third one in between."""
-    eighth = n_layers // 8
-    return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
-
-
-def tensor_type(name: str, row_len: int, weight_type: str, n_layers: int, tied: bool) -> str:
-    """The (lowercase) GGML type a 2-D weight named `name` (GGUF naming) gets in a file of
-    `weight_type`, following llama.cpp's choices: for "q4_k_m", Q6_K for the output matrix (the
-    token embedding when tied), attn_v and ffn_down in the _use_more_bits layers, Q4_K for the
-    rest; K types whose rows are not a multiple of 256 fall back as in K_FALLBACK."""
-    t = weight_type
-    if weight_type == "q4_k_m":
-        parts = name.split(".")
-        is_output = name == "output.weight" or (tied and name == "token_embd.weight")
-        more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and _use_more_bits(int(parts[1]), n_layers)
-        t = "q6_k" if is_output or more_bits else "q4_k"
-    if t in K_FALLBACK and row_len % 256:
-        t = K_FALLBACK[t]
-    return t
-
 
 def _qtype(type_name: str):
     from gguf import GGMLQuantizationType

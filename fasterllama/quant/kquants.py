@@ -342,3 +342,31 @@ def quantize_with_values(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, n
     blocks, values = _k_blocks(arr, name, with_values=True)
     assert values is not None
     return blocks, values
+
+
+# -- which type each tensor of a mixed file gets ----------------------------------------------------
+# llama.cpp's fallback when a tensor's rows are not whole 256-element super-blocks
+K_FALLBACK = {"q2_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's rule for which layers' attn_v / ffn_down get Q6_K in a _K_M file: the first
+    and last eighth of the layers and every third one in between."""
+    eighth = n_layers // 8
+    return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
+
+
+def tensor_type(name: str, row_len: int, weight_type: str, n_layers: int, tied: bool) -> str:
+    """The (lowercase) GGML type a 2-D weight named `name` (GGUF naming) gets in a file of
+    `weight_type`, following llama.cpp's choices: for "q4_k_m", Q6_K for the output matrix (the
+    token embedding when tied), attn_v and ffn_down in the use_more_bits layers, Q4_K for the
+    rest; K types whose rows are not a multiple of 256 fall back as in K_FALLBACK."""
+    t = weight_type
+    if weight_type == "q4_k_m":
+        parts = name.split(".")
+        is_output = name == "output.weight" or (tied and name == "token_embd.weight")
+        more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), n_layers)
+        t = "q6_k" if is_output or more_bits else "q4_k"
+    if t in K_FALLBACK and row_len % 256:
+        t = K_FALLBACK[t]
+    return t
