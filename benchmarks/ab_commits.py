@@ -2,11 +2,12 @@
 under its own name, both load the default model, and their measurements alternate round by round,
 so the drift of a shared machine hits both alike (separate processes on this VM differ by 30%).
 
-    python benchmarks/ab_commits.py BASE [HEAD] [--rounds 10]
+    python benchmarks/ab_commits.py BASE [HEAD] [--rounds 10] [--model FILE] [--only "decode b1"]
 
 BASE, HEAD: git revisions (HEAD defaults to the working tree). Measures prefill (128, 512 and
 2,000 tokens), decode at batch 1 and 8 after 128-token prompts, and decode at batch 1 and 4 after
-2,000-token prompts; prints each commit's median and the median of the per-round ratios."""
+2,000-token prompts (--only: those whose names start with one of the comma-separated prefixes);
+prints each commit's weight bytes as loaded, its median and the median of the per-round ratios."""
 
 from __future__ import annotations
 
@@ -72,18 +73,22 @@ def main() -> None:
     ap.add_argument("base")
     ap.add_argument("head", nargs="?", default=None)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--model", default=None, help="model path or name (default: the default model)")
+    ap.add_argument("--only", default=None, help="comma-separated prefixes of the measurements to run")
     args = ap.parse_args()
     os.environ.setdefault("FASTERLLAMA_CORE_SHARING", "0")  # a fixed thread count for both
     tmp = Path(tempfile.mkdtemp(prefix="fl_ab_"))
     try:
         sys.path.insert(0, str(tmp))
-        engines = {}
+        engines, sizes = {}, {}
         for label, rev in (("base", args.base), ("head", args.head)):
             pkg = importlib.import_module(extract(rev, tmp, f"fl_{label}"))
             bench = importlib.import_module(f"fl_{label}.bench")
-            llm = pkg.LLM(progress=False)
+            llm = pkg.LLM(args.model, progress=False)
             engines[label] = (llm, measurements(pkg, bench))
-        names = list(engines["base"][1])
+            sizes[label] = importlib.import_module(f"fl_{label}.quant").weight_bytes(llm.engine.model)
+        prefixes = tuple(args.only.split(",")) if args.only else ("",)
+        names = [n for n in engines["base"][1] if n.startswith(prefixes)]
         for llm, tests in engines.values():  # warm-up
             for name in names:
                 tests[name](llm)
@@ -100,6 +105,7 @@ def main() -> None:
     print(f"\n{time.strftime('%Y-%m-%d')}  base {args.base}, head {head}, {args.rounds} rounds, tok/s")
     print(f"command: python benchmarks/ab_commits.py {' '.join(sys.argv[1:])}\n")
     print("| measurement | base | head | head / base (median of rounds) | range |\n|---|---:|---:|---:|---|")
+    print(f"| weight bytes as loaded (MB) | {sizes['base'] / 1e6:.1f} | {sizes['head'] / 1e6:.1f} | {sizes['head'] / sizes['base']:.3f} | |")
     for name, d in results.items():
         ratios = [h / b for h, b in zip(d["head"], d["base"])]
         print(f"| {name} | {statistics.median(d['base']):.1f} | {statistics.median(d['head']):.1f} | {statistics.median(ratios):.3f} "
