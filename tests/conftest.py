@@ -9,6 +9,16 @@ import torch
 
 torch.manual_seed(0)
 
+REAL_MODEL_FIXTURES = {"default_llm", "fp32_llm", "hf_default"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that load the real default model (in this process or a CLI subprocess) are `slow`:
+    `-m "not slow"` is the fast tier, tiny random models only."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("real_model"):
+            item.add_marker(pytest.mark.slow)
+
 
 def default_model_path() -> str | None:
     from fasterllama.loading.registry import DEFAULT_MODEL, KNOWN_MODELS

@@ -141,6 +141,7 @@ def test_error_unsupported_tensor_type(tmp_path):
     assert_clean_error(run_cli("generate", "--model", str(path), "hi"), "unsupported GGUF tensor type", "IQ2_XXS")
 
 
+@pytest.mark.real_model
 @needs_model
 def test_error_prompt_longer_than_context():
     proc = run_cli("generate", "-q", "--max-model-len", "64", "word " * 100)
@@ -183,6 +184,7 @@ def test_generate_sampling_and_beam_flags(default_llm):
     assert beam.stdout == expected + "\n"
 
 
+@pytest.mark.real_model
 @needs_model
 def test_bench_reports_every_figure(tmp_path):
     out = tmp_path / "bench.json"
@@ -195,6 +197,7 @@ def test_bench_reports_every_figure(tmp_path):
     assert "prefill" in proc.stdout and "throughput batch" in proc.stdout
 
 
+@pytest.mark.real_model
 @needs_model
 def test_bench_cuts_prompts_to_the_context_and_says_so(tmp_path):
     out = tmp_path / "bench.json"

@@ -50,6 +50,7 @@ def _load_peak(mode: str) -> tuple[int, int]:
     return int(weights), int(peak)
 
 
+@pytest.mark.real_model
 @pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
 def test_peak_load_memory_is_near_the_weights():
     """No second copy of the weights while loading: fp32 (dequantized) and the default (the file's

@@ -83,6 +83,7 @@ def test_w8a8_keeps_the_gguf_lm_head_exactly(fp32_llm):
     assert torch.equal(model.lm_head.dequantize(), fp32_llm.engine.model.lm_head.weight)
 
 
+@pytest.mark.real_model
 @pytest.mark.parametrize("mode", ["w4-g64", "w8a8-static-mse"])
 def test_quantize_command_round_trip(tmp_path, mode):
     out = tmp_path / "q"
