@@ -256,3 +256,32 @@ def test_request_that_can_never_fit_is_refused(tiny_folder):
         llm.generate([[10] * 300], SamplingParams(max_tokens=100))
     with pytest.raises(FasterLlamaError, match="kv_cache_memory"):
         _llm(tiny_folder, kv_cache_memory="1KiB")
+
+
+def test_compute_logits_is_a_request_like_others(tiny_folder):
+    """compute_logits runs through the scheduler beside running requests: chunked by the token
+    budget, nothing taken from the prefix cache, its blocks freed after, the others unaffected."""
+    prompt = [(7 * i) % 200 + 3 for i in range(300)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = _llm(tiny_folder)
+    ref_logits = alone.compute_logits(prompt)
+    ref_tokens = alone.generate([prompt[:50]], params)[0].token_ids
+    llm = _llm(tiny_folder, max_num_batched_tokens=128)
+    engine = llm.engine
+    engine.add_request(prompt[:280], SamplingParams(temperature=0, max_tokens=1))  # fills the prefix cache
+    while engine.has_unfinished():
+        engine.step()
+    running = engine.add_request(prompt[:50], params)
+    for _ in range(5):
+        engine.step()
+    queried, hits = engine.scheduler.prefix_queried_tokens, engine.scheduler.prefix_hit_tokens
+    logits = llm.compute_logits(prompt)  # 300 tokens in chunks of at most 128, beside `running`
+    assert engine.scheduler.prefix_queried_tokens == queried + 300  # admitted by the scheduler
+    assert engine.scheduler.prefix_hit_tokens == hits  # with the first 256 tokens cached, none taken
+    assert logits.shape == ref_logits.shape == (300, llm.config.vocab_size)
+    assert torch.allclose(logits, ref_logits, atol=1e-4, rtol=0)
+    assert torch.equal(logits.argmax(-1), ref_logits.argmax(-1))
+    while engine.has_unfinished():
+        engine.step()
+    assert running.output_token_ids == ref_tokens
+    assert engine.blocks.num_used == 0

@@ -58,7 +58,7 @@ class BlockManager:
         """Give a sequence with no blocks the cached blocks its tokens start with (never all of its
         tokens: the last one is computed, its logits sample the next). A sequence that asked for
         prompt logprobs computes its whole prompt."""
-        if not self.prefix_caching or seq.params.prompt_logprobs is not None:
+        if not self.prefix_caching or seq.needs_prompt_rows:
             return
         parent, hits, hashes = None, [], []
         for i in range((seq.num_tokens - 1) // self.block_size):

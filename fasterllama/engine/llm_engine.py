@@ -311,7 +311,7 @@ class LLMEngine:
         offset = 0
         for item in batch:
             n = item.num_tokens
-            if item.seq.params.prompt_logprobs is not None and item.seq.num_cached < len(item.seq.prompt_token_ids):
+            if item.seq.needs_prompt_rows and item.seq.num_cached < len(item.seq.prompt_token_ids):
                 prompt_rows.append((item, len(rows)))
                 rows.extend(range(offset, offset + n))
                 if item.samples:
@@ -326,7 +326,11 @@ class LLMEngine:
         all_logits = self.runner.execute(batch, None if every_row else rows)
         self.scheduler.advance(batch)
         for item, first in prompt_rows:
-            self._add_prompt_logprobs(item.seq, starts[id(item)], all_logits[first : first + item.num_tokens])
+            rows_logits = all_logits[first : first + item.num_tokens]
+            if item.seq.prompt_logits is not None:
+                item.seq.prompt_logits.append(rows_logits.clone())
+            if item.seq.params.prompt_logprobs is not None:
+                self._add_prompt_logprobs(item.seq, starts[id(item)], rows_logits)
         if not seqs:
             return []
         for i in range(len(seqs)):  # a request's other samples start once its prompt is in the cache
@@ -460,16 +464,14 @@ class LLMEngine:
             raise FasterLlamaError("compute_logits needs at least one token")
         if len(ids) > self.max_model_len:
             raise ContextLengthError(f"{len(ids)} tokens exceed the context of {self.max_model_len}")
-        seq = Sequence(ids, SamplingParams(max_tokens=1), None, 0)
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        self._check_fits(ids, params)
+        seq = Sequence(ids, params, self.tokenizer, 0)
+        seq.prompt_logits = []  # the steps keep every prompt row's logits (and take nothing from the prefix cache)
+        self.scheduler.add(seq)
         try:
-            chunks = []
-            while seq.num_cached < len(ids):
-                n = min(len(ids) - seq.num_cached, self.scheduler.max_num_batched_tokens)
-                if not self.blocks.reserve(seq, seq.num_cached + n):
-                    raise FasterLlamaError(f"too few free KV cache blocks for {len(ids)} tokens (requests are running, or raise kv_cache_memory)")
-                batch = [ScheduledSeq(seq, n)]
-                chunks.append(self.runner.execute(batch))
-                seq.num_cached += n  # not committed: its blocks hold no prompt that others may reuse
-            return torch.cat(chunks)
+            while not seq.is_finished:  # a request like any other: chunked, scheduled beside running ones
+                self.step()
         finally:
-            self.blocks.free(seq)
+            self.abort(seq)
+        return torch.cat(seq.prompt_logits)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from enum import Enum, auto
 
+import torch
+
 from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -35,6 +37,7 @@ class Sequence:
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0  # sum of chosen tokens' logprobs (when logprobs are asked)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logits: list[torch.Tensor] | None = None  # when a list: every prompt row's fp32 logits, step by step
         self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
         self.text = ""  # output text so far (truncated before a stop string)
         self.num_emitted = 0  # chars of text already streamed
@@ -53,6 +56,12 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p : end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def needs_prompt_rows(self) -> bool:
+        """Whether every prompt position is computed and its logits kept (prompt logprobs,
+        compute_logits), rather than only the last one's sampled and nothing taken from the prefix cache."""
+        return self.params.prompt_logprobs is not None or self.prompt_logits is not None
 
     @property
     def is_finished(self) -> bool:
