@@ -38,8 +38,9 @@ def fp32_ppl(fp32_llm, eval_ids):
     return perplexity(fp32_llm, eval_ids, progress=False)["perplexity"]
 
 
-# (mode, allowed perplexity increase over fp32 on these 1024 tokens, max weight bytes vs fp32)
-MODES = [("w8", 0.01, 0.30), ("w8-g32", 0.01, 0.30), ("w4-g32", 0.08, 0.18), ("w8a8", 0.02, 0.45), ("w8a8-static", 0.05, 0.45)]
+# (mode, allowed perplexity increase over fp32 on these 1024 tokens, max weight bytes vs fp32);
+# w4-g32: +0.00% and 0.183 with its int8 head (+3.4% and 0.156 with -head4), 2026-11-27
+MODES = [("w8", 0.01, 0.30), ("w8-g32", 0.01, 0.30), ("w4-g32", 0.01, 0.19), ("w8a8", 0.02, 0.45), ("w8a8-static", 0.05, 0.45)]
 
 
 @pytest.mark.parametrize("mode,max_increase,max_bytes", MODES, ids=[m[0] for m in MODES])

@@ -90,6 +90,8 @@ def load_quantized(model: torch.nn.Module, quant: dict[str, Any], tensors: Itera
     from .convert import quantize_model
 
     fields = {k: v for k, v in quant.items() if k in QuantConfig.__dataclass_fields__}
+    if fields.get("mode") == "w4":
+        fields.setdefault("head_bits", 4)  # saved before the 8-bit head became w4's default
     qcfg = QuantConfig(**fields)
     for name, p in list(model.named_parameters()):
         if p.device.type == "meta":

@@ -31,12 +31,20 @@ class QuantConfig:
     smoothquant_alpha: float | None = None  # w8a8 only: SmoothQuant migration strength (None: 0.6 dynamic, 0.7 static)
     clip: bool = False  # static w8a8: out-of-range tokens saturate (True) or take their own per-token scale
     int8_lm_head: bool = False  # w8a8: set when quantizing; the lm_head held exactly by int8 groups of 32
+    # w4: bits of the lm_head / embedding. 8 (int8 groups of 32) by default: in 4 bits that one
+    # matrix cost SmolLM2 5-7% perplexity, nearly all of w4-g32's loss (llama.cpp keeps output.weight
+    # at Q6_K or Q8_0 too); "-head4" asks for 4
+    head_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise FasterLlamaError(f"unknown quantization mode {self.mode!r} (use {', '.join(MODES)})")
         if self.mode == "w4" and self.group_size is None:
             self.group_size = 32
+        if self.mode == "w4" and self.head_bits is None:
+            self.head_bits = 8
+        if self.head_bits is not None and (self.mode != "w4" or self.head_bits not in (4, 8)):
+            raise FasterLlamaError(f"head bits apply to w4 only and are 4 or 8, got {self.head_bits} for {self.mode}")
         if self.mode == "w8a8" and self.smoothquant_alpha is None:
             self.smoothquant_alpha = 0.7 if self.static_activations else 0.6  # chosen on held-out text
         if self.smoothquant_alpha is not None and self.smoothquant_alpha < 0:  # "nosq"
@@ -83,6 +91,8 @@ class QuantConfig:
                 kw["clip"] = True
             elif part == "nosq":
                 kw["smoothquant_alpha"] = -1.0
+            elif m := re.fullmatch(r"head(\d+)", part):
+                kw["head_bits"] = int(m.group(1))
             else:
                 raise FasterLlamaError(f"cannot read quantization spec {spec!r} at {part!r} (e.g. w8, w8-g32, w4-g64, w8a8, w8a8-static-mse-sq0.5)")
         return cls(**kw)
@@ -91,7 +101,7 @@ class QuantConfig:
         return asdict(self)
 
     def __str__(self) -> str:
-        s = self.mode + (f"-g{self.group_size}" if self.group_size else "")
+        s = self.mode + (f"-g{self.group_size}" if self.group_size else "") + ("-head4" if self.head_bits == 4 else "")
         if self.static_activations:
             s += "-static-" + (f"percentile{self.percentile:g}" if self.calibrator == "percentile" else self.calibrator)
             s += "-clip" if self.clip else ""
