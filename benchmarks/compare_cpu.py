@@ -217,7 +217,7 @@ def main() -> None:
     except FasterLlamaError as e:
         ap.exit(2, f"error: {e}\n")
 
-    ours = [FasterLlama("fasterllama (default: Q4_1 kept)", path), FasterLlama("fasterllama fp32", path, quantization="none")]
+    ours = [FasterLlama("fasterllama (default: the file's quants kept)", path), FasterLlama("fasterllama fp32", path, quantization="none")]
     engines: list[Engine] = list(ours)
     if "w8a8" not in skip:
         engines.append(FasterLlama("fasterllama w8a8 (opt-in)", path, quantization="w8a8"))
