@@ -63,6 +63,12 @@ class QuantConfig:
             raise FasterLlamaError("static activation scales and SmoothQuant apply to w8a8 only")
 
     @property
+    def head(self) -> QuantConfig:
+        """How the lm_head / embedding is quantized: as the layers for w8 and w4-head4, else int8
+        groups of 32 (w8a8 uses them only where they hold a GGUF's Q8_0 head exactly)."""
+        return self if self.mode == "w8" or self.head_bits == 4 else QuantConfig("w8", group_size=32)
+
+    @property
     def needs_calibration(self) -> bool:
         return self.static_activations or self.smoothquant_alpha is not None
 

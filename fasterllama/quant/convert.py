@@ -98,15 +98,13 @@ def quantize_model(
             layer.input_layernorm = QuantRMSNorm(layer.input_layernorm, scales.get(f"{i}.self_attn.qkv_proj"), cfg.clip)
             layer.post_attention_layernorm = QuantRMSNorm(layer.post_attention_layernorm, scales.get(f"{i}.mlp.gate_up_proj"), cfg.clip)
             layer.mlp.act = SiluAndMulQuant(scales.get(f"{i}.mlp.down_proj"), cfg.clip)
-    if cfg.mode == "w8" or cfg.head_bits == 4:  # weight-only: the (often tied) embedding / lm_head too
-        quantize_head(model, cfg)
-    elif cfg.mode == "w4":  # the head in int8 groups of 32 (QuantConfig.head_bits)
-        quantize_head(model, QuantConfig("w8", group_size=32))
+    if cfg.mode in ("w8", "w4"):  # weight-only: the (often tied) embedding / lm_head too (QuantConfig.head)
+        quantize_head(model, cfg.head)
     elif cfg.mode == "w8a8":
         # The lm_head stays float (as in FasterLLaMA) unless int8 groups of 32 hold it exactly, as
         # they do a GGUF's Q8_0 lm_head dequantized on loading: then it keeps the file's weights in
         # a quarter of the bytes (decode reads it every step). Saved checkpoints record the choice.
-        head_cfg, head = QuantConfig("w8", group_size=32), None
+        head_cfg, head = cfg.head, None
         if not placeholders:
             head = quantize_linear(model.lm_head, head_cfg)
             cfg.int8_lm_head = holds_exactly(head, model.lm_head.weight)
