@@ -58,6 +58,53 @@ def test_panels_are_a_permutation(n, g):
     assert torch.equal(q, q8[rows]) and torch.equal(s, s8[rows])
 
 
+def _panel_weights(n: int, k: int, g: int, bits: int, mins: bool, scale_dtype: torch.dtype):
+    """Random values of `bits` bits with scales (fp16 values, or fp32 ones that are not) and mins."""
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8) if bits == 8 else torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+    s = (torch.rand(n, k // g) * 0.01 + 1e-3).half().float()
+    if scale_dtype == torch.float32:
+        s = s * (1 + torch.randint(1, 64, s.shape) / 64)  # 17 significant bits, as a K-quant's d * sc
+    m = (torch.randn(n, k // g) * 0.01).half().float() if mins else None
+    return q, s, m
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("n,k,g", [(70, 256, 16), (33, 512, 32), (40, 1536, 64)])
+@pytest.mark.parametrize("mins", [False, True])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_panel_linear_every_format(bits, n, k, g, mins, scale_dtype):
+    """The one panel kernel for every width (GGUF's 4, 5, 6-bit and int8 blocks), group (K-quants'
+    16), fp16 / fp32 scales, stored or implied mins: against the float weights the format defines
+    (w = s * q + m; without mins w = s * (q - 2^(bits-1)), int8 w = s * q), at every row count."""
+    from fasterllama.quant.linear import PackedLinear
+
+    q, s, m = _panel_weights(n, k, g, bits, mins, scale_dtype)
+    lin = PackedLinear(q, s, m, bits)
+    assert lin.scales.dtype == scale_dtype
+    qf = q.float().view(n, -1, g)
+    w = (qf * s[..., None] + m[..., None]) if mins else (qf - (0 if bits == 8 else 1 << (bits - 1))) * s[..., None]
+    w = w.view(n, k)
+    assert torch.equal(lin.dequantize(), w)
+    rows = torch.tensor([n - 1, 0, 5])
+    assert torch.equal(lin.dequantize_rows(rows, torch.float32), w[rows])
+    for m_rows in ROWS:
+        x = torch.randn(m_rows, k)
+        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits), x @ w.t())
+    x = torch.randn(3, k)
+    _close(qops.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits), x @ w.t())
+
+
+@pytest.mark.parametrize("n,g", [(96, 32), (33, 64)])
+def test_pack_panels_is_the_int4_and_int8_layout(n, g):
+    """pack_panels at 4 and 8 bits is to_panels' and int8_to_panels' layout: one kernel serves all."""
+    k = 256
+    q4 = torch.randint(0, 16, (n, k))
+    s, m = torch.randn(n, k // g).half(), torch.randn(n, k // g).half()
+    assert torch.equal(qops.pack_panels(q4, g, 4), qops.to_panels(qops.pack_int4(q4, g), s, m, g)[0])
+    q8 = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    assert torch.equal(qops.pack_panels(q8, g, 8).view(torch.int8), qops.int8_to_panels(q8, torch.randn(n, k // g))[0])
+
+
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("n,k,g", SHAPES)
 @pytest.mark.parametrize("per_channel", [False, True])

@@ -327,14 +327,19 @@ def _file_weight(t, spec: tm.TinySpec) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-@pytest.mark.parametrize("name,weight_type", [("smol_mix", "q5_0"), ("smol_mix", "q4_k_m"), ("kquant_mix", "q4_k_m")])
-def test_q5_0_kept_as_int8(tmp_path, name: str, weight_type: str) -> None:
-    """Q5_0 tensors (w = d * (q - 16)) load as Int8Linear like Q8_0, alone or fused with Q8_0 parts,
-    and dequantize to exactly gguf-py's floats; logits equal HF transformers loading the same
-    file within 1e-4, greedy tokens are identical, and decode still runs as one C call."""
+_TYPE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+
+
+@pytest.mark.parametrize("name,weight_type", [("smol_mix", "q5_0"), ("smol_mix", "q4_k_m"), ("kquant_mix", "q4_k_m"), ("kquant", "q4_k_m"),
+                                              ("kquant", "q5_1")])
+def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> None:
+    """Every quantized linear of a GGUF file stays quantized (PackedLinear) as wide as its widest
+    part (a fused qkv of Q5_0 and Q8_0 parts: int8), dequantizing to exactly gguf-py's floats;
+    logits equal HF transformers loading the same file within 1e-4, greedy tokens are identical,
+    and decode still runs as one C call."""
     transformers = pytest.importorskip("transformers")
     from fasterllama.backends.cpu import kernels as ck
-    from fasterllama.quant.linear import Int8Linear
+    from fasterllama.quant.linear import PackedLinear
 
     spec = SMOL_MIX if name == "smol_mix" else tm.K_SPECS[name]
     model = tm.quantize_roundtrip_(tm.build_hf_model(spec), weight_type)
@@ -346,21 +351,21 @@ def test_q5_0_kept_as_int8(tmp_path, name: str, weight_type: str) -> None:
 
     modules = {f"layers.{i}.{m}": [f"blk.{i}.{p}.weight" for p in parts] for i in range(spec.num_layers) for m, parts in _GGUF_PARTS.items()}
     modules["lm_head"] = ["token_embd.weight" if spec.tie_word_embeddings else "output.weight"]
-    int8_types = []
+    seen = set()
     for module_name, parts in modules.items():
         types = frozenset(tensors[p].tensor_type.name for p in parts)
         module = net.get_submodule(module_name)
-        assert isinstance(module, Int8Linear) == (types <= {"Q5_0", "Q8_0"}), (module_name, types, type(module))
-        if isinstance(module, Int8Linear):
-            int8_types.append(types)
-            want = np.concatenate([_file_weight(tensors[p], spec) for p in parts])
-            assert torch.equal(module.dequantize(), torch.from_numpy(want)), module_name
+        assert isinstance(module, PackedLinear), (module_name, types, type(module))
+        assert module.bits == max(_TYPE_BITS[t] for t in types), (module_name, types)
+        want = np.concatenate([_file_weight(tensors[p], spec) for p in parts])
+        assert torch.equal(module.dequantize(), torch.from_numpy(want)), module_name
+        seen.add(types)
     if weight_type == "q5_0":
-        assert len(int8_types) == len(modules) and set(int8_types) == {frozenset({"Q5_0"})}
+        assert seen == {frozenset({"Q5_0"})}
     elif name == "smol_mix":  # as in SmolLM2's llama.cpp Q4_K_M file
-        assert {frozenset({"Q5_0"}), frozenset({"Q8_0"}), frozenset({"Q5_0", "Q8_0"})} <= set(int8_types)
-    else:
-        assert set(int8_types) == {frozenset({"Q5_0"}), frozenset({"Q8_0"})}  # ffn_down only
+        assert {frozenset({"Q5_0"}), frozenset({"Q8_0"}), frozenset({"Q5_0", "Q8_0"}), frozenset({"Q4_K"}), frozenset({"Q6_K"})} <= seen
+    elif weight_type == "q4_k_m":
+        assert {frozenset({"Q4_K"}), frozenset({"Q6_K"})} <= seen
     if ck.load() is not None:
         assert llm.engine.runner.decode_plan is not None
 

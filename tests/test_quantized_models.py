@@ -14,7 +14,7 @@ from conftest import default_model_path
 from fasterllama import LLM, SamplingParams
 from fasterllama.evaluate import perplexity
 from fasterllama.quant import weight_bytes
-from fasterllama.quant.linear import Int4Linear, Int8Linear
+from fasterllama.quant.linear import Int8Linear, PackedLinear
 
 pytestmark = pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
 
@@ -61,8 +61,8 @@ def test_gguf_quants_kept_natively_and_exact(default_llm, fp32_llm):
     model, ref = default_llm.engine.model, fp32_llm.engine.model
     assert default_llm.engine.quant_config == "gguf" and fp32_llm.engine.quant_config is None
     assert weight_bytes(model) <= 1.3 * os.path.getsize(default_model_path()) < weight_bytes(ref) / 3
-    assert isinstance(model.layers[0].mlp.gate_up_proj, Int4Linear)  # Q4_1 in the file
-    assert isinstance(model.lm_head, Int8Linear)  # the tied Q8_0 embedding
+    assert isinstance(model.layers[0].mlp.gate_up_proj, PackedLinear) and model.layers[0].mlp.gate_up_proj.bits == 4  # Q4_1 in the file
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.bits == 8  # the tied Q8_0 embedding
     for layer in (0, 17, 29):
         assert torch.equal(model.layers[layer].mlp.gate_up_proj.dequantize(), ref.layers[layer].mlp.gate_up_proj.weight)
         assert torch.equal(model.layers[layer].self_attn.qkv_proj.dequantize(), ref.layers[layer].self_attn.qkv_proj.weight)

@@ -93,6 +93,10 @@ def int4_panel_linear(x, qp, sp, mp, n, group_size, bias=None):
     return get_op("int4_panel_linear", x.device)(x, qp, sp, mp, n, group_size, bias)
 
 
+def panel_linear(x, qp, sp, mp, n, bits, bias=None):
+    return get_op("panel_linear", x.device)(x, qp, sp, mp, n, bits, bias)
+
+
 def quantize_per_token(x, static_scale=None, clip=False):
     return get_op("quantize_per_token", x.device)(x, static_scale, clip)
 
@@ -127,3 +131,4 @@ unpack_int4 = quantized.unpack_int4
 unpack_int4_rows = quantized.unpack_int4_rows
 to_panels, from_panels, panel_rows = quantized.to_panels, quantized.from_panels, quantized.panel_rows
 int8_to_panels, int8_panel_rows = quantized.int8_to_panels, quantized.int8_panel_rows
+pack_panels, dequantize_panel_rows = quantized.pack_panels, quantized.dequantize_panel_rows

@@ -80,6 +80,69 @@ def int8_panel_rows(qp: torch.Tensor, sp: torch.Tensor, rows: torch.Tensor | sli
     return qp[p, :, :, j].reshape(len(idx), -1), sp[p, :, j]
 
 
+def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
+    """Values [N, K] (4-6 bits: 0 .. 2^bits - 1; 8 bits: int8) -> the CPU kernels' panels, uint8
+    [P, G, g, 4 * bits]: a column of 4-6 bits is 16 bytes of nibbles (byte j: row j low, row j + 16
+    high), then per further bit b one little-endian 32-bit word (bit j: bit 4 + b of row j); a
+    column of int8 is 32 bytes, row j at byte j. Int8 panels equal int8_to_panels', 4-bit panels
+    to_panels'. Packed 64 panels at a time: the temporaries stay small beside a vocabulary-sized
+    matrix."""
+    N, K = q.shape
+    G = K // group_size
+    P = -(-N // PANEL)
+    out = torch.empty(P, G, group_size, 4 * bits, dtype=torch.uint8, device=q.device)
+    for p0 in range(0, P, 64):
+        p1 = min(P, p0 + 64)
+        rows = q[p0 * PANEL : p1 * PANEL]
+        if rows.shape[0] < (p1 - p0) * PANEL:
+            rows = F.pad(rows, (0, 0, 0, (p1 - p0) * PANEL - rows.shape[0]))
+        v = rows.view(p1 - p0, PANEL, G, group_size).permute(0, 2, 3, 1)  # [panels, G, g, 32]
+        if bits == 8:
+            out[p0:p1] = v.to(torch.int8).view(torch.uint8)
+            continue
+        v = v.to(torch.uint8)
+        out[p0:p1, ..., :16] = (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
+        for b in range(bits - 4):  # the word's 4 bytes: rows 0-7, 8-15, 16-23, 24-31
+            plane = ((v >> (4 + b)) & 1).reshape(*v.shape[:-1], 4, 8)
+            word = plane[..., 0].clone()
+            for j in range(1, 8):
+                word |= plane[..., j] << j
+            out[p0:p1, ..., 16 + 4 * b : 20 + 4 * b] = word
+    return out
+
+
+def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int) -> torch.Tensor:
+    """The values of some rows of a panel matrix (pack_panels), int32 [R, G, g]."""
+    idx = torch.arange(n, device=qp.device)[rows]
+    p, j = idx // PANEL, idx % PANEL
+    cols = qp[p]  # [R, G, g, 4 * bits]
+    jj = j[:, None, None]
+    if bits == 8:
+        return torch.gather(cols, 3, jj.expand(*cols.shape[:3])[..., None])[..., 0].view(torch.int8).to(torch.int32)
+    c = cols.to(torch.int32)
+    v = (torch.gather(c, 3, (jj % 16).expand(*c.shape[:3])[..., None])[..., 0] >> (4 * (jj // 16))) & 15
+    for b in range(bits - 4):
+        byte = torch.gather(c, 3, (16 + 4 * b + jj // 8).expand(*c.shape[:3])[..., None])[..., 0]
+        v = v | ((byte >> (jj % 8)) & 1) << (4 + b)
+    return v
+
+
+def panel_centre(bits: int) -> int:
+    """The offset of values stored without mins: w = s * (q - centre) (0 for int8)."""
+    return 0 if bits == 8 else 1 << (bits - 1)
+
+
+def dequantize_panel_rows(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, bits: int, rows: torch.Tensor | slice, n: int,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Float weights [R, K] of some rows: scale * q + min per group (min: stored, or -centre * scale)."""
+    idx = torch.arange(n, device=qp.device)[rows]
+    p, j = idx // PANEL, idx % PANEL
+    s = sp[p, :, j].float()[..., None]
+    m = -panel_centre(bits) * s if mp is None else mp[p, :, j].float()[..., None]
+    w = panel_values(qp, bits, rows, n).float() * s + m
+    return w.reshape(len(idx), -1).to(dtype)
+
+
 # -- weight-only matmuls ----------------------------------------------------------------------------
 _ROWS_PER_CHUNK_ELEMS = 1 << 20  # dequantize ~1M weights (4 MB fp32) at a time: stays in cache
 
@@ -125,6 +188,14 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
         return dequantize_int4_tile(tile, scales[lo:hi], mins[lo:hi], x.dtype).view(hi - lo, K)
 
     return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
+
+
+def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for W in panels (pack_panels), dequantized a block of rows at a time."""
+    k = qp.shape[1] * qp.shape[2]
+    rows = lambda lo, hi: dequantize_panel_rows(qp, sp, mp, bits, slice(lo, hi), n, x.dtype)  # noqa: E731
+    return _chunked_dequant_linear(x.reshape(-1, k), n, rows, bias).view(*x.shape[:-1], n)
 
 
 def int8_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

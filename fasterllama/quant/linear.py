@@ -119,6 +119,39 @@ class Int4Linear(_PanelStorage, nn.Module):
         return dequantize_int4(*self._rows(rows), dtype)
 
 
+class PackedLinear(nn.Module):
+    """Weights of 4, 5, 6 or 8 bits kept in the CPU kernels' panels (ops.pack_panels) with a scale
+    and a min per row and group: w = scale * q + min. GGUF's block types repack into it exactly
+    (quant/gguf_native.py): Q4_0, Q5_0, Q6_K (mins=None: the values are centred, w = scale * (q -
+    2^(bits-1))), Q4_1, Q5_1, Q2_K..Q5_K (mins stored), Q8_0 (int8, no mins). Scales and mins are
+    fp16 where every one of them is an fp16 value, else fp32 (a K-quant's fp16 super-block scale
+    times its 6-bit sub-block scale has up to 17 significant bits)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bits: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = q.shape
+        self.bits = bits
+        self.group_size = self.in_features // scale.shape[1]
+        exact16 = all(t is None or torch.equal(t.float().half().float(), t.float()) for t in (scale, mins))
+        sdtype = torch.float16 if exact16 else torch.float32
+        self.qweight = _buffer(ops.pack_panels(q, self.group_size, bits))
+        self.scales = _buffer(ops.quantized._panel_order(scale.to(sdtype)))
+        self.mins = None if mins is None else _buffer(ops.quantized._panel_order(mins.to(sdtype)))
+        self.bias = None if bias is None else _buffer(bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, self.bits, self.bias)
+
+    def dequantize_rows(self, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
+        return ops.dequantize_panel_rows(self.qweight, self.scales, self.mins, self.bits, rows, self.out_features, dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dequantize_rows(slice(None), dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, scales={self.scales.dtype}, mins={self.mins is not None}"
+
+
 class W8A8Linear(nn.Module):
     """FasterLLaMA's INT8 GEMM (mode `w8a8`): int8 weights with per-output-channel scales, int8
     activations with per-token dynamic scales (input_scale None) or one static calibrated scale;

@@ -18,14 +18,15 @@ from ...engine.scheduler import ScheduledSeq
 from ...model.llama import Linear, LlamaForCausalLM, RMSNorm
 from ...ops import AttentionMetadata
 from ...quant.convert import QuantRMSNorm, SiluAndMulQuant
-from ...quant.linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear
+from ...quant.linear import Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding, W8A8Linear
 from . import kernels as cpu_kernels
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I)]
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("bits", _I), ("sbytes", _I), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P),
+                ("wsum", _P), ("in_scale", _P), ("clip", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -39,19 +40,28 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.is_contiguous() and m.in_features % 32 == 0:
-        return _Linear(0, m.out_features, m.in_features, m.in_features, m.weight.data_ptr(), None, None, cpu_kernels.ptr(bias))
-    if isinstance(m, Int8Linear) and m.panels and m.weight_scale.dtype == torch.float32:
-        g = m.group_size or m.in_features
-        if g % 32 == 0:
-            return _Linear(1, m.out_features, m.in_features, g, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, cpu_kernels.ptr(bias))
-    if isinstance(m, Int4Linear) and m.panels and m.group_size % 32 == 0:
-        return _Linear(2, m.out_features, m.in_features, m.group_size, m.qweight.data_ptr(), m.scales.data_ptr(), m.mins.data_ptr(), cpu_kernels.ptr(bias))
+        return _Linear(0, m.out_features, m.in_features, m.in_features, 32, 4, m.weight.data_ptr(), None, None, cpu_kernels.ptr(bias))
+    panels = _panels(m)
+    if panels is not None and m.in_features % 32 == 0:
+        q, scales, mins, bits, g = panels
+        return _Linear(1, m.out_features, m.in_features, g, bits, scales.element_size(), q.data_ptr(), scales.data_ptr(), cpu_kernels.ptr(mins), cpu_kernels.ptr(bias))
     if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
         wsum = m.qweight.sum(dim=1, dtype=torch.int32)
         keep.append(wsum)
         in_scale = quantizer.input_scale if quantizer is m else getattr(quantizer, "static_scale", None)
-        return _Linear(3, m.out_features, m.in_features, m.in_features, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, cpu_kernels.ptr(bias),
+        return _Linear(3, m.out_features, m.in_features, m.in_features, 8, 4, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, cpu_kernels.ptr(bias),
                        wsum.data_ptr(), cpu_kernels.ptr(in_scale), int(getattr(quantizer, "clip", False)))
+    return None
+
+
+def _panels(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int] | None:
+    """(values, scales, mins or None, bits, group size) of a linear whose weights are in panels."""
+    if isinstance(m, PackedLinear) and m.group_size % 4 == 0:
+        return m.qweight, m.scales, m.mins, m.bits, m.group_size
+    if isinstance(m, Int8Linear) and m.panels and m.weight_scale.dtype == torch.float32:
+        return m.qweight, m.weight_scale, None, 8, m.group_size or m.in_features
+    if isinstance(m, Int4Linear) and m.panels and m.scales.dtype == torch.float16:
+        return m.qweight, m.scales, m.mins, 4, m.group_size
     return None
 
 
@@ -61,8 +71,8 @@ def _embedding(m: torch.nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         w = m.weight
         if w.dtype != torch.float32 or not w.is_contiguous():
             return None
-        return _Linear(0, w.shape[0], w.shape[1], w.shape[1], w.data_ptr(), None, None, None)
-    if isinstance(m, QuantizedEmbedding) and m.dtype == torch.float32 and isinstance(m.table, (Int8Linear, Int4Linear)):
+        return _Linear(0, w.shape[0], w.shape[1], w.shape[1], 32, 4, w.data_ptr(), None, None, None)
+    if isinstance(m, QuantizedEmbedding) and m.dtype == torch.float32 and isinstance(m.table, (Int8Linear, Int4Linear, PackedLinear)):
         return _linear(m.table, None, keep)
     return None
 

@@ -36,10 +36,8 @@ DEQUANT_TILE_ELEMS = 1 << 22  # larger inputs: dequantize up to 16 MB of rows at
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "fl_q4_linear": [_P, _I, _I, _P, _P, _P, _I, _I, _P],
-    "fl_q4_dequant": [_P, _P, _P, _I, _I, _I, _I, _P],
-    "fl_q8_linear": [_P, _I, _I, _P, _P, _I, _I, _P],
-    "fl_q8_dequant": [_P, _P, _I, _I, _I, _I, _P],
+    "fl_panel_linear": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _P],
+    "fl_panel_dequant": [_P, _P, _P, _I, _I, _I, _I, _I, _I, _P],
     "fl_f32_linear": [_P, _I, _I, _P, _I, _P],
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
@@ -203,36 +201,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
-def int8_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for an int8 matrix in panels (quantized.int8_to_panels)."""
+def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for W in panels (quantized.pack_panels): the GEMV kernel up to GEMV_MAX_ROWS rows,
+    dequantized tiles and the float GEMM beyond."""
     g = qp.shape[2]
     k = qp.shape[1] * g
-    if not _usable(x, k) or g % 32 != 0 or sp.dtype != torch.float32:
-        return quantized.int8_panel_linear(x, qp, sp, n, bias)
+    if not _usable(x, k) or g % 4 != 0 or sp.dtype not in (torch.float16, torch.float32) or (mp is not None and mp.dtype != sp.dtype):
+        return quantized.panel_linear(x, qp, sp, mp, n, bits, bias)
     x2 = _rows(x, k)
+    args = (qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size())
     if x2.shape[0] > GEMV_MAX_ROWS:
-        dequant = lambda lo, hi, t: _lib.fl_q8_dequant(qp.data_ptr(), sp.data_ptr(), k, g, lo, hi, t.data_ptr())  # noqa: E731
+        dequant = lambda lo, hi, t: _lib.fl_panel_dequant(*args, k, g, bits, lo, hi, t.data_ptr())  # noqa: E731
         return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _lib.fl_q8_linear(x2.data_ptr(), x2.shape[0], k, qp.data_ptr(), sp.data_ptr(), n, g, y.data_ptr())
+    _lib.fl_panel_linear(x2.data_ptr(), x2.shape[0], k, *args, n, g, bits, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
+
+
+def int8_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T for an int8 matrix in panels (quantized.int8_to_panels: 8-bit pack_panels)."""
+    if sp.dtype != torch.float32:
+        return quantized.int8_panel_linear(x, qp, sp, n, bias)
+    return panel_linear(x, qp.view(torch.uint8), sp, None, n, 8, bias)
 
 
 def int4_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, n: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for a 4-bit matrix in panels (quantized.to_panels)."""
-    k = qp.shape[1] * group_size
-    if not _usable(x, k) or group_size % 32 != 0 or sp.dtype != torch.float16:
+    """x @ W^T for a 4-bit matrix in panels (quantized.to_panels: 4-bit pack_panels with mins)."""
+    if sp.dtype != torch.float16:
         return quantized.int4_panel_linear(x, qp, sp, mp, n, group_size, bias)
-    x2 = _rows(x, k)
-    args = (qp.data_ptr(), sp.data_ptr(), mp.data_ptr())
-    if x2.shape[0] > GEMV_MAX_ROWS:
-        dequant = lambda lo, hi, t: _lib.fl_q4_dequant(*args, k, group_size, lo, hi, t.data_ptr())  # noqa: E731
-        return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
-    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _lib.fl_q4_linear(x2.data_ptr(), x2.shape[0], k, *args, n, group_size, y.data_ptr())
-    y = y.view(*x.shape[:-1], n)
-    return y if bias is None else y + bias
+    return panel_linear(x, qp, sp, mp, n, 4, bias)
 
 
 def w8a8_linear(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -347,7 +346,7 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 
 OPS = {
-    "linear": linear, "int8_panel_linear": int8_panel_linear, "int4_panel_linear": int4_panel_linear,
+    "linear": linear, "panel_linear": panel_linear, "int8_panel_linear": int8_panel_linear, "int4_panel_linear": int4_panel_linear,
     "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 

@@ -11,6 +11,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "fasterllama CPU kernels need AVX2, FMA and F16C"
@@ -113,55 +114,126 @@ typedef __m256 vf;
         }                                                                                           \
     }
 
-/* ---- quantized weights in panels of 32 rows: 4-bit (w = scale * q + min, q in 0..15) and int8
- * (w = scale * q), a scale per row and group of g input columns (g = K: per channel) ------------
+/* ---- quantized weights in panels of 32 rows ------------------------------------------------------
+ * One layout for every weight-only format (w4, w8, and GGUF's Q4_0 .. Q8_0 and K-quants repacked
+ * exactly): values q of `bits` bits and, per row and group of g input columns (g = K: per
+ * channel), a scale s and a min m:   w = s * q + m.
+ *   bits 4, 5, 6: q unsigned; without stored mins m = -2^(bits-1) * s (centred values, as in
+ *   Q4_0, Q5_0 and Q6_K). bits 8: q int8; without stored mins m = 0.
+ *   Scales and mins are fp16 or fp32 (sbytes 2 or 4): a K-quant's scale (fp16 times a 6-bit
+ *   sub-block scale) needs fp32 to stay exact. s * q is exact in fp32 for all of them, so
+ *   fma(s, q, m) rounds once, as gguf's dequantizers do.
  * A panel holds 32 output rows column by column, so one vector is one input column's weights for
  * 16 rows: the kernels broadcast x[r, k] into FMAs with no horizontal sums, and each broadcast
  * feeds two FMAs (the whole panel). In GGUF's row layout each weight needed its own x load and a
  * reduction per row; 4-bit panels ran 1.2-1.6x faster at 1-8 activation rows, cold (a C harness
  * at SmolLM2's shapes, AVX-512).
- *   q: 4-bit [P, G, g, 16] bytes, byte j of a column holding row j (low nibble) and row j + 16
- *      (high); int8 [P, G, g, 32]. P = ceil(N / 32), the last panel padded with zero rows.
- *   scales, mins [P, G, 32]: fp16 for 4-bit (mins: 4-bit only), fp32 for int8.
- * ops/quantized.py's to_panels / from_panels define the same layouts. `bits` is a compile-time
- * constant in every always_inline kernel below: each layout gets its own straight-line code. */
+ *   q [P, G, g, 4 * bits] bytes. A column of 4-6 bits: 16 bytes of nibbles (byte j: row j in the
+ *      low nibble, row j + 16 in the high one), then one 32-bit word per further bit (bit j of
+ *      word b: bit 4 + b of row j). A column of int8: 32 bytes, row j at byte j.
+ *   scales, mins [P, G, 32]. P = ceil(N / 32), the last panel padded with zero rows.
+ * ops/quantized.py's pack_panels / unpack_panels define the same layout. `bits` is a compile-time
+ * constant in every always_inline kernel below (each width gets its own straight-line code); the
+ * scale width and the min are tested once a group. */
 #define PANEL 32
 #define PANEL_PF(p) _mm_prefetch((const char *)(p) + PF_BYTES / 4, WEIGHT_HINT) /* scales: 1/8 the bytes */
 #define COL_BYTES(bits) ((bits) * 4)
 
+typedef struct {
+    const uint8_t *q;
+    const void *scales, *mins; /* mins NULL: implied by bits (above) */
+    int64_t sbytes;            /* 2: fp16 scales and mins, 4: fp32 */
+    float centre;              /* without mins: m = -centre * s */
+} panel_w_t;
+
+static inline panel_w_t panel_w(const uint8_t *q, const void *s, const void *m, int64_t sbytes, int bits) {
+    panel_w_t w = {q, s, m, sbytes, m == NULL && bits >= 4 && bits < 8 ? (float)(1 << (bits - 1)) : 0.f};
+    return w;
+}
+
+/* The weights of panel p from group 0 on. */
+static inline panel_w_t panel_at(const panel_w_t *w, int64_t p, int64_t G, int64_t g, int bits) {
+    panel_w_t o = *w;
+    o.q += p * G * g * COL_BYTES(bits);
+    o.scales = (const char *)w->scales + p * G * PANEL * w->sbytes;
+    if (w->mins) o.mins = (const char *)w->mins + p * G * PANEL * w->sbytes;
+    return o;
+}
+
+/* 8 scales (or mins) from element i, fp16 or fp32. */
+static inline __m256 load8s(const void *p, int64_t i, int64_t sbytes) {
+    return sbytes == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* Rows lane0 .. lane0 + 7 (lane0 a multiple of 8) of a column's values, as floats. */
+static inline __attribute__((always_inline)) __m256 panel_q8(const uint8_t *c, int lane0, const int bits) {
+    if (bits == 8) return i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(c + lane0)));
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(c + lane0 % 16));
+    const __m128i nib = lane0 < 16 ? _mm_and_si128(b, _mm_set1_epi8(0x0F)) : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    __m256i v = _mm256_cvtepu8_epi32(nib);
+    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int bb = 0; bb < bits - 4; bb++) {
+        const __m256i t = _mm256_and_si256(_mm256_set1_epi32(c[16 + 4 * bb + lane0 / 8]), sel);
+        v = _mm256_add_epi32(v, _mm256_and_si256(_mm256_cmpeq_epi32(t, sel), _mm256_set1_epi32(16 << bb)));
+    }
+    return _mm256_cvtepi32_ps(v);
+}
+
+/* Row j's value in a column (scalar: the embedding's rows). */
+static inline int panel_value(const uint8_t *c, int64_t j, int bits) {
+    if (bits == 8) return (int8_t)c[j];
+    int v = (c[j % 16] >> (4 * (j / 16))) & 15;
+    for (int b = 0; b < bits - 4; b++) v |= ((c[16 + 4 * b + j / 8] >> (j % 8)) & 1) << (4 + b);
+    return v;
+}
+
 #if defined(__AVX512F__)
 /* Column kk's 32 values as floats (rows 0-15, 16-31), before scaling. */
 static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg, int64_t kk, const int bits, __m512 *qa, __m512 *qb) {
-    if (bits == 4) {
-        const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qg + kk * 16)));
-        *qa = _mm512_cvtepi32_ps(_mm512_and_si512(i, _mm512_set1_epi32(15)));
-        *qb = _mm512_cvtepi32_ps(_mm512_srli_epi32(i, 4));
-    } else {
-        *qa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qg + kk * 32))));
-        *qb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qg + kk * 32 + 16))));
+    const uint8_t *c = qg + kk * COL_BYTES(bits);
+    if (bits == 8) {
+        *qa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+        *qb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+        return;
     }
+    const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    __m512i lo = _mm512_and_si512(i, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(i, 4);
+    for (int b = 0; b < bits - 4; b++) { /* bit 4 + b of each row: a mask-add */
+        uint32_t plane;
+        memcpy(&plane, c + 16 + 4 * b, 4);
+        const __m512i add = _mm512_set1_epi32(16 << b);
+        lo = _mm512_mask_add_epi32(lo, (__mmask16)plane, lo, add);
+        hi = _mm512_mask_add_epi32(hi, (__mmask16)(plane >> 16), hi, add);
+    }
+    *qa = _mm512_cvtepi32_ps(lo), *qb = _mm512_cvtepi32_ps(hi);
 }
 
-static inline __attribute__((always_inline)) __m512 panel_scales16(const void *s, int64_t i, const int bits) {
-    return bits == 4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + i))) : _mm512_loadu_ps((const float *)s + i);
+static inline __m512 load16s(const void *p, int64_t i, int64_t sbytes) {
+    return sbytes == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))) : _mm512_loadu_ps((const float *)p + i);
+}
+
+/* The mins of 16 rows from element i, given their scales d. */
+static inline __m512 panel_mins16(const panel_w_t *w, int64_t i, __m512 d) {
+    return w->mins ? load16s(w->mins, i, w->sbytes) : _mm512_mul_ps(d, _mm512_set1_ps(-w->centre));
 }
 
 /* 1-2 activation rows: each group's q . x sums in 4 independent chains (the FMA latency would
  * otherwise bound the loop), scaled once a group: scale * sum(q x) (+ min * sum(x)). */
-static inline __attribute__((always_inline)) void panel_few(const float *x, const float *xsum, int64_t K, const uint8_t *q,
-    const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+static inline __attribute__((always_inline)) void panel_few(const float *x, const float *xsum, int64_t K, const panel_w_t *w,
+    int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+    const int has_min = w->mins != NULL || w->centre != 0.f;
     __m512 tot[2][2];
     for (int r = 0; r < rows; r++) tot[r][0] = tot[r][1] = _mm512_setzero_ps();
     for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = q + grp * g * COL_BYTES(bits);
+        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const float *xg = x + grp * g;
-        PANEL_PF((const char *)sp + grp * PANEL * (bits == 4 ? 2 : 4));
-        if (bits == 4) PANEL_PF(mp + grp * PANEL);
+        PANEL_PF((const char *)w->scales + grp * PANEL * w->sbytes);
+        if (w->mins) PANEL_PF((const char *)w->mins + grp * PANEL * w->sbytes);
         __m512 aq[2][2][4];
         for (int r = 0; r < rows; r++) for (int h = 0; h < 2; h++) for (int u = 0; u < 4; u++) aq[r][h][u] = _mm512_setzero_ps();
         for (int64_t kk = 0; kk < g; kk += 4) {
             PREFETCH(qg + kk * COL_BYTES(bits));
-            if (bits == 8) PREFETCH(qg + kk * 32 + 64);
+            if (bits > 4) PREFETCH(qg + kk * COL_BYTES(bits) + 64);
             for (int u = 0; u < 4; u++) {
                 __m512 qa, qb;
                 panel_column(qg, kk + u, bits, &qa, &qb);
@@ -173,42 +245,39 @@ static inline __attribute__((always_inline)) void panel_few(const float *x, cons
             }
         }
         for (int h = 0; h < 2; h++) {
-            const __m512 d = panel_scales16(sp, grp * PANEL + 16 * h, bits);
+            const int64_t i = grp * PANEL + 16 * h;
+            const __m512 d = load16s(w->scales, i, w->sbytes);
+            const __m512 mn = has_min ? panel_mins16(w, i, d) : d;
             for (int r = 0; r < rows; r++) {
                 const __m512 sum = _mm512_add_ps(_mm512_add_ps(aq[r][h][0], aq[r][h][1]), _mm512_add_ps(aq[r][h][2], aq[r][h][3]));
                 tot[r][h] = _mm512_fmadd_ps(d, sum, tot[r][h]);
-                if (bits == 4) {
-                    const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + grp * PANEL + 16 * h)));
-                    tot[r][h] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * G + grp]), tot[r][h]);
-                }
+                if (has_min) tot[r][h] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[r * G + grp]), tot[r][h]);
             }
         }
     }
     for (int r = 0; r < rows; r++) { _mm512_storeu_ps(y + r * ldy, tot[r][0]); _mm512_storeu_ps(y + r * ldy + 16, tot[r][1]); }
 }
 
-/* 3-8 activation rows: each column's 32 weights dequantized (scale * q (+ min), as the reference
+/* 3-8 activation rows: each column's 32 weights dequantized (fma(s, q, m), as the reference
  * does), then two FMAs per row: the chains of 2 x rows accumulators hide the FMA latency. */
-static inline __attribute__((always_inline)) void panel_many(const float *x, int64_t K, const uint8_t *q,
-    const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+static inline __attribute__((always_inline)) void panel_many(const float *x, int64_t K, const panel_w_t *w,
+    int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+    const int has_min = w->mins != NULL || w->centre != 0.f;
     __m512 acc[MT][2];
     for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = q + grp * g * COL_BYTES(bits);
+        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const float *xg = x + grp * g;
-        PANEL_PF((const char *)sp + grp * PANEL * (bits == 4 ? 2 : 4));
-        const __m512 d0 = panel_scales16(sp, grp * PANEL, bits), d1 = panel_scales16(sp, grp * PANEL + 16, bits);
+        PANEL_PF((const char *)w->scales + grp * PANEL * w->sbytes);
+        if (w->mins) PANEL_PF((const char *)w->mins + grp * PANEL * w->sbytes);
+        const __m512 d0 = load16s(w->scales, grp * PANEL, w->sbytes), d1 = load16s(w->scales, grp * PANEL + 16, w->sbytes);
         __m512 m0 = _mm512_setzero_ps(), m1 = m0;
-        if (bits == 4) {
-            PANEL_PF(mp + grp * PANEL);
-            m0 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + grp * PANEL)));
-            m1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mp + grp * PANEL + 16)));
-        }
+        if (has_min) m0 = panel_mins16(w, grp * PANEL, d0), m1 = panel_mins16(w, grp * PANEL + 16, d1);
         for (int64_t kk = 0; kk < g; kk++) {
             if (kk % (bits == 4 ? 4 : 2) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
             __m512 w0, w1;
             panel_column(qg, kk, bits, &w0, &w1);
-            if (bits == 4) w0 = _mm512_fmadd_ps(w0, d0, m0), w1 = _mm512_fmadd_ps(w1, d1, m1);
+            if (has_min) w0 = _mm512_fmadd_ps(w0, d0, m0), w1 = _mm512_fmadd_ps(w1, d1, m1);
             else w0 = _mm512_mul_ps(w0, d0), w1 = _mm512_mul_ps(w1, d1);
             for (int r = 0; r < rows; r++) {
                 const __m512 xb = _mm512_set1_ps(xg[r * K + kk]);
@@ -220,56 +289,37 @@ static inline __attribute__((always_inline)) void panel_many(const float *x, int
     for (int r = 0; r < rows; r++) { _mm512_storeu_ps(y + r * ldy, acc[r][0]); _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]); }
 }
 
-static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
-    const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
-    if (rows <= 2) panel_few(x, xsum, K, q, sp, mp, G, g, y, ldy, bits, rows <= 1 ? 1 : 2);
-    else panel_many(x, K, q, sp, mp, G, g, y, ldy, bits, rows);
+static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const panel_w_t *w,
+    int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+    if (rows <= 2) panel_few(x, xsum, K, w, G, g, y, ldy, bits, rows <= 1 ? 1 : 2);
+    else panel_many(x, K, w, G, g, y, ldy, bits, rows);
 }
 #else
 /* AVX2 (16 ymm registers): a panel is walked in halves (1-2 rows) or quarters (3-8 rows), so the
  * accumulators, scales and weights fit. */
-static inline __attribute__((always_inline)) void panel_half_column(const uint8_t *qg, int64_t kk, int h, const int bits, __m256 *qa, __m256 *qb) {
-    if (bits == 4) {
-        const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i *)(qg + kk * 16)), 4 * h), _mm_set1_epi8(0x0F));
-        *qa = u8x8_to_ps(b), *qb = u8x8_to_ps(_mm_srli_si128(b, 8));
-    } else {
-        const __m128i b = _mm_loadu_si128((const __m128i *)(qg + kk * 32 + 16 * h));
-        *qa = i8x8_to_ps(b), *qb = i8x8_to_ps(_mm_srli_si128(b, 8));
-    }
-}
 
-/* The half's scales (and 4-bit mins) for a group, as 2 + 2 vectors. */
-static inline __attribute__((always_inline)) void panel_half_scales(const void *sp, const uint16_t *mp, int64_t grp, int h, const int bits, __m256 *d, __m256 *m) {
-    const int64_t i = grp * PANEL + 16 * h;
-    if (bits == 4) {
-        const uint16_t *s = (const uint16_t *)sp + i;
-        PANEL_PF(s);
-        PANEL_PF(mp + i);
-        d[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)), d[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 8)));
-        m[0] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + i))), m[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + i + 8)));
-    } else {
-        const float *s = (const float *)sp + i;
-        PANEL_PF(s);
-        d[0] = _mm256_loadu_ps(s), d[1] = _mm256_loadu_ps(s + 8);
-        m[0] = m[1] = _mm256_setzero_ps();
-    }
+/* The scales and mins of 8 rows from element i. */
+static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m256 *m) {
+    *d = load8s(w->scales, i, w->sbytes);
+    *m = w->mins ? load8s(w->mins, i, w->sbytes) : _mm256_mul_ps(*d, _mm256_set1_ps(-w->centre));
 }
 
 /* 1-2 activation rows: a group's q . x in 2 chains a vector, scaled once a group (as on AVX-512). */
-static inline __attribute__((always_inline)) void panel_half_few(const float *x, const float *xsum, int64_t K, const uint8_t *q,
-    const void *sp, const uint16_t *mp, int64_t G, int64_t g, int h, float *y, int64_t ldy, const int bits, const int rows) {
+static inline __attribute__((always_inline)) void panel_half_few(const float *x, const float *xsum, int64_t K, const panel_w_t *w,
+    int64_t G, int64_t g, int h, float *y, int64_t ldy, const int bits, const int rows) {
+    const int has_min = w->mins != NULL || w->centre != 0.f;
     __m256 tot[2][2];
     for (int r = 0; r < rows; r++) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
     for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = q + grp * g * COL_BYTES(bits);
+        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const float *xg = x + grp * g;
         __m256 aq[2][2][2];
         for (int r = 0; r < rows; r++) for (int i = 0; i < 2; i++) aq[r][i][0] = aq[r][i][1] = _mm256_setzero_ps();
         for (int64_t kk = 0; kk < g; kk += 2) {
             PREFETCH(qg + kk * COL_BYTES(bits));
             for (int u = 0; u < 2; u++) {
-                __m256 qa, qb;
-                panel_half_column(qg, kk + u, h, bits, &qa, &qb);
+                const uint8_t *c = qg + (kk + u) * COL_BYTES(bits);
+                const __m256 qa = panel_q8(c, 16 * h, bits), qb = panel_q8(c, 16 * h + 8, bits);
                 for (int r = 0; r < rows; r++) {
                     const __m256 xb = _mm256_broadcast_ss(xg + r * K + kk + u);
                     aq[r][0][u] = _mm256_fmadd_ps(qa, xb, aq[r][0][u]);
@@ -277,12 +327,15 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
                 }
             }
         }
+        const int64_t si = grp * PANEL + 16 * h;
+        PANEL_PF((const char *)w->scales + si * w->sbytes);
+        if (w->mins) PANEL_PF((const char *)w->mins + si * w->sbytes);
         __m256 d[2], m[2];
-        panel_half_scales(sp, mp, grp, h, bits, d, m);
+        for (int i = 0; i < 2; i++) panel_scales8(w, si + 8 * i, &d[i], &m[i]);
         for (int r = 0; r < rows; r++)
             for (int i = 0; i < 2; i++) {
                 tot[r][i] = _mm256_fmadd_ps(d[i], _mm256_add_ps(aq[r][i][0], aq[r][i][1]), tot[r][i]);
-                if (bits == 4) tot[r][i] = _mm256_fmadd_ps(m[i], _mm256_set1_ps(xsum[r * G + grp]), tot[r][i]);
+                if (has_min) tot[r][i] = _mm256_fmadd_ps(m[i], _mm256_set1_ps(xsum[r * G + grp]), tot[r][i]);
             }
     }
     for (int r = 0; r < rows; r++)
@@ -290,55 +343,111 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
 }
 
 /* 3-8 activation rows: a panel walked as four quarters of 8 rows (one vector), all rows at once:
- * each column's 8 weights dequantized (scale * q (+ min)) once, then one FMA a row. */
-static inline __attribute__((always_inline)) void panel_quarter_many(const float *x, int64_t K, const uint8_t *q, const void *sp,
-    const uint16_t *mp, int64_t G, int64_t g, int c, float *y, int64_t ldy, const int bits, const int rows) {
+ * each column's 8 weights dequantized (fma(s, q, m)) once, then one FMA a row. */
+static inline __attribute__((always_inline)) void panel_quarter_many(const float *x, int64_t K, const panel_w_t *w,
+    int64_t G, int64_t g, int c, float *y, int64_t ldy, const int bits, const int rows) {
+    const int has_min = w->mins != NULL || w->centre != 0.f;
     __m256 acc[MT];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    const int64_t lane0 = 8 * c; /* rows 8c .. 8c + 7 of the panel */
+    const int lane0 = 8 * c; /* rows 8c .. 8c + 7 of the panel */
     for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = q + grp * g * COL_BYTES(bits);
+        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const float *xg = x + grp * g;
         const int64_t si = grp * PANEL + lane0;
-        __m256 d, m = _mm256_setzero_ps();
-        if (bits == 4) {
-            if (c == 0) PANEL_PF((const uint16_t *)sp + si), PANEL_PF(mp + si);
-            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)sp + si)));
-            m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + si)));
-        } else {
-            if (c % 2 == 0) PANEL_PF((const float *)sp + si);
-            d = _mm256_loadu_ps((const float *)sp + si);
+        if (c == 0) {
+            PANEL_PF((const char *)w->scales + si * w->sbytes);
+            if (w->mins) PANEL_PF((const char *)w->mins + si * w->sbytes);
         }
+        __m256 d, m;
+        panel_scales8(w, si, &d, &m);
         for (int64_t kk = 0; kk < g; kk++) {
             if (c == 0 && kk % (bits == 4 ? 4 : 2) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
-            __m256 w;
-            if (bits == 4) {
-                const __m128i b = _mm_loadl_epi64((const __m128i *)(qg + kk * 16 + 8 * (c % 2)));
-                w = _mm256_fmadd_ps(u8x8_to_ps(_mm_and_si128(_mm_srli_epi16(b, 4 * (c / 2)), _mm_set1_epi8(0x0F))), d, m);
-            } else {
-                w = _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(qg + kk * 32 + lane0))), d);
-            }
-            for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(w, _mm256_broadcast_ss(xg + r * K + kk), acc[r]);
+            const __m256 q = panel_q8(qg + kk * COL_BYTES(bits), lane0, bits);
+            const __m256 wv = has_min ? _mm256_fmadd_ps(q, d, m) : _mm256_mul_ps(q, d);
+            for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xg + r * K + kk), acc[r]);
         }
     }
     for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy + lane0, acc[r]);
 }
 
-static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const uint8_t *q,
-    const void *sp, const uint16_t *mp, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const panel_w_t *w,
+    int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
     if (rows <= 2)
-        for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, q, sp, mp, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2);
+        for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, w, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2);
     else
-        for (int c = 0; c < 4; c++) panel_quarter_many(x, K, q, sp, mp, G, g, c, y, ldy, bits, rows);
+        for (int c = 0; c < 4; c++) panel_quarter_many(x, K, w, G, g, c, y, ldy, bits, rows);
 }
 #endif
 
-/* y [M, N] = x [M, K] @ W^T for W in panels. Meant for small M (decode); large M dequantizes. */
-static inline __attribute__((always_inline)) void panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp,
-    const void *sp, const uint16_t *mp, int64_t N, int64_t g, float *y, const int bits) {
-    const int64_t G = K / g, P = (N + PANEL - 1) / PANEL, sbytes = bits == 4 ? 2 : 4;
-    float *xsum = NULL; /* per-group sums of x: the 4-bit mins' term with 1-2 rows */
-    if (bits == 4) {
+/* Panel p's rows of y [M, N] = x [M, K] @ W^T. */
+static inline __attribute__((always_inline)) void panel_block(const float *x, const float *xsum, int64_t M, int64_t K, const panel_w_t *w,
+    int64_t N, int64_t g, float *y, int64_t p, const int bits) {
+    const int64_t G = K / g;
+    const panel_w_t wp = panel_at(w, p, G, g, bits);
+    const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    float tail[MT * PANEL]; /* the padded last panel's outputs, before the valid ones are copied */
+    for (int64_t m0 = 0; m0 < M; m0 += MT) {
+        const int64_t rows = M - m0 >= MT ? MT : M - m0;
+        float *yo = valid == PANEL ? y + m0 * N + p * PANEL : tail;
+        const int64_t ldy = valid == PANEL ? N : PANEL;
+#define PANEL_CALL(R) panel_rows(x + m0 * K, xsum ? xsum + m0 * G : NULL, K, &wp, G, g, yo, ldy, bits, R)
+        DISPATCH_ROWS(rows, PANEL_CALL)
+#undef PANEL_CALL
+        if (valid < PANEL)
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t j = 0; j < valid; j++) y[(m0 + r) * N + p * PANEL + j] = tail[r * PANEL + j];
+    }
+}
+
+/* Float weights of panel p's rows within [n0, n1), transposed into out [K, n1 - n0]. */
+static inline __attribute__((always_inline)) void panel_dequant(const panel_w_t *w, int64_t K, int64_t g, int64_t n0, int64_t n1,
+                                                                float *out, int64_t p, const int bits) {
+    const int64_t G = K / g, n = n1 - n0;
+    const int64_t c0 = p * PANEL - n0, valid = n - c0 < PANEL ? n - c0 : PANEL;
+    for (int64_t grp = 0; grp < G; grp++) {
+        const uint8_t *qg = w->q + (p * G + grp) * g * COL_BYTES(bits);
+        const int64_t si = (p * G + grp) * PANEL;
+        __m256 d[4], m[4];
+        for (int i = 0; i < 4; i++) {
+            d[i] = load8s(w->scales, si + 8 * i, w->sbytes);
+            m[i] = w->mins ? load8s(w->mins, si + 8 * i, w->sbytes) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
+        }
+        for (int64_t kk = 0; kk < g; kk++) {
+            float wv[PANEL];
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(wv + 8 * i, _mm256_fmadd_ps(panel_q8(qg + kk * COL_BYTES(bits), 8 * i, bits), d[i], m[i]));
+            float *o = out + (grp * g + kk) * n + c0;
+            for (int64_t j = 0; j < valid; j++) o[j] = wv[j];
+        }
+    }
+}
+
+/* One copy of the panel code per width. OpenMP outlines a parallel loop's body before inlining,
+ * so a width passed into the loop would be a run-time value there (measured: the 1-2 row kernels
+ * ran 1.7x slower); the loops below call these instead. */
+typedef void (*panel_block_fn)(const float *, const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t);
+typedef void (*panel_dequant_fn)(const panel_w_t *, int64_t, int64_t, int64_t, int64_t, float *, int64_t);
+#define PANEL_WIDTH(B)                                                                                                        \
+    static void panel_block_##B(const float *x, const float *xsum, int64_t M, int64_t K, const panel_w_t *w, int64_t N,      \
+                                int64_t g, float *y, int64_t p) {                                                            \
+        panel_block(x, xsum, M, K, w, N, g, y, p, B);                                                                         \
+    }                                                                                                                         \
+    static void panel_dequant_##B(const panel_w_t *w, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out, int64_t p) { \
+        panel_dequant(w, K, g, n0, n1, out, p, B);                                                                            \
+    }
+PANEL_WIDTH(4)
+PANEL_WIDTH(5)
+PANEL_WIDTH(6)
+PANEL_WIDTH(8)
+
+/* y [M, N] = x [M, K] @ W^T for W in panels (qp, sp, mp; mp NULL: mins implied by bits; sbytes:
+ * 2 for fp16 scales and mins, 4 for fp32). Meant for small M (decode); large M dequantizes. */
+void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
+                     int64_t N, int64_t g, int64_t bits, float *y) {
+    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits);
+    const panel_block_fn block = bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4;
+    const int64_t G = K / g, P = (N + PANEL - 1) / PANEL;
+    float *xsum = NULL; /* per-group sums of x: the mins' term with 1-2 rows */
+    if (w.mins != NULL || w.centre != 0.f) {
         xsum = malloc(sizeof(float) * M * G);
         for (int64_t i = 0; i < M * G; i++) {
             const float *xg = x + (i / G) * K + (i % G) * g;
@@ -348,78 +457,18 @@ static inline __attribute__((always_inline)) void panel_linear(const float *x, i
         }
     }
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < P; p++) {
-        const uint8_t *q = qp + p * G * g * COL_BYTES(bits);
-        const void *sc = (const char *)sp + p * G * PANEL * sbytes;
-        const uint16_t *mn = bits == 4 ? mp + p * G * PANEL : NULL;
-        const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-        float tail[MT * PANEL]; /* the padded last panel's outputs, before the valid ones are copied */
-        for (int64_t m0 = 0; m0 < M; m0 += MT) {
-            const int64_t rows = M - m0 >= MT ? MT : M - m0;
-            float *yo = valid == PANEL ? y + m0 * N + p * PANEL : tail;
-            const int64_t ldy = valid == PANEL ? N : PANEL;
-#define PANEL_CALL(R) panel_rows(x + m0 * K, xsum ? xsum + m0 * G : NULL, K, q, sc, mn, G, g, yo, ldy, bits, R)
-            DISPATCH_ROWS(rows, PANEL_CALL)
-#undef PANEL_CALL
-            if (valid < PANEL)
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t j = 0; j < valid; j++) y[(m0 + r) * N + p * PANEL + j] = tail[r * PANEL + j];
-        }
-    }
+    for (int64_t p = 0; p < P; p++) block(x, xsum, M, K, &w, N, g, y, p);
     free(xsum);
-}
-
-void fl_q4_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const uint16_t *sp, const uint16_t *mp,
-                  int64_t N, int64_t g, float *y) {
-    panel_linear(x, M, K, qp, sp, mp, N, g, y, 4);
-}
-
-void fl_q8_linear(const float *x, int64_t M, int64_t K, const int8_t *qp, const float *sp, int64_t N, int64_t g, float *y) {
-    panel_linear(x, M, K, (const uint8_t *)qp, sp, NULL, N, g, y, 8);
 }
 
 /* Float weights of rows [n0, n1) (n0 a multiple of 32) of a panel matrix, transposed:
  * out [K, n1 - n0] (the large-M path: the GEMM takes W^T as readily as W). */
-static void panel_dequant(const uint8_t *qp, const void *sp, const uint16_t *mp, int64_t K, int64_t g,
-                          int64_t n0, int64_t n1, float *out, const int bits) {
-    const int64_t G = K / g, n = n1 - n0;
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+void fl_panel_dequant(const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes, int64_t K, int64_t g, int64_t bits,
+                      int64_t n0, int64_t n1, float *out) {
+    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits);
+    const panel_dequant_fn dequant = bits == 5 ? panel_dequant_5 : bits == 6 ? panel_dequant_6 : bits == 8 ? panel_dequant_8 : panel_dequant_4;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = n0 / PANEL; p < (n1 + PANEL - 1) / PANEL; p++) {
-        const int64_t c0 = p * PANEL - n0, valid = n - c0 < PANEL ? n - c0 : PANEL;
-        for (int64_t grp = 0; grp < G; grp++) {
-            const uint8_t *qg = qp + (p * G + grp) * g * COL_BYTES(bits);
-            const int64_t si = (p * G + grp) * PANEL;
-            __m256 d[4], m[4];
-            for (int i = 0; i < 4; i++) {
-                d[i] = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)sp + si + 8 * i)))
-                                 : _mm256_loadu_ps((const float *)sp + si + 8 * i);
-                m[i] = bits == 4 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mp + si + 8 * i))) : _mm256_setzero_ps();
-            }
-            for (int64_t kk = 0; kk < g; kk++) {
-                float w[PANEL];
-                if (bits == 4) {
-                    const __m128i b = _mm_loadu_si128((const __m128i *)(qg + kk * 16));
-                    const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
-                    const __m128i part[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-                    for (int i = 0; i < 4; i++) _mm256_storeu_ps(w + 8 * i, _mm256_fmadd_ps(u8x8_to_ps(part[i]), d[i], m[i]));
-                } else {
-                    for (int i = 0; i < 4; i++)
-                        _mm256_storeu_ps(w + 8 * i, _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(qg + kk * 32 + 8 * i))), d[i]));
-                }
-                float *o = out + (grp * g + kk) * n + c0;
-                for (int64_t j = 0; j < valid; j++) o[j] = w[j];
-            }
-        }
-    }
-}
-
-void fl_q4_dequant(const uint8_t *qp, const uint16_t *sp, const uint16_t *mp, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out) {
-    panel_dequant(qp, sp, mp, K, g, n0, n1, out, 4);
-}
-
-void fl_q8_dequant(const int8_t *qp, const float *sp, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out) {
-    panel_dequant((const uint8_t *)qp, sp, NULL, K, g, n0, n1, out, 8);
+    for (int64_t p = n0 / PANEL; p < (n1 + PANEL - 1) / PANEL; p++) dequant(&w, K, g, n0, n1, out, p);
 }
 
 /* ---- fp32 weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 -------------------
@@ -1171,8 +1220,8 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
  * What the model's forward does for B single-token sequences (see model/llama.py), without a
  * Python round trip per op: ~300 ops a step would otherwise cost more than the attention. */
 typedef struct {
-    int64_t kind; /* 0: fp32 weights, 1: int8 panels + float scales, 2: 4-bit panels + fp16 scales/mins, 3: w8a8 */
-    int64_t n, k, g;
+    int64_t kind; /* 0: fp32 weights, 1: quantized panels (bits, sbytes: see panel_w_t), 3: w8a8 */
+    int64_t n, k, g, bits, sbytes;
     const void *w, *scales, *mins;
     const float *bias;     /* or NULL */
     const int32_t *wsum;   /* w8a8: row sums of w */
@@ -1204,8 +1253,7 @@ static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y
         return;
     }
     if (L->kind == 0) fl_f32_linear(x, M, L->k, (const float *)L->w, L->n, y);
-    else if (L->kind == 1) fl_q8_linear(x, M, L->k, (const int8_t *)L->w, (const float *)L->scales, L->n, L->g, y);
-    else fl_q4_linear(x, M, L->k, (const uint8_t *)L->w, (const uint16_t *)L->scales, (const uint16_t *)L->mins, L->n, L->g, y);
+    else fl_panel_linear(x, M, L->k, (const uint8_t *)L->w, L->scales, L->mins, L->sbytes, L->n, L->g, L->bits, y);
     if (L->bias)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < L->n; n++) y[m * L->n + n] += L->bias[n];
@@ -1219,32 +1267,26 @@ static void add_into(float *h, const float *d, int64_t n) {
     for (int64_t i = 0; i < n; i++) h[i] += d[i];
 }
 
-/* h [B, K] = rows tokens[b] of an embedding table described like a linear (fp32, int8 with scales
- * per row or group, or 4-bit), dequantized as the model's embedding does it: float(q) * scale,
- * float(q) * scale + min. */
+/* h [B, K] = rows tokens[b] of an embedding table described like a linear (fp32 or panels),
+ * dequantized as the model's embedding does it: float(q) * scale + min. */
 static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, float *h) {
     const int64_t K = E->k, g = E->g, G = K / g;
+    const panel_w_t w = panel_w(E->w, E->scales, E->mins, E->sbytes, (int)E->bits);
     for (int64_t b = 0; b < B; b++) {
         const int64_t t = tokens[b];
         float *o = h + b * K;
         if (E->kind == 0) {
             const float *row = (const float *)E->w + t * K;
             for (int64_t k = 0; k < K; k++) o[k] = row[k];
-        } else if (E->kind == 1) { /* int8 panels: row t is lane t % 32 of its panel's columns */
-            const int64_t p = t / PANEL, j = t % PANEL;
-            for (int64_t grp = 0; grp < G; grp++) {
-                const int8_t *q = (const int8_t *)E->w + (p * G + grp) * g * PANEL + j;
-                const float s = ((const float *)E->scales)[(p * G + grp) * PANEL + j];
-                for (int64_t kk = 0; kk < g; kk++) o[grp * g + kk] = (float)q[kk * PANEL] * s;
-            }
-        } else { /* 4-bit panels: row t is lane t % 16 of its panel's columns, low or high nibbles */
-            const int64_t p = t / PANEL, j = t % PANEL, shift = 4 * (j / 16);
-            for (int64_t grp = 0; grp < G; grp++) {
-                const uint8_t *q = (const uint8_t *)E->w + (p * G + grp) * g * 16 + j % 16;
-                const int64_t si = (p * G + grp) * PANEL + j;
-                const float s = _cvtsh_ss(((const uint16_t *)E->scales)[si]), m = _cvtsh_ss(((const uint16_t *)E->mins)[si]);
-                for (int64_t kk = 0; kk < g; kk++) o[grp * g + kk] = (float)((q[kk * 16] >> shift) & 15) * s + m;
-            }
+            continue;
+        }
+        const int64_t p = t / PANEL, j = t % PANEL; /* row t is lane t % 32 of its panel's columns */
+        for (int64_t grp = 0; grp < G; grp++) {
+            const uint8_t *q = w.q + (p * G + grp) * g * COL_BYTES(E->bits);
+            const int64_t si = (p * G + grp) * PANEL + j;
+            const float s = w.sbytes == 2 ? _cvtsh_ss(((const uint16_t *)w.scales)[si]) : ((const float *)w.scales)[si];
+            const float m = w.mins == NULL ? -w.centre * s : w.sbytes == 2 ? _cvtsh_ss(((const uint16_t *)w.mins)[si]) : ((const float *)w.mins)[si];
+            for (int64_t kk = 0; kk < g; kk++) o[grp * g + kk] = (float)panel_value(q + kk * COL_BYTES(E->bits), j, (int)E->bits) * s + m;
         }
     }
 }

@@ -1,0 +1,65 @@
+"""GGUF block formats read as integers with a scale and a min per group (quant/gguf_blocks.py):
+exactly gguf-py's floats for every type, alone and combined into fused projections."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from fasterllama.quant import gguf_blocks  # noqa: E402
+
+# where each type keeps its fp16 fields (d, and dmin / m): set to sane values in random blocks
+_FP16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108],
+                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 4, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+
+
+def _random_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    size, per_block, _ = gguf_blocks.FORMATS[type_name]
+    raw = rng.integers(0, 256, (rows, k // per_block, size), dtype=np.uint8)
+    for off in _FP16_FIELDS[type_name]:
+        half = rng.uniform(-0.1, 0.1, raw.shape[:2]).astype(np.float16)
+        raw[..., off:off + 2] = np.ascontiguousarray(half).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def _fma_values(b: gguf_blocks.Blocks) -> np.ndarray:
+    """scale * q + min rounded once, as the kernels' fma computes it."""
+    rows, k = b.q.shape
+    q = b.q.astype(np.float64).reshape(rows, -1, b.group)
+    w = q * b.scale.astype(np.float64)[..., None] + b.explicit_mins().astype(np.float64)[..., None]
+    return w.astype(np.float32).reshape(rows, k)
+
+
+def _gguf_values(raw: np.ndarray, type_name: str) -> np.ndarray:
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).reshape(raw.shape[0], -1)
+
+
+@pytest.mark.parametrize("type_name", list(gguf_blocks.FORMATS))
+def test_decode_is_gguf_dequantize_exactly(type_name):
+    rows, k = 6, 512
+    raw = _random_blocks(type_name, rows, k, seed=len(type_name) + rows)
+    b = gguf_blocks.decode(raw, type_name, rows)
+    want = _gguf_values(raw, type_name)
+    assert b.bits == _BITS[type_name] and b.q.shape == (rows, k)
+    assert b.q.min() >= (-128 if b.bits == 8 else 0) and b.q.max() < (128 if b.bits == 8 else 1 << b.bits)
+    assert np.array_equal(b.values(), want)
+    assert np.array_equal(_fma_values(b), want)
+
+
+@pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q4_0", "Q5_0"), ("Q5_0", "Q6_K", "Q4_1"), ("Q6_K", "Q6_K"),
+                                   ("Q3_K", "Q8_0")])
+def test_combine_holds_every_part_exactly(types):
+    """A fused projection's parts of different types in one form: the values of each part."""
+    k = 512
+    parts = [gguf_blocks.decode(_random_blocks(t, 4 + i, k, seed=i), t, 4 + i) for i, t in enumerate(types)]
+    want = np.concatenate([p.values() for p in parts])
+    both = gguf_blocks.combine(parts)
+    assert both.bits == max(_BITS[t] for t in types)
+    assert both.group == min(p.group for p in parts)
+    assert np.array_equal(_fma_values(both), want)
+    if len(set(types)) == 1 and types[0] in ("Q5_0", "Q6_K", "Q8_0", "Q4_0"):
+        assert both.mins is None  # centred alike: no mins stored
