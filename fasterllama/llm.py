@@ -170,7 +170,7 @@ class LLM:
         block_size: int | None = None,
         enable_prefix_caching: bool = True,
     ) -> None:
-        """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q8_0/Q5_0/Q4_0/Q4_1
+        """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q4_0..Q8_0 / Q2_K..Q6_K
         tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
         weights, dequantizing a GGUF file), "gguf", or a spec such as "w8", "w8-g32", "w4", "w4-g64",
         "w8a8", "w8a8-static-mse", "w8a8-static-percentile99.99-sq0.5" (see fasterllama.quant.config).

@@ -63,3 +63,22 @@ def test_combine_holds_every_part_exactly(types):
     assert np.array_equal(_fma_values(both), want)
     if len(set(types)) == 1 and types[0] in ("Q5_0", "Q6_K", "Q8_0", "Q4_0"):
         assert both.mins is None  # centred alike: no mins stored
+
+
+@pytest.mark.parametrize("types,kind", [(("Q5_0", "Q8_0"), "Int8Linear"), (("Q4_1", "Q4_0"), "Int4Linear"), (("Q6_K",), None), (("Q4_K",), None),
+                                        (("Q4_0", "Q5_0"), None)])
+def test_gpu_modules_are_the_row_layouts(types, kind):
+    """Off the CPU the file's blocks load as the row layouts the GPU kernels read, exactly, or as
+    float where those cannot hold them (a K-quant's fp32 scales, groups of 16, 4 + 5-bit mixes)."""
+    import torch
+
+    from fasterllama.quant import gguf_native
+
+    parts = [gguf_blocks.decode(_random_blocks(t, 32, 256, seed=i), t, 32) for i, t in enumerate(types)]
+    module = gguf_native._module(parts, torch.device("cuda"))
+    assert (None if module is None else type(module).__name__) == kind
+    if module is not None:
+        want = np.concatenate([p.values() for p in parts])
+        assert np.array_equal(module.dequantize().numpy(), want)
+    cpu = gguf_native._module(parts, torch.device("cpu"))
+    assert np.array_equal(cpu.dequantize().numpy(), np.concatenate([p.values() for p in parts]))

@@ -38,7 +38,7 @@ class Backend:
         """Register this backend's kernels with the op layer (ops.register)."""
 
     def keeps_gguf_quantized(self, dtype: torch.dtype) -> bool:
-        """Whether a GGUF file's Q8_0/Q5_0/Q4_0/Q4_1 tensors load quantized by default at this dtype."""
+        """Whether a GGUF file's quantized tensors load quantized by default at this dtype."""
         return False
 
     def prepare_model(self, model: LlamaForCausalLM) -> None:

@@ -36,7 +36,7 @@ def _counted(items, bar):
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quantization: str | None, keep_gguf_quantized: bool,
                progress: bool = True) -> LoadedModel:
-    """quantization None: a GGUF file's Q8_0/Q5_0/Q4_0/Q4_1 tensors stay quantized where
+    """quantization None: a GGUF file's quantized tensors stay quantized where
     `keep_gguf_quantized` (the backend's kernels run them exactly); "gguf" asks for that, "none"
     expands every tensor to `dtype`; any other mode loads floats for the caller to quantize."""
     from ..quant.checkpoint import load_quantized
@@ -60,7 +60,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
             if requested is not None:
                 raise FasterLlamaError("this checkpoint is quantized already; load it without --quantization")
             quant_config = load_quantized(net, saved_quant, _counted(ckpt.iter_tensors(), bar), dtype, device)
-        elif quantization == "gguf":  # keep the file's Q8_0/Q5_0/Q4_0/Q4_1 tensors quantized
+        elif quantization == "gguf":  # keep the file's quantized tensors quantized
             if ckpt.format != "gguf":
                 raise FasterLlamaError("quantization 'gguf' keeps a GGUF file's quantized tensors; this model is not a GGUF file")
             load_gguf_native(net, ckpt.source, dtype, device, bar)

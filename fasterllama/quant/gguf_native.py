@@ -8,28 +8,42 @@ F16/BF16/F32 weights, types without a decoder) are expanded to float."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..loading.gguf_file import GGUFCheckpoint, _dequantize, canonical_name, unpermute_rope_rows
 from ..model.llama import LlamaForCausalLM
 from . import gguf_blocks
-from .linear import PackedLinear, QuantizedEmbedding
+from .linear import Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding
 
 NATIVE_TYPES = tuple(gguf_blocks.FORMATS)
 # fused parameter -> its canonical parts, in row order
 _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def _module(parts: list[gguf_blocks.Blocks]) -> PackedLinear:
+def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.Module | None:
+    """The quantized module for a (fused) projection's parts: PackedLinear on the CPU; on other
+    devices the row layouts their kernels read (int8 for Q8_0 / Q5_0, 4-bit with fp16 scales and
+    mins for Q4_0 / Q4_1), or None where those cannot hold the parts exactly (loaded as float)."""
     b = gguf_blocks.combine(parts)
-    return PackedLinear(torch.from_numpy(b.q), torch.from_numpy(b.scale), None if b.mins is None else torch.from_numpy(b.mins), b.bits)
+    scale = torch.from_numpy(b.scale)
+    if device.type == "cpu":
+        return PackedLinear(torch.from_numpy(b.q), scale, None if b.mins is None else torch.from_numpy(b.mins), b.bits)
+    if b.group != 32:
+        return None
+    if b.mins is None and b.bits in (5, 8):
+        return Int8Linear(torch.from_numpy((b.q.astype(np.int16) - b.centre).astype(np.int8)), scale)
+    mins = torch.from_numpy(b.explicit_mins())
+    if b.bits == 4 and all(torch.equal(x.half().float(), x) for x in (scale, mins)):
+        return Int4Linear(torch.from_numpy(b.q), scale, mins)
+    return None
 
 
 def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch.dtype, device: torch.device, progress=None) -> None:
     cfg = model.config
     floats: list[tuple[str, torch.Tensor]] = []
     pending: dict[str, dict[str, gguf_blocks.Blocks]] = {}  # fused projections waiting for their other parts
-    quantized: dict[str, PackedLinear] = {}
+    quantized: dict[str, torch.nn.Module] = {}
     for t in ckpt.reader.tensors:
         name = canonical_name(t.name)
         if name is None:
@@ -62,11 +76,15 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
         order = _PARTS[fused] if fused else ("",)
         if all(p in pending[target] for p in order):  # complete: build it now, free the arrays
             parts = pending.pop(target)
-            quantized[target] = _module([parts[p] for p in order]).to(device)
-    for target, parts in pending.items():  # fused projections with float parts: all float
-        fused = next(f for f in _PARTS if f".{f}." in target)
+            module = _module([parts[p] for p in order], device)
+            if module is not None:
+                quantized[target] = module.to(device)
+            else:
+                pending[target] = parts  # expanded to float below
+    for target, parts in pending.items():  # fused projections with float parts, or no exact module: float
+        fused = next((f for f in _PARTS if f".{f}." in target), None)
         for p, blocks in parts.items():
-            floats.append((target.replace(f".{fused}.", f".{p}."), torch.from_numpy(blocks.values())))
+            floats.append((target.replace(f".{fused}.", f".{p}.") if fused else target, torch.from_numpy(blocks.values())))
     model.load_weights(floats, dtype, device, skip=set(quantized))
     for target, module in quantized.items():
         path = target.removeprefix("model.").removesuffix(".weight")

@@ -85,7 +85,7 @@ class CUDABackend(Backend):
         self.kernels = table is not None
 
     def keeps_gguf_quantized(self, dtype: torch.dtype) -> bool:
-        return self.kernels  # GEMV/GEMM kernels read Q8_0 / Q4_0 / Q4_1 blocks as they are
+        return self.kernels  # GEMV/GEMM kernels read Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks (gguf_native: the row layouts)
 
     def prepare_model(self, model) -> None:
         """Weights stay in the layouts they load in; the decode GEMV of each linear shape is chosen
