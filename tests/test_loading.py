@@ -149,3 +149,40 @@ def test_default_model_weights_sit_in_huge_pages(default_llm):
     gate_up = default_llm.engine.model.layers[0].mlp.gate_up_proj.qweight
     assert gate_up.untyped_storage().data_ptr() in huge_pages._arenas
     assert (_anon_huge_kb(gate_up.data_ptr()) or 0) >= 2048
+
+
+def test_lean_gguf_reader_matches_gguf_py(tmp_path):
+    """fasterllama's GGUF reader (loading/gguf_reader.py) gives gguf-py's GGUFReader's fields and
+    tensors exactly, on a file with every metadata kind the loader reads and several tensor types."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    from fasterllama.loading.gguf_reader import GGUFFile
+
+    path = str(tmp_path / "m.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(2)
+    w.add_float32("llama.rope.freq_base", 10000.5)
+    w.add_bool("tokenizer.ggml.add_bos_token", True)
+    w.add_token_list(["a", "bé", "<s>"])
+    w.add_token_scores([0.5, -1.0, 2.0])
+    w.add_token_types([1, 1, 3])
+    w.add_string("tokenizer.chat_template", "{{ messages }}")
+    rng = np.random.default_rng(0)
+    w.add_tensor("f32", rng.standard_normal((3, 64)).astype(np.float32))
+    w.add_tensor("f16", rng.standard_normal((2, 32)).astype(np.float16))
+    w.add_tensor("q8", gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0),
+                 raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ref, ours = gguf.GGUFReader(path), GGUFFile(path)
+    assert list(ref.fields) == list(ours.fields)
+    for key, field in ref.fields.items():
+        want, got = field.contents(), ours.fields[key].contents()
+        assert (np.allclose(want, got) if key.endswith(("freq_base", "scores")) else want == got), key
+    assert [t.name for t in ref.tensors] == [t.name for t in ours.tensors] == ["f32", "f16", "q8"]
+    for a, b in zip(ref.tensors, ours.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape) and (a.n_bytes, a.data_offset) == (b.n_bytes, b.data_offset)
+        assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)

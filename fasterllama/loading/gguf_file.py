@@ -91,7 +91,7 @@ class GGUFCheckpoint:
 
     def _release_pages(self, offset: int, length: int) -> None:
         """Drop the file pages of a tensor already copied, so they do not add to peak memory."""
-        mm = getattr(self.reader.data, "_mmap", None)
+        mm = getattr(self.reader, "_mmap", None)
         if mm is None or not hasattr(mm, "madvise"):
             return
         start = offset - offset % mmap.PAGESIZE
@@ -135,13 +135,13 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", 
 
 def open_gguf(path: str) -> GGUFCheckpoint:
     """Open and validate a GGUF file; tensors are read lazily (memory-mapped)."""
-    from gguf import GGUFReader
+    from .gguf_reader import GGUFFile
 
     with open(path, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
     try:
-        reader = GGUFReader(path)
+        reader = GGUFFile(path)
     except Exception as e:  # the gguf package raises ValueError/IndexError/etc. on corrupt files
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
     size = os.path.getsize(path)
