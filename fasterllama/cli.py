@@ -240,7 +240,12 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
+GGUF_MODES = ("q4_k_m", "q4_k", "q5_k", "q6_k", "q2_k", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1")  # quant/gguf_export.py
+
+
 def cmd_quantize(args: argparse.Namespace) -> int:
+    if args.mode in GGUF_MODES:
+        return _quantize_gguf(args)
     from .quant import QuantConfig
     from .quant.checkpoint import save_quantized
 
@@ -252,6 +257,33 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from .quant import weight_bytes
 
     print(f"wrote {args.output} ({args.quantization}, {weight_bytes(llm.engine.model) / 1e6:.1f} MB of weights)")
+    return 0
+
+
+def _quantize_gguf(args: argparse.Namespace) -> int:
+    """--mode q4_k_m and friends: a GGUF file in llama.cpp's mix, requantized from a GGUF source."""
+    from .loading.registry import resolve_model_path
+    from .quant.gguf_export import requantize
+
+    src = resolve_model_path(args.src)
+    with open(src, "rb") if os.path.isfile(src) else open(os.devnull, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise FasterLlamaError(f"--mode {args.mode} writes a GGUF file from a GGUF file; {src} is not one")
+    if os.path.isdir(args.output) or (os.path.exists(args.output) and not args.force):
+        raise FasterLlamaError(f"{args.output} exists (use --force to overwrite a file)")
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="Quantizing", unit="tensor", file=sys.stderr, leave=False)
+    t = time.perf_counter()
+    try:
+        counts = requantize(src, args.output, args.mode, None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
+    mix = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+    print(f"wrote {args.output} ({args.mode}: {mix}; {os.path.getsize(args.output) / 1e6:.1f} MB) in {time.perf_counter() - t:.1f} s")
     return 0
 
 
@@ -347,11 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--quiet", "-q", action="store_true", help="no progress bars")
     pp.set_defaults(func=cmd_eval_perplexity)
 
-    qz = sub.add_parser("quantize", help="quantize a model once and save it (safetensors + config + tokenizer)")
+    qz = sub.add_parser("quantize", help="quantize a model once and save it (safetensors + config + tokenizer, or a GGUF file)")
     qz.add_argument("src", help="GGUF file, HF folder or known name")
     qz.add_argument("--mode", required=True, help="default: a GGUF file's Q4_0..Q8_0, Q2_K..Q6_K tensors stay so on the CPU (gguf: exact, the same weights as none); "
-                   "none (float weights), gguf, w8, w8-g32, w4[-g32|-g64|-g128], w8a8, w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA]")
-    qz.add_argument("--output", "-o", required=True, help="output folder")
+                   "none (float weights), gguf, w8, w8-g32, w4[-g32|-g64|-g128], w8a8, w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA]; "
+                   "or a GGUF file in llama.cpp's mixes from a GGUF source: " + ", ".join(GGUF_MODES))
+    qz.add_argument("--output", "-o", required=True, help="output folder (a .gguf file for the GGUF modes)")
     qz.add_argument("--calibration-file", default=None, help="text to calibrate on (static w8a8 / SmoothQuant; default: a built-in sample)")
     qz.add_argument("--dtype", default=None)
     qz.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")

@@ -183,3 +183,62 @@ def test_block32_types_delegate_to_gguf(type_name: str) -> None:
     np.testing.assert_array_equal(values, dequant(blocks, type_name, x.shape))
     with pytest.raises(ValueError, match="multiple of 32"):
         kq.quantize(np.zeros((1, 40), np.float32), type_name)
+
+
+def test_quantize_command_writes_a_q4_k_m_gguf(tmp_path):
+    """`fasterllama quantize SRC.gguf --mode q4_k_m -o OUT.gguf`: llama.cpp's per-tensor mix, every
+    weight the values kquants' quantizer chose for the source's floats (read back by gguf-py), and
+    a file HF transformers loads to the logits fasterllama computes from it (1e-4), greedy equal."""
+    transformers = pytest.importorskip("transformers")
+    import subprocess
+    import sys
+
+    import tiny_models as tm
+    import torch
+
+    from fasterllama import LLM, SamplingParams
+
+    spec = tm.K_SPECS["kquant_mix"]
+    src = tm.write_gguf(tm.build_hf_model(spec), str(tmp_path / "src.gguf"))
+    out = str(tmp_path / "out.gguf")
+    proc = subprocess.run([sys.executable, "-m", "fasterllama", "quantize", src, "--mode", "q4_k_m", "-o", out, "-q"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "wrote" in proc.stdout and "Q4_K" in proc.stdout
+    source = {t.name: t for t in gguf.GGUFReader(src).tensors}
+    written = gguf.GGUFReader(out)
+    types = set()
+    for t in written.tensors:
+        s = source[t.name]
+        if len(s.shape) == 1 or t.name.endswith("norm.weight"):
+            assert t.tensor_type == s.tensor_type and np.array_equal(t.data, s.data)
+            continue
+        rows_k = (int(s.shape[1]), int(s.shape[0]))
+        want_type = kq.tensor_type(t.name, rows_k[1], "q4_k_m", spec.num_layers, True)
+        assert t.tensor_type.name == want_type.upper(), t.name
+        _, want = kq.quantize_with_values(np.asarray(s.data, dtype=np.float32).reshape(rows_k), want_type)
+        got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows_k)
+        assert np.array_equal(got, want), t.name
+        types.add(want_type)
+    assert {"q4_k", "q6_k", "q5_0", "q8_0"} <= types
+    assert written.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="out.gguf", dtype=torch.float32).eval()
+    llm = LLM(out, progress=False)
+    ids = list(range(3, 40))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(llm.compute_logits(ids), ref, rtol=0, atol=1e-4)
+    tokens = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    with torch.no_grad():
+        hf_tokens = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):].tolist()
+    assert tokens == hf_tokens
+
+
+def test_quantize_command_gguf_mode_needs_a_gguf_source(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "fasterllama", "quantize", str(tmp_path), "--mode", "q4_k_m", "-o", str(tmp_path / "o.gguf")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "not one" in proc.stderr and "Traceback" not in proc.stderr

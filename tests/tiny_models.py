@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 # llama.cpp's type per tensor (fallbacks, the _K_M rule) lives in fasterllama.quant.kquants, which
-# benchmarks/make_gguf.py uses too; test_kquant_gguf spells out the types it must give.
+# `fasterllama quantize --mode q4_k_m` (quant/gguf_export.py) uses too; test_kquant_gguf spells out the types it must give.
 from fasterllama.quant.kquants import K_FALLBACK, tensor_type
 from fasterllama.quant.kquants import use_more_bits as _use_more_bits  # noqa: F401  (tests use it)
 from fasterllama.tokenizer import bytes_to_unicode  # GPT-2's byte alphabet

@@ -199,11 +199,9 @@ static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg
     const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
     __m512i lo = _mm512_and_si512(i, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(i, 4);
     for (int b = 0; b < bits - 4; b++) { /* bit 4 + b of each row: a mask-add */
-        uint32_t plane;
-        memcpy(&plane, c + 16 + 4 * b, 4);
         const __m512i add = _mm512_set1_epi32(16 << b);
-        lo = _mm512_mask_add_epi32(lo, (__mmask16)plane, lo, add);
-        hi = _mm512_mask_add_epi32(hi, (__mmask16)(plane >> 16), hi, add);
+        lo = _mm512_mask_add_epi32(lo, _load_mask16((__mmask16 *)(c + 16 + 4 * b)), lo, add);
+        hi = _mm512_mask_add_epi32(hi, _load_mask16((__mmask16 *)(c + 18 + 4 * b)), hi, add);
     }
     *qa = _mm512_cvtepi32_ps(lo), *qb = _mm512_cvtepi32_ps(hi);
 }
