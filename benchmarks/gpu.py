@@ -125,7 +125,9 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
 def build(cfg: ModelConfig, mode: str | None, device: torch.device) -> LlamaForCausalLM:
     model = random_model(cfg, torch.bfloat16, device)
     if mode is not None:
-        quantize_model(model, QuantConfig.parse(mode))
+        cfg = QuantConfig.parse(mode)
+        cfg.imatrix = False if cfg.mode == "w4" else cfg.imatrix  # random weights: no calibration text to weight by
+        quantize_model(model, cfg)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     return model
 

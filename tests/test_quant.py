@@ -34,12 +34,30 @@ def test_int8_group_error_bound(group):
     assert torch.all(err <= s[..., None] / 2 + 1e-7)
 
 
+def _minmax_int4(w: torch.Tensor, group: int) -> torch.Tensor:
+    """The plain min..max 16-level grid per group, dequantized (the searched one's baseline)."""
+    g = w.view(w.shape[0], -1, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = (hi - lo) / 15
+    return (torch.round((g - lo) / s).clamp(0, 15) * s + lo).view_as(w)
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_group_error_bound(group):
+    """Searched scales and mins: values on their fp16 grid (q in 0..15, the nearest level within
+    the grid's range), and less squared error than the plain min..max grid, weighted or not."""
     q, s, m = quantize_int4(W, group)
-    assert int(q.min()) >= 0 and int(q.max()) <= 15
-    err = (dequantize_int4(q, s, m) - W).abs().view(192, -1, group)
-    assert torch.all(err <= s[..., None] / 2 + 1e-6)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15 and s.dtype == m.dtype == torch.float32
+    assert torch.equal(s, s.half().float()) and torch.equal(m, m.half().float())
+    deq = dequantize_int4(q, s, m)
+    inside = (W.view(192, -1, group) >= m[..., None]) & (W.view(192, -1, group) <= (m + 15 * s)[..., None])
+    err = (deq - W).abs().view(192, -1, group)
+    assert torch.all(err[inside] <= s[..., None].expand_as(err)[inside] / 2 + 1e-6)
+    assert ((deq - W) ** 2).sum() < ((_minmax_int4(W, group) - W) ** 2).sum()
+    importance = torch.rand(256) ** 4 * 100  # a few input columns matter far more
+    qi, si, mi = quantize_int4(W, group, importance)
+    weighted = lambda d: (((d - W) ** 2) * importance).sum()  # noqa: E731
+    assert weighted(dequantize_int4(qi, si, mi)) < weighted(deq)
     lin = Int4Linear(q, s, m)
     assert lin.qweight.dtype == torch.uint8 and lin.qweight.numel() == W.numel() // 2
     w_fp16_scales = dequantize_int4(q, s.half(), m.half())
@@ -244,8 +262,30 @@ def test_quant_config_parse():
     clip = QuantConfig.parse("w8a8-static-max-clip")
     assert clip.clip and not QuantConfig.parse("w8a8-static").clip and QuantConfig.parse("w8a8-static-nosink").clip
     assert QuantConfig.parse(str(clip)) == clip and str(clip) == "w8a8-static-max-clip-sq0.7"
+    w4 = QuantConfig.parse("w4-g64")
+    assert w4.imatrix and w4.needs_calibration and str(w4) == "w4-g64"
+    plain = QuantConfig.parse("w4-g64-noimatrix")
+    assert not plain.imatrix and not plain.needs_calibration and QuantConfig.parse(str(plain)) == plain
+    assert not QuantConfig.parse("w8").needs_calibration
     from fasterllama.errors import FasterLlamaError
 
-    for bad in ("w3", "w4-g48", "w8-static", "w8a8-g32", "w8a8-bogus"):
+    for bad in ("w3", "w4-g48", "w8-static", "w8a8-g32", "w8a8-bogus", "w8-noimatrix"):
         with pytest.raises(FasterLlamaError):
             QuantConfig.parse(bad)
+
+
+def test_scale_search_is_kquants_search():
+    """w4's torch search (quantize.search_scale_min) picks what kquants' numpy one (the K-quant
+    file writer's, llama.cpp's make_qkx2_quants) picks, group for group."""
+    import numpy as np
+
+    from fasterllama.quant import kquants
+    from fasterllama.quant.quantize import search_scale_min
+
+    x = torch.randn(3000, 64, generator=torch.Generator().manual_seed(1))
+    w = torch.sqrt(2 * (x * x).mean(1, keepdim=True) + x * x) * (torch.rand(64, generator=torch.Generator().manual_seed(2)) ** 3 * 5 + 0.1)
+    scale, mins = search_scale_min(x, 15, w)
+    ref_scale, neg_min, _ = kquants._search_scale_min(x.numpy(), w.numpy(), 15, -1.0, 0.1, 20, False)
+    np.testing.assert_allclose(scale.numpy(), ref_scale, rtol=1e-5)
+    np.testing.assert_allclose(mins.numpy(), -neg_min, rtol=1e-5, atol=1e-7)
+

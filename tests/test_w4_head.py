@@ -26,7 +26,9 @@ def folder(tmp_path_factory) -> str:
 
 
 def _head_error(llm: LLM, ref: LLM) -> float:
-    return (llm.compute_logits(PROMPT) - ref.compute_logits(PROMPT)).abs().max().item()
+    """Mean |logit error| over the prompt (the max of one random model's logits is noise: with
+    searched 4-bit scales the 4-bit head's worst logit came out closer, its mean much worse)."""
+    return (llm.compute_logits(PROMPT) - ref.compute_logits(PROMPT)).abs().mean().item()
 
 
 def test_w4_head_in_int8_by_default(folder):

@@ -15,11 +15,14 @@ HIST_BINS = 2048
 
 
 class ActivationStats:
-    """Absmax (global and per input channel) and a random sample of |x| entering one linear."""
+    """Absmax (global and per input channel), mean x^2 per channel and a random sample of |x|
+    entering one linear."""
 
     def __init__(self, in_features: int) -> None:
         self.amax = 0.0
         self.channel_amax = torch.zeros(in_features)
+        self.channel_sq = torch.zeros(in_features, dtype=torch.float64)  # sum of x^2 per input channel
+        self.rows = 0
         self.samples: list[torch.Tensor] = []
         self._gen = torch.Generator().manual_seed(0)
 
@@ -27,10 +30,18 @@ class ActivationStats:
         a = x.detach().float().abs().reshape(-1, x.shape[-1]).cpu()
         self.amax = max(self.amax, float(a.max()))
         self.channel_amax = torch.maximum(self.channel_amax, a.amax(dim=0))
+        self.channel_sq += (a.double() ** 2).sum(dim=0)
+        self.rows += a.shape[0]
         flat = a.reshape(-1)
         if flat.numel() > SAMPLES_PER_BATCH:
             flat = flat[torch.randint(flat.numel(), (SAMPLES_PER_BATCH,), generator=self._gen)]
         self.samples.append(flat.clone())
+
+    @property
+    def importance(self) -> torch.Tensor:
+        """Mean x^2 per input channel: how much an error in each weight column costs (llama.cpp's
+        importance matrix)."""
+        return (self.channel_sq / max(self.rows, 1)).float()
 
     def values(self) -> np.ndarray:
         return torch.cat(self.samples).numpy().astype(np.float64)

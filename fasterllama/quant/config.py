@@ -2,6 +2,8 @@
 
     w8            int8 weights, per output channel        w8-g32    int8 weights, groups of 32
     w4            4-bit weights, groups of 32 (-g64/-g128) w8a8      int8 weights + dynamic per-token int8 activations
+                  w4's group scales and mins are searched for the least error weighted by the
+                  calibration text's activations (an importance matrix); -noimatrix: unweighted
     w8a8-static[-percentile[P]|-max|-mse|-entropy]  static per-tensor activation scales from calibration
                   (default: the 99.99th percentile of |x|)
     w8a8 modes smooth activations with SmoothQuant (alpha 0.6 dynamic, 0.7 static); -sqALPHA
@@ -35,6 +37,10 @@ class QuantConfig:
     # matrix cost SmolLM2 5-7% perplexity, nearly all of w4-g32's loss (llama.cpp keeps output.weight
     # at Q6_K or Q8_0 too); "-head4" asks for 4
     head_bits: int | None = None
+    # w4: weight each group's scale/min search by the mean x^2 of the input channel (from the
+    # calibration text): w4-g64 / -g128 lost 28% / 36% perplexity with the plain search, 6% / 7%
+    # with it (docs/quantization.md)
+    imatrix: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -43,6 +49,10 @@ class QuantConfig:
             self.group_size = 32
         if self.mode == "w4" and self.head_bits is None:
             self.head_bits = 8
+        if self.mode == "w4" and self.imatrix is None:
+            self.imatrix = True
+        if self.imatrix is not None and self.mode != "w4":
+            raise FasterLlamaError("an importance matrix applies to w4 only")
         if self.head_bits is not None and (self.mode != "w4" or self.head_bits not in (4, 8)):
             raise FasterLlamaError(f"head bits apply to w4 only and are 4 or 8, got {self.head_bits} for {self.mode}")
         if self.mode == "w8a8" and self.smoothquant_alpha is None:
@@ -70,7 +80,7 @@ class QuantConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.static_activations or self.smoothquant_alpha is not None
+        return self.static_activations or self.smoothquant_alpha is not None or bool(self.imatrix)
 
     @classmethod
     def parse(cls, spec: str | QuantConfig) -> QuantConfig:
@@ -99,6 +109,8 @@ class QuantConfig:
                 kw["smoothquant_alpha"] = -1.0
             elif m := re.fullmatch(r"head(\d+)", part):
                 kw["head_bits"] = int(m.group(1))
+            elif part == "noimatrix":
+                kw["imatrix"] = False
             else:
                 raise FasterLlamaError(f"cannot read quantization spec {spec!r} at {part!r} (e.g. w8, w8-g32, w4-g64, w8a8, w8a8-static-mse-sq0.5)")
         return cls(**kw)
@@ -108,6 +120,7 @@ class QuantConfig:
 
     def __str__(self) -> str:
         s = self.mode + (f"-g{self.group_size}" if self.group_size else "") + ("-head4" if self.head_bits == 4 else "")
+        s += "-noimatrix" if self.mode == "w4" and not self.imatrix else ""
         if self.static_activations:
             s += "-static-" + (f"percentile{self.percentile:g}" if self.calibrator == "percentile" else self.calibrator)
             s += "-clip" if self.clip else ""

@@ -45,7 +45,7 @@ class SiluAndMulQuant(nn.Module):
         return ops.silu_and_mul_quant(gate_up, self.static_scale, self.clip)
 
 
-def quantize_linear(lin: nn.Module, cfg: QuantConfig, input_scale: torch.Tensor | None = None) -> nn.Module:
+def quantize_linear(lin: nn.Module, cfg: QuantConfig, input_scale: torch.Tensor | None = None, importance: torch.Tensor | None = None) -> nn.Module:
     w, b = lin.weight.data.float(), None if lin.bias is None else lin.bias.data
     if cfg.mode == "w8a8":
         q, s = quantize_int8(w)
@@ -54,7 +54,7 @@ def quantize_linear(lin: nn.Module, cfg: QuantConfig, input_scale: torch.Tensor 
     if cfg.mode == "w8" or group is None:  # (w4 falls back to int8 per channel where no group fits)
         q, s = quantize_int8(w, group)
         return Int8Linear(q, s, b)
-    q, s, z = quantize_int4(w, group)
+    q, s, z = quantize_int4(w, group, importance)
     return Int4Linear(q, s, z, b)
 
 
@@ -80,6 +80,12 @@ def quantize_model(
         stats = calibrate.collect_stats(model, run, calibration_chunks, targets, skip_sinks)
         for i, layer in enumerate(layers):
             smooth_layer(layer, model.config, {n: stats[f"{i}.{n}"].channel_amax for n in LINEARS}, smooth_alpha)
+    importance: dict[str, torch.Tensor] = {}
+    if cfg.imatrix and not placeholders:
+        if run is None or not calibration_chunks:
+            raise ValueError("w4's importance matrix needs calibration tokens")
+        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
+        importance = {k: s.importance for k, s in calibrate.collect_stats(model, run, calibration_chunks, targets).items()}
     scales: dict[str, torch.Tensor] = {}
     device = model.embed_tokens.weight.device  # the statistics are gathered on the CPU
     if calibrate_static:
@@ -93,7 +99,7 @@ def quantize_model(
         for name in LINEARS:
             parent_name, attr = name.split(".")
             parent = getattr(layer, parent_name)
-            setattr(parent, attr, quantize_linear(getattr(parent, attr), cfg, scales.get(f"{i}.{name}")))
+            setattr(parent, attr, quantize_linear(getattr(parent, attr), cfg, scales.get(f"{i}.{name}"), importance.get(f"{i}.{name}")))
         if cfg.mode == "w8a8":
             layer.input_layernorm = QuantRMSNorm(layer.input_layernorm, scales.get(f"{i}.self_attn.qkv_proj"), cfg.clip)
             layer.post_attention_layernorm = QuantRMSNorm(layer.post_attention_layernorm, scales.get(f"{i}.mlp.gate_up_proj"), cfg.clip)

@@ -1,5 +1,5 @@
 """Quantize / dequantize tensors: symmetric int8 per output channel or per group, and 4-bit
-group-wise (asymmetric, like GGUF Q4_1; symmetric Q4_0 is the zero = 8*scale case)."""
+group-wise (asymmetric, like GGUF Q4_1, with searched scales and mins)."""
 
 from __future__ import annotations
 
@@ -25,16 +25,71 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.view(N, groups, K // groups).to(dtype) * scale.to(dtype)[..., None]).view(N, K)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit per group (like GGUF Q4_1): w ~ scale * q + min, q in 0..15.
-    Returns (q int32 [N, K], scale [N, K/g], min [N, K/g])."""
-    w = w.float()
+def search_scale_min(x: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, min) per group (rows of x [n, g]) for x ~ scale * L + min, L in [0, nmax]: llama.cpp's
+    make_qkx2_quants (as kquants._search_scale_min, Q4_K's settings: rmin -1, 20 steps of 0.1).
+    Start from the min..max grid; for each candidate inverse scale (nmax - 1 + 0.1 i) / (max - min)
+    round the group, refit scale and min by weighted least squares and keep the least weighted
+    squared error. The min never goes above 0 (a positive group keeps 0 representable). In torch,
+    on x's device: a 7B model's groups take seconds on a GPU."""
+    xmin = x.amin(dim=1).clamp(max=0)
+    rng = x.amax(dim=1) - xmin
+    live = rng > 0
+    inv_rng = torch.where(live, 1 / torch.where(live, rng, 1.0), 0.0)
+    shifted = x - xmin[:, None]
+    sum_w, sum_x = weights.sum(1), (weights * x).sum(1)
+
+    def err(scale: torch.Tensor, mn: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+        return (weights * (scale[:, None] * levels + mn[:, None] - x) ** 2).sum(1)
+
+    scale = torch.where(live, rng / nmax, 0.0)
+    mn = xmin.clone()
+    best = err(scale, mn, torch.round(nmax * inv_rng[:, None] * shifted).clamp_(0, nmax))
+    for step in range(21):
+        cand = torch.round((nmax - 1.0 + 0.1 * step) * inv_rng[:, None] * shifted).clamp_(0, nmax)
+        wl = weights * cand
+        sum_l, sum_l2, sum_xl = wl.sum(1), (wl * cand).sum(1), (wl * x).sum(1)
+        det = sum_w * sum_l2 - sum_l * sum_l
+        ok = det > 0
+        safe = torch.where(ok, det, 1.0)
+        c_scale, c_min = (sum_w * sum_xl - sum_x * sum_l) / safe, (sum_l2 * sum_x - sum_l * sum_xl) / safe
+        positive = c_min > 0  # the min may only go down: refit the scale through zero
+        c_scale = torch.where(positive, sum_xl / torch.where(sum_l2 > 0, sum_l2, 1.0), c_scale)
+        c_min = torch.where(positive, 0.0, c_min)
+        c_err = err(c_scale, c_min, cand)
+        take = live & ok & (c_err < best)
+        best, scale, mn = torch.where(take, c_err, best), torch.where(take, c_scale, scale), torch.where(take, c_min, mn)
+    return scale, mn
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, importance: torch.Tensor | None = None,
+                  rows_per_chunk: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group (like GGUF Q4_1): w ~ scale * q + min, q in 0..15, with the
+    scale and min of each group searched as llama.cpp's Q4_K quantizer does (search_scale_min;
+    the error weighted by sqrt(2 mean(w^2) + w^2), times `importance` [K] of each input column when
+    given, e.g. the mean x^2 of the activations that meet it: an importance matrix), then rounded
+    to fp16 as stored, the values rounded again to them.
+    Returns (q int32 [N, K], scale [N, K/g], min [N, K/g]) on w's device."""
     N, K = w.shape
-    g = w.view(N, K // group_size, group_size)
-    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).view(N, K)
-    return q, scale, lo
+    per_row = K // group_size
+    x = w.detach().float().reshape(-1, group_size)
+    col = None
+    if importance is not None:
+        col = importance.detach().float().to(x.device).clamp(min=0)
+        col = (col / col.mean().clamp(min=1e-30)).reshape(per_row, group_size)
+    scale, mins = torch.empty(x.shape[0], device=x.device), torch.empty(x.shape[0], device=x.device)
+    step = max(1, rows_per_chunk // per_row) * per_row  # whole rows: the column weights repeat per row
+    for lo in range(0, x.shape[0], step):
+        g = x[lo : lo + step]
+        wt = torch.sqrt(2 * (g * g).mean(1, keepdim=True) + g * g)
+        if col is not None:
+            wt = wt * col.repeat(g.shape[0] // per_row, 1)
+        scale[lo : lo + step], mins[lo : lo + step] = search_scale_min(g, 15, wt)
+    s16, m16 = scale.half().float(), mins.half().float()
+    live = s16 > 0
+    q = torch.round((x - m16[:, None]) / torch.where(live, s16, 1.0)[:, None]).clamp_(0, 15)
+    q = torch.where(live[:, None], q, 0.0).to(torch.int32).view(N, K)
+    return q, s16.view(N, -1), m16.view(N, -1)
 
 
 def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
