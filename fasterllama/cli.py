@@ -249,7 +249,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from .quant import QuantConfig
     from .quant.checkpoint import save_quantized
 
-    args.model, args.quantization = args.src, str(QuantConfig.parse(args.mode))  # validate first
+    try:
+        args.model, args.quantization = args.src, str(QuantConfig.parse(args.mode))  # validate first
+    except FasterLlamaError as e:
+        raise FasterLlamaError(f"{e}; or a GGUF file's mode: {', '.join(GGUF_MODES)}") from None
     if os.path.exists(args.output) and os.listdir(args.output) and not args.force:
         raise FasterLlamaError(f"{args.output} exists and is not empty (use --force to overwrite)")
     llm = _load(args)
@@ -271,6 +274,8 @@ def _quantize_gguf(args: argparse.Namespace) -> int:
             raise FasterLlamaError(f"--mode {args.mode} writes a GGUF file from a GGUF file; {src} is not one")
     if os.path.isdir(args.output) or (os.path.exists(args.output) and not args.force):
         raise FasterLlamaError(f"{args.output} exists (use --force to overwrite a file)")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
+        raise FasterLlamaError(f"{args.output}: no such folder to write it in")
     bar = None
     if not args.quiet:
         from tqdm import tqdm

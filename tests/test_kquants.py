@@ -242,3 +242,7 @@ def test_quantize_command_gguf_mode_needs_a_gguf_source(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fasterllama", "quantize", str(tmp_path), "--mode", "q4_k_m", "-o", str(tmp_path / "o.gguf")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "not one" in proc.stderr and "Traceback" not in proc.stderr
+    for args, fragment in (([str(tmp_path / "no" / "o.gguf")], "no such folder"), ([str(tmp_path / "o.gguf"), "--mode", "q9_k"], "q4_k_m")):
+        cmd = [sys.executable, "-m", "fasterllama", "quantize", "smollm2-135m-instruct", "--mode", "q4_k_m", "-o", *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and fragment in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
