@@ -272,20 +272,3 @@ def test_quant_config_parse():
     for bad in ("w3", "w4-g48", "w8-static", "w8a8-g32", "w8a8-bogus", "w8-noimatrix"):
         with pytest.raises(FasterLlamaError):
             QuantConfig.parse(bad)
-
-
-def test_scale_search_is_kquants_search():
-    """w4's torch search (quantize.search_scale_min) picks what kquants' numpy one (the K-quant
-    file writer's, llama.cpp's make_qkx2_quants) picks, group for group."""
-    import numpy as np
-
-    from fasterllama.quant import kquants
-    from fasterllama.quant.quantize import search_scale_min
-
-    x = torch.randn(3000, 64, generator=torch.Generator().manual_seed(1))
-    w = torch.sqrt(2 * (x * x).mean(1, keepdim=True) + x * x) * (torch.rand(64, generator=torch.Generator().manual_seed(2)) ** 3 * 5 + 0.1)
-    scale, mins = search_scale_min(x, 15, w)
-    ref_scale, neg_min, _ = kquants._search_scale_min(x.numpy(), w.numpy(), 15, -1.0, 0.1, 20, False)
-    np.testing.assert_allclose(scale.numpy(), ref_scale, rtol=1e-5)
-    np.testing.assert_allclose(mins.numpy(), -neg_min, rtol=1e-5, atol=1e-7)
-

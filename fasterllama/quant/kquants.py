@@ -24,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+import torch
+
+from .quantize import search_scale_min
 
 QK_K = 256
 K_QUANT_TYPES = ("Q2_K", "Q4_K", "Q5_K", "Q6_K")
@@ -46,59 +49,6 @@ def _fp16(a: np.ndarray) -> np.ndarray:
 
 
 # -- scale searches -------------------------------------------------------------------------------
-def _search_scale_min(
-    x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int, use_mad: bool
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(scale, min, levels) per group (rows of x) for value = scale*L - min, L in [0, nmax].
-
-    make_qkx2_quants: start from the min..max grid, then for nstep+1 candidate inverse scales
-    (nmax + rmin + rdelta*i)/(max - min) round the group, fit scale and offset by weighted least
-    squares and keep the fit with the least weighted error. The offset is never positive (a
-    group of positive values keeps 0 representable)."""
-    n = x.shape[0]
-    xmin = np.minimum(x.min(axis=1), 0).astype(np.float32)
-    xmax = x.max(axis=1).astype(np.float32)
-    rng = xmax - xmin
-    live = rng > 0
-    inv_rng = np.zeros(n, np.float32)
-    inv_rng[live] = 1.0 / rng[live]
-    shifted = x - xmin[:, None]
-    sum_w = w.sum(axis=1)
-    sum_x = (w * x).sum(axis=1)
-
-    def err(scale: np.ndarray, mn: np.ndarray, levels: np.ndarray) -> np.ndarray:
-        diff = scale[:, None] * levels + mn[:, None] - x
-        return (w * (np.abs(diff) if use_mad else diff * diff)).sum(axis=1)
-
-    scale = np.where(live, rng / np.float32(nmax), np.float32(0)).astype(np.float32)
-    levels = np.clip(_rint((nmax * inv_rng)[:, None] * shifted), 0, nmax).astype(np.float32)
-    levels[~live] = 0
-    mn = xmin.copy()
-    best = err(scale, mn, levels)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        for step in range(nstep + 1):
-            iscale = np.float32(rmin + rdelta * step + nmax) * inv_rng
-            cand = np.clip(_rint(iscale[:, None] * shifted), 0, nmax).astype(np.float32)
-            wl = w * cand
-            sum_l = wl.sum(axis=1)
-            sum_l2 = (wl * cand).sum(axis=1)
-            sum_xl = (wl * x).sum(axis=1)
-            det = sum_w * sum_l2 - sum_l * sum_l
-            c_scale = (sum_w * sum_xl - sum_x * sum_l) / det
-            c_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
-            positive = c_min > 0  # the offset may only go down: refit the scale through zero
-            c_scale = np.where(positive, sum_xl / sum_l2, c_scale)
-            c_min = np.where(positive, np.float32(0), c_min)
-            c_err = err(c_scale, c_min, cand)
-            take = live & (det > 0) & (c_err < best)
-            if take.any():
-                best = np.where(take, c_err, best)
-                scale = np.where(take, c_scale, scale).astype(np.float32)
-                mn = np.where(take, c_min, mn).astype(np.float32)
-                levels[take] = cand[take]
-    return scale, -mn, levels
-
-
 def _search_symmetric(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     """(scale, levels) per group for value = scale*L, L in [-nmax, nmax-1] (make_qx_quants, rmse 1).
 
@@ -168,7 +118,8 @@ def _parts_min_type(
     nb = x.shape[0]
     g = x.reshape(-1, group)
     w = np.abs(g) if mad else np.sqrt((g * g).mean(axis=1, keepdims=True)) + np.abs(g)
-    scale, mins, levels = _search_scale_min(g, w, nmax, rmin, 0.1, nstep, mad)
+    s, mn, lv = search_scale_min(torch.from_numpy(g), torch.from_numpy(w.astype(np.float32)), nmax, rmin, 0.1, nstep, mad)
+    scale, mins, levels = s.numpy(), (-mn).numpy(), lv.numpy()
     ls, d_h, d = _quantize_sub_scales(scale.reshape(nb, -1), top)
     lm, dmin_h, dmin = _quantize_sub_scales(mins.reshape(nb, -1), top)
     step = (d[:, None] * ls.astype(np.float32)).reshape(-1)

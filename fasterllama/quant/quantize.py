@@ -25,13 +25,15 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
     return (q.view(N, groups, K // groups).to(dtype) * scale.to(dtype)[..., None]).view(N, K)
 
 
-def search_scale_min(x: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, min) per group (rows of x [n, g]) for x ~ scale * L + min, L in [0, nmax]: llama.cpp's
-    make_qkx2_quants (as kquants._search_scale_min, Q4_K's settings: rmin -1, 20 steps of 0.1).
-    Start from the min..max grid; for each candidate inverse scale (nmax - 1 + 0.1 i) / (max - min)
-    round the group, refit scale and min by weighted least squares and keep the least weighted
-    squared error. The min never goes above 0 (a positive group keeps 0 representable). In torch,
-    on x's device: a 7B model's groups take seconds on a GPU."""
+def search_scale_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1, nstep: int = 20,
+                     use_mad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, min, levels) per group (rows of x [n, g]) for x ~ scale * L + min, L in [0, nmax]:
+    llama.cpp's make_qkx2_quants, shared by w4 and the K-quant writer (kquants; Q4_K's settings are
+    the defaults). Start from the min..max grid; for each of nstep + 1 candidate inverse scales
+    (nmax + rmin + rdelta i) / (max - min) round the group, refit scale and min by weighted least
+    squares and keep the least weighted error (squared, or absolute with use_mad). The min never
+    goes above 0 (a positive group keeps 0 representable). In torch, on x's device: a 7B model's
+    groups take seconds on a GPU."""
     xmin = x.amin(dim=1).clamp(max=0)
     rng = x.amax(dim=1) - xmin
     live = rng > 0
@@ -40,13 +42,15 @@ def search_scale_min(x: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple
     sum_w, sum_x = weights.sum(1), (weights * x).sum(1)
 
     def err(scale: torch.Tensor, mn: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-        return (weights * (scale[:, None] * levels + mn[:, None] - x) ** 2).sum(1)
+        diff = scale[:, None] * levels + mn[:, None] - x
+        return (weights * (diff.abs() if use_mad else diff * diff)).sum(1)
 
     scale = torch.where(live, rng / nmax, 0.0)
     mn = xmin.clone()
-    best = err(scale, mn, torch.round(nmax * inv_rng[:, None] * shifted).clamp_(0, nmax))
-    for step in range(21):
-        cand = torch.round((nmax - 1.0 + 0.1 * step) * inv_rng[:, None] * shifted).clamp_(0, nmax)
+    levels = torch.round(nmax * inv_rng[:, None] * shifted).clamp_(0, nmax)
+    best = err(scale, mn, levels)
+    for step in range(nstep + 1):
+        cand = torch.round((nmax + rmin + rdelta * step) * inv_rng[:, None] * shifted).clamp_(0, nmax)
         wl = weights * cand
         sum_l, sum_l2, sum_xl = wl.sum(1), (wl * cand).sum(1), (wl * x).sum(1)
         det = sum_w * sum_l2 - sum_l * sum_l
@@ -59,7 +63,8 @@ def search_scale_min(x: torch.Tensor, nmax: int, weights: torch.Tensor) -> tuple
         c_err = err(c_scale, c_min, cand)
         take = live & ok & (c_err < best)
         best, scale, mn = torch.where(take, c_err, best), torch.where(take, c_scale, scale), torch.where(take, c_min, mn)
-    return scale, mn
+        levels = torch.where(take[:, None], cand, levels)
+    return scale, mn, levels
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, importance: torch.Tensor | None = None,
@@ -84,7 +89,7 @@ def quantize_int4(w: torch.Tensor, group_size: int, importance: torch.Tensor | N
         wt = torch.sqrt(2 * (g * g).mean(1, keepdim=True) + g * g)
         if col is not None:
             wt = wt * col.repeat(g.shape[0] // per_row, 1)
-        scale[lo : lo + step], mins[lo : lo + step] = search_scale_min(g, 15, wt)
+        scale[lo : lo + step], mins[lo : lo + step], _ = search_scale_min(g, wt, 15)
     s16, m16 = scale.half().float(), mins.half().float()
     live = s16 > 0
     q = torch.round((x - m16[:, None]) / torch.where(live, s16, 1.0)[:, None]).clamp_(0, 15)
