@@ -118,7 +118,7 @@ def _parts_min_type(
     nb = x.shape[0]
     g = x.reshape(-1, group)
     w = np.abs(g) if mad else np.sqrt((g * g).mean(axis=1, keepdims=True)) + np.abs(g)
-    s, mn, lv = search_scale_min(torch.from_numpy(g), torch.from_numpy(w.astype(np.float32)), nmax, rmin, 0.1, nstep, mad)
+    s, mn, lv = search_scale_min(torch.tensor(g, dtype=torch.float32), torch.tensor(w, dtype=torch.float32), nmax, rmin, 0.1, nstep, mad)
     scale, mins, levels = s.numpy(), (-mn).numpy(), lv.numpy()
     ls, d_h, d = _quantize_sub_scales(scale.reshape(nb, -1), top)
     lm, dmin_h, dmin = _quantize_sub_scales(mins.reshape(nb, -1), top)
