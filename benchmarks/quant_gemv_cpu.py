@@ -1,7 +1,7 @@
 """The quantized GEMV kernels alone, on weights in panels, cold: 30 copies of a matrix (one per
 layer, as a decode step reads them) are used in turn, so each call streams its weights from DRAM.
 Prints µs a call, GB/s of weights and GFLOP/s at SmolLM2-135M's shapes. Calls go through the Python
-op (cpu_kernels.int4_panel_linear / int8_panel_linear), whose ~5-8 µs of overhead are included.
+op (cpu_kernels.panel_linear), whose ~5-8 µs of overhead are included.
 
     python benchmarks/quant_gemv_cpu.py [--rows 1,2,8] [--repeats 20]
 """
@@ -26,10 +26,10 @@ def matrices(n: int, k: int, bits: int, copies: int) -> list[tuple]:
             packed = qops.pack_int4(torch.randint(0, 16, (n, k)), 32)
             scales, mins = (torch.rand(n, k // 32) * 0.01).half(), (-torch.rand(n, k // 32) * 0.01).half()
             panels = qops.to_panels(packed, scales, mins, 32)
-            out.append((lambda x, p=panels: ck.int4_panel_linear(x, *p, n, 32), sum(t.numel() * t.element_size() for t in panels)))
+            out.append((lambda x, p=panels: ck.panel_linear(x, *p, n, 4), sum(t.numel() * t.element_size() for t in panels)))
         else:
             panels = qops.int8_to_panels(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // 32))
-            out.append((lambda x, p=panels: ck.int8_panel_linear(x, *p, n), sum(t.numel() * t.element_size() for t in panels)))
+            out.append((lambda x, p=panels: ck.panel_linear(x, *p, None, n, 8), sum(t.numel() * t.element_size() for t in panels)))
     return out
 
 

@@ -35,7 +35,7 @@ def test_int4_linear(m, n, k, g):
     scales, mins = (torch.rand(n, k // g) * 0.1).half(), (-torch.rand(n, k // g) * 0.1).half()
     bias = torch.randn(n)
     panels = qops.to_panels(packed, scales, mins, g)
-    _close(ck.int4_panel_linear(x, *panels, n, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
+    _close(ck.panel_linear(x, *panels, n, 4, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
 
 
 @pytest.mark.parametrize("n,g", [(96, 32), (33, 64), (5, 128)])
@@ -112,7 +112,7 @@ def test_int8_linear(m, n, k, g, per_channel):
     x = torch.randn(m, k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scale = torch.rand(n) if per_channel else torch.rand(n, k // g)
-    _close(ck.int8_panel_linear(x, *qops.int8_to_panels(q, scale), n), qops.int8_weight_linear(x, q, scale))
+    _close(ck.panel_linear(x, *qops.int8_to_panels(q, scale), None, n, 8), qops.int8_weight_linear(x, q, scale))
 
 
 def test_dequantized_tiles(monkeypatch):
@@ -123,9 +123,9 @@ def test_dequantized_tiles(monkeypatch):
     packed = qops.pack_int4(torch.randint(0, 16, (n, k)), g)
     scales, mins = (torch.rand(n, k // g) * 0.1).half(), (-torch.rand(n, k // g) * 0.1).half()
     panels = qops.to_panels(packed, scales, mins, g)
-    _close(ck.int4_panel_linear(x, *panels, n, g, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
+    _close(ck.panel_linear(x, *panels, n, 4, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
     q, scale = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // g)
-    _close(ck.int8_panel_linear(x, *qops.int8_to_panels(q, scale), n, bias), qops.int8_weight_linear(x, q, scale, bias))
+    _close(ck.panel_linear(x, *qops.int8_to_panels(q, scale), None, n, 8, bias), qops.int8_weight_linear(x, q, scale, bias))
 
 
 @pytest.mark.parametrize("m", ROWS)

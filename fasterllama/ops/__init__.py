@@ -85,14 +85,6 @@ def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
     return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
 
 
-def int8_panel_linear(x, qp, sp, n, bias=None):
-    return get_op("int8_panel_linear", x.device)(x, qp, sp, n, bias)
-
-
-def int4_panel_linear(x, qp, sp, mp, n, group_size, bias=None):
-    return get_op("int4_panel_linear", x.device)(x, qp, sp, mp, n, group_size, bias)
-
-
 def panel_linear(x, qp, sp, mp, n, bits, bias=None):
     return get_op("panel_linear", x.device)(x, qp, sp, mp, n, bits, bias)
 

@@ -198,18 +198,6 @@ def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.
     return _chunked_dequant_linear(x.reshape(-1, k), n, rows, bias).view(*x.shape[:-1], n)
 
 
-def int8_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """int8_weight_linear for a matrix stored in panels (int8_to_panels)."""
-    q, s = int8_panel_rows(qp, sp, slice(None), n)
-    return int8_weight_linear(x, q, s.contiguous(), bias)
-
-
-def int4_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, n: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """int4_weight_linear for a matrix stored in panels (to_panels)."""
-    return int4_weight_linear(x, *from_panels(qp, sp, mp, n), group_size, bias)
-
-
-# -- W8A8 (FasterLLaMA) --------------------------------------------------------------------------------
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows with a dynamic absmax/127 scale per token, or one static (calibrated) scale.
     Under a static scale, a row beyond its range (absmax > 127 * scale: an attention sink or a

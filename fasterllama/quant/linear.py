@@ -62,7 +62,7 @@ class Int8Linear(_PanelStorage, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
-            return ops.int8_panel_linear(x, self.qweight, self.weight_scale, self.out_features, self.bias)
+            return ops.panel_linear(x, self.qweight, self.weight_scale, None, self.out_features, 8, self.bias)
         return ops.int8_weight_linear(x, self.qweight, self.weight_scale, self.bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -109,7 +109,7 @@ class Int4Linear(_PanelStorage, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
-            return ops.int4_panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, self.group_size, self.bias)
+            return ops.panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, 4, self.bias)
         return ops.int4_weight_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

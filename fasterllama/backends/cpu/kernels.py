@@ -220,20 +220,6 @@ def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.
     return y if bias is None else y + bias
 
 
-def int8_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for an int8 matrix in panels (quantized.int8_to_panels: 8-bit pack_panels)."""
-    if sp.dtype != torch.float32:
-        return quantized.int8_panel_linear(x, qp, sp, n, bias)
-    return panel_linear(x, qp.view(torch.uint8), sp, None, n, 8, bias)
-
-
-def int4_panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor, n: int, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T for a 4-bit matrix in panels (quantized.to_panels: 4-bit pack_panels with mins)."""
-    if sp.dtype != torch.float16:
-        return quantized.int4_panel_linear(x, qp, sp, mp, n, group_size, bias)
-    return panel_linear(x, qp, sp, mp, n, 4, bias)
-
-
 def w8a8_linear(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """float(xq @ qweight^T) * xs[:, None] * weight_scale (+ bias): the one-call decode step's int8
     GEMV, exposed for its tests (the op-by-op path uses torch._int_mm)."""
@@ -346,7 +332,7 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 
 OPS = {
-    "linear": linear, "panel_linear": panel_linear, "int8_panel_linear": int8_panel_linear, "int4_panel_linear": int4_panel_linear,
+    "linear": linear, "panel_linear": panel_linear,
     "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 
