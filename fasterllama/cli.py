@@ -35,6 +35,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes such as 2GiB or 512MB, or a fraction of free memory "
                    "such as 0.5 (default: up to 2GiB on the CPU, 0.8 of free GPU memory)")
     p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (default: reuse cached blocks of earlier prompts)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="split the model over N processes (the machine's threads "
+                   "divided between them; default 1); under torchrun, over all its processes")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -102,6 +104,7 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
         kv_cache_memory=getattr(args, "kv_cache_memory", None),  # (`quantize` has no cache flags)
         enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         progress=not args.quiet,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
     )
 
 

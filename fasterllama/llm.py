@@ -169,6 +169,7 @@ class LLM:
         kv_cache_memory: float | str | None = None,
         block_size: int | None = None,
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q4_0..Q8_0 / Q2_K..Q6_K
         tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
@@ -176,7 +177,9 @@ class LLM:
         "w8a8", "w8a8-static-mse", "w8a8-static-percentile99.99-sq0.5" (see fasterllama.quant.config).
         "gguf" is exact: its kernels expand each block to the very floats "none" holds.
         kv_cache_memory: the paged KV cache's size, bytes (an int, "2GiB") or a fraction of free
-        memory (0.5); by default up to 2 GiB on the CPU and 0.8 of the free memory of a GPU."""
+        memory (0.5); by default up to 2 GiB on the CPU and 0.8 of the free memory of a GPU.
+        tensor_parallel_size: split the model over this many processes (spawned: a script that
+        makes such an LLM needs the `if __name__ == "__main__":` guard)."""
         self.engine = LLMEngine(
             model,
             dtype=dtype,
@@ -190,6 +193,7 @@ class LLM:
             progress=progress,
             quantization=quantization,
             calibration_text=calibration_text,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config

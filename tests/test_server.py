@@ -67,12 +67,12 @@ def offline(model_dir: str) -> LLM:
 class Server:
     """create_app over an EngineLoop, served by uvicorn in a thread on 127.0.0.1:<free port>."""
 
-    def __init__(self, model_dir: str, api_key: str | None = None) -> None:
+    def __init__(self, model_dir: str, api_key: str | None = None, tensor_parallel_size: int = 1) -> None:
         import uvicorn
 
         from fasterllama.server import create_app
 
-        self.llm = LLM(model_dir, progress=False, max_num_seqs=MAX_NUM_SEQS)
+        self.llm = LLM(model_dir, progress=False, max_num_seqs=MAX_NUM_SEQS, tensor_parallel_size=tensor_parallel_size)
         self.loop = EngineLoop(self.llm.engine)
         self.app = create_app(self.loop, MODEL, api_key)
         sock = socket.socket()
@@ -100,13 +100,31 @@ class Server:
         self.server.should_exit = True
         self.thread.join(15)
         self.loop.shutdown(timeout=15)
+        self.llm.engine.shutdown()
 
 
 @pytest.fixture(scope="module")
-def server(model_dir: str) -> Iterator[Server]:
-    s = Server(model_dir)
-    yield s
-    s.close()
+def servers(model_dir: str) -> Iterator[dict[int, Server]]:
+    """Servers by tensor_parallel_size, started when first asked for."""
+    started: dict[int, Server] = {}
+    yield started
+    for s in started.values():
+        s.close()
+
+
+@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
+def server(request: pytest.FixtureRequest, servers: dict[int, Server], model_dir: str) -> Server:
+    """The same API tests over a model in one process and split over two (tensor parallelism)."""
+    if request.param not in servers:
+        servers[request.param] = Server(model_dir, tensor_parallel_size=request.param)
+    return servers[request.param]
+
+
+@pytest.fixture()
+def server_one(servers: dict[int, Server], model_dir: str) -> Server:
+    if 1 not in servers:
+        servers[1] = Server(model_dir)
+    return servers[1]
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
@@ -609,11 +627,13 @@ def test_cli_serve_sigterm_ends_streams_and_exits_0(model_dir: str, tmp_path: An
             proc.wait(10)
 
 
-def test_fuzzed_bodies_never_get_a_5xx(server: Server) -> None:
+def test_fuzzed_bodies_never_get_a_5xx(server_one: Server) -> None:
     """600 bodies from hypothesis (hostile ones: fields of both endpoints with values of every JSON
     type, out-of-range numbers, unknown keys, non-JSON bytes; valid ones, and valid ones with one or
     two fields made hostile): each gets a 2xx or a 4xx with an OpenAI error body, never a 5xx or a
-    hang; the server answers normally after, with no KV slot held."""
+    hang; the server answers normally after, with no KV slot held. (The HTTP layer: one model
+    process is enough.)"""
+    server = server_one
     hypothesis = pytest.importorskip("hypothesis")
     st = hypothesis.strategies
 

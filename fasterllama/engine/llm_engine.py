@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -14,9 +15,13 @@ import torch
 
 from .. import ops
 from ..backends import Backend, get_backend
+from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
 from ..loading.model_loader import LoadedModel, load_model
 from ..model import LlamaForCausalLM
+from ..parallel import workers as tp_workers
+from ..parallel.group import TPGroup, WorkerFailure
+from ..parallel.sharding import shard_model
 from ..quant import QuantConfig, quantize_model
 from ..sampling_params import SamplingParams, integer_value
 from ..tokenizer import Tokenizer
@@ -110,6 +115,14 @@ def default_calibration_text() -> str:
         return fh.read()
 
 
+def _stop_workers(runner: ModelRunner, workers: tp_workers.Workers) -> None:
+    try:
+        stopping = runner.stop_workers()
+    except FasterLlamaError:
+        stopping = False  # a rank died already
+    workers.stop(10 if stopping else 0)
+
+
 @dataclass
 class StepUpdate:
     seq: Sequence
@@ -134,8 +147,13 @@ class LLMEngine:
         quantization: str | QuantConfig | None = None,
         calibration_text: str | None = None,
         calibration_tokens: int = 2048,
+        tensor_parallel_size: int = 1,
     ) -> None:
+        """tensor_parallel_size N > 1: the model split over N processes (N-1 workers spawned here,
+        the machine's threads divided between them), or over every process of a torchrun launch."""
         _check_limits(max_num_seqs, max_num_batched_tokens, block_size)
+        if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
+            raise FasterLlamaError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         model = _check_model_arg(model)
         if quantization is not None and not isinstance(quantization, (str, QuantConfig)):
             raise FasterLlamaError(f"quantization must be a string such as 'w8' or 'none', got {type(quantization).__name__}")
@@ -146,15 +164,33 @@ class LLMEngine:
                 QuantConfig.parse(quantization)  # a bad spec fails before the model loads
             except FasterLlamaError as e:
                 raise FasterLlamaError(f"{e}; or none (float weights) or gguf (a GGUF file's quantized tensors as they are)") from None
-        backend = get_backend(resolve_device(device))
-        backend.register_ops()
-        dtype = resolve_dtype(dtype, backend)
-        loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, "gguf") else "none",
-                            backend.keeps_gguf_quantized(dtype), progress)
-        self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
-                    enable_prefix_caching)
-        if quantization not in (None, "gguf", "none"):
-            self.quantize(quantization, calibration_text, calibration_tokens)
+        dev = resolve_device(device)
+        group = workers = None
+        if tensor_parallel_size > 1 or tp_workers.torchrun_env() is not None:
+            same = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                        quantization=quantization, calibration_text=calibration_text, calibration_tokens=calibration_tokens)
+            group, workers = tp_workers.start(tensor_parallel_size, dev, same)
+            dev = group.device
+        try:
+            backend = get_backend(dev)
+            backend.register_ops()
+            dtype = resolve_dtype(dtype, backend)
+            loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, "gguf") else "none",
+                                backend.keeps_gguf_quantized(dtype), progress)
+            self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
+                        enable_prefix_caching)
+            if quantization not in (None, "gguf", "none"):
+                self.quantize(quantization, calibration_text, calibration_tokens)
+            if group is not None:
+                self.join_tensor_parallel(group, workers)
+        except BaseException:
+            if workers is not None:
+                workers.stop(0)
+            raise
+        if group is not None and not group.is_first:  # a torchrun rank other than the first: a worker until rank 0 stops
+            self.runner.run_worker()
+            raise SystemExit(0)
 
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer | None = None, *, max_model_len: int | None = None,
@@ -189,17 +225,47 @@ class LLMEngine:
             raise FasterLlamaError(f"max_model_len {max_model_len} exceeds the model's context of {cfg.max_position_embeddings} tokens "
                                    "(max_position_embeddings); use at most that")
         self.max_model_len = max_model_len
-        block_size = block_size or backend.kv_block_size
-        num_blocks = num_blocks_for(cfg, self.dtype, self.device, kv_cache_memory, block_size, max_num_seqs, max_model_len)
-        self.kv_cache = KVCache(cfg, num_blocks, block_size, self.dtype, self.device)
-        self.blocks = BlockManager(num_blocks, block_size, self.kv_cache.copy_blocks, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, backend, max_num_seqs, max_model_len)
         self.eos_token_ids = set(cfg.eos_token_ids)
+        self._limits = (max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size or backend.kv_block_size, prefix_caching)
+        self.tp_group: TPGroup | None = None
+        self._workers: tp_workers.Workers | None = None
+        self.failure: str | None = None  # why the engine cannot run steps any more (a tensor-parallel rank died)
+        self._build_runtime(cfg)
+
+    def _build_runtime(self, cache_cfg: ModelConfig) -> None:
+        """The KV cache (of cache_cfg's heads), block manager, scheduler and model runner; under
+        tensor parallelism every rank's cache has as many blocks as rank 0's."""
+        max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size, prefix_caching = self._limits
+        group = self.tp_group
+        num_blocks = num_blocks_for(cache_cfg, self.dtype, self.device, kv_cache_memory, block_size, max_num_seqs, self.max_model_len)
+        if group is not None:
+            num_blocks = group.send(num_blocks) if group.is_first else group.receive()
+        self.kv_cache = self.runner = None  # the old cache goes before the new one comes
+        self.kv_cache = KVCache(cache_cfg, num_blocks, block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, max_num_seqs, self.max_model_len, group)
+        self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_blocks, prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+
+    def join_tensor_parallel(self, group: TPGroup, workers: tp_workers.Workers | None = None) -> None:
+        """Keep this rank's shard of the (loaded, quantized) model and a KV cache of its heads."""
+        self.runner.decode_plan = None
+        plan = shard_model(self.model, group)
+        self.tp_group, self._workers = group, workers
+        self._build_runtime(plan.local_config(self.config))
+        if workers is not None:
+            weakref.finalize(self, _stop_workers, self.runner, workers)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (also done when the engine is collected or at exit)."""
+        if self._workers is not None:
+            _stop_workers(self.runner, self._workers)
+            self._workers = None
 
     def quantize(self, spec: str | QuantConfig, calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
         """Quantize the loaded float model in place (calibrating on a text when the mode needs it)."""
         qcfg = QuantConfig.parse(spec)
+        if self.tp_group is not None:
+            raise FasterLlamaError("a tensor-parallel engine quantizes while it loads: pass quantization= to LLM / LLMEngine")
         if self.quant_config is not None:
             raise FasterLlamaError(f"the model is quantized already ({self.quant_config}); load it with quantization='none' to quantize it another way")
         chunks = None
@@ -323,7 +389,14 @@ class LLMEngine:
         starts = {id(item): item.seq.num_cached for item in batch}
         seqs = [item.seq for item in batch if item.samples]  # before advance moves num_cached
         every_row = rows == list(range(offset))  # a decode step: no row gather needed
-        all_logits = self.runner.execute(batch, None if every_row else rows)
+        if self.failure is not None:
+            raise WorkerFailure(self.failure)
+        try:
+            all_logits = self.runner.execute(batch, None if every_row else rows)
+        except WorkerFailure as e:
+            self.failure = f"{e}{'; ' + self._workers.describe_failures() if self._workers and self._workers.describe_failures() else ''}"
+            self.shutdown()
+            raise WorkerFailure(self.failure) from None
         self.scheduler.advance(batch)
         for item, first in prompt_rows:
             rows_logits = all_logits[first : first + item.num_tokens]

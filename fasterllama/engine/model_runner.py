@@ -3,45 +3,73 @@ decode where it covers the step), returns the logits of the positions that sampl
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import ops
 from ..backends import Backend, DecodePlan
 from ..model import LlamaForCausalLM
+from ..parallel.group import TPGroup
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
 
 
-def pack_batch(batch: list[ScheduledSeq], block_size: int, device: torch.device) -> tuple[torch.Tensor, ops.AttentionMetadata]:
+@dataclass
+class StepInputs:
+    """A step's packed tokens and where each goes in the KV cache, as plain lists: what rank 0
+    sends tensor-parallel workers (no activations) and what every rank turns into tensors."""
+
+    tokens: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    start_positions: list[int]
+    token_offsets: list[int]
+
+    def to_tensors(self, device: torch.device) -> tuple[torch.Tensor, ops.AttentionMetadata]:
+        meta = ops.AttentionMetadata(
+            slot_mapping=torch.tensor(self.slot_mapping, dtype=torch.int64, device=device),
+            positions=torch.tensor(self.positions, dtype=torch.int64, device=device),
+            block_tables=ops.block_tables_tensor(self.block_tables, device),
+            start_positions=self.start_positions,
+            token_offsets=self.token_offsets,
+        )
+        return torch.tensor(self.tokens, dtype=torch.int64, device=device), meta
+
+
+def step_inputs(batch: list[ScheduledSeq], block_size: int) -> StepInputs:
     """The step's new tokens of every sequence, packed, and where each goes in the KV cache."""
-    tokens: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    offsets = [0]
+    inputs = StepInputs([], [], [], [item.seq.block_table for item in batch], [item.seq.num_cached for item in batch], [0])
     for item in batch:
         seq, n = item.seq, item.num_tokens
         start, table, bs = seq.num_cached, seq.block_table, block_size
-        tokens += seq.token_ids(start, start + n)
-        positions += range(start, start + n)
-        slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        offsets.append(offsets[-1] + n)
-    meta = ops.AttentionMetadata(
-        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        block_tables=ops.block_tables_tensor([item.seq.block_table for item in batch], device),
-        start_positions=[item.seq.num_cached for item in batch],
-        token_offsets=offsets,
-    )
-    return torch.tensor(tokens, dtype=torch.int64, device=device), meta
+        inputs.tokens += seq.token_ids(start, start + n)
+        inputs.positions += range(start, start + n)
+        inputs.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        inputs.token_offsets.append(inputs.token_offsets[-1] + n)
+    return inputs
+
+
+def pack_batch(batch: list[ScheduledSeq], block_size: int, device: torch.device) -> tuple[torch.Tensor, ops.AttentionMetadata]:
+    """The step's packed token ids and attention metadata as tensors on `device`."""
+    return step_inputs(batch, block_size).to_tensors(device)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: Backend, max_num_seqs: int, max_model_len: int) -> None:
+    """Runs the model for the scheduler's steps. Under tensor parallelism (`group`) every rank has
+    one: rank 0's sends each step's inputs and KV block copies to the others, whose `run_worker`
+    loop replays them on their shards; the model's collectives meet in between."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: Backend, max_num_seqs: int, max_model_len: int,
+                 group: TPGroup | None = None) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len  # the whole-step decode's static shapes
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = backend.device
+        self.group = group
+        self.in_step = False
         self.decode_plan: DecodePlan | None = None
         self.refresh_decode_plan()
 
@@ -50,19 +78,58 @@ class ModelRunner:
         its whole-step decode; needed after modules change (quantization)."""
         self.decode_plan = None  # let go of the old tensors before they move
         self.backend.prepare_model(self.model)
-        self.decode_plan = self.backend.decode_plan(self.model, self.kv_cache, self.max_num_seqs, self.max_model_len)
+        if self.group is None:  # the whole-step decodes have no collectives between layers
+            self.decode_plan = self.backend.decode_plan(self.model, self.kv_cache, self.max_num_seqs, self.max_model_len)
 
     @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; fp32 logits of the given packed-token rows (default: every row). The
         caller advances the sequences (Scheduler.advance)."""
         self.backend.begin_step()
-        index = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.device)
         if self.decode_plan is not None and self.decode_plan.covers(batch):
             logits = self.decode_plan.run(batch)  # embedding to logits in one call
-            logits = logits if index is None else logits[index]
-        else:
-            input_ids, meta = pack_batch(batch, self.kv_cache.block_size, self.device)
-            hidden = self.model(input_ids, meta, self.kv_cache.layers)
-            logits = self.model.compute_logits(hidden if index is None else hidden[index]).float()
+            return logits if rows is None else logits[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+        inputs = step_inputs(batch, self.kv_cache.block_size)
+        if self.group is None:
+            return self._forward(inputs, rows)
+        self.in_step = True  # stays True if the step is interrupted: the workers are then mid-step
+        self.group.send(("step", inputs, rows))
+        logits = self._forward(inputs, rows)
+        self.in_step = False
         return logits
+
+    def _forward(self, inputs: StepInputs, rows: list[int] | None) -> torch.Tensor | None:
+        """The logits of `rows` (None on tensor-parallel ranks other than the first)."""
+        input_ids, meta = inputs.to_tensors(self.device)
+        hidden = self.model(input_ids, meta, self.kv_cache.layers)
+        if rows is not None:
+            hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        return None if logits is None else logits.float()
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy-on-write of KV blocks, on every rank's cache."""
+        if self.group is not None:
+            self.group.send(("copy", src, dst))
+        self.kv_cache.copy_blocks(src, dst)
+
+    def stop_workers(self) -> bool:
+        """Tell idle workers to stop; False where a step was cut short (Ctrl-C, a failure) and the
+        workers wait inside it, to be ended instead."""
+        if self.group is None or self.in_step:
+            return False
+        self.group.send(("stop",))
+        return True
+
+    @torch.inference_mode()
+    def run_worker(self) -> None:
+        """A tensor-parallel worker's life: rank 0's steps and copies until it says stop."""
+        while True:
+            command = self.group.receive()
+            if command[0] == "step":
+                self.backend.begin_step()
+                self._forward(*command[1:])
+            elif command[0] == "copy":
+                self.kv_cache.copy_blocks(*command[1:])
+            else:
+                return

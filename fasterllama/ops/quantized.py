@@ -132,6 +132,11 @@ def panel_centre(bits: int) -> int:
     return 0 if bits == 8 else 1 << (bits - 1)
 
 
+def panel_scales(sp: torch.Tensor, n: int) -> torch.Tensor:
+    """Per-row values [N, G] back from their panel order [P, G, 32] (inverts _panel_order)."""
+    return sp.transpose(1, 2).reshape(-1, sp.shape[1])[:n].contiguous()
+
+
 def dequantize_panel_rows(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, bits: int, rows: torch.Tensor | slice, n: int,
                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Float weights [R, K] of some rows: scale * q + min per group (min: stored, or -centre * scale)."""
@@ -203,15 +208,20 @@ def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
     Under a static scale, a row beyond its range (absmax > 127 * scale: an attention sink or a
     massive-activation token, ~10-100x the rest) takes its own absmax/127 scale, unless `clip`."""
     x = x.float()
-    if static_scale is not None and clip:
-        scale = static_scale.float().expand(x.shape[:-1])
-    else:
-        amax = x.abs().amax(dim=-1)
-        scale = amax.clamp(min=1e-12) / 127
-        if static_scale is not None:
-            static = static_scale.float().expand(x.shape[:-1])
-            scale = torch.where(amax > static * 127, scale, static)
+    scale = per_token_scales(x.abs().amax(dim=-1), static_scale, clip)
     return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def per_token_scales(amax: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> torch.Tensor:
+    """quantize_per_token's scale of each row from the row's absmax (the maximum over every
+    tensor-parallel rank's part of the row, in parallel/sharding.py)."""
+    if static_scale is not None and clip:
+        return static_scale.float().expand(amax.shape)
+    scale = amax.clamp(min=1e-12) / 127
+    if static_scale is None:
+        return scale
+    static = static_scale.float().expand(amax.shape)
+    return torch.where(amax > static * 127, scale, static)
 
 
 def int8_gemm(xq: torch.Tensor, qweight_t: torch.Tensor) -> torch.Tensor:

@@ -142,6 +142,12 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, self.bits, self.bias)
 
+    def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(values [N, K], scales [N, G], mins [N, G] or None): what it was built from."""
+        n = self.out_features
+        q = ops.quantized.panel_values(self.qweight, self.bits, slice(None), n).reshape(n, -1)
+        return q, ops.quantized.panel_scales(self.scales, n), None if self.mins is None else ops.quantized.panel_scales(self.mins, n)
+
     def dequantize_rows(self, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
         return ops.dequantize_panel_rows(self.qweight, self.scales, self.mins, self.bits, rows, self.out_features, dtype)
 

@@ -45,6 +45,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
     async def health() -> Response:
         if not loop.is_running:
             return JSONResponse({"status": "stopped"}, status_code=503)
+        if loop.engine.failure is not None:  # a tensor-parallel rank died: no step can run
+            return JSONResponse({"status": "failed", "error": loop.engine.failure}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

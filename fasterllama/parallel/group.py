@@ -1,0 +1,111 @@
+"""The ranks of one tensor-parallel model and the collectives between them, on torch.distributed.
+
+Two process groups over one TCP store: `control` (gloo, CPU tensors) carries rank 0's commands
+(each step's token ids, positions and block tables, pickled; KV block copies; stop), and `data`
+(gloo on the CPU, NCCL on CUDA) the activations' all-reduces and the logits' gather. The groups
+are objects of their own rather than torch.distributed's global default group, so one process can
+hold several engines one after another (tests) and nothing leaks between them.
+
+A collective that a dead peer can never finish fails when the connection drops; one that a hung
+peer never finishes fails after `timeout` seconds. Workers wait for commands without a timeout
+(a server may idle for hours); a rank 0 that dies closes their connections, which ends them."""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import FasterLlamaError
+
+DEFAULT_TIMEOUT = 60.0  # seconds a collective may wait for a peer that has stopped answering
+_FOREVER = datetime.timedelta(days=365)
+
+
+class WorkerFailure(FasterLlamaError):
+    """A peer rank died or stopped answering: the tensor-parallel engine cannot go on."""
+
+
+@dataclass
+class Rendezvous:
+    """Where the ranks meet: rank 0 listens on host:port (port 0 picks a free one)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout: float = DEFAULT_TIMEOUT
+
+
+class TPGroup:
+    def __init__(self, rank: int, size: int, rendezvous: Rendezvous, device: torch.device, store: dist.Store | None = None) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.timeout = datetime.timedelta(seconds=rendezvous.timeout)
+        if store is None:
+            store = dist.TCPStore(rendezvous.host, rendezvous.port, size, is_master=rank == 0, timeout=datetime.timedelta(seconds=300))
+        self.store = store
+        self.port = store.port if isinstance(store, dist.TCPStore) else rendezvous.port
+        self.traffic: dict[str, list[int]] = {}  # collective -> [calls, bytes this rank sent] (benchmarks/tensor_parallel.py)
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, size, _FOREVER)
+        if device.type == "cuda":
+            self.data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, size)
+        else:
+            self.data = dist.ProcessGroupGloo(dist.PrefixStore("data", store), rank, size, self.timeout)
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    def _count(self, what: str, t: torch.Tensor) -> None:
+        entry = self.traffic.setdefault(what, [0, 0])
+        entry[0] += 1
+        entry[1] += t.numel() * t.element_size()
+
+    def _wait(self, work: dist.Work, what: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as e:  # DistBackendError, a timeout, a closed connection
+            raise WorkerFailure(f"tensor parallelism: {what} failed (a rank died or stopped answering): {str(e).splitlines()[0]}") from None
+
+    # -- the model's collectives -----------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or max) of t over the ranks, in place; every rank gets the same values."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = op, self.timeout
+        self._count("all_reduce", t)
+        self._wait(self.data.allreduce([t], opts), "all-reduce")
+        return t
+
+    def gather_last_dim(self, t: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """Rank 0 gets the ranks' [rows, sizes[r]] pieces side by side; the others None."""
+        width = max(sizes)
+        piece = torch.nn.functional.pad(t, (0, width - t.shape[-1])).contiguous() if t.shape[-1] < width else t.contiguous()
+        out = [torch.empty_like(piece) for _ in range(self.size)] if self.is_first else []
+        opts = dist.GatherOptions()
+        opts.rootRank, opts.timeout = 0, self.timeout
+        self._count("gather", piece)
+        self._wait(self.data.gather([out] if self.is_first else [], [piece], opts), "gather")
+        return torch.cat([o[..., :n] for o, n in zip(out, sizes)], dim=-1) if self.is_first else None
+
+    # -- rank 0's commands ---------------------------------------------------------------------
+    def send(self, obj: object) -> object:
+        """Rank 0: every worker's next `receive()` returns obj (so does this)."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        self._broadcast(torch.tensor([data.numel()], dtype=torch.int64), self.timeout)
+        self._broadcast(data, self.timeout)
+        return obj
+
+    def receive(self) -> object:
+        """Workers: rank 0's next command (waits as long as rank 0 is alive)."""
+        n = torch.empty(1, dtype=torch.int64)
+        self._broadcast(n, _FOREVER)
+        data = torch.empty(int(n), dtype=torch.uint8)
+        self._broadcast(data, self.timeout)
+        return pickle.loads(data.numpy().tobytes())
+
+    def _broadcast(self, t: torch.Tensor, timeout: datetime.timedelta) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
+        self._count("broadcast", t)
+        self._wait(self.control.broadcast([t], opts), "sending a step to the workers")

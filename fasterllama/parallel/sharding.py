@@ -1,0 +1,218 @@
+"""Megatron-style tensor parallelism of a loaded (and quantized) LlamaForCausalLM.
+
+Each rank keeps its part: the fused qkv projection by heads (a KV head's query heads stay
+together; with more ranks than KV heads a KV head is replicated and its query heads split), o_proj
+by its input columns with an all-reduce after it, gate_up by intermediate rows, down_proj by the
+same intermediate columns with an all-reduce, and the embedding / lm_head by vocabulary rows (the
+embedding's rows all-reduced, the logits gathered on rank 0 for sampling). Splits may be uneven
+(SmolLM2's 3 KV heads over 2 ranks: 2 and 1). Quantized weights are cut along their groups, so each
+rank holds exactly the values a single process holds; a cut that would split a group is an error.
+
+Rows sum in another order than one process sums them, and w8a8's per-token scales of a row-parallel
+input are the maximum over all ranks (one all-reduce of T floats), so the int8 values are the very
+ones a single process makes: logits agree to float rounding."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import ops
+from ..config import ModelConfig
+from ..errors import FasterLlamaError
+from ..model.llama import Linear, LlamaForCausalLM, SiluAndMul
+from ..quant.convert import SiluAndMulQuant
+from ..quant.linear import Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding, W8A8Linear
+from .group import TPGroup
+
+
+def even_split(n: int, parts: int) -> list[int]:
+    """n items in `parts` contiguous chunks whose sizes differ by at most one (larger first)."""
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def _chunk(n: int, parts: int, rank: int, unit: int = 1) -> range:
+    sizes = [s * unit for s in even_split(n // unit, parts)]
+    lo = sum(sizes[:rank])
+    return range(lo, lo + sizes[rank])
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Which heads, intermediate columns and vocabulary rows one rank holds."""
+
+    rank: int
+    size: int
+    q_heads: range
+    kv_heads: range
+    intermediate: range
+    vocab: range
+    vocab_sizes: tuple[int, ...]
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, rank: int, size: int, intermediate_unit: int = 1) -> ShardPlan:
+        heads, kv, group = cfg.num_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+        if size <= kv:
+            kv_heads = _chunk(kv, size, rank)
+            q_heads = range(kv_heads.start * group, kv_heads.stop * group)
+        else:  # more ranks than KV heads: each KV head on size/kv ranks, its query heads split between them
+            if size % kv or size // kv > group:
+                raise FasterLlamaError(f"tensor_parallel_size {size} does not fit the model's {kv} KV heads and {heads} query heads "
+                                       f"(use at most {kv} ranks, or a multiple of {kv} up to {heads})")
+            per = size // kv
+            kv_heads = range(rank // per, rank // per + 1)
+            own = _chunk(group, per, rank % per)
+            q_heads = range(kv_heads.start * group + own.start, kv_heads.start * group + own.stop)
+        if cfg.intermediate_size % intermediate_unit or cfg.intermediate_size // intermediate_unit < size:
+            raise FasterLlamaError(f"the intermediate size {cfg.intermediate_size} does not split over {size} ranks in whole "
+                                   f"groups of {intermediate_unit} (the quantized down projection's group size)")
+        return cls(rank, size, q_heads, kv_heads, _chunk(cfg.intermediate_size, size, rank, intermediate_unit),
+                   _chunk(cfg.vocab_size, size, rank), tuple(even_split(cfg.vocab_size, size)))
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The config of this rank's attention (its heads): what its KV cache holds."""
+        return replace(cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads))
+
+
+# -- cutting one module -----------------------------------------------------------------------------
+def _group_of(module: nn.Module) -> int:
+    """Input columns one quantization scale covers (1: per channel or float)."""
+    return getattr(module, "group_size", None) or 1
+
+
+def _cols_of_groups(cols: slice, group: int, what: str, k: int) -> slice:
+    if cols.start % group or cols.stop % group:
+        raise FasterLlamaError(f"tensor parallelism would cut {what}'s groups of {group} input columns at column "
+                               f"{cols.start if cols.start % group else cols.stop} of {k}; use a tensor_parallel_size that splits it "
+                               "on group boundaries")
+    return slice(cols.start // group, cols.stop // group)
+
+
+def take(module: nn.Module, rows: torch.Tensor | None = None, cols: slice | None = None, bias: bool = True, what: str = "a weight") -> nn.Module:
+    """A new module of the same kind holding rows `rows` (output features) and input columns
+    `cols` of `module`'s weight, values unchanged; bias=False drops the bias (row-parallel ranks
+    after the first: the all-reduce adds it once)."""
+    every = slice(None)
+    r = every if rows is None else rows
+    c = every if cols is None else cols
+    b = None if module.bias is None or not bias else module.bias.data[r].clone()
+    if isinstance(module, Linear):
+        w = module.weight.data[r][:, c].contiguous()
+        new = Linear(w.shape[1], w.shape[0], bias=b is not None)
+        new.weight = nn.Parameter(w, requires_grad=False)
+        new.bias = None if b is None else nn.Parameter(b, requires_grad=False)
+        return new
+    gc = every if cols is None else _cols_of_groups(cols, _group_of(module), what, module.in_features)
+    if isinstance(module, W8A8Linear):
+        return W8A8Linear(module.qweight.data[r][:, c], module.weight_scale.data[r], module.input_scale, b, module.dtype, module.clip)
+    if isinstance(module, Int8Linear):
+        q, s = module.rows_layout()
+        return Int8Linear(q[r][:, c], s[r] if module.group_size is None else s[r][:, gc], b)
+    if isinstance(module, Int4Linear):
+        q, s, m = module._rows(every)
+        return Int4Linear(q[r][:, c], s[r][:, gc], m[r][:, gc], b)
+    if isinstance(module, PackedLinear):
+        q, s, m = module.rows_layout()
+        return PackedLinear(q[r][:, c], s[r][:, gc], None if m is None else m[r][:, gc], module.bits, b)
+    raise FasterLlamaError(f"tensor parallelism cannot split a {type(module).__name__}")
+
+
+class RowParallel(nn.Module):
+    """A linear holding some input columns: its partial outputs summed over the ranks. Under w8a8
+    the int8 input is quantized here with the per-token scale of the whole row (the maximum over
+    the ranks), `quant` = (static scale, clip) of the quantizer it replaces."""
+
+    def __init__(self, inner: nn.Module, group: TPGroup, quant: tuple[torch.Tensor | None, bool] | None = None) -> None:
+        super().__init__()
+        self.inner, self.group, self.quant = inner, group, quant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return self.group.all_reduce(self.inner(x))
+        static, clip = self.quant
+        xf = x.float()
+        amax = self.group.all_reduce(xf.abs().amax(dim=-1), dist.ReduceOp.MAX)
+        scale = ops.quantized.per_token_scales(amax, static, clip)
+        xq = torch.round(xf / scale[..., None]).clamp(-127, 127).to(torch.int8)
+        return self.group.all_reduce(self.inner((xq, scale), out_dtype=x.dtype))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding rows of this rank's vocabulary slice; other tokens' rows are zero here and
+    come from their rank in the all-reduce."""
+
+    def __init__(self, inner: nn.Module, vocab: range, group: TPGroup) -> None:
+        super().__init__()
+        self.inner, self.lo, self.n, self.group = inner, vocab.start, len(vocab), group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.lo
+        inside = (local >= 0) & (local < self.n)
+        h = self.inner(torch.where(inside, local, 0)).masked_fill(~inside[:, None], 0)
+        return self.group.all_reduce(h)
+
+
+class ParallelLMHead(nn.Module):
+    """The logits of this rank's vocabulary slice, gathered side by side on rank 0 (None elsewhere)."""
+
+    def __init__(self, inner: nn.Module, sizes: tuple[int, ...], group: TPGroup) -> None:
+        super().__init__()
+        self.inner, self.sizes, self.group = inner, list(sizes), group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        return self.group.gather_last_dim(self.inner(x), self.sizes)
+
+
+def _embedding_rows(embed: nn.Module, vocab: range, shared: dict[int, nn.Module]) -> nn.Module:
+    if isinstance(embed, QuantizedEmbedding):
+        table = shared.get(id(embed.table)) or take(embed.table, torch.arange(vocab.start, vocab.stop), what="the embedding")
+        shared[id(embed.table)] = table
+        return QuantizedEmbedding(table, embed.dtype)
+    w = embed.weight.data[vocab.start : vocab.stop].clone()
+    return nn.Embedding(len(vocab), w.shape[1], _weight=w).requires_grad_(False)
+
+
+def shard_model(model: LlamaForCausalLM, group: TPGroup) -> ShardPlan:
+    """Cut `model` in place down to rank group.rank's part; returns the plan it followed."""
+    cfg, hd = model.config, model.config.head_dim
+    unit = max(_group_of(layer.mlp.down_proj) for layer in model.layers)
+    plan = ShardPlan.build(cfg, group.rank, group.size, unit)
+    first = group.is_first
+    q, kv = plan.q_heads, plan.kv_heads
+    qkv_rows = torch.cat([torch.arange(q.start * hd, q.stop * hd),
+                          cfg.q_size + torch.arange(kv.start * hd, kv.stop * hd),
+                          cfg.q_size + cfg.kv_size + torch.arange(kv.start * hd, kv.stop * hd)])
+    inter = plan.intermediate
+    gate_up_rows = torch.cat([torch.arange(inter.start, inter.stop), cfg.intermediate_size + torch.arange(inter.start, inter.stop)])
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = take(attn.qkv_proj, qkv_rows, what=f"layer {i}'s qkv_proj")
+        o_quant = (attn.o_proj.input_scale, attn.o_proj.clip) if isinstance(attn.o_proj, W8A8Linear) else None
+        attn.o_proj = RowParallel(take(attn.o_proj, cols=slice(q.start * hd, q.stop * hd), bias=first, what=f"layer {i}'s o_proj"), group, o_quant)
+        attn.num_heads, attn.num_kv_heads = len(q), len(kv)
+        attn.q_size, attn.kv_size = len(q) * hd, len(kv) * hd
+        mlp.gate_up_proj = take(mlp.gate_up_proj, gate_up_rows, what=f"layer {i}'s gate_up_proj")
+        down_quant = None
+        if isinstance(mlp.act, SiluAndMulQuant):  # quantized in RowParallel, over the whole row
+            down_quant, mlp.act = (mlp.act.static_scale, mlp.act.clip), SiluAndMul()
+        elif isinstance(mlp.down_proj, W8A8Linear):
+            down_quant = (mlp.down_proj.input_scale, mlp.down_proj.clip)
+        mlp.down_proj = RowParallel(take(mlp.down_proj, cols=slice(inter.start, inter.stop), bias=first, what=f"layer {i}'s down_proj"), group, down_quant)
+    vocab_rows = torch.arange(plan.vocab.start, plan.vocab.stop)
+    shared: dict[int, nn.Module] = {}
+    tied_quantized = model.lm_head is getattr(model.embed_tokens, "table", None)
+    tied_float = isinstance(model.lm_head, Linear) and isinstance(model.embed_tokens, nn.Embedding) and model.lm_head.weight is model.embed_tokens.weight
+    embed = _embedding_rows(model.embed_tokens, plan.vocab, shared)
+    if tied_quantized:
+        head = shared[id(model.lm_head)]
+    elif tied_float:
+        head = Linear(cfg.hidden_size, len(plan.vocab))
+        head.weight = embed.weight
+    else:
+        head = take(model.lm_head, vocab_rows, what="the lm_head")
+    model.embed_tokens = VocabParallelEmbedding(embed, plan.vocab, group)
+    model.lm_head = ParallelLMHead(head, plan.vocab_sizes, group)
+    return plan
