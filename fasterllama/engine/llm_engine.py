@@ -253,13 +253,12 @@ class LLMEngine:
         self.tp_group, self._workers = group, workers
         self._build_runtime(plan.local_config(self.config))
         if workers is not None:
-            weakref.finalize(self, _stop_workers, self.runner, workers)
+            self._stop = weakref.finalize(self, _stop_workers, self.runner, workers)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (also done when the engine is collected or at exit)."""
         if self._workers is not None:
-            _stop_workers(self.runner, self._workers)
-            self._workers = None
+            self._stop()  # once: a finalizer that has run is dead
 
     def quantize(self, spec: str | QuantConfig, calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
         """Quantize the loaded float model in place (calibrating on a text when the mode needs it)."""
@@ -394,7 +393,8 @@ class LLMEngine:
         try:
             all_logits = self.runner.execute(batch, None if every_row else rows)
         except WorkerFailure as e:
-            self.failure = f"{e}{'; ' + self._workers.describe_failures() if self._workers and self._workers.describe_failures() else ''}"
+            detail = self._workers.describe_failures() if self._workers else ""
+            self.failure = f"{e}; {detail}" if detail else str(e)
             self.shutdown()
             raise WorkerFailure(self.failure) from None
         self.scheduler.advance(batch)
