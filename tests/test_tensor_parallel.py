@@ -46,13 +46,13 @@ def _config(heads: int, kv: int, intermediate: int = 128, vocab: int = 320) -> M
 def test_shard_plan_splits_heads_intermediate_and_vocabulary() -> None:
     assert even_split(9, 2) == [5, 4] and even_split(3, 3) == [1, 1, 1]
     smol = _config(9, 3, 1536, 49152)  # SmolLM2-135M's heads
-    two = [ShardPlan.build(smol, r, 2, 32) for r in range(2)]
+    two = [ShardPlan.build(smol, r, 2) for r in range(2)]
     assert [(p.kv_heads, p.q_heads) for p in two] == [(range(2), range(6)), (range(2, 3), range(6, 9))]
     assert [p.intermediate for p in two] == [range(768), range(768, 1536)]
     assert [p.vocab for p in two] == [range(24576), range(24576, 49152)]
     three = [ShardPlan.build(smol, r, 3) for r in range(3)]
     assert [(p.kv_heads, p.q_heads) for p in three] == [(range(i, i + 1), range(3 * i, 3 * i + 3)) for i in range(3)]
-    assert two[1].local_config(smol).num_heads == 3 and two[1].local_config(smol).num_kv_heads == 1
+    assert two[1].local_config().num_heads == 3 and two[1].local_config().num_kv_heads == 1
     # more ranks than KV heads: each KV head on several ranks, its query heads split between them
     mqa = [ShardPlan.build(_config(4, 1), r, 2) for r in range(2)]
     assert [(p.kv_heads, p.q_heads) for p in mqa] == [(range(1), range(2)), (range(1), range(2, 4))]
@@ -60,8 +60,30 @@ def test_shard_plan_splits_heads_intermediate_and_vocabulary() -> None:
     assert [(p.kv_heads.start, p.q_heads) for p in gqa] == [(0, range(2)), (0, range(2, 4)), (1, range(4, 6)), (1, range(6, 8))]
     with pytest.raises(FasterLlamaError, match="does not fit the model's 3 KV heads"):
         ShardPlan.build(smol, 0, 4)
-    with pytest.raises(FasterLlamaError, match="groups of 128"):
-        ShardPlan.build(_config(4, 2, intermediate=192), 0, 2, 128)
+    # intermediate columns in whole blocks of the largest power of two <= 256 that leaves each rank one
+    assert [ShardPlan.build(_config(4, 2, intermediate=192), r, 2).intermediate for r in range(2)] == [range(128), range(128, 192)]
+
+
+def test_cuts_keep_whole_groups_and_values() -> None:
+    """A rank's part of a quantized linear holds exactly the values of those rows / columns; a cut
+    through a quantization group is a clear error; panels unpack to the values they were packed from."""
+    from fasterllama.ops import quantized as Q
+    from fasterllama.parallel.sharding import take
+    from fasterllama.quant.linear import Int4Linear, PackedLinear
+
+    g = torch.Generator().manual_seed(0)
+    for bits in (4, 5, 6, 8):
+        for n in (1, 33, 70 * 32 + 5):
+            q = torch.randint(-128, 128, (n, 64), generator=g) if bits == 8 else torch.randint(0, 1 << bits, (n, 64), generator=g)
+            assert torch.equal(Q.unpack_panels(Q.pack_panels(q, 32, bits), bits, n).long(), q)
+    q = torch.randint(0, 32, (48, 256), generator=g)
+    scale, mins = torch.rand(48, 8, generator=g), -torch.rand(48, 8, generator=g)
+    full = PackedLinear(q, scale, mins, 5)
+    rows = torch.tensor([3, 4, 40, 41])
+    part = take(full, rows, slice(64, 192))
+    assert torch.equal(part.dequantize(), full.dequantize()[rows][:, 64:192])
+    with pytest.raises(FasterLlamaError, match="would cut w's groups of 128 input columns at column 64"):
+        take(Int4Linear(q % 16, scale[:, :2], mins[:, :2]), cols=slice(64, 256), what="w")
 
 
 @pytest.fixture(scope="module")

@@ -177,9 +177,9 @@ class LLMEngine:
             backend.register_ops()
             dtype = resolve_dtype(dtype, backend)
             loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, "gguf") else "none",
-                                backend.keeps_gguf_quantized(dtype), progress)
+                                backend.keeps_gguf_quantized(dtype), progress, None if group is None else (group.rank, group.size))
             self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
-                        enable_prefix_caching)
+                        enable_prefix_caching, tensor_parallel=group is not None)
             if quantization not in (None, "gguf", "none"):
                 self.quantize(quantization, calibration_text, calibration_tokens)
             if group is not None:
@@ -210,8 +210,11 @@ class LLMEngine:
         return engine
 
     def _start(self, loaded: LoadedModel, backend: Backend, dtype: torch.dtype, max_model_len: int | None, max_num_seqs: int,
-               max_num_batched_tokens: int, kv_cache_memory: float | str | None, block_size: int | None, prefix_caching: bool) -> None:
-        """Size the KV cache and set up the scheduler and the model runner around a loaded model."""
+               max_num_batched_tokens: int, kv_cache_memory: float | str | None, block_size: int | None, prefix_caching: bool,
+               tensor_parallel: bool = False) -> None:
+        """Size the KV cache and set up the scheduler and the model runner around a loaded model
+        (tensor_parallel: one that join_tensor_parallel will cut, or whose modules loading cut:
+        no whole-step decode, which runs a whole model)."""
         self.backend, self.device, self.dtype = backend, backend.device, dtype
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.load_seconds = loaded.path, loaded.seconds
@@ -230,6 +233,7 @@ class LLMEngine:
         self.tp_group: TPGroup | None = None
         self._workers: tp_workers.Workers | None = None
         self.failure: str | None = None  # why the engine cannot run steps any more (a tensor-parallel rank died)
+        self._whole_step_decode = not tensor_parallel
         self._build_runtime(cfg)
 
     def _build_runtime(self, cache_cfg: ModelConfig) -> None:
@@ -242,7 +246,7 @@ class LLMEngine:
             num_blocks = group.send(num_blocks) if group.is_first else group.receive()
         self.kv_cache = self.runner = None  # the old cache goes before the new one comes
         self.kv_cache = KVCache(cache_cfg, num_blocks, block_size, self.dtype, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, max_num_seqs, self.max_model_len, group)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, max_num_seqs, self.max_model_len, group, self._whole_step_decode)
         self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_blocks, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
 
@@ -251,7 +255,7 @@ class LLMEngine:
         self.runner.decode_plan = None
         plan = shard_model(self.model, group)
         self.tp_group, self._workers = group, workers
-        self._build_runtime(plan.local_config(self.config))
+        self._build_runtime(plan.local_config())
         if workers is not None:
             self._stop = weakref.finalize(self, _stop_workers, self.runner, workers)
 

@@ -62,13 +62,14 @@ class ModelRunner:
     loop replays them on their shards; the model's collectives meet in between."""
 
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, backend: Backend, max_num_seqs: int, max_model_len: int,
-                 group: TPGroup | None = None) -> None:
+                 group: TPGroup | None = None, whole_step_decode: bool = True) -> None:
         self.max_num_seqs, self.max_model_len = max_num_seqs, max_model_len  # the whole-step decode's static shapes
         self.model = model
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = backend.device
         self.group = group
+        self.whole_step_decode = whole_step_decode and group is None  # the whole-step decodes have no collectives between layers
         self.in_step = False
         self.decode_plan: DecodePlan | None = None
         self.refresh_decode_plan()
@@ -78,7 +79,7 @@ class ModelRunner:
         its whole-step decode; needed after modules change (quantization)."""
         self.decode_plan = None  # let go of the old tensors before they move
         self.backend.prepare_model(self.model)
-        if self.group is None:  # the whole-step decodes have no collectives between layers
+        if self.whole_step_decode:
             self.decode_plan = self.backend.decode_plan(self.model, self.kv_cache, self.max_num_seqs, self.max_model_len)
 
     @torch.inference_mode()

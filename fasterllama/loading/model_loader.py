@@ -4,6 +4,7 @@ checkpoint written by `fasterllama quantize`. Quantizing a float model is the en
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -35,10 +36,13 @@ def _counted(items, bar):
 
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quantization: str | None, keep_gguf_quantized: bool,
-               progress: bool = True) -> LoadedModel:
+               progress: bool = True, shard: tuple[int, int] | None = None) -> LoadedModel:
     """quantization None: a GGUF file's quantized tensors stay quantized where
     `keep_gguf_quantized` (the backend's kernels run them exactly); "gguf" asks for that, "none"
-    expands every tensor to `dtype`; any other mode loads floats for the caller to quantize."""
+    expands every tensor to `dtype`; any other mode loads floats for the caller to quantize.
+    shard (rank, ranks): a GGUF file's quantized projections are cut to this tensor-parallel
+    rank's part as each one loads, so a rank holds about 1/ranks of them (the rest is cut by
+    parallel.sharding.shard_model once loaded)."""
     from ..quant.checkpoint import load_quantized
     from ..quant.gguf_native import load_gguf_native
 
@@ -63,7 +67,12 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
         elif quantization == "gguf":  # keep the file's quantized tensors quantized
             if ckpt.format != "gguf":
                 raise FasterLlamaError("quantization 'gguf' keeps a GGUF file's quantized tensors; this model is not a GGUF file")
-            load_gguf_native(net, ckpt.source, dtype, device, bar)
+            cut = None
+            if shard is not None:
+                from ..parallel.sharding import ShardPlan, cut_module
+
+                cut = functools.partial(cut_module, ShardPlan.build(ckpt.config, *shard))
+            load_gguf_native(net, ckpt.source, dtype, device, bar, cut)
             quant_config = "gguf"
         else:
             net.load_weights(_counted(ckpt.iter_tensors(), bar), dtype, device)

@@ -127,6 +127,26 @@ def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int
     return v
 
 
+def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Every row's values [n, K] (uint8 for 4-6 bits, int8 for 8) back from pack_panels' layout,
+    64 panels at a time (panel_values reads any rows, but holds each row's whole panel column)."""
+    P, G, g, _ = qp.shape
+    out = torch.empty(P * PANEL, G * g, dtype=torch.int8 if bits == 8 else torch.uint8, device=qp.device)
+    shifts = torch.arange(8, dtype=torch.uint8, device=qp.device)
+    for p0 in range(0, P, 64):
+        cols = qp[p0 : p0 + 64]  # [p, G, g, 4 * bits]
+        if bits == 8:
+            v = cols.view(torch.int8)
+        else:
+            nib = cols[..., :16]
+            v = torch.cat((nib & 15, nib >> 4), dim=-1)  # [p, G, g, 32]: rows 0-15 low nibbles, 16-31 high
+            for b in range(bits - 4):  # word b: bit j of byte i is bit 4 + b of row 8 i + j
+                plane = (cols[..., 16 + 4 * b : 20 + 4 * b, None] >> shifts) & 1  # [p, G, g, 4, 8]
+                v = v | (plane.reshape(v.shape) << (4 + b))
+        out[p0 * PANEL : (p0 + cols.shape[0]) * PANEL] = v.permute(0, 3, 1, 2).reshape(-1, G * g)
+    return out[:n]
+
+
 def panel_centre(bits: int) -> int:
     """The offset of values stored without mins: w = s * (q - centre) (0 for int8)."""
     return 0 if bits == 8 else 1 << (bits - 1)

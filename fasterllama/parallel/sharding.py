@@ -40,10 +40,22 @@ def _chunk(n: int, parts: int, rank: int, unit: int = 1) -> range:
     return range(lo, lo + sizes[rank])
 
 
+def _intermediate_unit(intermediate: int, size: int) -> int:
+    """The intermediate columns split in whole blocks of the largest power of two up to 256 (a
+    K-quant super-block) that divides them and leaves a block for every rank: whole groups of any
+    quantization (16 .. 256 columns) on every rank."""
+    unit = 256
+    while unit > 1 and (intermediate % unit or intermediate // unit < size):
+        unit //= 2
+    return unit
+
+
 @dataclass(frozen=True)
 class ShardPlan:
-    """Which heads, intermediate columns and vocabulary rows one rank holds."""
+    """Which heads, intermediate columns and vocabulary rows one rank holds, and so which rows or
+    input columns of each weight (`cut_module`)."""
 
+    cfg: ModelConfig
     rank: int
     size: int
     q_heads: range
@@ -53,7 +65,7 @@ class ShardPlan:
     vocab_sizes: tuple[int, ...]
 
     @classmethod
-    def build(cls, cfg: ModelConfig, rank: int, size: int, intermediate_unit: int = 1) -> ShardPlan:
+    def build(cls, cfg: ModelConfig, rank: int, size: int) -> ShardPlan:
         heads, kv, group = cfg.num_heads, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
         if size <= kv:
             kv_heads = _chunk(kv, size, rank)
@@ -66,15 +78,34 @@ class ShardPlan:
             kv_heads = range(rank // per, rank // per + 1)
             own = _chunk(group, per, rank % per)
             q_heads = range(kv_heads.start * group + own.start, kv_heads.start * group + own.stop)
-        if cfg.intermediate_size % intermediate_unit or cfg.intermediate_size // intermediate_unit < size:
-            raise FasterLlamaError(f"the intermediate size {cfg.intermediate_size} does not split over {size} ranks in whole "
-                                   f"groups of {intermediate_unit} (the quantized down projection's group size)")
-        return cls(rank, size, q_heads, kv_heads, _chunk(cfg.intermediate_size, size, rank, intermediate_unit),
+        if cfg.intermediate_size < size:
+            raise FasterLlamaError(f"the intermediate size {cfg.intermediate_size} does not split over {size} ranks")
+        unit = _intermediate_unit(cfg.intermediate_size, size)
+        return cls(cfg, rank, size, q_heads, kv_heads, _chunk(cfg.intermediate_size, size, rank, unit),
                    _chunk(cfg.vocab_size, size, rank), tuple(even_split(cfg.vocab_size, size)))
 
-    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+    def local_config(self) -> ModelConfig:
         """The config of this rank's attention (its heads): what its KV cache holds."""
-        return replace(cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads))
+        return replace(self.cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads))
+
+    def rows_and_cols(self, path: str) -> tuple[torch.Tensor | None, slice | None]:
+        """(output rows, input columns) this rank keeps of the weight at `path` (a module path
+        such as layers.3.self_attn.qkv_proj, lm_head or embed_tokens)."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        q, kv, inter = self.q_heads, self.kv_heads, self.intermediate
+        kind = path.rsplit(".", 1)[-1]
+        if kind == "qkv_proj":
+            return torch.cat([torch.arange(q.start * hd, q.stop * hd), cfg.q_size + torch.arange(kv.start * hd, kv.stop * hd),
+                              cfg.q_size + cfg.kv_size + torch.arange(kv.start * hd, kv.stop * hd)]), None
+        if kind == "o_proj":
+            return None, slice(q.start * hd, q.stop * hd)
+        if kind == "gate_up_proj":
+            return torch.cat([torch.arange(inter.start, inter.stop), cfg.intermediate_size + torch.arange(inter.start, inter.stop)]), None
+        if kind == "down_proj":
+            return None, slice(inter.start, inter.stop)
+        if kind in ("lm_head", "embed_tokens"):
+            return torch.arange(self.vocab.start, self.vocab.stop), None
+        raise FasterLlamaError(f"tensor parallelism does not split {path!r}")
 
 
 # -- cutting one module -----------------------------------------------------------------------------
@@ -118,6 +149,17 @@ def take(module: nn.Module, rows: torch.Tensor | None = None, cols: slice | None
         q, s, m = module.rows_layout()
         return PackedLinear(q[r][:, c], s[r][:, gc], None if m is None else m[r][:, gc], module.bits, b)
     raise FasterLlamaError(f"tensor parallelism cannot split a {type(module).__name__}")
+
+
+def cut_module(plan: ShardPlan, path: str, module: nn.Module) -> nn.Module:
+    """This rank's part of the linear at `path` (as it loads, or after quantization); a part
+    already cut stays as it is."""
+    if getattr(module, "tp_cut", False):
+        return module
+    rows, cols = plan.rows_and_cols(path)
+    part = take(module, rows, cols, bias=cols is None or plan.rank == 0, what=path)
+    part.tp_cut = True
+    return part
 
 
 class RowParallel(nn.Module):
@@ -166,53 +208,39 @@ class ParallelLMHead(nn.Module):
         return self.group.gather_last_dim(self.inner(x), self.sizes)
 
 
-def _embedding_rows(embed: nn.Module, vocab: range, shared: dict[int, nn.Module]) -> nn.Module:
-    if isinstance(embed, QuantizedEmbedding):
-        table = shared.get(id(embed.table)) or take(embed.table, torch.arange(vocab.start, vocab.stop), what="the embedding")
-        shared[id(embed.table)] = table
-        return QuantizedEmbedding(table, embed.dtype)
-    w = embed.weight.data[vocab.start : vocab.stop].clone()
-    return nn.Embedding(len(vocab), w.shape[1], _weight=w).requires_grad_(False)
-
-
 def shard_model(model: LlamaForCausalLM, group: TPGroup) -> ShardPlan:
-    """Cut `model` in place down to rank group.rank's part; returns the plan it followed."""
-    cfg, hd = model.config, model.config.head_dim
-    unit = max(_group_of(layer.mlp.down_proj) for layer in model.layers)
-    plan = ShardPlan.build(cfg, group.rank, group.size, unit)
-    first = group.is_first
-    q, kv = plan.q_heads, plan.kv_heads
-    qkv_rows = torch.cat([torch.arange(q.start * hd, q.stop * hd),
-                          cfg.q_size + torch.arange(kv.start * hd, kv.stop * hd),
-                          cfg.q_size + cfg.kv_size + torch.arange(kv.start * hd, kv.stop * hd)])
-    inter = plan.intermediate
-    gate_up_rows = torch.cat([torch.arange(inter.start, inter.stop), cfg.intermediate_size + torch.arange(inter.start, inter.stop)])
+    """Cut `model` in place down to rank group.rank's part (modules cut while loading stay) and
+    put the collectives between the parts; returns the plan it followed."""
+    cfg = model.config
+    plan = ShardPlan.build(cfg, group.rank, group.size)
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = take(attn.qkv_proj, qkv_rows, what=f"layer {i}'s qkv_proj")
+        attn.qkv_proj = cut_module(plan, f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj)
         o_quant = (attn.o_proj.input_scale, attn.o_proj.clip) if isinstance(attn.o_proj, W8A8Linear) else None
-        attn.o_proj = RowParallel(take(attn.o_proj, cols=slice(q.start * hd, q.stop * hd), bias=first, what=f"layer {i}'s o_proj"), group, o_quant)
-        attn.num_heads, attn.num_kv_heads = len(q), len(kv)
-        attn.q_size, attn.kv_size = len(q) * hd, len(kv) * hd
-        mlp.gate_up_proj = take(mlp.gate_up_proj, gate_up_rows, what=f"layer {i}'s gate_up_proj")
+        attn.o_proj = RowParallel(cut_module(plan, f"layers.{i}.self_attn.o_proj", attn.o_proj), group, o_quant)
+        attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
+        attn.q_size, attn.kv_size = len(plan.q_heads) * cfg.head_dim, len(plan.kv_heads) * cfg.head_dim
+        mlp.gate_up_proj = cut_module(plan, f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj)
         down_quant = None
         if isinstance(mlp.act, SiluAndMulQuant):  # quantized in RowParallel, over the whole row
             down_quant, mlp.act = (mlp.act.static_scale, mlp.act.clip), SiluAndMul()
         elif isinstance(mlp.down_proj, W8A8Linear):
             down_quant = (mlp.down_proj.input_scale, mlp.down_proj.clip)
-        mlp.down_proj = RowParallel(take(mlp.down_proj, cols=slice(inter.start, inter.stop), bias=first, what=f"layer {i}'s down_proj"), group, down_quant)
-    vocab_rows = torch.arange(plan.vocab.start, plan.vocab.stop)
-    shared: dict[int, nn.Module] = {}
-    tied_quantized = model.lm_head is getattr(model.embed_tokens, "table", None)
-    tied_float = isinstance(model.lm_head, Linear) and isinstance(model.embed_tokens, nn.Embedding) and model.lm_head.weight is model.embed_tokens.weight
-    embed = _embedding_rows(model.embed_tokens, plan.vocab, shared)
-    if tied_quantized:
-        head = shared[id(model.lm_head)]
-    elif tied_float:
-        head = Linear(cfg.hidden_size, len(plan.vocab))
-        head.weight = embed.weight
+        mlp.down_proj = RowParallel(cut_module(plan, f"layers.{i}.mlp.down_proj", mlp.down_proj), group, down_quant)
+    embed = model.embed_tokens
+    if isinstance(embed, QuantizedEmbedding):  # its table: a quantized matrix, the lm_head too when tied
+        tied = model.lm_head is embed.table
+        embed = QuantizedEmbedding(cut_module(plan, "embed_tokens", embed.table), embed.dtype)
+        head = embed.table if tied else cut_module(plan, "lm_head", model.lm_head)
     else:
-        head = take(model.lm_head, vocab_rows, what="the lm_head")
+        tied = isinstance(model.lm_head, Linear) and model.lm_head.weight is embed.weight
+        w = embed.weight.data[plan.vocab.start : plan.vocab.stop].clone()
+        embed = nn.Embedding(len(plan.vocab), w.shape[1], _weight=w).requires_grad_(False)
+        if tied:
+            head = Linear(cfg.hidden_size, len(plan.vocab))
+            head.weight = embed.weight
+        else:
+            head = cut_module(plan, "lm_head", model.lm_head)
     model.embed_tokens = VocabParallelEmbedding(embed, plan.vocab, group)
     model.lm_head = ParallelLMHead(head, plan.vocab_sizes, group)
     return plan

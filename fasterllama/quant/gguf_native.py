@@ -8,6 +8,8 @@ F16/BF16/F32 weights, types without a decoder) are expanded to float."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -39,7 +41,10 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     return None
 
 
-def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch.dtype, device: torch.device, progress=None) -> None:
+def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch.dtype, device: torch.device, progress=None,
+                     cut: Callable[[str, torch.nn.Module], torch.nn.Module] | None = None) -> None:
+    """cut(path, module): keep only a part of each quantized projection as it is built (a
+    tensor-parallel rank's), before it goes to the device."""
     cfg = model.config
     floats: list[tuple[str, torch.Tensor]] = []
     pending: dict[str, dict[str, gguf_blocks.Blocks]] = {}  # fused projections waiting for their other parts
@@ -78,7 +83,7 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
             parts = pending.pop(target)
             module = _module([parts[p] for p in order], device)
             if module is not None:
-                quantized[target] = module.to(device)
+                quantized[target] = (module if cut is None else cut(target.removeprefix("model.").removesuffix(".weight"), module)).to(device)
             else:
                 pending[target] = parts  # expanded to float below
     for target, parts in pending.items():  # fused projections with float parts, or no exact module: float

@@ -145,7 +145,7 @@ class PackedLinear(nn.Module):
     def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(values [N, K], scales [N, G], mins [N, G] or None): what it was built from."""
         n = self.out_features
-        q = ops.quantized.panel_values(self.qweight, self.bits, slice(None), n).reshape(n, -1)
+        q = ops.quantized.unpack_panels(self.qweight, self.bits, n)
         return q, ops.quantized.panel_scales(self.scales, n), None if self.mins is None else ops.quantized.panel_scales(self.mins, n)
 
     def dequantize_rows(self, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
