@@ -177,7 +177,9 @@ class LLMEngine:
             backend.register_ops()
             dtype = resolve_dtype(dtype, backend)
             loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, "gguf") else "none",
-                                backend.keeps_gguf_quantized(dtype), progress, None if group is None else (group.rank, group.size))
+                                backend.keeps_gguf_quantized(dtype), progress,
+                                # in parts as it loads, unless a quantization mode needs the whole model first (calibration)
+                                (group.rank, group.size) if group is not None and quantization in (None, "gguf", "none") else None)
             self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
                         enable_prefix_caching, tensor_parallel=group is not None)
             if quantization not in (None, "gguf", "none"):

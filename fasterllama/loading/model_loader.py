@@ -4,7 +4,6 @@ checkpoint written by `fasterllama quantize`. Quantizing a float model is the en
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -40,15 +39,21 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
     """quantization None: a GGUF file's quantized tensors stay quantized where
     `keep_gguf_quantized` (the backend's kernels run them exactly); "gguf" asks for that, "none"
     expands every tensor to `dtype`; any other mode loads floats for the caller to quantize.
-    shard (rank, ranks): a GGUF file's quantized projections are cut to this tensor-parallel
-    rank's part as each one loads, so a rank holds about 1/ranks of them (the rest is cut by
-    parallel.sharding.shard_model once loaded)."""
+    shard (rank, ranks): build and load only this tensor-parallel rank's part of the model, each
+    tensor cut as it loads (parallel.sharding.ShardPlan), so a rank holds about 1/ranks of the
+    weights; parallel.sharding.shard_model then puts the collectives between the parts."""
     from ..quant.checkpoint import load_quantized
     from ..quant.gguf_native import load_gguf_native
 
     t0 = time.perf_counter()
     ckpt = open_checkpoint(model)
-    net = LlamaForCausalLM(ckpt.config)
+    plan = None
+    if shard is not None:  # build only this rank's part, and fill it with the parts of the tensors
+        from ..parallel.sharding import ShardPlan
+
+        plan = ShardPlan.build(ckpt.config, *shard)
+    net = LlamaForCausalLM(ckpt.config if plan is None else plan.local_model_config())
+    tensors = ckpt.iter_tensors() if plan is None else ((name, plan.cut_tensor(name, t)) for name, t in ckpt.iter_tensors())
     bar = None
     if progress:
         from tqdm import tqdm
@@ -63,21 +68,21 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
         if saved_quant is not None:  # written by `fasterllama quantize`: load as saved
             if requested is not None:
                 raise FasterLlamaError("this checkpoint is quantized already; load it without --quantization")
+            if plan is not None:
+                raise FasterLlamaError("tensor parallelism does not load checkpoints saved by `fasterllama quantize` yet: "
+                                       "load the float or GGUF model with quantization=...")
             quant_config = load_quantized(net, saved_quant, _counted(ckpt.iter_tensors(), bar), dtype, device)
         elif quantization == "gguf":  # keep the file's quantized tensors quantized
             if ckpt.format != "gguf":
                 raise FasterLlamaError("quantization 'gguf' keeps a GGUF file's quantized tensors; this model is not a GGUF file")
-            cut = None
-            if shard is not None:
-                from ..parallel.sharding import ShardPlan, cut_module
-
-                cut = functools.partial(cut_module, ShardPlan.build(ckpt.config, *shard))
-            load_gguf_native(net, ckpt.source, dtype, device, bar, cut)
+            load_gguf_native(net, ckpt.source, dtype, device, bar, plan)
             quant_config = "gguf"
         else:
-            net.load_weights(_counted(ckpt.iter_tensors(), bar), dtype, device)
+            net.load_weights(_counted(tensors, bar), dtype, device)
     finally:
         if bar is not None:
             bar.close()
+    if plan is not None:
+        net.config, net.tp_plan = ckpt.config, plan  # a whole model's config over its parts (parallel.sharding.shard_model)
     net.eval()
     return LoadedModel(net, ckpt.config, ckpt.tokenizer, ckpt.path, quant_config, time.perf_counter() - t0)

@@ -88,6 +88,29 @@ class ShardPlan:
         """The config of this rank's attention (its heads): what its KV cache holds."""
         return replace(self.cfg, num_heads=len(self.q_heads), num_kv_heads=len(self.kv_heads))
 
+    def local_model_config(self) -> ModelConfig:
+        """The config of a model with only this rank's part (built, then filled by cut_tensor's parts)."""
+        return replace(self.local_config(), intermediate_size=len(self.intermediate), vocab_size=len(self.vocab), head_dim=self.cfg.head_dim)
+
+    def cut_tensor(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint's canonical (HF-named) tensor as it loads; a row-parallel
+        bias stays whole on rank 0 and is zero elsewhere (the all-reduce adds it once)."""
+        hd, parts = self.cfg.head_dim, name.split(".")
+        kind, is_bias = (parts[-2] if len(parts) > 1 else ""), parts[-1] == "bias"
+        heads = {"q_proj": self.q_heads, "k_proj": self.kv_heads, "v_proj": self.kv_heads}.get(kind)
+        if heads is not None:
+            return t[heads.start * hd : heads.stop * hd]
+        if kind in ("gate_proj", "up_proj"):
+            return t[self.intermediate.start : self.intermediate.stop]
+        if kind in ("embed_tokens", "lm_head"):
+            return t[self.vocab.start : self.vocab.stop]
+        if kind in ("o_proj", "down_proj"):
+            if is_bias:
+                return t if self.rank == 0 else torch.zeros_like(t)
+            cols = range(self.q_heads.start * hd, self.q_heads.stop * hd) if kind == "o_proj" else self.intermediate
+            return t[:, cols.start : cols.stop]
+        return t
+
     def rows_and_cols(self, path: str) -> tuple[torch.Tensor | None, slice | None]:
         """(output rows, input columns) this rank keeps of the weight at `path` (a module path
         such as layers.3.self_attn.qkv_proj, lm_head or embed_tokens)."""
@@ -209,10 +232,15 @@ class ParallelLMHead(nn.Module):
 
 
 def shard_model(model: LlamaForCausalLM, group: TPGroup) -> ShardPlan:
-    """Cut `model` in place down to rank group.rank's part (modules cut while loading stay) and
-    put the collectives between the parts; returns the plan it followed."""
+    """Cut `model` in place down to rank group.rank's part and put the collectives between the
+    parts; returns the plan it followed. A model loaded in parts (model.tp_plan, see
+    loading.model_loader) is only wrapped."""
     cfg = model.config
     plan = ShardPlan.build(cfg, group.rank, group.size)
+    loaded_cut = getattr(model, "tp_plan", None) is not None
+    if loaded_cut:
+        for m in model.modules():
+            m.tp_cut = True
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = cut_module(plan, f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj)
@@ -234,11 +262,12 @@ def shard_model(model: LlamaForCausalLM, group: TPGroup) -> ShardPlan:
         head = embed.table if tied else cut_module(plan, "lm_head", model.lm_head)
     else:
         tied = isinstance(model.lm_head, Linear) and model.lm_head.weight is embed.weight
-        w = embed.weight.data[plan.vocab.start : plan.vocab.stop].clone()
-        embed = nn.Embedding(len(plan.vocab), w.shape[1], _weight=w).requires_grad_(False)
+        if not loaded_cut:
+            w = embed.weight.data[plan.vocab.start : plan.vocab.stop].clone()
+            embed = nn.Embedding(len(plan.vocab), w.shape[1], _weight=w).requires_grad_(False)
         if tied:
             head = Linear(cfg.hidden_size, len(plan.vocab))
-            head.weight = embed.weight
+            head.weight = embed.weight  # (the same tensor when loaded in parts too)
         else:
             head = cut_module(plan, "lm_head", model.lm_head)
     model.embed_tokens = VocabParallelEmbedding(embed, plan.vocab, group)

@@ -8,13 +8,12 @@ F16/BF16/F32 weights, types without a decoder) are expanded to float."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from ..loading.gguf_file import GGUFCheckpoint, _dequantize, canonical_name, unpermute_rope_rows
 from ..model.llama import LlamaForCausalLM
+from ..parallel.sharding import ShardPlan, cut_module
 from . import gguf_blocks
 from .linear import Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding
 
@@ -42,10 +41,10 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
 
 
 def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch.dtype, device: torch.device, progress=None,
-                     cut: Callable[[str, torch.nn.Module], torch.nn.Module] | None = None) -> None:
-    """cut(path, module): keep only a part of each quantized projection as it is built (a
-    tensor-parallel rank's), before it goes to the device."""
-    cfg = model.config
+                     plan: ShardPlan | None = None) -> None:
+    """plan: `model` holds one tensor-parallel rank's part; each tensor is cut to it as it loads,
+    before it goes to the device."""
+    cfg = model.config if plan is None else plan.cfg  # the whole model's heads: the file holds whole tensors
     floats: list[tuple[str, torch.Tensor]] = []
     pending: dict[str, dict[str, gguf_blocks.Blocks]] = {}  # fused projections waiting for their other parts
     quantized: dict[str, torch.nn.Module] = {}
@@ -63,7 +62,7 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
                 arr = unpermute_rope_rows(arr, cfg.num_heads)
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
-            floats.append((name, torch.from_numpy(arr)))
+            floats.append((name, torch.from_numpy(arr) if plan is None else plan.cut_tensor(name, torch.from_numpy(arr))))
             continue
         rows = int(t.shape[1])
         blocks = gguf_blocks.decode(t.data, type_name, rows)
@@ -83,13 +82,16 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
             parts = pending.pop(target)
             module = _module([parts[p] for p in order], device)
             if module is not None:
-                quantized[target] = (module if cut is None else cut(target.removeprefix("model.").removesuffix(".weight"), module)).to(device)
+                if plan is not None:
+                    module = cut_module(plan, target.removeprefix("model.").removesuffix(".weight"), module)
+                quantized[target] = module.to(device)
             else:
                 pending[target] = parts  # expanded to float below
     for target, parts in pending.items():  # fused projections with float parts, or no exact module: float
         fused = next((f for f in _PARTS if f".{f}." in target), None)
         for p, blocks in parts.items():
-            floats.append((target.replace(f".{fused}.", f".{p}.") if fused else target, torch.from_numpy(blocks.values())))
+            name = target.replace(f".{fused}.", f".{p}.") if fused else target
+            floats.append((name, torch.from_numpy(blocks.values()) if plan is None else plan.cut_tensor(name, torch.from_numpy(blocks.values()))))
     model.load_weights(floats, dtype, device, skip=set(quantized))
     for target, module in quantized.items():
         path = target.removeprefix("model.").removesuffix(".weight")

@@ -1,0 +1,107 @@
+"""Tensor parallelism on this machine: prefill and decode tok/s at N = 1 and 2 ranks (the machine's
+threads divided between them), rank 0's weight bytes and each rank's peak resident memory, and the collectives each decode
+step makes (count and bytes). Each N runs in a fresh process, one after the other, so the peaks are
+its own; on a shared machine run it twice and compare within a run.
+
+    python benchmarks/tensor_parallel.py [--model M] [--sizes 1,2] [--json OUT]
+
+Then a model, not a measurement, of what N GPUs over NVLink give for LLaMA-2-70B in bf16 at batch 1
+(`--gpu-model`): a decode step reads each rank's 1/N of the weights at the bandwidth fraction our
+7B bf16 decode reached on an H200 (docs/gpu.md) and makes 2 all-reduces of one hidden vector per
+layer (latency-bound on NVLink), against gpt-fast's measured 21.3 / 38.0 / 62.5 tok/s on 2 / 4 / 8
+A100s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+CHILD = """
+import json, sys, time
+from fasterllama import LLM, SamplingParams
+from fasterllama.bench import run_bench, fixed_prompt_ids
+
+args = json.loads(sys.argv[1])
+if __name__ == "__main__":
+    llm = LLM(args["model"], progress=False, tensor_parallel_size=args["size"], enable_prefix_caching=False)
+    result = run_bench(llm, args["prompt_lens"], args["batch_sizes"], args["decode_steps"], args["repeats"])
+    engine, group = llm.engine, llm.engine.tp_group
+    if group is not None:  # one more decode at batch 1, counting its collectives
+        group.traffic.clear()
+        steps = 32
+        llm.generate([fixed_prompt_ids(16, llm.config.vocab_size)], SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True))
+        total = steps + 1  # steps: the prefill and each decode token
+        result["collectives_per_step"] = {k: {"calls": c / total, "bytes": b / total} for k, (c, b) in group.traffic.items()}
+    peaks = [result["peak_rss_mb"]]
+    for p in (engine._workers.processes if engine._workers else []):
+        with open(f"/proc/{p.pid}/status") as f:
+            peaks.append(next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM")))
+    result["peak_rss_mb_per_rank"] = peaks
+    seen, weight_bytes = set(), 0  # rank 0's weights: its part of them
+    for t in list(engine.model.parameters()) + list(engine.model.buffers()):
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weight_bytes += t.numel() * t.element_size()
+    result["rank0_weights_mb"] = weight_bytes / 2**20
+    engine.shutdown()
+    print("RESULT " + json.dumps(result))
+"""
+
+# LLaMA-2-70B: 80 layers, hidden 8192, bf16 weights
+LLAMA70B = {"bytes": 68.98e9 * 2, "layers": 80, "hidden": 8192}
+A100 = {"name": "A100-80GB SXM", "bandwidth": 2.039e12}
+GPT_FAST_70B = {2: 21.3, 4: 38.0, 8: 62.5}  # tok/s, LLaMA-2-70B bf16, gpt-fast's README (A100s)
+
+
+def gpu_model(bandwidth_fraction: float = 0.65, all_reduce_us: float = 12.0) -> list[dict]:
+    """tok/s at batch 1 for N = 2, 4, 8: weights/N over bandwidth x fraction, plus 2 all-reduces a layer."""
+    rows = []
+    for n, measured in GPT_FAST_70B.items():
+        read = LLAMA70B["bytes"] / n / (A100["bandwidth"] * bandwidth_fraction)
+        comm = 2 * LLAMA70B["layers"] * all_reduce_us * 1e-6
+        rows.append({"gpus": n, "model_tok_s": 1 / (read + comm), "weights_ms": read * 1e3, "all_reduce_ms": comm * 1e3,
+                     "gpt_fast_tok_s": measured})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--sizes", default="1,2")
+    ap.add_argument("--prompt-lens", default="128,512")
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--decode-steps", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    results = {}
+    for size in map(int, args.sizes.split(",")):
+        child = {"model": args.model, "size": size, "prompt_lens": [int(x) for x in args.prompt_lens.split(",")],
+                 "batch_sizes": [int(x) for x in args.batch_sizes.split(",")], "decode_steps": args.decode_steps, "repeats": args.repeats}
+        proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(child)], capture_output=True, text=True)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if proc.returncode != 0 or line is None:
+            sys.exit(f"N={size} failed:\n{proc.stderr[-3000:]}")
+        results[size] = json.loads(line[7:])
+    print(f"{'N':>3} {'prefill 128':>12} {'prefill 512':>12} {'decode b1':>10} {'decode b8':>10}  rank 0 weights MiB  peak MiB per rank")
+    for size, r in results.items():
+        pre, thr = r["prefill"], r["throughput_tokens_per_s"]
+        cells = [f"{pre[k]['tokens_per_s']:12.1f}" if k in pre else f"{'':>12}" for k in ("128", "512")]
+        cells += [f"{thr[k]:10.1f}" if k in thr else f"{'':>10}" for k in ("1", "8")]
+        print(f"{size:>3} {' '.join(cells)}  {r['rank0_weights_mb']:17.1f}  {', '.join(f'{m:.0f}' for m in r['peak_rss_mb_per_rank'])}")
+        for name, c in r.get("collectives_per_step", {}).items():
+            print(f"      {name}: {c['calls']:.0f} calls, {c['bytes'] / 1024:.1f} KiB per step (rank 0 sends)")
+    print("\nLLaMA-2-70B bf16, batch 1, a model of N A100s over NVLink (65% of 2.04 TB/s, 12 us per all-reduce):")
+    model = gpu_model()
+    for row in model:
+        print(f"  {row['gpus']} GPUs: {row['model_tok_s']:.1f} tok/s ({row['weights_ms']:.1f} ms weights + {row['all_reduce_ms']:.1f} ms "
+              f"all-reduces); gpt-fast measured {row['gpt_fast_tok_s']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"runs": results, "gpu_model_70b": model}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
