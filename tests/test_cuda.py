@@ -71,16 +71,22 @@ def test_quantized_same_as_cpu(models, mode: str) -> None:
     assert len(_greedy(gpu, BATCH)[1]) == GREEDY.max_tokens
 
 
-@pytest.mark.parametrize("weight_type", ["q8_0", "q4_1"])
-def test_quantized_gguf_on_cuda(tmp_path, weight_type: str) -> None:
-    """A GGUF's Q8_0/Q4_1 tensors stay quantized on the GPU too (the Triton GEMV/GEMM kernels read
-    the file's blocks) and give HF's logits and tokens, as the CPU default does."""
-    hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.SPECS["head_dim"]), weight_type)
+@pytest.mark.parametrize("name,weight_type", [("head_dim", "q8_0"), ("head_dim", "q4_1"), ("kquant", "q4_k_m"), ("kquant", "q6_k")])
+def test_quantized_gguf_on_cuda(tmp_path, name: str, weight_type: str) -> None:
+    """A GGUF's Q8_0/Q4_1 tensors, and a Q4_K_M file's Q4_K / Q6_K / Q5_0 / Q8_0 ones, stay
+    quantized on the GPU too (the Triton GEMV/GEMM kernels read the file's values) and give HF's
+    logits and tokens, as the CPU default does."""
+    from fasterllama.quant.linear import Int4Linear, Int8Linear
+
+    spec = tm.K_SPECS[name] if name in tm.K_SPECS else tm.SPECS[name]
+    hf = tm.quantize_roundtrip_(tm.build_hf_model(spec), weight_type)
     path = tm.write_gguf(hf, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type=weight_type)
     ref = tm.hf_logits(hf, PROMPT)
     gpu = LLM(model=path, device="cuda", dtype="float32", progress=False)
     cpu = LLM(model=path, device="cpu", progress=False)
     assert gpu.engine.quant_config == "gguf"
+    kept = [m for m in gpu.engine.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert len(kept) >= 4 * spec.num_layers  # every projection
     got = gpu.compute_logits(PROMPT).cpu()
     assert (got - ref).abs().max().item() < 1e-3
     assert (got - cpu.compute_logits(PROMPT)).abs().max().item() < 1e-3

@@ -65,11 +65,14 @@ def test_combine_holds_every_part_exactly(types):
         assert both.mins is None  # centred alike: no mins stored
 
 
-@pytest.mark.parametrize("types,kind", [(("Q5_0", "Q8_0"), "Int8Linear"), (("Q4_1", "Q4_0"), "Int4Linear"), (("Q6_K",), None), (("Q4_K",), None),
-                                        (("Q4_0", "Q5_0"), None)])
+@pytest.mark.parametrize("types,kind", [(("Q5_0", "Q8_0"), "Int8Linear"), (("Q4_1", "Q4_0"), "Int4Linear"), (("Q6_K",), "Int8Linear"),
+                                        (("Q4_K",), "Int4Linear"), (("Q3_K",), None), (("Q6_K", "Q5_0", "Q8_0"), "Int8Linear"),
+                                        (("Q4_0", "Q5_0"), None), (("Q5_K",), None), (("Q5_1",), None), (("Q2_K",), None), (("Q4_K", "Q6_K"), None)])
 def test_gpu_modules_are_the_row_layouts(types, kind):
-    """Off the CPU the file's blocks load as the row layouts the GPU kernels read, exactly, or as
-    float where those cannot hold them (a K-quant's fp32 scales, groups of 16, 4 + 5-bit mixes)."""
+    """Off the CPU the file's blocks load as the row layouts the GPU kernels read, exactly: 4-bit
+    with mins in groups of 32 (Q4_K's scales in fp32), int8 for centred values in groups of 16 or
+    more; or as float where those cannot hold them (5-bit values with mins, Q2_K's groups of 16
+    with mins, Q3_K, 4 + 5-bit mixes)."""
     import torch
 
     from fasterllama.quant import gguf_native

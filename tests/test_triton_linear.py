@@ -162,3 +162,18 @@ def test_cuda_graph_capture(M: int) -> None:
     graph.replay()
     for out, expected in zip(outs, run()):
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", ROWS)
+def test_gguf_k_quant_layouts(M: int, dtype: torch.dtype) -> None:
+    """A GGUF K-quant file's tensors off the CPU (quant/gguf_native.py): Q6_K / Q3_K as int8 in
+    groups of 16, Q4_K as 4-bit with fp32 scales and mins (a K-quant's d * sc needs up to 17 bits)."""
+    N, K = SHAPES[-1]
+    q, scale = _int8_weight(N, K, K // 16)
+    x = _x(M, K, dtype)
+    _check(tlin.int8_weight_linear(x, q, scale, None), ref.int8_weight_linear(x, q, scale, None), dtype)
+    packed, scales, mins = _int4_weight(N, K, 32, False)
+    scales, mins = scales.float() * (1 + 2**-14), mins.float() * (1 - 2**-13)  # not fp16 values
+    assert not torch.equal(scales.half().float(), scales)
+    _check(tlin.int4_weight_linear(x, packed, scales, mins, 32, None), ref.int4_weight_linear(x, packed, scales, mins, 32, None), dtype)

@@ -167,7 +167,7 @@ def take(module: nn.Module, rows: torch.Tensor | None = None, cols: slice | None
         return Int8Linear(q[r][:, c], s[r] if module.group_size is None else s[r][:, gc], b)
     if isinstance(module, Int4Linear):
         q, s, m = module._rows(every)
-        return Int4Linear(q[r][:, c], s[r][:, gc], m[r][:, gc], b)
+        return Int4Linear(q[r][:, c], s[r][:, gc], m[r][:, gc], b, scale_dtype=s.dtype)
     if isinstance(module, PackedLinear):
         q, s, m = module.rows_layout()
         return PackedLinear(q[r][:, c], s[r][:, gc], None if m is None else m[r][:, gc], module.bits, b)

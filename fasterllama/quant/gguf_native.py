@@ -24,19 +24,22 @@ _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.Module | None:
     """The quantized module for a (fused) projection's parts: PackedLinear on the CPU; on other
-    devices the row layouts their kernels read (int8 for Q8_0 / Q5_0, 4-bit with fp16 scales and
-    mins for Q4_0 / Q4_1), or None where those cannot hold the parts exactly (loaded as float)."""
+    devices the row layouts their kernels read: 4-bit values with a scale and min per group of 32
+    or more (Q4_0, Q4_1, Q4_K), int8 for other values without mins (Q5_0, Q8_0, Q6_K's groups of
+    16), scales fp16 where exact, else fp32. None where those cannot hold the parts exactly (Q5_1,
+    Q5_K, and Q2_K's / Q3_K's groups of 16 with mins: loaded as float)."""
     b = gguf_blocks.combine(parts)
     scale = torch.from_numpy(b.scale)
     if device.type == "cpu":
         return PackedLinear(torch.from_numpy(b.q), scale, None if b.mins is None else torch.from_numpy(b.mins), b.bits)
-    if b.group != 32:
+    if b.group < 16 or b.group & (b.group - 1):
         return None
-    if b.mins is None and b.bits in (5, 8):
+    if b.bits == 4 and b.group >= 32:
+        mins = torch.from_numpy(b.explicit_mins())
+        exact16 = all(torch.equal(x.half().float(), x) for x in (scale, mins))
+        return Int4Linear(torch.from_numpy(b.q), scale, mins, scale_dtype=torch.float16 if exact16 else torch.float32)
+    if b.mins is None:
         return Int8Linear(torch.from_numpy((b.q.astype(np.int16) - b.centre).astype(np.int8)), scale)
-    mins = torch.from_numpy(b.explicit_mins())
-    if b.bits == 4 and all(torch.equal(x.half().float(), x) for x in (scale, mins)):
-        return Int4Linear(torch.from_numpy(b.q), scale, mins)
     return None
 
 

@@ -73,18 +73,20 @@ class Int8Linear(_PanelStorage, nn.Module):
 
 
 class Int4Linear(_PanelStorage, nn.Module):
-    """Weight-only 4-bit, group-wise (mode `w4`; GGUF Q4_0/Q4_1 repacked exactly):
-    w = scale * q + min per group, q in 0..15, scale and min stored in fp16."""
+    """Weight-only 4-bit, group-wise (mode `w4`; GGUF Q4_0/Q4_1/Q4_K repacked exactly off the CPU):
+    w = scale * q + min per group, q in 0..15, scale and min stored in fp16 (fp32 where a GGUF
+    K-quant's scales need it)."""
 
     ROW_FIELDS = ("qweight", "scales", "mins")
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None,
+                 scale_dtype: torch.dtype = torch.float16) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.group_size = self.in_features // scale.shape[1]
         self.qweight = _buffer(ops.pack_int4(q, self.group_size))
-        self.scales = _buffer(scale.to(torch.float16).contiguous())  # [N, K/g]
-        self.mins = _buffer(mins.to(torch.float16).contiguous())
+        self.scales = _buffer(scale.to(scale_dtype).contiguous())  # [N, K/g]
+        self.mins = _buffer(mins.to(scale_dtype).contiguous())
         self.bias = None if bias is None else _buffer(bias)
 
     def use_panels(self) -> None:
