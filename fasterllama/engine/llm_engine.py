@@ -247,6 +247,8 @@ class LLMEngine:
         if group is not None:
             num_blocks = group.send(num_blocks) if group.is_first else group.receive()
         self.kv_cache = self.runner = None  # the old cache goes before the new one comes
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # and its memory counts as free when the new one is sized
         self.kv_cache = KVCache(cache_cfg, num_blocks, block_size, self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, max_num_seqs, self.max_model_len, group, self._whole_step_decode)
         self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_blocks, prefix_caching)
