@@ -126,9 +126,11 @@ def test_float_models_split_over_two_ranks(paths, name: str) -> None:
     _assert_same_as_one_process(paths[name])
 
 
-@pytest.mark.parametrize("mode", ["w8", "w8-g32", "w4", "w8a8", "w8a8-static", "w8a8-static-clip"])
-def test_every_quantization_mode_splits_exactly(paths, mode: str) -> None:
-    _assert_same_as_one_process(paths["gqa"], mode)
+@pytest.mark.parametrize("name,mode", [("gqa", m) for m in ("w8", "w8-g32", "w4", "w8a8", "w8a8-static", "w8a8-static-clip")]
+                         + [("mha", "w4"), ("mha", "w8a8"), ("mqa", "w8-g32"), ("mqa", "w8a8-static")])
+def test_every_quantization_mode_splits_exactly(paths, name: str, mode: str) -> None:
+    """Every mode on GQA, and MHA / MQA (its one KV head on both ranks) in some."""
+    _assert_same_as_one_process(paths[name], mode)
 
 
 @pytest.mark.parametrize("name", ["smol_mix-q4_k_m", "kquant-q4_k_m", "gqa-q8_0", "mqa-q4_1"])
