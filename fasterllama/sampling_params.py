@@ -6,6 +6,7 @@ TypeError deep in the sampler, or a silently wrong result such as temperature="0
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from collections.abc import Callable
@@ -99,6 +100,12 @@ class SamplingParams:
     early_stopping: bool | str = False  # True, False or "never", as in HF generate
     diversity_rate: float = 0.0  # FasterTransformer: r-th best continuation of a beam loses rate * r
     skip_special_tokens: bool = True
+    # structured output (at most one; engine/structured.py): the text follows a JSON schema (a dict
+    # or its JSON text), a regular expression, a Lark grammar (llguidance's syntax), or is any JSON object
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
     def __post_init__(self) -> None:
         """Check every field's type and range, normalizing numbers (numpy ints -> int, 0 -> 0.0)."""
@@ -130,8 +137,43 @@ class SamplingParams:
             raise FasterLlamaError(f"early_stopping must be True, False or 'never', got {_show(self.early_stopping)}")
         self.diversity_rate = _check_real("diversity_rate", self.diversity_rate, "a finite number >= 0", lambda x: x >= 0)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self._check_constraint()
         if self.seed is not None:  # sample k draws with seed + k, packed into int64
             self.seed = _check_int("seed", self.seed, -(2**63), 2**63 - self.n, " (a 64-bit integer; seed + n - 1 must fit too)")
+
+    def _check_constraint(self) -> None:
+        if isinstance(self.json_schema, str):
+            try:
+                schema = json.loads(self.json_schema)
+            except ValueError as e:
+                raise FasterLlamaError(f"json_schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise FasterLlamaError(f"json_schema must be a JSON object, got {_show(self.json_schema)}")
+        elif self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise FasterLlamaError(f"json_schema must be a dict or its JSON text, got {_show(self.json_schema)}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise FasterLlamaError(f"{name} must be a non-empty string, got {_show(value)}")
+        self.json_object = _check_bool("json_object", self.json_object)
+        given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None] + (["json_object"] if self.json_object else [])
+        if len(given) > 1:
+            raise FasterLlamaError(f"give at most one of json_schema, regex, grammar and json_object, got {', '.join(given)}")
+        if given and self.beam_width > 1:
+            raise FasterLlamaError("structured output does not combine with beam search")
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(kind, text) of the structured-output constraint: ("json", schema text), ("regex", ...),
+        ("lark", grammar), or None."""
+        if self.json_schema is not None:
+            text = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)  # its property order is the output's
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.grammar is not None:
+            return "lark", self.grammar
+        return ("json", '{"type": "object"}') if self.json_object else None
 
     @property
     def greedy(self) -> bool:

@@ -349,6 +349,29 @@ def test_chat_matches_offline(server: Server, offline: LLM) -> None:
     assert reasons == [o.finish_reason for o in ref2.outputs]
 
 
+def test_structured_output_over_http(server: Server, offline: LLM) -> None:
+    """response_format json_schema / json_object (chat) and guided_regex (completions): the offline
+    engine's constrained text; a schema that cannot compile is a 400."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["ok", "color"],
+              "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}}}
+    messages = [{"role": "user", "content": "Colour?"}]
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40, json_schema=schema))[0]
+    r = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    assert r.choices[0].message.content == ref.text and json.loads(ref.text)["color"] in ("red", "green", "blue")
+    assert r.choices[0].finish_reason == "stop"
+    r = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, response_format={"type": "json_object"})
+    assert r.choices[0].message.content == offline.chat(messages, SamplingParams(temperature=0, max_tokens=60, json_object=True))[0].text
+    c = server.client().completions.create(model=MODEL, prompt="Answer:", max_tokens=20, temperature=0, extra_body={"guided_regex": "(yes|no)!"})
+    assert c.choices[0].text in ("yes!", "no!") and c.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="cannot compile the json constraint"):
+        server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=5,
+                                                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
+    with pytest.raises(openai.BadRequestError, match="at most one"):
+        server.client().completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"guided_regex": "a", "guided_grammar": 'start: "a"'})
+    assert slots_free(server)
+
+
 def test_64_concurrent_streams_complete_and_16_aborted_free_their_blocks(server: Server) -> None:
     """64 streams of mixed lengths (8x the seats: most wait); 16 clients leave mid-stream. The
     other 48 finish with every token, and no KV block stays used."""

@@ -179,11 +179,13 @@ class EngineLoop:
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None) -> RequestHandle:
         """Queue a request of params.n sequences (sample k seeded with seed + k, as LLM.generate).
 
-        The prompt is encoded here, so a bad prompt raises in the caller's thread."""
+        The prompt is encoded here, and its structured-output constraint compiled, so a bad prompt
+        or constraint raises in the caller's thread."""
         params = params or SamplingParams()
         if params.beam_width > 1:
             raise FasterLlamaError("beam search is not supported by the engine loop")
         ids = self.encode(prompt)
+        self.engine.structured.matcher(params)  # a constraint that cannot compile raises here (compiled once, cached)
         request_id = request_id or uuid.uuid4().hex
         handle = RequestHandle(self, request_id, ids, params)
         with self._cond:

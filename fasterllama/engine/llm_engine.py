@@ -31,6 +31,7 @@ from .kv_cache import KVCache, num_blocks_for
 from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
+from .structured import StructuredOutput
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -231,6 +232,7 @@ class LLMEngine:
                                    "(max_position_embeddings); use at most that")
         self.max_model_len = max_model_len
         self.eos_token_ids = set(cfg.eos_token_ids)
+        self.structured = StructuredOutput(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self._limits = (max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size or backend.kv_block_size, prefix_caching)
         self.tp_group: TPGroup | None = None
         self._workers: tp_workers.Workers | None = None
@@ -331,6 +333,7 @@ class LLMEngine:
         ids = self.encode_prompt(prompt)
         self._check_fits(ids, params)
         seq = Sequence(ids, params, self.tokenizer, self._seed(params, sample_index))
+        seq.matcher = self.structured.matcher(params)
         self.scheduler.add(seq)
         return seq
 
@@ -341,6 +344,8 @@ class LLMEngine:
         ids = self.encode_prompt(prompt)
         self._check_fits(ids, params)
         seqs = [Sequence(ids, params, self.tokenizer, self._seed(params, k)) for k in range(params.n)]
+        for seq in seqs:
+            seq.matcher = self.structured.matcher(params)
         seqs[0].forks = seqs[1:]
         self.scheduler.add(seqs[0])
         return seqs
@@ -426,6 +431,8 @@ class LLMEngine:
                 sample_rows.append(sample_rows[i])
             parent.forks = []
         logits = all_logits if sample_rows == list(range(len(rows))) else all_logits[sample_rows]
+        if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
+            self.structured.mask(logits, [s.matcher for s in seqs])
         if all(s.params.greedy and self._plain_logits(s) for s in seqs):
             token_ids = ops.argmax(logits).tolist()  # what sampler.sample does here, without its per-row tensors
         else:
@@ -458,7 +465,9 @@ class LLMEngine:
         if seq.detokenizer:
             seq.text += seq.detokenizer.add(tok)
         reason = None
-        if p.stop and seq.text:
+        if seq.matcher is not None and self.structured.advance(seq.matcher, tok):
+            reason = "stop"  # the constraint is complete
+        if p.stop and seq.text and reason is None:
             reason = self._truncate_at_stop(seq)
         if reason is None:
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:

@@ -42,6 +42,7 @@ class Sequence:
         self.text = ""  # output text so far (truncated before a stop string)
         self.num_emitted = 0  # chars of text already streamed
         self.num_checked = 0  # chars of text already searched for stop strings
+        self.matcher = None  # structured output: the llguidance matcher of its constraint (engine/structured.py)
 
     @property
     def num_tokens(self) -> int:

@@ -4,15 +4,17 @@ Strict mode: a string is not a number and 5.0 is not an integer, as in OpenAI's 
 infinities are refused. Fields we cannot honour (echo, suffix, logit_bias, tools, ...) are
 refused when set rather than silently ignored; unknown fields are ignored, as OpenAI does.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens."""
+min_tokens, stop_token_ids, skip_special_tokens, and structured output: response_format (json_object,
+json_schema) and guided_json, guided_regex, guided_grammar (a Lark grammar)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from ..errors import FasterLlamaError
 from ..sampling_params import SamplingParams
 
 MAX_N = 128  # sequences per prompt
@@ -33,6 +35,20 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's response_format: plain text, any JSON object, or JSON following a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
 
 
 class GenerationRequest(_Strict):
@@ -58,6 +74,10 @@ class GenerationRequest(_Strict):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None  # structured output, vLLM's extension names
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # a Lark grammar (llguidance's syntax)
 
     @field_validator("stop")
     @classmethod
@@ -98,7 +118,21 @@ class GenerationRequest(_Strict):
             logprobs=logprobs,
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
+            json_schema=self._json_schema(),
+            regex=self.guided_regex,
+            grammar=self.guided_grammar,
+            json_object=self.response_format is not None and self.response_format.type == "json_object",
         )
+
+    def _json_schema(self) -> dict[str, Any] | str | None:
+        fmt = self.response_format
+        if fmt is None or fmt.type != "json_schema":
+            return self.guided_json
+        if self.guided_json is not None:
+            raise FasterLlamaError("give response_format or guided_json, not both")
+        if fmt.json_schema is None:
+            raise FasterLlamaError("response_format of type json_schema needs a json_schema object")
+        return fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
 
 
 Prompt = str | list[int]
@@ -188,14 +222,11 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
         if self.tools:
             raise _refuse("tools", "tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise _refuse("response_format", "response_format other than text is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise _refuse("top_logprobs", "top_logprobs requires logprobs to be true")
         return self

@@ -1,0 +1,164 @@
+"""Structured output (engine/structured.py, llguidance): JSON schemas, regexes and Lark grammars
+constrain the sampled tokens; every output parses; constraints compose with sampling, n > 1,
+seeds and batching; a bad constraint is a clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("llguidance")
+
+import tiny_models as tm  # noqa: E402
+
+from fasterllama import LLM, SamplingParams  # noqa: E402
+from fasterllama.errors import FasterLlamaError  # noqa: E402
+
+TINY_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["ok", "color", "n"],
+               "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]},
+                              "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    path = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path_factory.mktemp("so") / "gqa"))
+    return LLM(path, progress=False)
+
+
+def test_params_take_one_constraint() -> None:
+    assert SamplingParams(json_schema={"type": "integer"}).constraint == ("json", '{"type": "integer"}')
+    assert SamplingParams(json_object=True).constraint == ("json", '{"type": "object"}')
+    assert SamplingParams(regex="a+").constraint == ("regex", "a+") and SamplingParams().constraint is None
+    for kwargs, fragment in (({"regex": "a", "grammar": 'start: "a"'}, "at most one"), ({"json_schema": "{nope"}, "not valid JSON"),
+                             ({"json_schema": "[1]"}, "JSON object"), ({"json_schema": 3}, "dict or its JSON text"),
+                             ({"regex": ""}, "non-empty"), ({"json_object": 1}, "True or False"),
+                             ({"regex": "a", "beam_width": 2}, "beam search")):
+        with pytest.raises(FasterLlamaError, match=fragment):
+            SamplingParams(**kwargs)
+
+
+def test_bad_constraints_are_clear_errors(tiny: LLM) -> None:
+    for kwargs, fragment in (({"json_schema": {"type": "objectx"}}, "cannot compile the json constraint"),
+                             ({"grammar": "start: (("}, "cannot compile the lark constraint"),
+                             ({"regex": "a("}, "cannot compile the regex constraint")):
+        with pytest.raises(FasterLlamaError, match=fragment):
+            tiny.generate([[5, 6, 7]], SamplingParams(max_tokens=4, **kwargs))
+    assert not tiny.engine.has_unfinished()
+
+
+def test_regex_grammar_and_schema_hold_greedy_and_sampled(tiny: LLM) -> None:
+    """A random model's every output matches its constraint and ends there ("stop"), greedy and
+    sampled, n = 3, with penalties and top-k/p on; seeded runs repeat."""
+    prompts = [[5, 6, 7], [100, 200, 33, 4], [9] * 12]
+    cases = [({"regex": r"(yes|no|maybe) [0-9]{2}"}, lambda t: re.fullmatch(r"(yes|no|maybe) [0-9]{2}", t)),
+             ({"grammar": 'start: item ("," item)*\nitem: "ab" | "cd" | "e"'}, lambda t: re.fullmatch(r"(ab|cd|e)(,(ab|cd|e))*", t)),
+             ({"json_schema": TINY_SCHEMA}, lambda t: _valid(json.loads(t), TINY_SCHEMA))]
+    for constraint, check in cases:
+        for extra in ({"temperature": 0}, {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.2, "seed": 4, "n": 3}):
+            params = SamplingParams(max_tokens=48, **constraint, **extra)
+            outs = tiny.generate(prompts, params)
+            for out in outs:
+                for c in out.outputs:
+                    assert c.finish_reason == "stop", (constraint, c.text)
+                    assert check(c.text), (constraint, c.text)
+            if "seed" in extra:
+                assert [[c.text for c in o.outputs] for o in tiny.generate(prompts, params)] == [[c.text for c in o.outputs] for o in outs]
+
+
+def test_free_requests_in_a_constrained_batch_get_their_own_tokens(tiny: LLM) -> None:
+    free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    alone = [o.token_ids for o in tiny.generate([[5, 6, 7], [40, 41]], free)]
+    mixed = tiny.generate([[5, 6, 7], [8, 9], [40, 41]], [free, SamplingParams(temperature=0, max_tokens=48, json_schema=TINY_SCHEMA), free])
+    assert [mixed[0].token_ids, mixed[2].token_ids] == alone
+    assert _valid(json.loads(mixed[1].text), TINY_SCHEMA)
+
+
+def _valid(value: object, schema: dict) -> bool:
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(value, schema)
+    return True
+
+
+# -- the default model: 200 requests over 20 schemas -------------------------------------------------
+_S = {"type": "string", "maxLength": 24}
+SCHEMAS: list[dict] = [
+    {"type": "object", "properties": {"name": _S, "age": {"type": "integer", "minimum": 0, "maximum": 120}}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": {"enum": ["Paris", "London", "Rome", "Tokyo"]}, "population": {"type": "integer", "minimum": 0}},
+     "required": ["city", "population"]},
+    {"type": "object", "properties": {"title": _S, "tags": {"type": "array", "items": _S, "minItems": 1, "maxItems": 3}}, "required": ["title", "tags"]},
+    {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}}, "required": ["x", "y"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "reason": _S}, "required": ["ok"]},
+    {"type": "object", "properties": {"person": {"type": "object", "properties": {"first": _S, "last": _S}, "required": ["first", "last"]},
+                                      "email": {"type": "string", "pattern": "^[a-z]{2,10}@[a-z]{2,10}\\.com$"}}, "required": ["person", "email"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9}, "minItems": 3, "maxItems": 5},
+    {"type": "object", "properties": {"date": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}, "event": _S}, "required": ["date", "event"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"}},
+     "required": ["color", "hex"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {"type": "object", "properties": {
+        "name": _S, "price": {"type": "number", "minimum": 0, "maximum": 1000}}, "required": ["name", "price"]}}}, "required": ["items"]},
+    {"type": "object", "properties": {"answer": {"type": "integer"}, "confidence": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["answer", "confidence"]},
+    {"type": "object", "properties": {"language": {"enum": ["python", "rust", "go", "c"]}, "version": {"type": "string", "pattern": "^[0-9]\\.[0-9]{1,2}$"}},
+     "required": ["language", "version"]},
+    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]}, "label": {"const": "severity"}}, "required": ["level", "label"]},
+    {"type": "object", "properties": {"steps": {"type": "array", "items": {"type": "string", "maxLength": 30}, "minItems": 2, "maxItems": 4}},
+     "required": ["steps"]},
+    {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "object", "properties": {"c": {"type": "integer"}},
+                                                                                  "required": ["c"]}}, "required": ["b"]}}, "required": ["a"]},
+    {"type": "object", "properties": {"valid": {"type": "boolean"}, "errors": {"type": "array", "items": _S, "maxItems": 2}}, "required": ["valid", "errors"]},
+    {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 60}, "unit": {"enum": ["C", "F"]}},
+     "required": ["temperature", "unit"]},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"}, "count": {"type": "integer", "minimum": 1, "maximum": 10}},
+     "required": ["id", "count"]},
+    {"type": "object", "properties": {"sentiment": {"enum": ["positive", "negative", "neutral"]}, "score": {"type": "number"}},
+     "required": ["sentiment"], "additionalProperties": False},
+    {"type": "object", "properties": {"matrix": {"type": "array", "maxItems": 2, "items": {"type": "array", "maxItems": 2, "items": {"type": "integer"}}}},
+     "required": ["matrix"]},
+]
+TASKS = ["Describe it as JSON.", "Give an example as JSON.", "Answer in JSON only.", "Fill in this JSON for a test case.", "Reply with JSON."]
+
+
+def _closed(schema: object) -> object:
+    """The schema with every object closed to its listed properties (OpenAI's strict mode) and
+    every number bounded (a range, and quarters for non-integers): a 135M model otherwise writes
+    digits until max_tokens, which the grammar allows (llguidance enforces ranges and multipleOf)."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _closed(v) for k, v in schema.items()}
+    kind = out.get("type")
+    if kind == "object":
+        out.setdefault("additionalProperties", False)
+    if kind in ("number", "integer") and "enum" not in out:
+        out.setdefault("minimum", -1000)
+        out.setdefault("maximum", 1000)
+        if kind == "number":
+            out.setdefault("multipleOf", 0.25)  # exact in binary: jsonschema checks it in floats
+    return out
+
+
+@pytest.fixture(scope="module")
+def wide_llm(default_llm) -> LLM:
+    """The default model decoding up to 64 sequences a step (the 200 requests finish sooner)."""
+    return LLM(progress=False, max_num_seqs=64)
+
+
+def test_200_requests_over_20_schemas_all_validate(wide_llm) -> None:
+    """Each schema (nested objects, arrays, enums, numbers, required fields, string patterns; objects
+    closed, as OpenAI's strict mode has them) with 5 chat prompts at temperature 0 and 1: 200
+    requests in one batch, every text valid JSON that validates against its schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    prompts, params = [], []
+    for i, schema in enumerate(_closed(SCHEMAS)):
+        for j, task in enumerate(TASKS):
+            for temperature in (0.0, 1.0):
+                prompts.append(wide_llm.chat_prompt([{"role": "user", "content": task}]))  # the constraint alone shapes the JSON
+                params.append(SamplingParams(temperature=temperature, seed=100 * i + j, max_tokens=200, json_schema=schema))
+    outs = wide_llm.generate(prompts, params)
+    assert len(outs) == 200
+    for out, p in zip(outs, params):
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), p.json_schema)
