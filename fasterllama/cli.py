@@ -57,6 +57,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = logprob / length**penalty")
     p.add_argument("--early-stopping", choices=["true", "false", "never"], default="false", help="beam search stopping rule (as HF)")
     p.add_argument("--diversity-rate", type=float, default=0.0, help="beam search: penalize a beam's r-th continuation by rate*r")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, help="the output follows this JSON schema (its text, or @FILE)")
+    g.add_argument("--json", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression")
+    g.add_argument("--grammar", default=None, help="the output follows this Lark grammar (llguidance's syntax; its text, or @FILE)")
+
+
+def _text_or_file(value: str | None, what: str) -> str | None:
+    """--json-schema / --grammar: the text itself, or @FILE for a file's."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as e:
+        raise FasterLlamaError(f"cannot read the {what} file {value[1:]}: {e.strerror}") from None
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
@@ -80,6 +96,10 @@ def _sampling_params(args: argparse.Namespace) -> Any:
         length_penalty=args.length_penalty,
         early_stopping={"true": True, "false": False, "never": "never"}[args.early_stopping],
         diversity_rate=args.diversity_rate,
+        json_schema=_text_or_file(args.json_schema, "JSON schema"),
+        json_object=args.json,
+        regex=args.regex,
+        grammar=_text_or_file(args.grammar, "grammar"),
     )
 
 
