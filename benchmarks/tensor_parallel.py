@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 
 CHILD = """
 import json, sys, time
@@ -49,6 +51,38 @@ if __name__ == "__main__":
     print("RESULT " + json.dumps(result))
 """
 
+LATENCY = """
+import json, sys, time, torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from fasterllama.parallel.group import Rendezvous, TPGroup
+
+def rank(r, port, floats, store=None):
+    torch.set_num_threads(1)
+    group = TPGroup(r, 2, Rendezvous("127.0.0.1", port, 60), torch.device("cpu"), store)
+    t = torch.ones(floats)
+    out = {}
+    for name, op in (("gloo allreduce", lambda: group.data.allreduce([t]).wait()),
+                     ("send/recv exchange (TPGroup.all_reduce)", lambda: group.all_reduce(t))):
+        for _ in range(50):
+            op()
+        start = time.perf_counter()
+        for _ in range(1000):
+            op()
+        out[name] = (time.perf_counter() - start) / 1000 * 1e6
+    return out
+
+if __name__ == "__main__":
+    floats = int(sys.argv[1])
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+    peer = mp.get_context("spawn").Process(target=rank, args=(1, store.port, floats))
+    peer.start()
+    out = rank(0, store.port, floats, store)
+    peer.join()
+    print("RESULT " + json.dumps(out))
+"""
+
+
 # LLaMA-2-70B: 80 layers, hidden 8192, bf16 weights
 LLAMA70B = {"bytes": 68.98e9 * 2, "layers": 80, "hidden": 8192}
 A100 = {"name": "A100-80GB SXM", "bandwidth": 2.039e12}
@@ -75,8 +109,22 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--latency", type=int, default=576, help="also time one all-reduce of this many floats between two processes (0: skip)")
     args = ap.parse_args()
     results = {}
+    if args.latency:
+        with tempfile.TemporaryDirectory() as tmp:  # a file: the spawned peer imports its function from it
+            script = os.path.join(tmp, "tp_latency.py")
+            with open(script, "w") as f:
+                f.write(LATENCY)
+            proc = subprocess.run([sys.executable, script, str(args.latency)], capture_output=True, text=True, timeout=300)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+        if line is None:
+            sys.exit(f"latency run failed:\n{proc.stderr[-2000:]}")
+        latency = json.loads(line[7:])
+        print(f"one all-reduce of {args.latency} floats between two processes, 1 thread each: "
+              + ", ".join(f"{k} {v:.0f} us" for k, v in latency.items()))
+        results["latency_us"] = latency
     for size in map(int, args.sizes.split(",")):
         child = {"model": args.model, "size": size, "prompt_lens": [int(x) for x in args.prompt_lens.split(",")],
                  "batch_sizes": [int(x) for x in args.batch_sizes.split(",")], "decode_steps": args.decode_steps, "repeats": args.repeats}
@@ -86,7 +134,7 @@ def main() -> None:
             sys.exit(f"N={size} failed:\n{proc.stderr[-3000:]}")
         results[size] = json.loads(line[7:])
     print(f"{'N':>3} {'prefill 128':>12} {'prefill 512':>12} {'decode b1':>10} {'decode b8':>10}  rank 0 weights MiB  peak MiB per rank")
-    for size, r in results.items():
+    for size, r in ((k, v) for k, v in results.items() if k != "latency_us"):
         pre, thr = r["prefill"], r["throughput_tokens_per_s"]
         cells = [f"{pre[k]['tokens_per_s']:12.1f}" if k in pre else f"{'':>12}" for k in ("128", "512")]
         cells += [f"{thr[k]:10.1f}" if k in thr else f"{'':>10}" for k in ("1", "8")]

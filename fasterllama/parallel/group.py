@@ -72,9 +72,9 @@ class TPGroup:
             raise WorkerFailure(f"tensor parallelism: {what} failed (a rank died or stopped answering): {str(e).splitlines()[0]}") from None
 
     # -- the model's collectives -----------------------------------------------------------------
-    # On gloo the collectives are point-to-point messages: its allreduce / gather of a hidden
-    # vector took 1.1 / 0.6 ms between two processes of this machine, a send/recv exchange 0.15 ms
-    # (benchmarks/tensor_parallel.py). Every rank adds the parts in rank order, so all get the same
+    # On gloo the collectives are point-to-point messages: its allreduce of a hidden vector took
+    # 1.1-1.4 ms between two processes of this machine, a send/recv exchange 0.15-0.3 ms
+    # (benchmarks/tensor_parallel.py prints both). Every rank adds the parts in rank order, so all get the same
     # values. NCCL's own collectives are the fast ones on GPUs.
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
         """Sum (or max) of t over the ranks, in place; every rank gets the same values."""
