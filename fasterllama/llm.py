@@ -170,6 +170,7 @@ class LLM:
         block_size: int | None = None,
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
+        speculative_config: dict | str | None = None,
     ) -> None:
         """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q4_0..Q8_0 / Q2_K..Q6_K
         tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
@@ -179,7 +180,11 @@ class LLM:
         kv_cache_memory: the paged KV cache's size, bytes (an int, "2GiB") or a fraction of free
         memory (0.5); by default up to 2 GiB on the CPU and 0.8 of the free memory of a GPU.
         tensor_parallel_size: split the model over this many processes (spawned: a script that
-        makes such an LLM needs the `if __name__ == "__main__":` guard)."""
+        makes such an LLM needs the `if __name__ == "__main__":` guard).
+        speculative_config: speculative decoding, as vLLM's: {"method": "ngram",
+        "num_speculative_tokens": 4} drafts from the prompt, {"method": "draft_model", "model": PATH,
+        "num_speculative_tokens": 4} with a smaller model of the same tokenizer; outputs stay the
+        model's (greedy ones identical), only faster when the drafts are right."""
         self.engine = LLMEngine(
             model,
             dtype=dtype,
@@ -194,6 +199,7 @@ class LLM:
             quantization=quantization,
             calibration_text=calibration_text,
             tensor_parallel_size=tensor_parallel_size,
+            speculative_config=speculative_config,
         )
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config

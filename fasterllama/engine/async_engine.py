@@ -64,6 +64,8 @@ class LoopStats:
     prefix_cache_hit_tokens: int = 0  # of those, found there (not computed)
     preemptions: int = 0
     steps: int = 0
+    spec_draft_tokens: int = 0  # speculative decoding: tokens drafted and verified
+    spec_accepted_tokens: int = 0  # of those, accepted
 
 
 class RequestHandle:
@@ -295,8 +297,8 @@ class EngineLoop:
             req, k = owner
             if k == 0 and len(seq.output_token_ids) == 1:
                 req.handle.cached_tokens = seq.num_prefix_cached
-            logprobs = [seq.logprobs[-1]] if seq.params.logprobs is not None and seq.logprobs else None
-            reason = seq.finish_reason if seq.is_finished else None
+            logprobs = [update.logprobs] if update.logprobs is not None else None
+            reason = update.finish_reason  # (a speculative step emits several tokens: only its last may finish)
             req.handle._push(SequenceOutput(k, update.text_delta, [update.token_id], logprobs, reason, now))
             if reason is not None:
                 del self._owner[seq.seq_id]
@@ -325,5 +327,7 @@ class EngineLoop:
     def _publish(self) -> None:
         running = sum(1 for r in self._requests.values() if any(s.status == SequenceStatus.RUNNING for s in r.seqs))
         blocks, scheduler = self.engine.blocks, self.engine.scheduler
+        spec = self.engine.speculator
         self.stats = LoopStats(running, len(self._requests) - running, blocks.num_blocks, blocks.num_used, scheduler.prefix_queried_tokens,
-                               scheduler.prefix_hit_tokens, scheduler.num_preemptions, self._steps)
+                               scheduler.prefix_hit_tokens, scheduler.num_preemptions, self._steps,
+                               spec.num_draft_tokens if spec else 0, spec.num_accepted_tokens if spec else 0)

@@ -90,6 +90,21 @@ class BlockManager:
                 self.cached[h] = block
                 self.block_keys[block] = key
 
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """seq keeps the K/V of its first num_tokens tokens only (a draft model's rejected drafts):
+        the blocks after are written over, so the ones only it holds stop being findable."""
+        if seq.num_cached <= num_tokens:
+            return
+        seq.num_cached = num_tokens
+        first = num_tokens // self.block_size
+        for block in seq.block_table[first : len(seq.block_hashes)]:
+            key = self.block_keys[block]
+            if key is not None and self.ref_counts[block] == 1:
+                if self.cached.get(hash(key)) == block:
+                    del self.cached[hash(key)]
+                self.block_keys[block] = None
+        del seq.block_hashes[first:]
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block's content (benchmarks that time the same prompt twice)."""
         self.cached.clear()

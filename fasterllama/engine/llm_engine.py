@@ -18,6 +18,7 @@ from ..backends import Backend, get_backend
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
 from ..loading.model_loader import LoadedModel, load_model
+from ..loading.registry import resolve_model_path
 from ..model import LlamaForCausalLM
 from ..parallel import workers as tp_workers
 from ..parallel.group import TPGroup, WorkerFailure
@@ -25,7 +26,7 @@ from ..parallel.sharding import shard_model
 from ..quant import QuantConfig, quantize_model
 from ..sampling_params import SamplingParams, integer_value
 from ..tokenizer import Tokenizer
-from . import sampler
+from . import sampler, speculative
 from .block_manager import BlockManager
 from .kv_cache import KVCache, num_blocks_for
 from .model_runner import ModelRunner
@@ -126,9 +127,13 @@ def _stop_workers(runner: ModelRunner, workers: tp_workers.Workers) -> None:
 
 @dataclass
 class StepUpdate:
+    """One token a sequence emitted in a step (a speculative step may emit several)."""
+
     seq: Sequence
     token_id: int
     text_delta: str
+    logprobs: dict[int, float] | None = None  # this token's top logprobs, when asked
+    finish_reason: str | None = None  # set on the token that finished the sequence
 
 
 class LLMEngine:
@@ -149,10 +154,15 @@ class LLMEngine:
         calibration_text: str | None = None,
         calibration_tokens: int = 2048,
         tensor_parallel_size: int = 1,
+        speculative_config: speculative.SpeculativeConfig | dict | str | None = None,
     ) -> None:
         """tensor_parallel_size N > 1: the model split over N processes (N-1 workers spawned here,
-        the machine's threads divided between them), or over every process of a torchrun launch."""
+        the machine's threads divided between them), or over every process of a torchrun launch.
+        speculative_config: speculative decoding (engine/speculative.py), off by default."""
         _check_limits(max_num_seqs, max_num_batched_tokens, block_size)
+        spec = speculative.SpeculativeConfig.parse(speculative_config)
+        if spec is not None and spec.model is not None:
+            resolve_model_path(spec.model)  # a missing draft model fails before the model loads
         if not isinstance(tensor_parallel_size, int) or isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1:
             raise FasterLlamaError(f"tensor_parallel_size must be an integer >= 1, got {tensor_parallel_size!r}")
         model = _check_model_arg(model)
@@ -187,6 +197,8 @@ class LLMEngine:
                 self.quantize(quantization, calibration_text, calibration_tokens)
             if group is not None:
                 self.join_tensor_parallel(group, workers)
+            if spec is not None and (group is None or group.is_first):
+                self.speculator = speculative.make_speculator(spec, self, progress)
         except BaseException:
             if workers is not None:
                 workers.stop(0)
@@ -198,7 +210,8 @@ class LLMEngine:
     @classmethod
     def from_model(cls, model: LlamaForCausalLM, tokenizer: Tokenizer | None = None, *, max_model_len: int | None = None,
                    max_num_seqs: int = 16, max_num_batched_tokens: int = 2048, kv_cache_memory: float | str | None = None,
-                   block_size: int | None = None, enable_prefix_caching: bool = True) -> LLMEngine:
+                   block_size: int | None = None, enable_prefix_caching: bool = True,
+                   speculative_config: speculative.SpeculativeConfig | dict | str | None = None) -> LLMEngine:
         """An engine over a model built in memory (random weights for benchmarks, a model changed
         by research code), on the device and dtype of its weights; without a tokenizer, prompts
         are token ids and outputs have no text."""
@@ -210,6 +223,9 @@ class LLMEngine:
         loaded = LoadedModel(model, model.config, tokenizer, None, getattr(model, "quant_config", None), 0.0)
         engine._start(loaded, backend, weight.dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
                       enable_prefix_caching)
+        spec = speculative.SpeculativeConfig.parse(speculative_config)
+        if spec is not None:
+            engine.speculator = speculative.make_speculator(spec, engine, False)
         return engine
 
     def _start(self, loaded: LoadedModel, backend: Backend, dtype: torch.dtype, max_model_len: int | None, max_num_seqs: int,
@@ -238,6 +254,7 @@ class LLMEngine:
         self._workers: tp_workers.Workers | None = None
         self.failure: str | None = None  # why the engine cannot run steps any more (a tensor-parallel rank died)
         self._whole_step_decode = not tensor_parallel
+        self.speculator: speculative.Speculator | None = None
         self._build_runtime(cfg)
 
     def _build_runtime(self, cache_cfg: ModelConfig) -> None:
@@ -371,20 +388,27 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[StepUpdate]:
+        if self.speculator is not None:
+            self._propose()
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        # Rows whose logits we need: each sampling sequence's last token, and every prompt
-        # row of sequences that asked for prompt logprobs.
+        # Rows whose logits we need: each sampling sequence's last token (and its drafts'), and
+        # every prompt row of sequences that asked for prompt logprobs.
         rows: list[int] = []
-        sample_rows: list[int] = []
+        sample_rows: list[int] = []  # per sampling sequence, its first row in `rows`
         prompt_rows: list[tuple[ScheduledSeq, int]] = []
         offset = 0
         for item in batch:
@@ -396,10 +420,11 @@ class LLMEngine:
                     sample_rows.append(len(rows) - 1)
             elif item.samples:
                 sample_rows.append(len(rows))
-                rows.append(offset + n - 1)
+                rows.extend(range(offset + n - 1 - len(item.drafts), offset + n))
             offset += n
         starts = {id(item): item.seq.num_cached for item in batch}
         seqs = [item.seq for item in batch if item.samples]  # before advance moves num_cached
+        drafts = [item.drafts for item in batch if item.samples]
         every_row = rows == list(range(offset))  # a decode step: no row gather needed
         if self.failure is not None:
             raise WorkerFailure(self.failure)
@@ -428,25 +453,68 @@ class LLMEngine:
                 child.prompt_logprobs = None if parent.prompt_logprobs is None else list(parent.prompt_logprobs)
                 child.num_prefix_cached = parent.num_prefix_cached
                 seqs.append(child)
+                drafts.append([])
                 sample_rows.append(sample_rows[i])
             parent.forks = []
-        logits = all_logits if sample_rows == list(range(len(rows))) else all_logits[sample_rows]
-        if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
-            self.structured.mask(logits, [s.matcher for s in seqs])
-        if all(s.params.greedy and self._plain_logits(s) for s in seqs):
+        # one logits row per token drawn: a sequence's next token, then one after each of its drafts
+        row_seqs = [(seq, d[:j]) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        gather = [r + j for r, d in zip(sample_rows, drafts) for j in range(len(d) + 1)]
+        logits = all_logits if gather == list(range(len(rows))) else all_logits[gather]
+        if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows (no drafts)
+            self.structured.mask(logits, [s.matcher for s, _ in row_seqs])
+        b = None
+        if all(s.params.greedy and sampler.plain_logits(s, len(extra)) for s, extra in row_seqs):
             token_ids = ops.argmax(logits).tolist()  # what sampler.sample does here, without its per-row tensors
         else:
-            token_ids = sampler.sample(logits, self._sampling_batch(seqs, logits.shape[-1])).tolist()
+            b = sampler.sampling_batch(row_seqs, logits.shape[-1], self.eos_token_ids, self.device)
+            token_ids = sampler.sample(logits, b).tolist()
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         updates = []
-        for row, (seq, tok) in enumerate(zip(seqs, token_ids)):
-            if logprobs is not None and seq.params.logprobs is not None:
-                top = self._top_logprobs(logprobs[row], tok, seq.params.logprobs)
-                seq.logprobs.append(top)
-                seq.cumulative_logprob += top[tok]
-            updates.append(self._append_token(seq, tok))
+        row = 0
+        for seq, d in zip(seqs, drafts):
+            emitted = self._verify(seq, d, logits, b, row, token_ids) if d else token_ids[row : row + 1]
+            for j, tok in enumerate(emitted):
+                top = None
+                if logprobs is not None and seq.params.logprobs is not None:
+                    top = self._top_logprobs(logprobs[row + j], tok, seq.params.logprobs)
+                    seq.logprobs.append(top)
+                    seq.cumulative_logprob += top[tok]
+                updates.append(self._append_token(seq, tok, top))
+                if seq.is_finished:
+                    break
+            if d:
+                self.scheduler.accept(seq, len(emitted) - 1)
+                self.speculator.record(seq, len(d), len(emitted) - 1)
+            row += len(d) + 1
         return updates
+
+    def _propose(self) -> None:
+        """Drafts for the running sequences that decode next step: as many as the proposer's k,
+        the tokens the request may still emit and the context allow (none where the sequence is
+        constrained by structured output)."""
+        seqs, limits = [], []
+        for seq in self.scheduler.running:
+            if seq.num_cached + 1 != seq.num_tokens:
+                continue
+            left = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
+            seqs.append(seq)
+            limits.append(0 if seq.matcher is not None else left)
+        self.speculator.propose(seqs, limits)
+
+    def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, b: sampler.SamplingBatch | None, row: int,
+                token_ids: list[int]) -> list[int]:
+        """The tokens a sequence emits from its drafts and their rows' logits (module speculative)."""
+        targets = token_ids[row : row + len(drafts) + 1]
+        if seq.draft_probs is None or seq.params.greedy:  # fixed guesses: accepted while they are the target's own draws
+            n = 0
+            while n < len(drafts) and drafts[n] == targets[n]:
+                n += 1
+            return targets[: n + 1]
+        rows = slice(row, row + len(drafts) + 1)
+        p = sampler.probabilities(logits[rows], b.select(rows))
+        return speculative.rejection_sample(p, seq.draft_probs[: len(drafts)], drafts, seq.seed, len(seq.output_token_ids),
+                                            lambda probs, i: int(sampler.draw(probs[None], b.seeds[row : row + 1], b.steps[row + i : row + i + 1])[0]))
 
     def _add_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         """Logprob of each prompt token given the ones before it (None for the first)."""
@@ -459,7 +527,7 @@ class LLMEngine:
             if nxt < len(prompt):
                 seq.prompt_logprobs.append(self._top_logprobs(lp[i], prompt[nxt], seq.params.prompt_logprobs))
 
-    def _append_token(self, seq: Sequence, tok: int) -> StepUpdate:
+    def _append_token(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None = None) -> StepUpdate:
         seq.output_token_ids.append(tok)
         p = seq.params
         if seq.detokenizer:
@@ -475,13 +543,13 @@ class LLMEngine:
             elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
             safe_end = len(seq.text)
         else:  # hold back a tail that may still grow into a stop string
             safe_end = len(seq.text) - _stop_prefix_len(seq.text, p.stop)
         delta = seq.text[seq.num_emitted : safe_end]
         seq.num_emitted = max(seq.num_emitted, safe_end)
-        return StepUpdate(seq, tok, delta)
+        return StepUpdate(seq, tok, delta, logprobs, reason)
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> str | None:
@@ -502,49 +570,6 @@ class LLMEngine:
             values, idx = row.topk(n)
             out.update({int(i): float(v) for v, i in zip(values, idx)})
         return out
-
-    @staticmethod
-    def _plain_logits(seq: Sequence) -> bool:
-        """No logits processor changes this sequence's logits this step (no penalty, no ban)."""
-        p = seq.params
-        return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty and len(seq.output_token_ids) >= p.min_tokens
-
-    def _sampling_batch(self, seqs: list[Sequence], vocab: int) -> sampler.SamplingBatch:
-        dev = self.device
-
-        def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        ps = [s.params for s in seqs]
-        f32 = torch.float32
-
-        def padded(rows: list[list[int]]) -> torch.Tensor:
-            width = max(1, max(len(r) for r in rows))
-            return col([r + [-1] * (width - len(r)) for r in rows], torch.int64)
-
-        needs_output = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps)
-        needs_prompt = any(p.repetition_penalty != 1 for p in ps)
-        suppress = None
-        if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
-            suppress = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=dev)
-            for i, s in enumerate(seqs):
-                if len(s.output_token_ids) < s.params.min_tokens:
-                    banned = [t for t in ({*self.eos_token_ids} | set(s.params.stop_token_ids)) if t < vocab]
-                    suppress[i, banned] = True
-        return sampler.SamplingBatch(
-            temperature=col([p.temperature for p in ps], f32),
-            top_k=col([p.top_k for p in ps], torch.int64),
-            top_p=col([p.top_p for p in ps], f32),
-            min_p=col([p.min_p for p in ps], f32),
-            repetition_penalty=col([p.repetition_penalty for p in ps], f32),
-            presence_penalty=col([p.presence_penalty for p in ps], f32),
-            frequency_penalty=col([p.frequency_penalty for p in ps], f32),
-            seeds=col([s.seed for s in seqs], torch.int64),
-            steps=col([len(s.output_token_ids) for s in seqs], torch.int64),
-            prompt_tokens=padded([s.prompt_token_ids for s in seqs]) if needs_prompt else None,
-            output_tokens=padded([s.output_token_ids for s in seqs]) if needs_output else None,
-            suppress=suppress,
-        )
 
     # -- research / tests -------------------------------------------------------------------
     def compute_logits(self, token_ids: Seq[int]) -> torch.Tensor:

@@ -39,15 +39,21 @@ class StepInputs:
 
 
 def step_inputs(batch: list[ScheduledSeq], block_size: int) -> StepInputs:
-    """The step's new tokens of every sequence, packed, and where each goes in the KV cache."""
-    inputs = StepInputs([], [], [], [item.seq.block_table for item in batch], [item.seq.num_cached for item in batch], [0])
+    """The step's new tokens of every sequence, packed, and where each goes in the KV cache. A
+    sequence with drafts is given as one single-token sequence per token (each attending to the
+    cache up to itself, its own and earlier tokens stored first): a verify step is then a decode
+    step of more rows, which the decode kernels and the whole-step decode run as they are."""
+    inputs = StepInputs([], [], [], [], [], [0])
     for item in batch:
-        seq, n = item.seq, item.num_tokens
-        start, table, bs = seq.num_cached, seq.block_table, block_size
-        inputs.tokens += seq.token_ids(start, start + n)
+        seq, n, bs = item.seq, item.num_tokens, block_size
+        start, table = seq.num_cached, seq.block_table
+        inputs.tokens += seq.token_ids(start, start + n - len(item.drafts)) + item.drafts
         inputs.positions += range(start, start + n)
         inputs.slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        inputs.token_offsets.append(inputs.token_offsets[-1] + n)
+        for first in range(start, start + n) if item.drafts else (start,):
+            inputs.block_tables.append(table)
+            inputs.start_positions.append(first)
+            inputs.token_offsets.append(inputs.token_offsets[-1] + (1 if item.drafts else n))
     return inputs
 
 
@@ -73,6 +79,12 @@ class ModelRunner:
         self.in_step = False
         self.decode_plan: DecodePlan | None = None
         self.refresh_decode_plan()
+
+    @property
+    def max_verify_rows(self) -> int:
+        """The most rows a speculative verify step should have: what the whole-step decode covers
+        (past it a step falls back to the slower op-by-op path), else the token budget."""
+        return getattr(self.decode_plan, "MAX_BATCH", None) or 64
 
     def refresh_decode_plan(self) -> None:
         """(Re)prepare the weights for the backend's kernels (panels and huge pages on the CPU) and

@@ -6,11 +6,13 @@ request gets the same tokens whatever else is in its batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
 
 import torch
 
 from .. import ops
+from .sequence import Sequence
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M2 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -49,6 +51,55 @@ class SamplingBatch:
     prompt_tokens: torch.Tensor | None  # [B, Lp] padded with -1 (repetition penalty)
     output_tokens: torch.Tensor | None  # [B, Lo] padded with -1 (all penalties)
     suppress: torch.Tensor | None  # [B, V] bool, tokens banned this step (EOS before min_tokens)
+
+    def select(self, rows: slice) -> SamplingBatch:
+        """The batch of some of its rows."""
+        return SamplingBatch(*(None if t is None else t[rows] for t in (getattr(self, f.name) for f in fields(self))))
+
+
+def plain_logits(seq: Sequence, extra: int = 0) -> bool:
+    """No logits processor changes this sequence's logits at its next token (after `extra` more):
+    no penalty, no ban."""
+    p = seq.params
+    return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty and len(seq.output_token_ids) + extra >= p.min_tokens
+
+
+def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token_ids: Iterable[int], device: torch.device) -> SamplingBatch:
+    """The batch for rows that each draw a sequence's next token after its output so far and the
+    row's extra tokens (the drafts before it in a speculative step; usually none)."""
+
+    def col(values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    def padded(token_rows: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(r) for r in token_rows))
+        return col([r + [-1] * (width - len(r)) for r in token_rows], torch.int64)
+
+    ps = [s.params for s, _ in rows]
+    f32 = torch.float32
+    steps = [len(s.output_token_ids) + len(extra) for s, extra in rows]
+    needs_output = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps)
+    needs_prompt = any(p.repetition_penalty != 1 for p in ps)
+    suppress = None
+    if any(n < p.min_tokens for n, p in zip(steps, ps)):
+        suppress = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+        for i, (n, p) in enumerate(zip(steps, ps)):
+            if n < p.min_tokens:
+                suppress[i, [t for t in {*eos_token_ids, *p.stop_token_ids} if t < vocab]] = True
+    return SamplingBatch(
+        temperature=col([p.temperature for p in ps], f32),
+        top_k=col([p.top_k for p in ps], torch.int64),
+        top_p=col([p.top_p for p in ps], f32),
+        min_p=col([p.min_p for p in ps], f32),
+        repetition_penalty=col([p.repetition_penalty for p in ps], f32),
+        presence_penalty=col([p.presence_penalty for p in ps], f32),
+        frequency_penalty=col([p.frequency_penalty for p in ps], f32),
+        seeds=col([s.seed for s, _ in rows], torch.int64),
+        steps=col(steps, torch.int64),
+        prompt_tokens=padded([s.prompt_token_ids for s, _ in rows]) if needs_prompt else None,
+        output_tokens=padded([s.output_token_ids + extra for s, extra in rows]) if needs_output else None,
+        suppress=suppress,
+    )
 
 
 def _seen_mask(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -114,17 +165,31 @@ def apply_temperature_and_filters(logits: torch.Tensor, b: SamplingBatch) -> tor
     return logits
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Next token per row: argmax for greedy rows, an exponential race (Gumbel-max) otherwise."""
+def penalized(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """fp32 logits after the bans and penalties: what greedy rows take the argmax of."""
     logits = logits.float()
     if b.suppress is not None:
         logits = logits.masked_fill(b.suppress, float("-inf"))
-    logits = apply_penalties(logits, b)
+    return apply_penalties(logits, b)
+
+
+def probabilities(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """The distribution a sampled row draws from (penalties, temperature, top-k/p, min-p)."""
+    return apply_temperature_and_filters(penalized(logits, b), b).softmax(dim=-1)
+
+
+def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One token per row from probs [B, V] by an exponential race (Gumbel-max) on the hashed noise
+    of (seed, step): the same (probs, seed, step) always draw the same token."""
+    noise = -torch.log(hashed_uniform(seeds, steps, probs.shape[-1])).to(probs.dtype)
+    return ops.argmax(probs / noise)
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Next token per row: argmax for greedy rows, a seeded draw otherwise."""
+    logits = penalized(logits, b)
     greedy = b.temperature == 0
     if bool(greedy.all()):
         return ops.argmax(logits)
-    processed = apply_temperature_and_filters(logits, b)
-    probs = processed.softmax(dim=-1)
-    noise = -torch.log(hashed_uniform(b.seeds, b.steps, logits.shape[-1])).to(probs.dtype)
-    drawn = ops.argmax(probs / noise)
+    drawn = draw(apply_temperature_and_filters(logits, b).softmax(dim=-1), b.seeds, b.steps)
     return torch.where(greedy, ops.argmax(logits), drawn)

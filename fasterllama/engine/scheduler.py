@@ -8,7 +8,7 @@ still holds most of it). No request fails because the cache is momentarily full.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
@@ -17,12 +17,13 @@ from .sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # new tokens of this sequence computed in this step
+    num_tokens: int  # tokens of this sequence computed in this step, its drafts included
+    drafts: list[int] = field(default_factory=list)  # speculative tokens after its last one, verified by this step
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the sequence's last token, so it draws the next one."""
-        return self.seq.num_cached + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_cached + self.num_tokens - len(self.drafts) == self.seq.num_tokens
 
 
 class Scheduler:
@@ -49,10 +50,13 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # decodes first, then prompts still being prefilled
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_cached, budget)
+            drafts = seq.draft_token_ids[: budget - n] if seq.num_cached + 1 == seq.num_tokens else []
+            if drafts and not self.blocks.reserve(seq, seq.num_tokens + len(drafts)):
+                drafts = []  # drafts never preempt anyone
             if not self._reserve(seq, seq.num_cached + n):
                 break  # seq itself was preempted, and everything after it
-            batch.append(ScheduledSeq(seq, n))
-            budget -= n
+            batch.append(ScheduledSeq(seq, n + len(drafts), drafts))
+            budget -= n + len(drafts)
             i += 1
         if self.num_preemptions != preempted:
             return batch  # short of blocks: admit nothing new
@@ -90,10 +94,18 @@ class Scheduler:
         return True
 
     def advance(self, batch: list[ScheduledSeq]) -> None:
-        """After a step ran: its tokens are cached, and the blocks they filled can be found."""
+        """After a step ran: its tokens are cached, and the blocks they filled can be found. Drafts
+        count once accepted (accept)."""
         for item in batch:
-            item.seq.num_cached += item.num_tokens
+            item.seq.num_cached += item.num_tokens - len(item.drafts)
             self.blocks.commit(item.seq)
+
+    def accept(self, seq: Sequence, num_accepted: int) -> None:
+        """The first num_accepted drafts of seq's step were right (and are its tokens now): their
+        K/V, computed in the step, count as cached. The rest's slots are written over later."""
+        if num_accepted and not seq.is_finished:
+            seq.num_cached += num_accepted
+            self.blocks.commit(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child (another sample of parent's request) starts running on parent's blocks."""

@@ -131,7 +131,8 @@ class CPUDecodePlan:
         return cls(model, (_Layer * len(structs))(*structs), embed, lm_head, kv_caches, made)
 
     def covers(self, batch: list[ScheduledSeq]) -> bool:
-        return 0 < len(batch) <= self.MAX_BATCH and all(item.num_tokens == 1 for item in batch)
+        """Steps of decoding sequences (one new token each, and any drafts: a row per token)."""
+        return 0 < sum(item.num_tokens for item in batch) <= self.MAX_BATCH and all(item.num_tokens == 1 + len(item.drafts) for item in batch)
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         from ...engine.model_runner import pack_batch

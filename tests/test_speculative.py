@@ -1,0 +1,348 @@
+"""Speculative decoding (engine/speculative.py): drafted tokens verified in one step keep the
+model's outputs exactly.
+
+Greedy outputs with speculation equal those without, token for token, on tiny random models (in
+packed batches, across block boundaries, under preemption, with drafts that are wrong on purpose)
+and on the default model over the core-engine prompts; prompt-lookup keeps seeded samples identical
+too; the draft-model rule keeps the target's distribution (chi-square tests, of the rule and of the
+engine); rejected drafts never reach the prefix cache. Also the config's errors, the n-gram index
+against a brute-force search, how many tokens the speculator drafts, and the CLI flag."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+scipy_stats = pytest.importorskip("scipy.stats")
+
+import tiny_models as tm  # noqa: E402
+
+from fasterllama import LLM, SamplingParams  # noqa: E402
+from fasterllama.engine import sampler  # noqa: E402
+from fasterllama.engine.kv_cache import KVCache  # noqa: E402
+from fasterllama.engine.sequence import Sequence  # noqa: E402
+from fasterllama.engine.speculative import (  # noqa: E402
+    NgramProposer,
+    SpeculativeConfig,
+    Speculator,
+    rejection_sample,
+)
+from fasterllama.errors import FasterLlamaError  # noqa: E402
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def _prompt(length: int, seed: int, vocab: int = 320) -> list[int]:
+    g = random.Random(seed)
+    return [g.randrange(len(tm.SPECIAL_TOKENS), vocab) for _ in range(length)]
+
+
+# prompts that repeat themselves (so n-gram lookups find drafts), of lengths around the 8-token blocks
+PROMPTS = [_prompt(6, 1) * 3, _prompt(13, 2) * 2 + _prompt(3, 3), _prompt(5, 4), _prompt(9, 5) * 4]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("spec_models")
+    return {name: tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS[name]), str(root / name)) for name in ("gqa", "mqa")}
+
+
+def _always_draft(llm: LLM) -> LLM:
+    """Draft as much as allowed whatever the measured cost, so every test exercises verification."""
+    llm.engine.speculator.row_cost = 0.0
+    return llm
+
+
+def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
+
+
+# -- config -------------------------------------------------------------------------------------
+def test_config_parses_vllm_style_dicts_and_json() -> None:
+    cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 8}')
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 8, 2, 4)
+    cfg = SpeculativeConfig.parse({"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 3, "quantization": "w4"})
+    assert (cfg.model, cfg.quantization) == ("x.gguf", "w4")
+    assert SpeculativeConfig.parse(None) is None
+
+
+@pytest.mark.parametrize("value,message", [
+    ('{"method": ', "not valid JSON"),
+    ("[1]", "must be a dict"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model"),
+    ({"method": "ngram"}, "num_speculative_tokens must be an integer in \\[1, 15\\], got None"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max must be an integer in \\[3, 64\\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}, "unknown speculative_config key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no model"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+])
+def test_config_errors_are_one_line(value: object, message: str) -> None:
+    with pytest.raises(FasterLlamaError, match=message):
+        SpeculativeConfig.parse(value)
+
+
+def test_bad_config_fails_before_the_model_loads(paths) -> None:
+    with pytest.raises(FasterLlamaError, match="method must be one of"):
+        LLM(paths["gqa"], progress=False, speculative_config={"method": "medusa", "num_speculative_tokens": 2})
+    with pytest.raises(FasterLlamaError, match="no such model file or folder"):
+        LLM(paths["gqa"], progress=False, speculative_config={"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2})
+
+
+# -- the n-gram proposer and the draft lengths -------------------------------------------------------
+def _brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """The continuation of the latest earlier occurrence of the longest suffix of lo..hi tokens."""
+    end = len(tokens)
+    for n in range(min(hi, end - 1), lo - 1, -1):
+        suffix = tokens[end - n :]
+        for e in range(end - 1, n - 1, -1):
+            if tokens[e - n : e] == suffix:
+                return tokens[e : e + k]
+    return []
+
+
+@pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4), (3, 3)])
+def test_ngram_lookup_matches_a_brute_force_search(lo: int, hi: int) -> None:
+    g = random.Random(lo * 10 + hi)
+    proposer = NgramProposer(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": lo, "prompt_lookup_max": hi}))
+    for trial in range(20):
+        seq = Sequence([g.randrange(4) for _ in range(g.randrange(1, 12))], SamplingParams(), None, 0)
+        for _ in range(40):  # the index grows with the sequence, a few tokens at a time
+            k = g.randrange(0, 6)
+            proposer.propose([seq], [k])
+            tokens = seq.prompt_token_ids + seq.output_token_ids
+            assert seq.draft_token_ids == (_brute_force(tokens, k, lo, hi) if k else []), (trial, tokens)
+            seq.output_token_ids += [g.randrange(4) for _ in range(g.randrange(1, 4))]
+
+
+def test_draft_lengths_follow_acceptance_and_cost() -> None:
+    def lengths(rates: list[tuple[float, float]], caps: list[int], cost: float, max_rows: int = 16, probe: float | None = None) -> list[int]:
+        return Speculator(None, 15, cost, max_rows)._lengths([(a, b, a if probe is None else probe) for a, b in rates], caps)
+
+    assert lengths([(0.99, 0.99)], [15], 0.35) == [15]  # a copy going on: as many as allowed
+    assert lengths([(0.99, 0.99)], [6], 0.35) == [6]  # the cap (tokens the request may still emit)
+    assert lengths([(0.3, 0.9)], [15], 0.35) == [0]  # a first draft less likely than its cost
+    assert lengths([(0.3, 0.9)], [15], 0.35, probe=0.8) == [1]  # ... unless little tried: one draft, a probe
+    assert 1 <= lengths([(0.7, 0.7)], [15], 0.35)[0] <= 4
+    assert lengths([(0.5, 0.5)], [15], 0.0) == [15]  # rows for free (a GPU's decode): draft all
+    both = lengths([(0.99, 0.99), (0.6, 0.6)], [15, 15], 0.35)
+    assert sum(both) + 2 <= 16 and both[0] > both[1]  # rows go where they pay most, within the step's limit
+    assert lengths([(0.7, 0.9)] * 6, [15] * 6, 0.35) == [0] * 6  # in a batch a draft must beat a higher bar
+    assert lengths([(0.99, 0.99)] * 16, [15] * 16, 0.0) == [0] * 16  # the batch fills the rows already
+
+
+# -- exactness on tiny models ----------------------------------------------------------------------
+class OracleProposer:
+    """Drafts the reference continuation, every `wrong`-th draft of it changed: accepted and
+    rejected drafts, at every offset, across block boundaries."""
+
+    def __init__(self, reference: dict[tuple[int, ...], list[int]], wrong: int) -> None:
+        self.reference, self.wrong, self.calls = reference, wrong, 0
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        for seq, k in zip(seqs, limits):
+            want = self.reference.get(tuple(seq.prompt_token_ids), [])
+            n = len(seq.output_token_ids)
+            drafts = list(want[n : n + k])
+            for i in range(len(drafts)):
+                self.calls += 1
+                if self.calls % self.wrong == 0:
+                    drafts[i] = (drafts[i] + 1) % 320
+            seq.draft_token_ids, seq.draft_probs = drafts, None
+
+
+@pytest.mark.parametrize("wrong", [3, 7, 1000])
+def test_greedy_identical_with_right_and_wrong_drafts(paths, wrong: int) -> None:
+    """Packed batches of prompts around the 8-token blocks, a cache so small that sequences are
+    preempted, drafts wrong every `wrong` tokens: the outputs are plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(paths["gqa"], progress=False, block_size=8)
+    want = _outputs(plain, PROMPTS, params)
+    reference = {tuple(p): w[0] for p, w in zip(PROMPTS, want)}
+    per_block = KVCache.bytes_per_block(plain.engine.config, 8, torch.float32)
+    for cache in (None, 14 * per_block):  # room for all; for 14 blocks of 8 tokens (the longest request needs 10: preemptions)
+        spec = _always_draft(LLM(paths["gqa"], progress=False, block_size=8, kv_cache_memory=cache, speculative_config=NGRAM))
+        oracle = spec.engine.speculator.proposer = OracleProposer(reference, wrong)
+        assert _outputs(spec, PROMPTS, params) == want
+        s = spec.engine.speculator
+        assert s.num_accepted_tokens > 0 and oracle.calls > 0
+        if wrong < 1000:
+            assert s.num_accepted_tokens < s.num_draft_tokens  # some drafts were rejected
+        if cache is not None:
+            assert spec.engine.scheduler.num_preemptions > 0
+
+
+def test_rejected_drafts_never_reach_the_prefix_cache(paths) -> None:
+    """After speculative runs with many wrong drafts, prompts that reuse their blocks (prompt +
+    output as a new prompt) continue as with no prefix cache at all."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(paths["gqa"], progress=False, block_size=8, enable_prefix_caching=False)
+    first = _outputs(plain, PROMPTS, params)
+    reference = {tuple(p): w[0] for p, w in zip(PROMPTS, first)}
+    spec = _always_draft(LLM(paths["gqa"], progress=False, block_size=8, speculative_config=NGRAM))
+    spec.engine.speculator.proposer = OracleProposer(reference, 2)
+    assert _outputs(spec, PROMPTS, params) == first
+    again = [p + w[0] for p, w in zip(PROMPTS, first)]
+    hits = spec.engine.scheduler.prefix_hit_tokens
+    assert _outputs(spec, again, params) == _outputs(plain, again, params)
+    assert spec.engine.scheduler.prefix_hit_tokens - hits >= sum(len(p) for p in again) // 2  # their blocks were found
+
+
+def test_ngram_keeps_greedy_seeded_samples_and_logprobs(paths) -> None:
+    """Prompt lookup drafts are fixed guesses: a sampled row's token is the draw plain decoding
+    makes with the same seed and step, so seeded samples (n > 1 too) and logprobs are identical."""
+    plain = LLM(paths["gqa"], progress=False)
+    spec = _always_draft(LLM(paths["gqa"], progress=False, speculative_config=NGRAM))
+    cases = [
+        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=3),
+        SamplingParams(temperature=0.7, top_k=20, seed=5, n=3, max_tokens=48, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, seed=9, max_tokens=40, repetition_penalty=1.3, min_tokens=20),
+    ]
+    for params in cases:
+        got, want = spec.generate(PROMPTS, params), plain.generate(PROMPTS, params)
+        assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in want]
+        if params.logprobs:
+            for g, w in zip(got, want):
+                assert [sorted(d) for d in g.outputs[0].logprobs] == [sorted(d) for d in w.outputs[0].logprobs]
+                np.testing.assert_allclose([v for d in g.outputs[0].logprobs for v in d.values()],
+                                           [v for d in w.outputs[0].logprobs for v in d.values()], atol=1e-5)
+    s = spec.engine.speculator
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+
+
+def test_tensor_parallel_verify_steps(paths) -> None:
+    """Verify steps split over two ranks (rank 0 drafts and sends the rows): plain decoding's output."""
+    params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), SamplingParams(temperature=0.9, seed=2, n=2, max_tokens=24, ignore_eos=True)]
+    plain = LLM(paths["gqa"], progress=False)
+    two = _always_draft(LLM(paths["gqa"], progress=False, tensor_parallel_size=2, speculative_config=NGRAM))
+    try:
+        for p in params:
+            assert _outputs(two, PROMPTS, p) == _outputs(plain, PROMPTS, p)
+        assert 0 < two.engine.speculator.num_accepted_tokens < two.engine.speculator.num_draft_tokens
+    finally:
+        two.engine.shutdown()
+
+
+def test_draft_model_greedy_identical_and_seeded_reproducible(paths) -> None:
+    """A different tiny model of the same tokenizer drafts (its guesses often wrong), or the same
+    model (always right); greedy stays the target's, seeded samples repeat."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = _outputs(LLM(paths["gqa"], progress=False, block_size=8), PROMPTS, params)
+    for draft, k in (("mqa", 3), ("gqa", 5)):
+        spec = _always_draft(LLM(paths["gqa"], progress=False, block_size=8,
+                                 speculative_config={"method": "draft_model", "model": paths[draft], "num_speculative_tokens": k}))
+        assert _outputs(spec, PROMPTS, params) == want
+        s = spec.engine.speculator
+        if draft == "gqa":
+            assert s.num_accepted_tokens == s.num_draft_tokens > 0
+        else:
+            assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+        sampled = SamplingParams(temperature=0.8, seed=4, n=2, max_tokens=30, ignore_eos=True)
+        assert _outputs(spec, PROMPTS, sampled) == _outputs(spec, PROMPTS, sampled)
+        draft = spec.engine.speculator.proposer.draft
+        assert not spec.engine.speculator.proposer.shadows and draft.blocks.num_used == 0  # finished: twins gone, blocks back
+
+
+# -- the target's distribution ----------------------------------------------------------------------
+def test_rejection_rule_draws_from_the_target_distribution() -> None:
+    """The standard rule on synthetic p and q (q far from p): the first emitted token follows p,
+    the second (after an accepted first draft) follows p's next row, and drafts are accepted at
+    the rate sum(min(p, q))."""
+    g = torch.Generator().manual_seed(0)
+    V, N = 6, 6000
+    p = torch.softmax(torch.randn(3, V, generator=g) * 1.5, dim=-1).double()
+    q = torch.softmax(torch.randn(2, V, generator=g) * 1.5, dim=-1).double()
+    qd = torch.distributions.Categorical(probs=q)
+    firsts, seconds, accepted = [], [], 0
+    torch.manual_seed(1)
+    for seed in range(N):
+        drafts = qd.sample().tolist()  # the draft model's draws from q
+        out = rejection_sample(p, q, drafts, seed, 0, lambda probs, i, s=seed: int(sampler.draw(probs[None], torch.tensor([s]), torch.tensor([i]))[0]))
+        firsts.append(out[0])
+        accepted += out[0] == drafts[0]
+        if out[0] == drafts[0]:
+            seconds.append(out[1])
+    for tokens, probs in ((firsts, p[0]), (seconds, p[1])):
+        counts = np.bincount(tokens, minlength=V)
+        assert scipy_stats.chisquare(counts, probs.numpy() / float(probs.sum()) * len(tokens)).pvalue > 1e-3
+    rate = float(torch.minimum(p[0], q[0]).sum())
+    assert abs(accepted / N - rate) < 4 * (rate * (1 - rate) / N) ** 0.5
+
+
+class FixedDistributionProposer:
+    """Drafts drawn from one distribution q over a few tokens whatever the context (a draft model
+    that is often right and often wrong), with q handed to the rejection rule."""
+
+    def __init__(self, tokens: list[int], vocab: int) -> None:
+        self.q = torch.zeros(vocab)
+        self.q[tokens] = 1 / len(tokens)
+        self.tokens = tokens
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        for seq, k in zip(seqs, limits):
+            g = random.Random(seq.seed * 1000 + len(seq.output_token_ids))
+            seq.draft_token_ids = [g.choice(self.tokens) for _ in range(k)]
+            seq.draft_probs = self.q.expand(k, -1) if k else None
+
+
+def test_engine_samples_follow_the_target_with_drafts_from_another_distribution(paths) -> None:
+    """Many seeded samples of a tiny model, drafts drawn from q (uniform over the three likeliest
+    second tokens after each of the two likeliest first tokens): the pairs (first, second token) follow the model's joint distribution
+    p(t0) p(t1 | t0) (the second is drawn in a verify step, by the rejection rule), over the first
+    tokens of probability >= 0.5%."""
+    temperature = 0.2  # peaked enough that a few hundred pairs hold the mass
+    spec = _always_draft(LLM(paths["gqa"], progress=False, max_num_seqs=8, speculative_config=NGRAM))  # 8 rows + a draft each: the 16 of a step
+    prompt = PROMPTS[0]
+    p0 = torch.softmax(spec.compute_logits(prompt)[-1].double() / temperature, dim=-1)
+    firsts = [t for t in range(p0.numel()) if p0[t] >= 0.005]
+    second = [torch.softmax(spec.compute_logits(prompt + [t])[-1].double() / temperature, dim=-1) for t in firsts]
+    joint = torch.stack([p0[t] * row for t, row in zip(firsts, second)])
+    top2 = p0[firsts].topk(2).indices.tolist()
+    likeliest = sorted({t for i in top2 for t in second[i].topk(3).indices.tolist()})
+    spec.engine.speculator.proposer = FixedDistributionProposer(likeliest, p0.numel())
+    params = [SamplingParams(temperature=temperature, seed=s, max_tokens=3, ignore_eos=True) for s in range(3000)]
+    outs = [o.outputs[0].token_ids for o in spec.generate([prompt] * len(params), params)]
+    s = spec.engine.speculator
+    assert 0.1 * s.num_draft_tokens < s.num_accepted_tokens < 0.9 * s.num_draft_tokens
+    pairs = [(firsts.index(o[0]), o[1]) for o in outs if o[0] in firsts]
+    counts = np.zeros(tuple(joint.shape))
+    for i, t in pairs:
+        counts[i, t] += 1
+    expected = (joint / joint.sum()).numpy() * len(pairs)
+    big = expected >= 5  # pairs too rare for the test are pooled
+    observed = np.append(counts[big], counts[~big].sum())
+    expected = np.append(expected[big], expected[~big].sum())
+    assert len(pairs) > 2000 and big.sum() >= 20
+    assert scipy_stats.chisquare(observed, expected).pvalue > 1e-3
+
+
+# -- the default model and the CLI ------------------------------------------------------------------
+def test_default_model_greedy_identical(default_llm) -> None:
+    """Prompt lookup on SmolLM2-135M, the core-engine prompts and a copy task: greedy tokens
+    identical to decoding without speculation, and the copy accepted most drafts."""
+    from test_default_model import CHAT_PROMPTS, PLAIN_PROMPTS
+
+    copy = [{"role": "user", "content": "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank."}]
+    prompts = [default_llm.tokenizer.encode(p) for p in PLAIN_PROMPTS] + [default_llm.chat_prompt(m) for m in [*CHAT_PROMPTS, copy]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    spec = LLM(progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": 8})
+    assert _outputs(spec, prompts, params) == _outputs(default_llm, prompts, params)
+    s = spec.engine.speculator
+    assert s.num_accepted_tokens > 10 and s.num_accepted_tokens > s.num_draft_tokens / 2
+
+
+def test_cli_speculative_config(paths) -> None:
+    from test_cli import run_cli
+
+    args = ("generate", "-m", paths["gqa"], "-t", "0", "-n", "24", "--ignore-eos", "--quiet", "a b c a b c a b")
+    plain = run_cli(*args)
+    spec = run_cli(*args, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}')
+    assert plain.returncode == spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and plain.stdout.strip()
+    bad = run_cli(*args, "--speculative-config", '{"method": "ngram"}')
+    assert bad.returncode == 1 and bad.stderr.startswith("error: speculative_config num_speculative_tokens") and "Traceback" not in bad.stderr
