@@ -37,6 +37,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="compute every prompt in full (default: reuse cached blocks of earlier prompts)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="split the model over N processes (the machine's threads "
                    "divided between them; default 1); under torchrun, over all its processes")
+    p.add_argument("--speculative-config", default=None, metavar="JSON", help="speculative decoding, as vLLM's (JSON text or @FILE): "
+                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 8}' drafts from the prompt; "
+                   "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' with a smaller model (default: off)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +68,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _text_or_file(value: str | None, what: str) -> str | None:
-    """--json-schema / --grammar: the text itself, or @FILE for a file's."""
+    """--json-schema / --grammar / --speculative-config: the text itself, or @FILE for a file's."""
     if value is None or not value.startswith("@"):
         return value
     try:
@@ -125,6 +128,7 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
         enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         progress=not args.quiet,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        speculative_config=_text_or_file(getattr(args, "speculative_config", None), "speculative config"),
     )
 
 

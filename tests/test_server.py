@@ -67,12 +67,15 @@ def offline(model_dir: str) -> LLM:
 class Server:
     """create_app over an EngineLoop, served by uvicorn in a thread on 127.0.0.1:<free port>."""
 
-    def __init__(self, model_dir: str, api_key: str | None = None, tensor_parallel_size: int = 1) -> None:
+    def __init__(self, model_dir: str, api_key: str | None = None, tensor_parallel_size: int = 1, speculative_config: dict | None = None) -> None:
         import uvicorn
 
         from fasterllama.server import create_app
 
-        self.llm = LLM(model_dir, progress=False, max_num_seqs=MAX_NUM_SEQS, tensor_parallel_size=tensor_parallel_size)
+        self.llm = LLM(model_dir, progress=False, max_num_seqs=MAX_NUM_SEQS, tensor_parallel_size=tensor_parallel_size,
+                       speculative_config=speculative_config)
+        if speculative_config is not None:
+            self.llm.engine.speculator.row_cost = 0.0  # draft all it may: every answer goes through verify steps
         self.loop = EngineLoop(self.llm.engine)
         self.app = create_app(self.loop, MODEL, api_key)
         sock = socket.socket()
@@ -104,19 +107,24 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir: str) -> Iterator[dict[int, Server]]:
-    """Servers by tensor_parallel_size, started when first asked for."""
-    started: dict[int, Server] = {}
+def servers(model_dir: str) -> Iterator[dict[int | str, Server]]:
+    """Servers by tensor_parallel_size (or "ngram"), started when first asked for."""
+    started: dict[int | str, Server] = {}
     yield started
     for s in started.values():
         s.close()
 
 
-@pytest.fixture(params=[1, 2], ids=["tp1", "tp2"])
-def server(request: pytest.FixtureRequest, servers: dict[int, Server], model_dir: str) -> Server:
-    """The same API tests over a model in one process and split over two (tensor parallelism)."""
+@pytest.fixture(params=[1, 2, "ngram"], ids=["tp1", "tp2", "ngram"])
+def server(request: pytest.FixtureRequest, servers: dict[int | str, Server], model_dir: str) -> Server:
+    """The same API tests over a model in one process, split over two (tensor parallelism), and
+    with prompt-lookup speculative decoding (answers equal to the offline model's without it)."""
     if request.param not in servers:
-        servers[request.param] = Server(model_dir, tensor_parallel_size=request.param)
+        if request.param == "ngram":
+            spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+            servers[request.param] = Server(model_dir, speculative_config=spec)
+        else:
+            servers[request.param] = Server(model_dir, tensor_parallel_size=request.param)
     return servers[request.param]
 
 
@@ -289,6 +297,9 @@ def test_completion_greedy_matches_offline(server: Server, offline: LLM) -> None
     assert [c.index for c in r.choices] == [0, 1]
     for c, prompt in zip(r.choices, prompts):
         assert c.text == offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].text
+    if server.llm.engine.speculator is not None:  # the answers came through verify steps, some drafts accepted
+        text = server.metrics()
+        assert 0 < metric(text, "fasterllama_spec_decode_accepted_tokens") < metric(text, "fasterllama_spec_decode_draft_tokens")
 
 
 def test_completion_streaming_seeded_n2_matches_offline(server: Server, offline: LLM) -> None:

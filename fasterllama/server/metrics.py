@@ -46,6 +46,8 @@ class ServerMetrics:
              lambda: loop.stats.prefix_cache_hit_tokens),
             ("fasterllama_preemptions", "Sequences preempted (blocks freed, recomputed later) for lack of KV cache blocks",
              lambda: loop.stats.preemptions),
+            ("fasterllama_spec_decode_draft_tokens", "Speculative decoding: draft tokens verified", lambda: loop.stats.spec_draft_tokens),
+            ("fasterllama_spec_decode_accepted_tokens", "Speculative decoding: draft tokens accepted", lambda: loop.stats.spec_accepted_tokens),
         ]
         for name, doc, read in gauges:
             Gauge(name, doc, registry=r).set_function(read)
