@@ -64,7 +64,9 @@ def _outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[S
 # -- config -------------------------------------------------------------------------------------
 def test_config_parses_vllm_style_dicts_and_json() -> None:
     cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 8}')
-    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 8, 2, 4)
+    assert (cfg.method, cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 8, 3, 6)
+    cfg = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 2)
     cfg = SpeculativeConfig.parse({"method": "draft_model", "model": "x.gguf", "num_speculative_tokens": 3, "quantization": "w4"})
     assert (cfg.model, cfg.quantization) == ("x.gguf", "w4")
     assert SpeculativeConfig.parse(None) is None
