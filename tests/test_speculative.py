@@ -217,6 +217,29 @@ def test_ngram_keeps_greedy_seeded_samples_and_logprobs(paths) -> None:
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
 
 
+def test_structured_output_with_drafts(paths) -> None:
+    """Constrained sequences draft too: rows are masked as after the drafts before them, guesses
+    the constraint refuses are cut; outputs (greedy, seeded) equal plain decoding's."""
+    import re
+
+    grammar = 'start: item ("," item)*\nitem: "ab" | "cd" | "e"'
+    plain = LLM(paths["gqa"], progress=False)
+    spec = _always_draft(LLM(paths["gqa"], progress=False, speculative_config=NGRAM))
+    for extra in ({"temperature": 0}, {"temperature": 1.0, "top_k": 50, "repetition_penalty": 1.2, "seed": 4, "n": 3}):
+        for constraint in ({"grammar": grammar}, {"regex": "(ab|cd|e)(,(ab|cd|e)){8,30}"}):
+            params = SamplingParams(max_tokens=64, **constraint, **extra)
+            got = spec.generate(PROMPTS, params)
+            assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in plain.generate(PROMPTS, params)]
+            assert all(re.fullmatch(r"(ab|cd|e)(,(ab|cd|e))*", c.text) for o in got for c in o.outputs)
+    s = spec.engine.speculator
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    draft = _always_draft(LLM(paths["gqa"], progress=False, speculative_config={"method": "draft_model", "model": paths["mqa"], "num_speculative_tokens": 3}))
+    params = SamplingParams(max_tokens=48, grammar=grammar, temperature=1.0, seed=7, n=2)
+    outs = [[c.text for c in o.outputs] for o in draft.generate(PROMPTS, params)]
+    assert outs == [[c.text for c in o.outputs] for o in draft.generate(PROMPTS, params)]
+    assert all(re.fullmatch(r"(ab|cd|e)(,(ab|cd|e))*", t) for o in outs for t in o)
+
+
 def test_tensor_parallel_verify_steps(paths) -> None:
     """Verify steps split over two ranks (rank 0 drafts and sends the rows): plain decoding's output."""
     params = [SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), SamplingParams(temperature=0.9, seed=2, n=2, max_tokens=24, ignore_eos=True)]
@@ -325,17 +348,31 @@ def test_engine_samples_follow_the_target_with_drafts_from_another_distribution(
 
 # -- the default model and the CLI ------------------------------------------------------------------
 def test_default_model_greedy_identical(default_llm) -> None:
-    """Prompt lookup on SmolLM2-135M, the core-engine prompts and a copy task: greedy tokens
-    identical to decoding without speculation, and the copy accepted most drafts."""
+    """Prompt lookup on SmolLM2-135M: greedy tokens identical to decoding without speculation on the
+    core-engine prompts, a copy task and a JSON extraction, drafting all it may; with the speculator's
+    own choice, the copy task alone accepts most of its drafts."""
     from test_default_model import CHAT_PROMPTS, PLAIN_PROMPTS
 
-    copy = [{"role": "user", "content": "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank."}]
-    prompts = [default_llm.tokenizer.encode(p) for p in PLAIN_PROMPTS] + [default_llm.chat_prompt(m) for m in [*CHAT_PROMPTS, copy]]
+    paragraph = ("Our team meets every Monday morning to plan the work of the week. Each person shares what they finished, what they are "
+                 "working on, and anything that is blocking them. The meeting should take no more than thirty minutes.")
+    copy = default_llm.chat_prompt([{"role": "user", "content": f"Repeat this paragraph exactly:\n\n{paragraph}"}])
+    prompts = [default_llm.tokenizer.encode(p) for p in PLAIN_PROMPTS] + [default_llm.chat_prompt(m) for m in CHAT_PROMPTS] + [copy]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    spec = LLM(progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": 8})
+    spec = LLM(progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1})
+    measured = spec.engine.speculator.row_cost
+    _always_draft(spec)
     assert _outputs(spec, prompts, params) == _outputs(default_llm, prompts, params)
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}}, "required": ["name", "city"],
+              "additionalProperties": False}
+    extract = default_llm.chat_prompt([{"role": "user", "content": "Extract the name and the city as JSON: Margaret Hamilton lives in Boston."}])
+    constrained = SamplingParams(temperature=0, max_tokens=40, json_schema=schema)
+    assert _outputs(spec, [extract], constrained) == _outputs(default_llm, [extract], constrained)
     s = spec.engine.speculator
-    assert s.num_accepted_tokens > 10 and s.num_accepted_tokens > s.num_draft_tokens / 2
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    s.row_cost = measured
+    drafted, accepted = s.num_draft_tokens, s.num_accepted_tokens
+    assert _outputs(spec, [copy], SamplingParams(temperature=0, max_tokens=80)) == _outputs(default_llm, [copy], SamplingParams(temperature=0, max_tokens=80))
+    assert s.num_accepted_tokens - accepted > 25 and s.num_accepted_tokens - accepted > (s.num_draft_tokens - drafted) / 2
 
 
 def test_cli_speculative_config(paths) -> None:

@@ -460,8 +460,8 @@ class LLMEngine:
         row_seqs = [(seq, d[:j]) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
         gather = [r + j for r, d in zip(sample_rows, drafts) for j in range(len(d) + 1)]
         logits = all_logits if gather == list(range(len(rows))) else all_logits[gather]
-        if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows (no drafts)
-            self.structured.mask(logits, [s.matcher for s, _ in row_seqs])
+        if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
+            self.structured.mask(logits, [(s.matcher, extra) for s, extra in row_seqs])
         b = None
         if all(s.params.greedy and sampler.plain_logits(s, len(extra)) for s, extra in row_seqs):
             token_ids = ops.argmax(logits).tolist()  # what sampler.sample does here, without its per-row tensors
@@ -491,16 +491,20 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for the running sequences that decode next step: as many as the proposer's k,
-        the tokens the request may still emit and the context allow (none where the sequence is
-        constrained by structured output)."""
+        the tokens the request may still emit and the context allow. Under structured output a
+        fixed guess is cut at the first token its constraint refuses (that row would emit the
+        target's own token anyway); a draft model's sampled guesses are kept whole, as the
+        rejection rule needs them."""
         seqs, limits = [], []
         for seq in self.scheduler.running:
             if seq.num_cached + 1 != seq.num_tokens:
                 continue
-            left = min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1
             seqs.append(seq)
-            limits.append(0 if seq.matcher is not None else left)
+            limits.append(min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1)
         self.speculator.propose(seqs, limits)
+        for seq in seqs:
+            if seq.matcher is not None and seq.draft_token_ids and (seq.draft_probs is None or seq.params.greedy):
+                del seq.draft_token_ids[self.structured.valid_drafts(seq.matcher, seq.draft_token_ids) :]
 
     def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, b: sampler.SamplingBatch | None, row: int,
                 token_ids: list[int]) -> list[int]:

@@ -75,23 +75,44 @@ class StructuredOutput:
         return matcher
 
     @torch.inference_mode()  # the logits are the model runner's inference tensors
-    def mask(self, logits: torch.Tensor, matchers: list[llguidance.LLMatcher | None]) -> None:
-        """Set the logits of tokens a row's matcher does not allow to -inf, in place."""
+    def mask(self, logits: torch.Tensor, rows: list[tuple[llguidance.LLMatcher | None, list[int]]]) -> None:
+        """Set the logits of tokens a row's matcher does not allow to -inf, in place. A row is a
+        matcher (None: unconstrained) and the drafts before it in a speculative step: its mask is
+        the matcher's after them (consumed, then rolled back). Rows after a draft the constraint
+        refuses are left alone: verification stops at that draft."""
         import llguidance.torch as ll_torch
 
         start = time.perf_counter()
-        rows = [(row, m) for row, m in enumerate(matchers) if m is not None]
-        bitmask = ll_torch.allocate_token_bitmask(len(rows), self.vocab_size)
-        for i, (_, matcher) in enumerate(rows):
-            ll_torch.fill_next_token_bitmask(matcher, bitmask, i)
-        # bit t % 32 of word t // 32: token t allowed (unpacked here: llguidance's own
-        # apply_token_bitmask_inplace took 11 ms for 8 rows of SmolLM2's 49,152 tokens on this CPU, this 0.6)
-        bits = (bitmask.to(logits.device).unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
-        refused = bits.view(len(rows), -1)[:, : logits.shape[-1]] == 0
-        index = torch.tensor([row for row, _ in rows], device=logits.device)
-        logits[index] = logits[index].masked_fill(refused, float("-inf"))
+        masked = [(row, m, extra) for row, (m, extra) in enumerate(rows) if m is not None]
+        bitmask = ll_torch.allocate_token_bitmask(len(masked), self.vocab_size)
+        consumed: dict[int, list] = {}  # id(matcher) -> [matcher, drafts it took, whether it refused one]
+        filled = []
+        for i, (row, matcher, extra) in enumerate(masked):
+            state = consumed.setdefault(id(matcher), [matcher, 0, False])
+            if not state[2] and state[1] < len(extra):
+                state[1] += matcher.try_consume_tokens(extra[state[1] :])
+                state[2] = state[1] < len(extra)
+            if not state[2]:
+                ll_torch.fill_next_token_bitmask(matcher, bitmask, i)
+                filled.append((i, row))
+        for matcher, n, _ in consumed.values():
+            if n:
+                matcher.rollback(n)
+        if filled:
+            # bit t % 32 of word t // 32: token t allowed (unpacked here: llguidance's own
+            # apply_token_bitmask_inplace took 11 ms for 8 rows of SmolLM2's 49,152 tokens on this CPU, this 0.6)
+            words = bitmask[[i for i, _ in filled]].to(logits.device)
+            bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
+            refused = bits.view(len(filled), -1)[:, : logits.shape[-1]] == 0
+            index = torch.tensor([row for _, row in filled], device=logits.device)
+            logits[index] = logits[index].masked_fill(refused, float("-inf"))
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
+
+    @staticmethod
+    def valid_drafts(matcher: llguidance.LLMatcher, drafts: list[int]) -> int:
+        """How many of the drafts the constraint allows in a row."""
+        return matcher.validate_tokens(drafts)
 
     @staticmethod
     def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
