@@ -24,13 +24,9 @@ import tiny_models as tm  # noqa: E402
 from fasterllama import LLM, SamplingParams  # noqa: E402
 from fasterllama.engine import sampler  # noqa: E402
 from fasterllama.engine.kv_cache import KVCache  # noqa: E402
+from fasterllama.engine.proposers import NgramProposer  # noqa: E402
 from fasterllama.engine.sequence import Sequence  # noqa: E402
-from fasterllama.engine.speculative import (  # noqa: E402
-    NgramProposer,
-    SpeculativeConfig,
-    Speculator,
-    rejection_sample,
-)
+from fasterllama.engine.speculative import SpeculativeConfig, Speculator, rejection_sample  # noqa: E402
 from fasterllama.errors import FasterLlamaError  # noqa: E402
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -111,7 +107,7 @@ def _brute_force(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
 @pytest.mark.parametrize("lo,hi", [(1, 3), (2, 4), (3, 3)])
 def test_ngram_lookup_matches_a_brute_force_search(lo: int, hi: int) -> None:
     g = random.Random(lo * 10 + hi)
-    proposer = NgramProposer(SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": lo, "prompt_lookup_max": hi}))
+    proposer = NgramProposer(lo, hi)
     for trial in range(20):
         seq = Sequence([g.randrange(4) for _ in range(g.randrange(1, 12))], SamplingParams(), None, 0)
         for _ in range(40):  # the index grows with the sequence, a few tokens at a time

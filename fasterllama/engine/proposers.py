@@ -1,0 +1,203 @@
+"""Speculative proposers: where drafts come from (engine/speculative.py verifies them).
+
+NgramProposer looks the sequence's last tokens up in its prompt and output; DraftModelProposer
+decodes them with a smaller model in an engine of its own. Both set each sequence's
+draft_token_ids (and draft_probs: the distributions sampled drafts were drawn from)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import FasterLlamaError
+from . import sampler
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+
+_DRAFT_SALT = 0x5DEECE66D  # the draft model's draws: noise independent of the target's
+
+
+class _NgramIndex:
+    """A sequence's tokens and, for every n-gram of the lookup sizes, where its latest occurrence
+    ends (the position its continuation starts at). Grown as the sequence grows: a step costs the
+    new tokens' n-grams, not a search of the whole context."""
+
+    __slots__ = ("tokens", "ends", "indexed")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # n-grams ending before every position below this are in `ends`
+
+
+class NgramProposer:
+    """Prompt lookup decoding (Saxena 2023): find the sequence's last n tokens earlier in its
+    prompt or output (longest n first, latest occurrence) and draft the tokens that followed."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        for seq, k in zip(seqs, limits):
+            seq.draft_token_ids = self._lookup(seq, k) if k > 0 else []
+            seq.draft_probs = None
+
+    def _lookup(self, seq: Sequence, k: int) -> list[int]:
+        index = seq.proposer_state
+        if not isinstance(index, _NgramIndex):
+            index = seq.proposer_state = _NgramIndex()
+        tokens = index.tokens
+        if len(tokens) < seq.num_tokens:
+            tokens += seq.token_ids(len(tokens), seq.num_tokens)
+        end = len(tokens)
+        for e in range(max(index.indexed, self.min_n), end):
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                index.ends[tuple(tokens[e - n : e])] = e
+        index.indexed = end
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            e = index.ends.get(tuple(tokens[end - n :]))
+            if e is not None:
+                return tokens[e : e + k]
+        return []
+
+
+class _Shadow:
+    """A target sequence's twin in the draft model's engine, and how much of it is known to be
+    the target's tokens (the rest are drafts, rolled back when the target rejects them)."""
+
+    __slots__ = ("seq", "synced")
+
+    def __init__(self, target: Sequence) -> None:
+        self.seq = Sequence(target.prompt_token_ids, target.params, None, target.seed)
+        self.synced = len(target.prompt_token_ids)
+
+
+class DraftModelProposer:
+    """A smaller model with the same tokenizer (or the same model, cheaper) drafts k tokens by
+    decoding them, each sequence in its own paged cache of the draft engine: first what it has not
+    seen of the target's tokens (the prompt, then the tokens the last step emitted), then one
+    token at a time. Greedy sequences draft the argmax; sampled ones draw from the draft's
+    distribution q (kept for the rejection rule)."""
+
+    def __init__(self, draft: LLMEngine) -> None:
+        self.draft = draft
+        self.shadows: dict[int, tuple[Sequence, _Shadow]] = {}
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished: its twin's blocks go back to the draft engine's cache."""
+        entry = self.shadows.pop(seq.seq_id, None)
+        if entry is not None:
+            self.draft.blocks.free(entry[1].seq)
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+        engine = self.draft
+        active: list[tuple[Sequence, _Shadow, int]] = []
+        for seq, k in zip(seqs, limits):
+            seq.draft_token_ids, seq.draft_probs = [], None
+            if k <= 0:
+                continue
+            if seq.seq_id not in self.shadows:
+                self.shadows[seq.seq_id] = (seq, _Shadow(seq))
+            shadow = self.shadows[seq.seq_id][1]
+            self._sync(seq, shadow)
+            # K/V for the tokens it has not seen and k - 1 drafts (the last draft is never fed)
+            if engine.blocks.reserve(shadow.seq, shadow.seq.num_tokens + k - 1):
+                active.append((seq, shadow, k))
+        if not active:
+            return
+        self._catch_up([shadow.seq for _, shadow, _ in active])
+        drafts: list[list[int]] = [[] for _ in active]
+        probs: list[list[torch.Tensor]] = [[] for _ in active]
+        batch = [ScheduledSeq(shadow.seq, shadow.seq.num_tokens - shadow.seq.num_cached) for _, shadow, _ in active]
+        live = list(range(len(active)))
+        while live:
+            logits = engine.runner.execute(batch, self._last_rows(batch))
+            engine.scheduler.advance(batch)
+            rows = [(active[i][0], drafts[i]) for i in live]
+            tokens, q = self._draw(logits, rows)
+            for j, i in enumerate(live):
+                drafts[i].append(tokens[j])
+                if q is not None:
+                    probs[i].append(q[j])
+            live = [i for i in live if len(drafts[i]) < active[i][2]]
+            for i in live:
+                active[i][1].seq.output_token_ids.append(drafts[i][-1])
+            batch = [ScheduledSeq(active[i][1].seq, 1) for i in live]
+        for (seq, _, _), tokens, q in zip(active, drafts, probs):
+            seq.draft_token_ids = tokens
+            seq.draft_probs = torch.stack(q) if q else None
+
+    def _sync(self, target: Sequence, shadow: _Shadow) -> None:
+        """Make the shadow's tokens the target's: keep the drafts the target accepted, roll back
+        the K/V of the rest, add the tokens the target emitted after them."""
+        seq = shadow.seq
+        mine = seq.token_ids(shadow.synced, seq.num_tokens)
+        theirs = target.token_ids(shadow.synced, target.num_tokens)
+        same = 0
+        while same < min(len(mine), len(theirs)) and mine[same] == theirs[same]:
+            same += 1
+        keep = shadow.synced + same
+        del seq.output_token_ids[keep - len(seq.prompt_token_ids) :]
+        self.draft.blocks.rollback(seq, keep)
+        seq.output_token_ids += theirs[same:]
+        shadow.synced = target.num_tokens
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Compute all but the last unseen token of long catch-ups (new prompts) in chunks of the
+        draft engine's token budget, so the first draft step's batch stays within it."""
+        engine = self.draft
+        share = max(1, engine.scheduler.max_num_batched_tokens // len(seqs))
+        for seq in seqs:
+            while seq.num_tokens - seq.num_cached > share:
+                chunk = [ScheduledSeq(seq, min(seq.num_tokens - seq.num_cached - 1, engine.scheduler.max_num_batched_tokens))]
+                engine.runner.execute(chunk, [])
+                engine.scheduler.advance(chunk)
+
+    @staticmethod
+    def _last_rows(batch: list[ScheduledSeq]) -> list[int]:
+        rows, offset = [], 0
+        for item in batch:
+            offset += item.num_tokens
+            rows.append(offset - 1)
+        return rows
+
+    def _draw(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]]) -> tuple[list[int], torch.Tensor | None]:
+        """The draft tokens of these rows, and q (the distributions drawn from) if any row samples."""
+        if all(seq.params.greedy for seq, _ in rows):
+            return sampler.penalized(logits, self._batch(logits, rows)).argmax(dim=-1).tolist(), None
+        b = self._batch(logits, rows)
+        q = sampler.probabilities(logits, b)
+        drawn = sampler.draw(q, b.seeds ^ _DRAFT_SALT, b.steps)
+        greedy = b.temperature == 0
+        tokens = torch.where(greedy, sampler.penalized(logits, b).argmax(dim=-1), drawn)
+        return tokens.tolist(), q
+
+    def _batch(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]]) -> sampler.SamplingBatch:
+        return sampler.sampling_batch(rows, logits.shape[-1], self.draft.eos_token_ids, logits.device)
+
+
+def load_draft_model(model: str, quantization: str | None, target: LLMEngine, progress: bool) -> LLMEngine:
+    """The draft model's engine: on the target's device, as many sequences and as long a context."""
+    from ..loading.model_loader import load_model
+    from .llm_engine import LLMEngine
+
+    loaded = load_model(model, target.dtype, target.device, None if quantization is None else "none",
+                        target.backend.keeps_gguf_quantized(target.dtype), progress)
+    max_num_seqs, max_num_batched_tokens, _, block_size, _ = target._limits
+    if loaded.config.vocab_size != target.config.vocab_size:
+        raise FasterLlamaError(f"the draft model's vocabulary has {loaded.config.vocab_size} tokens, the model's {target.config.vocab_size}: "
+                               "a draft model must share the model's tokenizer")
+    if loaded.tokenizer is not None and target.tokenizer is not None and loaded.tokenizer.backend.get_vocab() != target.tokenizer.backend.get_vocab():
+        raise FasterLlamaError("the draft model's tokenizer differs from the model's: a draft model must share its tokenizer")
+    if loaded.config.max_position_embeddings < target.max_model_len:
+        raise FasterLlamaError(f"the draft model's context ({loaded.config.max_position_embeddings} tokens) is shorter than max_model_len "
+                               f"{target.max_model_len}; lower max_model_len")
+    draft = LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=target.max_model_len, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+    if quantization is not None:
+        draft.quantize(quantization)
+    return draft
