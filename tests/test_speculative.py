@@ -345,8 +345,8 @@ def test_engine_samples_follow_the_target_with_drafts_from_another_distribution(
 # -- the default model and the CLI ------------------------------------------------------------------
 def test_default_model_greedy_identical(default_llm) -> None:
     """Prompt lookup on SmolLM2-135M: greedy tokens identical to decoding without speculation on the
-    core-engine prompts, a copy task and a JSON extraction, drafting all it may; with the speculator's
-    own choice, the copy task alone accepts most of its drafts."""
+    core-engine prompts, a copy task and a JSON extraction, drafting all it may; choosing for a
+    CPU's row cost, the copy task alone accepts most of its drafts."""
     from test_default_model import CHAT_PROMPTS, PLAIN_PROMPTS
 
     paragraph = ("Our team meets every Monday morning to plan the work of the week. Each person shares what they finished, what they are "
@@ -355,7 +355,6 @@ def test_default_model_greedy_identical(default_llm) -> None:
     prompts = [default_llm.tokenizer.encode(p) for p in PLAIN_PROMPTS] + [default_llm.chat_prompt(m) for m in CHAT_PROMPTS] + [copy]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     spec = LLM(progress=False, speculative_config={"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1})
-    measured = spec.engine.speculator.row_cost
     _always_draft(spec)
     assert _outputs(spec, prompts, params) == _outputs(default_llm, prompts, params)
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"}}, "required": ["name", "city"],
@@ -365,7 +364,7 @@ def test_default_model_greedy_identical(default_llm) -> None:
     assert _outputs(spec, [extract], constrained) == _outputs(default_llm, [extract], constrained)
     s = spec.engine.speculator
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
-    s.row_cost = measured
+    s.row_cost = 0.4  # what a row costs on a 2-core CPU (the measured value moves with the machine's load)
     drafted, accepted = s.num_draft_tokens, s.num_accepted_tokens
     assert _outputs(spec, [copy], SamplingParams(temperature=0, max_tokens=80)) == _outputs(default_llm, [copy], SamplingParams(temperature=0, max_tokens=80))
     assert s.num_accepted_tokens - accepted > 25 and s.num_accepted_tokens - accepted > (s.num_draft_tokens - drafted) / 2
