@@ -130,3 +130,20 @@ def test_cuda_seeded_sampling_same_as_cpu(models) -> None:
     cpu = LLM(model=path, device="cpu", dtype="float32", progress=False)
     gpu = LLM(model=path, device="cuda", dtype="float32", progress=False)
     assert [o.token_ids for o in gpu.generate(BATCH, params)] == [o.token_ids for o in cpu.generate(BATCH, params)]
+
+
+def test_cuda_speculative_decoding_same_tokens(models) -> None:
+    """Prompt lookup and a draft model on the GPU (verify steps replayed from the decode graphs'
+    buckets): greedy tokens as without speculation; the measured row cost is printed (a GPU row
+    should be nearly free next to the CPU's ~0.35)."""
+    _, path = models[NAMES[0]]
+    prompts = [p * 3 for p in BATCH]
+    plain = LLM(model=path, device="cuda", dtype="float32", progress=False)
+    want = _greedy(plain, prompts)
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+                 {"method": "draft_model", "model": path, "num_speculative_tokens": 3}):
+        llm = LLM(model=path, device="cuda", dtype="float32", progress=False, speculative_config=spec)
+        print(spec["method"], "row cost", llm.engine.speculator.row_cost)
+        llm.engine.speculator.row_cost = 0.0
+        assert _greedy(llm, prompts) == want
+        assert llm.engine.speculator.num_accepted_tokens > 0

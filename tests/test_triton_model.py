@@ -98,3 +98,22 @@ def test_triton_model_quantized_same_as_reference(interpreted, gqa, quantization
     assert (got - ref).abs().max().item() < 2e-2 * ref.abs().max().item()  # int8 activations: ties may round apart
     tokens = _greedy(engine, BATCH)
     assert tokens == _with_reference_ops(engine, lambda: _greedy(engine, BATCH))
+
+
+def test_speculative_verify_steps_replay_the_decode_buckets(interpreted, gqa) -> None:
+    """Prompt-lookup verify steps (a row per drafted token) run in the decode buckets: greedy tokens
+    as without speculation, drafts accepted and rejected."""
+    from fasterllama.engine.proposers import NgramProposer
+    from fasterllama.engine.speculative import Speculator
+
+    _, path = gqa
+    engine = _engine(path, None)
+    prompts = [PROMPT + PROMPT[:6], BATCH[0] * 3]
+    want = _greedy(engine, prompts, 10)
+    assert engine.runner.max_verify_rows == 4  # the largest bucket
+    engine.speculator = Speculator(NgramProposer(1, 6), 3, 0.0, engine.runner.max_verify_rows)  # a row costs nothing: draft all it may
+    assert _greedy(engine, prompts, 10) == want
+    assert _greedy(engine, prompts[:1], 10) == want[:1]  # alone: 1 + 3 rows in the bucket of 4
+    s = engine.speculator
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert 4 in engine.runner.decode_plan.graphs

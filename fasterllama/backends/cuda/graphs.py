@@ -6,7 +6,8 @@ step (embedding, every layer, final norm, lm_head) is one launch. Graphs replay 
 fixed addresses, so each is captured for a bucket of batch sizes over static buffers: a step of
 B sequences fills the smallest bucket >= B, the rows past B marked as padding (KV slot -1: no
 store; context length 0: no attention). Block tables live in a static [bucket, max blocks a
-sequence can have] buffer, so the attention kernel's launch shape never changes. Captured lazily, the first time a bucket is needed, into
+sequence can have] buffer, so the attention kernel's launch shape never changes. A speculative
+verify step is a decode step of more rows (a row per drafted token, model_runner.step_inputs). Captured lazily, the first time a bucket is needed, into
 one shared memory pool. The inputs of a step travel in one copy from a pinned host buffer.
 
 On a device without graphs (the kernels on CPU tensors under TRITON_INTERPRET=1, in tests) the
@@ -45,8 +46,13 @@ class CUDAGraphDecode:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor | AttentionMetadata]] = {}
         self.pool = None
 
+    @property
+    def MAX_BATCH(self) -> int:  # noqa: N802  (the name the CPU plan's constant has: rows a step may have)
+        return self.buckets[-1]
+
     def covers(self, batch: list[ScheduledSeq]) -> bool:
-        return len(batch) <= self.buckets[-1] and all(item.num_tokens == 1 for item in batch)
+        """Steps of decoding sequences (one new token each, and any speculative drafts: a row per token)."""
+        return sum(item.num_tokens for item in batch) <= self.buckets[-1] and all(item.num_tokens == 1 + len(item.drafts) for item in batch)
 
     def _meta(self, n: int) -> AttentionMetadata:
         """Metadata whose tensors are views of the static input buffer (what the kernels read)."""
@@ -80,26 +86,26 @@ class CUDAGraphDecode:
         return graph, logits
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        B = len(batch)
+        from ...engine.model_runner import step_inputs
+
+        step = step_inputs(batch, self.kv_cache.block_size)  # one row per token, each with its block table
+        B = len(step.tokens)
         n = next(b for b in self.buckets if b >= B)
         if n not in self.graphs:
             self.graphs[n] = self._capture(n)
         graph, out = self.graphs[n]
         if self.copied is not None:
             self.copied.synchronize()
-        seqs = [item.seq for item in batch]
-        positions = [s.num_cached for s in seqs]
-        bs = self.kv_cache.block_size
         rows, tables = self.host_rows, self.host_table_rows
-        rows[_IDS, :B] = [s.token_ids(p, p + 1)[0] for s, p in zip(seqs, positions)]
-        rows[_POS, :B] = positions
-        rows[_SLOT, :B] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-        rows[_LEN, :B] = [p + 1 for p in positions]
+        rows[_IDS, :B] = step.tokens
+        rows[_POS, :B] = step.positions
+        rows[_SLOT, :B] = step.slot_mapping
+        rows[_LEN, :B] = [p + 1 for p in step.start_positions]
         rows[:, B:n] = 0
         rows[_SLOT, B:n] = -1
-        width = max(len(s.block_table) for s in seqs)  # columns past it: unread (beyond every length)
-        for i, s in enumerate(seqs):
-            tables[i, : len(s.block_table)] = s.block_table
+        width = max(len(t) for t in step.block_tables)  # columns past it: unread (beyond every length)
+        for i, table in enumerate(step.block_tables):
+            tables[i, : len(table)] = table
         tables[B:n, :width] = 0
         self.inputs[:, :n].copy_(self.host[:, :n], non_blocking=True)
         self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
