@@ -44,7 +44,10 @@ PROMPTS = [_prompt(6, 1) * 3, _prompt(13, 2) * 2 + _prompt(3, 3), _prompt(5, 4),
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("spec_models")
-    return {name: tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS[name]), str(root / name)) for name in ("gqa", "mqa")}
+    out = {name: tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS[name]), str(root / name)) for name in ("gqa", "mqa")}
+    wide = tm.TinySpec("gqa_hd32", hidden_size=128, num_heads=4, num_kv_heads=2, seed=21)  # head_dim 32: the vector kernels' widths
+    out[wide.name] = tm.save_hf_checkpoint(tm.build_hf_model(wide), str(root / wide.name))
+    return out
 
 
 def _always_draft(llm: LLM) -> LLM:
@@ -154,17 +157,17 @@ class OracleProposer:
             seq.draft_token_ids, seq.draft_probs = drafts, None
 
 
-@pytest.mark.parametrize("wrong", [3, 7, 1000])
-def test_greedy_identical_with_right_and_wrong_drafts(paths, wrong: int) -> None:
+@pytest.mark.parametrize("name,wrong", [("gqa", 3), ("gqa", 7), ("gqa", 1000), ("gqa_hd32", 3), ("gqa_hd32", 1000)])
+def test_greedy_identical_with_right_and_wrong_drafts(paths, name: str, wrong: int) -> None:
     """Packed batches of prompts around the 8-token blocks, a cache so small that sequences are
-    preempted, drafts wrong every `wrong` tokens: the outputs are plain decoding's."""
+    preempted, drafts wrong every `wrong` tokens: the outputs are plain decoding's (head_dim 8 and 32)."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain = LLM(paths["gqa"], progress=False, block_size=8)
+    plain = LLM(paths[name], progress=False, block_size=8)
     want = _outputs(plain, PROMPTS, params)
     reference = {tuple(p): w[0] for p, w in zip(PROMPTS, want)}
     per_block = KVCache.bytes_per_block(plain.engine.config, 8, torch.float32)
     for cache in (None, 14 * per_block):  # room for all; for 14 blocks of 8 tokens (the longest request needs 10: preemptions)
-        spec = _always_draft(LLM(paths["gqa"], progress=False, block_size=8, kv_cache_memory=cache, speculative_config=NGRAM))
+        spec = _always_draft(LLM(paths[name], progress=False, block_size=8, kv_cache_memory=cache, speculative_config=NGRAM))
         oracle = spec.engine.speculator.proposer = OracleProposer(reference, wrong)
         assert _outputs(spec, PROMPTS, params) == want
         s = spec.engine.speculator
