@@ -217,17 +217,20 @@ class Speculator:
         return seq.acceptance
 
 
-def measure_row_cost(engine: LLMEngine, rows: int = 9, repeats: int = 3) -> float:
+def measure_row_cost(engine: LLMEngine, rows: int = 9, repeats: int = 3, context: int = 256) -> float:
     """c: what a verify row beyond the first adds to a decode step, as a share of a one-row step,
-    timed on this engine's model runner (best of `repeats`; the K/V it writes go to a block it
-    takes from the cache and gives back)."""
+    timed on this engine's model runner at a typical context (`context` cached positions, whose
+    K/V are whatever the cache holds: only the time counts), best of `repeats`. The blocks it
+    writes to are taken from the cache and given back."""
     import time
 
     from ..sampling_params import SamplingParams
 
-    seq = Sequence([0], SamplingParams(max_tokens=1), None, 0)
-    if rows < 2 or not engine.blocks.reserve(seq, rows):
+    context = max(1, min(context, engine.max_model_len - rows))
+    seq = Sequence([0] * context, SamplingParams(max_tokens=1), None, 0)
+    if rows < 2 or not engine.blocks.reserve(seq, context + rows - 1):
         return 0.0
+    seq.num_cached = context - 1  # (never committed: nothing reaches the prefix cache)
     one, many = [ScheduledSeq(seq, 1)], [ScheduledSeq(seq, rows, [0] * (rows - 1))]
     best = {1: float("inf"), rows: float("inf")}
     try:
