@@ -226,10 +226,12 @@ def measure_row_cost(engine: LLMEngine, rows: int = 9, repeats: int = 3, context
 
     from ..sampling_params import SamplingParams
 
-    context = max(1, min(context, engine.max_model_len - rows))
-    seq = Sequence([0] * context, SamplingParams(max_tokens=1), None, 0)
-    if rows < 2 or not engine.blocks.reserve(seq, context + rows - 1):
+    if rows < 2:
         return 0.0
+    context = max(1, min(context, engine.max_model_len - rows, (engine.blocks.num_free - 1) * engine.blocks.block_size - rows))
+    seq = Sequence([0] * context, SamplingParams(max_tokens=1), None, 0)
+    if not engine.blocks.reserve(seq, context + rows - 1):
+        return 0.5  # a cache too small to time in: a CPU's cost, roughly
     seq.num_cached = context - 1  # (never committed: nothing reaches the prefix cache)
     one, many = [ScheduledSeq(seq, 1)], [ScheduledSeq(seq, rows, [0] * (rows - 1))]
     best = {1: float("inf"), rows: float("inf")}
