@@ -44,7 +44,7 @@ PROMPTS = [_prompt(6, 1) * 3, _prompt(13, 2) * 2 + _prompt(3, 3), _prompt(5, 4),
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("spec_models")
-    out = {name: tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS[name]), str(root / name)) for name in ("gqa", "mqa")}
+    out = {name: tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS[name]), str(root / name)) for name in ("gqa", "mqa", "tied")}
     wide = tm.TinySpec("gqa_hd32", hidden_size=128, num_heads=4, num_kv_heads=2, seed=21)  # head_dim 32: the vector kernels' widths
     out[wide.name] = tm.save_hf_checkpoint(tm.build_hf_model(wide), str(root / wide.name))
     return out
@@ -93,6 +93,8 @@ def test_bad_config_fails_before_the_model_loads(paths) -> None:
         LLM(paths["gqa"], progress=False, speculative_config={"method": "medusa", "num_speculative_tokens": 2})
     with pytest.raises(FasterLlamaError, match="no such model file or folder"):
         LLM(paths["gqa"], progress=False, speculative_config={"method": "draft_model", "model": "/no/such/draft", "num_speculative_tokens": 2})
+    with pytest.raises(FasterLlamaError, match="the draft model's vocabulary has 384 tokens, the model's 320: a draft model must share"):
+        LLM(paths["gqa"], progress=False, speculative_config={"method": "draft_model", "model": paths["tied"], "num_speculative_tokens": 2})
 
 
 # -- the n-gram proposer and the draft lengths -------------------------------------------------------
