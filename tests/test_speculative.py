@@ -180,6 +180,22 @@ def test_greedy_identical_with_right_and_wrong_drafts(paths, name: str, wrong: i
             assert spec.engine.scheduler.num_preemptions > 0
 
 
+def test_drafts_end_at_an_end_token(paths) -> None:
+    """Nothing follows an accepted end token: drafts are cut after a stop token (or EOS), so a
+    sequence that stops drafts no rows past its end."""
+    prompt = PROMPTS[0]
+    long = LLM(paths["gqa"], progress=False).generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].token_ids
+    stop = long[9]
+    params = SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop], ignore_eos=True)
+    want = LLM(paths["gqa"], progress=False).generate([prompt], params)[0].token_ids
+    assert want[-1] == stop and len(want) < 30
+    spec = _always_draft(LLM(paths["gqa"], progress=False, speculative_config={**NGRAM, "num_speculative_tokens": 15}))
+    spec.engine.speculator.proposer = OracleProposer({tuple(prompt): long}, 1000)  # right drafts, 15 of them: past the stop
+    assert spec.generate([prompt], params)[0].token_ids == want
+    s = spec.engine.speculator
+    assert s.num_accepted_tokens == s.num_draft_tokens == len(want) - 1  # every draft up to the stop, none after it
+
+
 def test_rejected_drafts_never_reach_the_prefix_cache(paths) -> None:
     """After speculative runs with many wrong drafts, prompts that reuse their blocks (prompt +
     output as a new prompt) continue as with no prefix cache at all."""

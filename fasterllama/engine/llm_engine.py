@@ -491,10 +491,12 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Drafts for the running sequences that decode next step: as many as the proposer's k,
-        the tokens the request may still emit and the context allow. Under structured output a
-        fixed guess is cut at the first token its constraint refuses (that row would emit the
-        target's own token anyway); a draft model's sampled guesses are kept whole, as the
-        rejection rule needs them."""
+        the tokens the request may still emit and the context allow, cut after an end token (if it
+        holds, the sequence stops there). Under structured output a fixed guess is also cut at the
+        first token its constraint refuses (that row would emit the target's own token anyway); a
+        draft model's sampled guesses are otherwise kept whole, as the rejection rule needs them
+        (cutting after an end is exact for them too: an accepted end stops the sequence whatever
+        follows)."""
         seqs, limits = [], []
         for seq in self.scheduler.running:
             if seq.num_cached + 1 != seq.num_tokens:
@@ -503,8 +505,15 @@ class LLMEngine:
             limits.append(min(seq.params.max_tokens - len(seq.output_token_ids), self.max_model_len - seq.num_tokens) - 1)
         self.speculator.propose(seqs, limits)
         for seq in seqs:
-            if seq.matcher is not None and seq.draft_token_ids and (seq.draft_probs is None or seq.params.greedy):
-                del seq.draft_token_ids[self.structured.valid_drafts(seq.matcher, seq.draft_token_ids) :]
+            drafts = seq.draft_token_ids
+            if not drafts:
+                continue
+            if not seq.params.ignore_eos or seq.params.stop_token_ids:  # nothing follows an accepted end: no rows after it
+                ends = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+                cut = next((i + 1 for i, t in enumerate(drafts) if t in ends), len(drafts))
+                del drafts[cut:]
+            if seq.matcher is not None and (seq.draft_probs is None or seq.params.greedy):
+                del drafts[self.structured.valid_drafts(seq.matcher, drafts) :]
 
     def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, b: sampler.SamplingBatch | None, row: int,
                 token_ids: list[int]) -> list[int]:
