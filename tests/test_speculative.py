@@ -158,6 +158,9 @@ class OracleProposer:
                     drafts[i] = (drafts[i] + 1) % 320
             seq.draft_token_ids, seq.draft_probs = drafts, None
 
+    def release(self, seq: Sequence) -> None:
+        pass
+
 
 @pytest.mark.parametrize("name,wrong", [("gqa", 3), ("gqa", 7), ("gqa", 1000), ("gqa_hd32", 3), ("gqa_hd32", 1000)])
 def test_greedy_identical_with_right_and_wrong_drafts(paths, name: str, wrong: int) -> None:
@@ -330,6 +333,9 @@ class FixedDistributionProposer:
             g = random.Random(seq.seed * 1000 + len(seq.output_token_ids))
             seq.draft_token_ids = [g.choice(self.tokens) for _ in range(k)]
             seq.draft_probs = self.q.expand(k, -1) if k else None
+
+    def release(self, seq: Sequence) -> None:
+        pass
 
 
 def test_engine_samples_follow_the_target_with_drafts_from_another_distribution(paths) -> None:

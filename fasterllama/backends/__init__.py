@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 class DecodePlan(Protocol):
     """A decode step in one call (the C step on the CPU, a CUDA graph replay on the GPU)."""
 
+    max_rows: int  # the most token rows a step it covers may have (decoding sequences and their drafts)
+
     def covers(self, batch: list[ScheduledSeq]) -> bool: ...
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """fp32 logits [len(batch), vocab] of each sequence's one new token; advances nothing."""
+        """fp32 logits [rows, vocab] of each sequence's new token (and drafts); advances nothing."""
         ...
 
 

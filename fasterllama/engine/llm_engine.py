@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops
 from ..backends import Backend, get_backend
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
@@ -462,12 +461,7 @@ class LLMEngine:
         logits = all_logits if gather == list(range(len(rows))) else all_logits[gather]
         if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
             self.structured.mask(logits, [(s.matcher, extra) for s, extra in row_seqs])
-        b = None
-        if all(s.params.greedy and sampler.plain_logits(s, len(extra)) for s, extra in row_seqs):
-            token_ids = ops.argmax(logits).tolist()  # what sampler.sample does here, without its per-row tensors
-        else:
-            b = sampler.sampling_batch(row_seqs, logits.shape[-1], self.eos_token_ids, self.device)
-            token_ids = sampler.sample(logits, b).tolist()
+        token_ids, b, _ = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         updates = []

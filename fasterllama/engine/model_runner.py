@@ -84,7 +84,7 @@ class ModelRunner:
     def max_verify_rows(self) -> int:
         """The most rows a speculative verify step should have: what the whole-step decode covers
         (past it a step falls back to the slower op-by-op path), else the token budget."""
-        return getattr(self.decode_plan, "MAX_BATCH", None) or 64
+        return self.decode_plan.max_rows if self.decode_plan is not None else 64
 
     def refresh_decode_plan(self) -> None:
         """(Re)prepare the weights for the backend's kernels (panels and huge pages on the CPU) and

@@ -46,6 +46,11 @@ class NgramProposer:
             seq.draft_token_ids = self._lookup(seq, k) if k > 0 else []
             seq.draft_probs = None
 
+    @staticmethod
+    def release(seq: Sequence) -> None:
+        """seq finished: its index goes."""
+        seq.proposer_state = None
+
     def _lookup(self, seq: Sequence, k: int) -> list[int]:
         index = seq.proposer_state
         if not isinstance(index, _NgramIndex):
@@ -167,17 +172,8 @@ class DraftModelProposer:
 
     def _draw(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]]) -> tuple[list[int], torch.Tensor | None]:
         """The draft tokens of these rows, and q (the distributions drawn from) if any row samples."""
-        if all(seq.params.greedy for seq, _ in rows):
-            return sampler.penalized(logits, self._batch(logits, rows)).argmax(dim=-1).tolist(), None
-        b = self._batch(logits, rows)
-        q = sampler.probabilities(logits, b)
-        drawn = sampler.draw(q, b.seeds ^ _DRAFT_SALT, b.steps)
-        greedy = b.temperature == 0
-        tokens = torch.where(greedy, sampler.penalized(logits, b).argmax(dim=-1), drawn)
-        return tokens.tolist(), q
-
-    def _batch(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]]) -> sampler.SamplingBatch:
-        return sampler.sampling_batch(rows, logits.shape[-1], self.draft.eos_token_ids, logits.device)
+        tokens, _, q = sampler.next_tokens(logits, rows, self.draft.eos_token_ids, _DRAFT_SALT, with_probs=True)
+        return tokens, q
 
 
 def load_draft_model(model: str, quantization: str | None, target: LLMEngine, progress: bool) -> LLMEngine:

@@ -185,11 +185,32 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch
     return ops.argmax(probs / noise)
 
 
-def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Next token per row: argmax for greedy rows, a seeded draw otherwise."""
+def sample_with_probs(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next token per row (argmax for greedy rows, a seeded draw otherwise) and the distributions
+    the sampled rows drew from (None when every row is greedy)."""
     logits = penalized(logits, b)
     greedy = b.temperature == 0
     if bool(greedy.all()):
-        return ops.argmax(logits)
-    drawn = draw(apply_temperature_and_filters(logits, b).softmax(dim=-1), b.seeds, b.steps)
-    return torch.where(greedy, ops.argmax(logits), drawn)
+        return ops.argmax(logits), None
+    probs = apply_temperature_and_filters(logits, b).softmax(dim=-1)
+    return torch.where(greedy, ops.argmax(logits), draw(probs, b.seeds, b.steps)), probs
+
+
+def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Next token per row: argmax for greedy rows, a seeded draw otherwise."""
+    return sample_with_probs(logits, b)[0]
+
+
+def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eos_token_ids: Iterable[int], seed_salt: int = 0,
+                with_probs: bool = False) -> tuple[list[int], SamplingBatch | None, torch.Tensor | None]:
+    """The token each row draws (rows as in sampling_batch): a plain argmax where every row is
+    greedy with unprocessed logits (no per-row tensors), else sample_with_probs on the rows'
+    batch, whose seeds are xor-ed with seed_salt (another random stream: a draft model's).
+    Returns the tokens, the batch (None on the argmax path) and, if asked, the distributions."""
+    if all(s.params.greedy and plain_logits(s, len(extra)) for s, extra in rows):
+        return ops.argmax(logits).tolist(), None, None
+    b = sampling_batch(rows, logits.shape[-1], eos_token_ids, logits.device)
+    if seed_salt:
+        b.seeds = b.seeds ^ seed_salt
+    tokens, probs = sample_with_probs(logits, b) if with_probs else (sample(logits, b), None)
+    return tokens.tolist(), b, probs

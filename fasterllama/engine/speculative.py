@@ -23,6 +23,7 @@ no block holding them is ever offered to the prefix cache.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..errors import FasterLlamaError
-from ..sampling_params import integer_value
+from ..sampling_params import SamplingParams, integer_value
 from . import sampler
 from .proposers import DraftModelProposer, NgramProposer, load_draft_model
 from .scheduler import ScheduledSeq
@@ -197,10 +198,8 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         """seq finished: drop what was kept for it (its n-gram index, its twin in the draft model)."""
-        seq.proposer_state = seq.acceptance = None
-        release = getattr(self.proposer, "release", None)
-        if release is not None:
-            release(seq)
+        seq.acceptance = None
+        self.proposer.release(seq)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verify step's outcome for seq."""
@@ -222,10 +221,6 @@ def measure_row_cost(engine: LLMEngine, rows: int = 9, repeats: int = 3, context
     timed on this engine's model runner at a typical context (`context` cached positions, whose
     K/V are whatever the cache holds: only the time counts), best of `repeats`. The blocks it
     writes to are taken from the cache and given back."""
-    import time
-
-    from ..sampling_params import SamplingParams
-
     if rows < 2:
         return 0.0
     context = max(1, min(context, engine.max_model_len - rows, (engine.blocks.num_free - 1) * engine.blocks.block_size - rows))

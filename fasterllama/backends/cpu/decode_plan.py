@@ -78,7 +78,7 @@ def _embedding(m: torch.nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
 
 
 class CPUDecodePlan:
-    MAX_BATCH = cpu_kernels.GEMV_MAX_ROWS
+    max_rows = cpu_kernels.GEMV_MAX_ROWS
 
     def __init__(self, model: LlamaForCausalLM, layers: ctypes.Array, embed: _Linear, lm_head: _Linear,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], made: list[torch.Tensor]) -> None:
@@ -132,7 +132,7 @@ class CPUDecodePlan:
 
     def covers(self, batch: list[ScheduledSeq]) -> bool:
         """Steps of decoding sequences (one new token each, and any drafts: a row per token)."""
-        return 0 < sum(item.num_tokens for item in batch) <= self.MAX_BATCH and all(item.num_tokens == 1 + len(item.drafts) for item in batch)
+        return 0 < sum(item.num_tokens for item in batch) <= self.max_rows and all(item.num_tokens == 1 + len(item.drafts) for item in batch)
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         from ...engine.model_runner import pack_batch

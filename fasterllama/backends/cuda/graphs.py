@@ -47,12 +47,12 @@ class CUDAGraphDecode:
         self.pool = None
 
     @property
-    def MAX_BATCH(self) -> int:  # noqa: N802  (the name the CPU plan's constant has: rows a step may have)
+    def max_rows(self) -> int:
         return self.buckets[-1]
 
     def covers(self, batch: list[ScheduledSeq]) -> bool:
         """Steps of decoding sequences (one new token each, and any speculative drafts: a row per token)."""
-        return sum(item.num_tokens for item in batch) <= self.buckets[-1] and all(item.num_tokens == 1 + len(item.drafts) for item in batch)
+        return sum(item.num_tokens for item in batch) <= self.max_rows and all(item.num_tokens == 1 + len(item.drafts) for item in batch)
 
     def _meta(self, n: int) -> AttentionMetadata:
         """Metadata whose tensors are views of the static input buffer (what the kernels read)."""
