@@ -18,7 +18,7 @@ from fasterllama.ops import reference as ref
 pytestmark = pytest.mark.skipif(ck.load() is None, reason="C kernels cannot be built here")
 torch.manual_seed(0)
 
-ROWS = [1, 2, 3, 4, 5, 8, 16, 17, 40]  # tails of the 4-row tiles, and the large-M dequantize path
+ROWS = [1, 2, 3, 4, 5, 8, 16, 17, 40]  # tails of the 4-row tiles, and the large-M GEMM
 SHAPES = [(96, 64, 32), (70, 256, 64), (33, 256, 128), (40, 1600, 32), (20, 2304, 128)]  # (N, K, group); K > 1024: x rows longer than L1 holds at 8+ rows
 
 
@@ -115,17 +115,19 @@ def test_int8_linear(m, n, k, g, per_channel):
     _close(ck.panel_linear(x, *qops.int8_to_panels(q, scale), None, n, 8), qops.int8_weight_linear(x, q, scale))
 
 
-def test_dequantized_tiles(monkeypatch):
-    """Prefill-sized inputs on a matrix larger than one dequantization tile: 64-row tiles here."""
-    monkeypatch.setattr(ck, "DEQUANT_TILE_ELEMS", 64 * 64)
-    x, n, k, g = torch.randn(40, 64), 150, 64, 32
-    bias = torch.randn(n)
-    packed = qops.pack_int4(torch.randint(0, 16, (n, k)), g)
-    scales, mins = (torch.rand(n, k // g) * 0.1).half(), (-torch.rand(n, k // g) * 0.1).half()
-    panels = qops.to_panels(packed, scales, mins, g)
-    _close(ck.panel_linear(x, *panels, n, 4, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
-    q, scale = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n, k // g)
-    _close(ck.panel_linear(x, *qops.int8_to_panels(q, scale), None, n, 8, bias), qops.int8_weight_linear(x, q, scale, bias))
+@pytest.mark.parametrize("bits", [5, 6, 8])
+@pytest.mark.parametrize("m,n,k,g", [(403, 70, 1600, 32), (200, 33, 512, 16), (29, 96, 576, 576)])
+def test_panel_gemm_blocks(bits, m, n, k, g):
+    """The prefill GEMM (more than GEMV_MAX_ROWS rows) over its blocks: rows past one pass of
+    GEMM_MC (192) and not a multiple of the register tile, columns in several dequantized blocks
+    with a short last one (50 groups of 32), groups of 16, one group per row (per channel: a block
+    of its own), a padded last panel, a bias."""
+    from fasterllama.quant.linear import PackedLinear
+
+    q, s, mins = _panel_weights(n, k, g, bits, True, torch.float32)
+    lin = PackedLinear(q, s, mins, bits)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, bias), x @ lin.dequantize().t() + bias)
 
 
 @pytest.mark.parametrize("m", ROWS)

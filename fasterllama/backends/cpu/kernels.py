@@ -17,7 +17,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,13 +30,12 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # -ffp-contract=off: scalar code rounds as written (as torch does), FMAs only where intrinsics ask
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]  # + FASTERLLAMA_CFLAGS, e.g. -mno-avx512f
-GEMV_MAX_ROWS = 16  # up to this many activation rows, the kernels beat dequantize + sgemm
-DEQUANT_TILE_ELEMS = 1 << 22  # larger inputs: dequantize up to 16 MB of rows at a time, then sgemm
+GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels (weights streamed once); beyond, the GEMM
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "fl_panel_linear": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _P],
-    "fl_panel_dequant": [_P, _P, _P, _I, _I, _I, _I, _I, _I, _P],
+    "fl_panel_gemm": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _P],
     "fl_f32_linear": [_P, _I, _I, _P, _I, _P],
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
@@ -159,37 +157,6 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k).contiguous()
 
 
-_scratch = threading.local()
-
-
-def _tile_buffer(elems: int) -> torch.Tensor:
-    """A float buffer reused across calls (per thread): a fresh multi-MB tensor per linear would
-    page-fault its way in every time."""
-    buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < elems:
-        buf = _scratch.buf = torch.empty(elems, dtype=torch.float32)
-    return buf[:elems]
-
-
-def _dequant_linear(x2: torch.Tensor, n: int, dequant_into, bias: torch.Tensor | None) -> torch.Tensor:
-    """Large-M path: float weights from the kernel as W^T tiles [K, rows] starting on panel
-    boundaries (all rows at once, or tiles of a huge matrix such as a vocabulary projection), then
-    the float GEMM, which takes W^T as readily as W."""
-    k = x2.shape[1]
-    step = min(n, max(64, DEQUANT_TILE_ELEMS // k) // 32 * 32)
-    if step == n:
-        tile = _tile_buffer(n * k).view(k, n)
-        dequant_into(0, n, tile)
-        return sgemm(x2, tile.t(), bias)
-    out = torch.empty(x2.shape[0], n, dtype=x2.dtype)
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        tile = _tile_buffer((hi - lo) * k).view(k, hi - lo)
-        dequant_into(lo, hi, tile)
-        out[:, lo:hi] = sgemm(x2, tile.t(), None if bias is None else bias[lo:hi])
-    return out
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     n, k = weight.shape
     if not _usable(x, k) or weight.dtype != torch.float32 or not weight.is_contiguous() or x.numel() // k > GEMV_MAX_ROWS:
@@ -204,18 +171,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W^T for W in panels (quantized.pack_panels): the GEMV kernel up to GEMV_MAX_ROWS rows,
-    dequantized tiles and the float GEMM beyond."""
+    beyond them (prefill) the GEMM that dequantizes the panels a block at a time in cache: as fast
+    as oneDNN's sgemm on the float weights (0.93-1.3x, benchmarks/quant_gemm_cpu.py) with no float
+    copy of them to make or hold."""
     g = qp.shape[2]
     k = qp.shape[1] * g
     if not _usable(x, k) or g % 4 != 0 or sp.dtype not in (torch.float16, torch.float32) or (mp is not None and mp.dtype != sp.dtype):
         return quantized.panel_linear(x, qp, sp, mp, n, bits, bias)
     x2 = _rows(x, k)
     args = (qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size())
-    if x2.shape[0] > GEMV_MAX_ROWS:
-        dequant = lambda lo, hi, t: _lib.fl_panel_dequant(*args, k, g, bits, lo, hi, t.data_ptr())  # noqa: E731
-        return _dequant_linear(x2, n, dequant, bias).view(*x.shape[:-1], n)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _lib.fl_panel_linear(x2.data_ptr(), x2.shape[0], k, *args, n, g, bits, y.data_ptr())
+    kernel = _lib.fl_panel_linear if x2.shape[0] <= GEMV_MAX_ROWS else _lib.fl_panel_gemm
+    kernel(x2.data_ptr(), x2.shape[0], k, *args, n, g, bits, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
 

@@ -397,40 +397,14 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, co
     }
 }
 
-/* Float weights of panel p's rows within [n0, n1), transposed into out [K, n1 - n0]. */
-static inline __attribute__((always_inline)) void panel_dequant(const panel_w_t *w, int64_t K, int64_t g, int64_t n0, int64_t n1,
-                                                                float *out, int64_t p, const int bits) {
-    const int64_t G = K / g, n = n1 - n0;
-    const int64_t c0 = p * PANEL - n0, valid = n - c0 < PANEL ? n - c0 : PANEL;
-    for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = w->q + (p * G + grp) * g * COL_BYTES(bits);
-        const int64_t si = (p * G + grp) * PANEL;
-        __m256 d[4], m[4];
-        for (int i = 0; i < 4; i++) {
-            d[i] = load8s(w->scales, si + 8 * i, w->sbytes);
-            m[i] = w->mins ? load8s(w->mins, si + 8 * i, w->sbytes) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
-        }
-        for (int64_t kk = 0; kk < g; kk++) {
-            float wv[PANEL];
-            for (int i = 0; i < 4; i++) _mm256_storeu_ps(wv + 8 * i, _mm256_fmadd_ps(panel_q8(qg + kk * COL_BYTES(bits), 8 * i, bits), d[i], m[i]));
-            float *o = out + (grp * g + kk) * n + c0;
-            for (int64_t j = 0; j < valid; j++) o[j] = wv[j];
-        }
-    }
-}
-
 /* One copy of the panel code per width. OpenMP outlines a parallel loop's body before inlining,
  * so a width passed into the loop would be a run-time value there (measured: the 1-2 row kernels
  * ran 1.7x slower); the loops below call these instead. */
 typedef void (*panel_block_fn)(const float *, const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t);
-typedef void (*panel_dequant_fn)(const panel_w_t *, int64_t, int64_t, int64_t, int64_t, float *, int64_t);
 #define PANEL_WIDTH(B)                                                                                                        \
     static void panel_block_##B(const float *x, const float *xsum, int64_t M, int64_t K, const panel_w_t *w, int64_t N,      \
                                 int64_t g, float *y, int64_t p) {                                                            \
         panel_block(x, xsum, M, K, w, N, g, y, p, B);                                                                         \
-    }                                                                                                                         \
-    static void panel_dequant_##B(const panel_w_t *w, int64_t K, int64_t g, int64_t n0, int64_t n1, float *out, int64_t p) { \
-        panel_dequant(w, K, g, n0, n1, out, p, B);                                                                            \
     }
 PANEL_WIDTH(4)
 PANEL_WIDTH(5)
@@ -438,7 +412,7 @@ PANEL_WIDTH(6)
 PANEL_WIDTH(8)
 
 /* y [M, N] = x [M, K] @ W^T for W in panels (qp, sp, mp; mp NULL: mins implied by bits; sbytes:
- * 2 for fp16 scales and mins, 4 for fp32). Meant for small M (decode); large M dequantizes. */
+ * 2 for fp16 scales and mins, 4 for fp32). Meant for small M (decode); fl_panel_gemm for large M. */
 void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
                      int64_t N, int64_t g, int64_t bits, float *y) {
     const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits);
@@ -459,14 +433,127 @@ void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, co
     free(xsum);
 }
 
-/* Float weights of rows [n0, n1) (n0 a multiple of 32) of a panel matrix, transposed:
- * out [K, n1 - n0] (the large-M path: the GEMM takes W^T as readily as W). */
-void fl_panel_dequant(const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes, int64_t K, int64_t g, int64_t bits,
-                      int64_t n0, int64_t n1, float *out) {
+/* ---- many activation rows (prefill): y [M, N] = x [M, K] @ W^T straight from the panels ----------
+ * No float copy of W in memory: a thread dequantizes GEMM_KC columns of one panel at a time into a
+ * buffer that stays in L1/L2 (fma(q, s, m): the very floats gguf's dequantizers give), then runs a
+ * register-tiled kernel over GEMM_MC activation rows: GEMM_R rows x (GEMM_V vectors) of
+ * accumulators, each weight vector loaded once for GEMM_R rows and each x[r, k] broadcast into
+ * GEMM_V FMAs. Partial sums over the column blocks build up in a [GEMM_MC, 32] tile per thread. */
+#ifndef GEMM_KC /* (-D to tune) */
+#define GEMM_KC 256 /* columns dequantized at a time (rounded to whole groups): 32 KB of floats */
+#endif
+#ifndef GEMM_MC
+#define GEMM_MC 192 /* activation rows a pass over the panels: their x block stays in L2 */
+#endif
+#define GEMM_V 2    /* vectors of outputs a tile row: 32 (AVX-512) or 16 (AVX2) outputs */
+#if defined(__AVX512F__)
+#define GEMM_R 12 /* 24 accumulators + 2 weight vectors of the 32 registers */
+#else
+#define GEMM_R 6 /* 12 accumulators + 2 weight vectors + a broadcast of the 16 */
+#endif
+#define GEMM_LANES (int)(sizeof(vf) / sizeof(float))
+
+/* wb [kc, 32] = panel p's weights of groups [grp0, grp1), column by column. */
+static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *w, int64_t G, int64_t g, int64_t p, int64_t grp0,
+                                                               int64_t grp1, float *wb, const int bits) {
+    for (int64_t grp = grp0; grp < grp1; grp++) {
+        const uint8_t *qg = w->q + (p * G + grp) * g * COL_BYTES(bits);
+        const int64_t si = (p * G + grp) * PANEL;
+        __m256 d[4], m[4];
+        for (int i = 0; i < 4; i++) {
+            d[i] = load8s(w->scales, si + 8 * i, w->sbytes);
+            m[i] = w->mins ? load8s(w->mins, si + 8 * i, w->sbytes) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
+        }
+        float *o = wb + (grp - grp0) * g * PANEL;
+        for (int64_t kk = 0; kk < g; kk++)
+            for (int i = 0; i < 4; i++)
+                _mm256_store_ps(o + kk * PANEL + 8 * i, _mm256_fmadd_ps(panel_q8(qg + kk * COL_BYTES(bits), 8 * i, bits), d[i], m[i]));
+    }
+}
+
+/* acc tile t [rows, 32] (+)= x [rows, kc] (row stride ldx) @ wb [kc, 32]^T, outputs [v0, v0 + GEMM_V vectors). */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *wb, int64_t kc, float *t, int v0,
+                                                            int first, const int rows) {
+    vf acc[GEMM_R][GEMM_V];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < GEMM_V; v++) acc[r][v] = first ? VZERO() : VLOAD(t + r * PANEL + (v0 + v) * GEMM_LANES);
+    for (int64_t k = 0; k < kc; k++) {
+        vf wv[GEMM_V];
+        for (int v = 0; v < GEMM_V; v++) wv[v] = VLOAD(wb + k * PANEL + (v0 + v) * GEMM_LANES);
+        for (int r = 0; r < rows; r++) {
+            const vf xb = VSET1(x[r * ldx + k]);
+            for (int v = 0; v < GEMM_V; v++) acc[r][v] = VFMA(wv[v], xb, acc[r][v]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < GEMM_V; v++) VSTORE(t + r * PANEL + (v0 + v) * GEMM_LANES, acc[r][v]);
+}
+
+static void gemm_tile_any(const float *x, int64_t ldx, const float *wb, int64_t kc, float *t, int v0, int first, int rows) {
+#define TILE_CALL(R) gemm_tile(x, ldx, wb, kc, t, v0, first, R)
+    switch (rows) {
+#if GEMM_R > 6
+        case 12: TILE_CALL(12); break;
+        case 11: TILE_CALL(11); break;
+        case 10: TILE_CALL(10); break;
+        case 9: TILE_CALL(9); break;
+        case 8: TILE_CALL(8); break;
+        case 7: TILE_CALL(7); break;
+#endif
+        case 6: TILE_CALL(6); break;
+        case 5: TILE_CALL(5); break;
+        case 4: TILE_CALL(4); break;
+        case 3: TILE_CALL(3); break;
+        case 2: TILE_CALL(2); break;
+        default: TILE_CALL(1); break;
+    }
+#undef TILE_CALL
+}
+
+/* Panel p's outputs of y for mc <= GEMM_MC rows. wb: GEMM_KC rounded up to a group, times 32
+ * floats; t: GEMM_MC x 32 floats. */
+static inline __attribute__((always_inline)) void gemm_panel(const float *x, int64_t mc, int64_t K, const panel_w_t *w, int64_t N,
+                                                             int64_t g, float *y, int64_t p, float *wb, float *t, const int bits) {
+    const int64_t G = K / g, gpb = g >= GEMM_KC ? 1 : GEMM_KC / g;
+    const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    for (int64_t grp0 = 0; grp0 < G; grp0 += gpb) {
+        const int64_t grp1 = grp0 + gpb < G ? grp0 + gpb : G, kc = (grp1 - grp0) * g;
+        gemm_dequant(w, G, g, p, grp0, grp1, wb, bits);
+        for (int64_t r0 = 0; r0 < mc; r0 += GEMM_R)
+            for (int v0 = 0; v0 < PANEL / GEMM_LANES; v0 += GEMM_V)
+                gemm_tile_any(x + r0 * K + grp0 * g, K, wb, kc, t + r0 * PANEL, v0, grp0 == 0, (int)(mc - r0 < GEMM_R ? mc - r0 : GEMM_R));
+    }
+    for (int64_t r = 0; r < mc; r++) memcpy(y + r * N + p * PANEL, t + r * PANEL, sizeof(float) * valid);
+}
+
+typedef void (*gemm_panel_fn)(const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t, float *, float *);
+#define GEMM_WIDTH(B)                                                                                                           \
+    static void gemm_panel_##B(const float *x, int64_t M, int64_t K, const panel_w_t *w, int64_t N, int64_t g, float *y,       \
+                               int64_t p, float *wb, float *t) {                                                              \
+        gemm_panel(x, M, K, w, N, g, y, p, wb, t, B);                                                                           \
+    }
+GEMM_WIDTH(4)
+GEMM_WIDTH(5)
+GEMM_WIDTH(6)
+GEMM_WIDTH(8)
+
+/* y [M, N] = x [M, K] @ W^T for W in panels (as fl_panel_linear), for many rows (prefill). */
+void fl_panel_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
+                   int64_t N, int64_t g, int64_t bits, float *y) {
     const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits);
-    const panel_dequant_fn dequant = bits == 5 ? panel_dequant_5 : bits == 6 ? panel_dequant_6 : bits == 8 ? panel_dequant_8 : panel_dequant_4;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = n0 / PANEL; p < (n1 + PANEL - 1) / PANEL; p++) dequant(&w, K, g, n0, n1, out, p);
+    const gemm_panel_fn panel = bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
+    const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g);
+#pragma omp parallel
+    {
+        float *wb = aligned_alloc(64, sizeof(float) * kc * PANEL), *t = aligned_alloc(64, sizeof(float) * GEMM_MC * PANEL);
+        for (int64_t m0 = 0; m0 < M; m0 += GEMM_MC) { /* all panels over one block of rows: it stays in L2 */
+            const int64_t mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; p++) panel(x + m0 * K, mc, K, &w, N, g, y + m0 * N, p, wb, t);
+        }
+        free(wb);
+        free(t);
+    }
 }
 
 /* ---- fp32 weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 -------------------
