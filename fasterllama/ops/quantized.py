@@ -3,6 +3,7 @@ each beside its float twin in reference.py and tested against the unfused compos
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -86,29 +87,31 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     high), then per further bit b one little-endian 32-bit word (bit j: bit 4 + b of row j); a
     column of int8 is 32 bytes, row j at byte j. Int8 panels equal int8_to_panels', 4-bit panels
     to_panels'. Packed 64 panels at a time: the temporaries stay small beside a vocabulary-sized
-    matrix."""
+    matrix. In numpy (the panels are CPU memory): torch's uint8 kernels would map ~5 MB more of
+    its code into every process that loads a model."""
     N, K = q.shape
     G = K // group_size
     P = -(-N // PANEL)
-    out = torch.empty(P, G, group_size, 4 * bits, dtype=torch.uint8, device=q.device)
+    src = q.cpu().numpy()
+    out = np.empty((P, G, group_size, 4 * bits), dtype=np.uint8)
     for p0 in range(0, P, 64):
         p1 = min(P, p0 + 64)
-        rows = q[p0 * PANEL : p1 * PANEL]
+        rows = src[p0 * PANEL : p1 * PANEL]
         if rows.shape[0] < (p1 - p0) * PANEL:
-            rows = F.pad(rows, (0, 0, 0, (p1 - p0) * PANEL - rows.shape[0]))
-        v = rows.view(p1 - p0, PANEL, G, group_size).permute(0, 2, 3, 1)  # [panels, G, g, 32]
+            rows = np.pad(rows, ((0, (p1 - p0) * PANEL - rows.shape[0]), (0, 0)))
+        v = rows.reshape(p1 - p0, PANEL, G, group_size).transpose(0, 2, 3, 1)  # [panels, G, g, 32]
         if bits == 8:
-            out[p0:p1] = v.to(torch.int8).view(torch.uint8)
+            out[p0:p1] = v.astype(np.int8).view(np.uint8)
             continue
-        v = v.to(torch.uint8)
+        v = v.astype(np.uint8)
         out[p0:p1, ..., :16] = (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
         for b in range(bits - 4):  # the word's 4 bytes: rows 0-7, 8-15, 16-23, 24-31
             plane = ((v >> (4 + b)) & 1).reshape(*v.shape[:-1], 4, 8)
-            word = plane[..., 0].clone()
+            word = plane[..., 0].copy()
             for j in range(1, 8):
                 word |= plane[..., j] << j
             out[p0:p1, ..., 16 + 4 * b : 20 + 4 * b] = word
-    return out
+    return torch.from_numpy(out).to(q.device)
 
 
 def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int) -> torch.Tensor:

@@ -11,6 +11,7 @@ FASTERLLAMA_NO_COMPILE=1, `load()` returns None and the PyTorch reference ops ru
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -123,8 +124,10 @@ def load() -> ctypes.CDLL | None:
     return _lib
 
 
+@functools.cache
 def _onednn_linear() -> Callable | None:
-    """oneDNN's fp32 linear, where torch has it. torch's default CPU sgemm is MKL's, and MKL runs
+    """oneDNN's fp32 linear, where torch has it (probed on first use: a model of quantized weights
+    never needs it, and the probe alone maps ~6 MB of torch's code). torch's default CPU sgemm is MKL's, and MKL runs
     AVX2 code on AMD CPUs: on this project's Zen 5 machine oneDNN's AVX-512 GEMM is 2.0-2.5x faster
     at prefill shapes (benchmarks/gemm_cpu.py). Same fp32 arithmetic, another summation order."""
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
@@ -139,13 +142,11 @@ def _onednn_linear() -> Callable | None:
     return None
 
 
-_ONEDNN_LINEAR = _onednn_linear()
-
 
 def sgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T (+ b) in fp32 for many rows (prefill); F.linear where oneDNN is missing or autograd is on."""
-    if _ONEDNN_LINEAR is not None and x.dtype == weight.dtype == torch.float32 and not (x.requires_grad or weight.requires_grad):
-        return _ONEDNN_LINEAR(x, weight, bias)
+    if x.dtype == weight.dtype == torch.float32 and not (x.requires_grad or weight.requires_grad) and _onednn_linear() is not None:
+        return _onednn_linear()(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
