@@ -13,8 +13,8 @@ import ctypes
 import os
 import time
 
-TYPES = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M", "q5_k_m": "LLAMA_FTYPE_MOSTLY_Q5_K_M", "q6_k": "LLAMA_FTYPE_MOSTLY_Q6_K",
-         "q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_s": "LLAMA_FTYPE_MOSTLY_Q4_K_S"}
+TYPES = {name: f"LLAMA_FTYPE_MOSTLY_{name.upper()}" for name in (
+    "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_m", "q3_k_l", "q2_k", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "iq4_nl")}
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..host_memory import release_freed_memory
 from ..loading.gguf_file import GGUFCheckpoint, _dequantize, canonical_name, unpermute_rope_rows
 from ..model.llama import LlamaForCausalLM
 from ..parallel.sharding import ShardPlan, cut_module
@@ -18,6 +19,7 @@ from . import gguf_blocks
 from .linear import Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding
 
 NATIVE_TYPES = tuple(gguf_blocks.FORMATS)
+TRIM_BYTES = 16 << 20  # decoded blocks between heap trims: each tensor's temporaries are freed, not returned
 # fused parameter -> its canonical parts, in row order
 _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -51,6 +53,7 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
     floats: list[tuple[str, torch.Tensor]] = []
     pending: dict[str, dict[str, gguf_blocks.Blocks]] = {}  # fused projections waiting for their other parts
     quantized: dict[str, torch.nn.Module] = {}
+    untrimmed = 0  # bytes of blocks decoded since the heap was last trimmed
     for t in ckpt.reader.tensors:
         name = canonical_name(t.name)
         if name is None:
@@ -74,6 +77,10 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
             blocks.q, blocks.scale = unpermute_rope_rows(blocks.q, heads), unpermute_rope_rows(blocks.scale, heads)
             blocks.mins = None if blocks.mins is None else unpermute_rope_rows(blocks.mins, heads)
         ckpt._release_pages(t.data_offset, t.n_bytes)
+        untrimmed += t.n_bytes
+        if untrimmed >= TRIM_BYTES:  # the decoded-then-repacked temporaries would pile up on top of the weights
+            release_freed_memory()
+            untrimmed = 0
         fused = next((f for f, ps in _PARTS.items() if any(f".{p}." in name for p in ps)), None)
         target, src = name, ""
         if fused is not None:

@@ -16,11 +16,11 @@ plus at most one IN_PLACE_BYTES tensor. The KV cache stays in 4 KB pages: a 2 MB
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
-import sys
 
 import torch
+
+from ...host_memory import libc, release_freed_memory
 
 PAGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
@@ -30,31 +30,13 @@ IN_PLACE_BYTES = 16 << 20
 _arenas: set[int] = set()  # storages made here: a packed model is left alone
 
 
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
 def _madvise(start: int, end: int, *advice: int) -> None:
     """Advise [start, end) rounded inwards to whole 2 MB pages (no-op where there is none)."""
     start, end = (start + PAGE - 1) // PAGE * PAGE, end // PAGE * PAGE
-    libc = _libc()
-    if libc is not None and end > start:
+    lib = libc()
+    if lib is not None and end > start:
         for a in advice:
-            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), a)
-
-
-def _release_freed_memory() -> None:
-    """Hand freed heap pages back to the OS now: glibc keeps them otherwise, and a moved tensor's
-    old pages would count on top of the arena."""
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
+            lib.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), a)
 
 
 def arena(nbytes: int) -> torch.Tensor:
@@ -79,7 +61,7 @@ def pack_weights(model: torch.nn.Module) -> bool:
     """Put the model's large CPU tensors in 2 MB pages, in place: modules keep their Parameter
     objects, whose .data (and the buffers) may now view the arena. False when there was nothing
     to do or it is switched off."""
-    if os.environ.get("FASTERLLAMA_HUGE_PAGES", "1") == "0" or _libc() is None:
+    if os.environ.get("FASTERLLAMA_HUGE_PAGES", "1") == "0" or libc() is None:
         return False  # switched off, or not Linux: no madvise to ask with
     tensors = _large_tensors(model)
     for t in tensors:
@@ -114,9 +96,9 @@ def pack_weights(model: torch.nn.Module) -> bool:
             for p in module._parameters.values():
                 if p is not None and (new := moved(p)) is not None:
                     p.data = new  # the old storage goes now, unless something else holds it
-                    _release_freed_memory()
+                    release_freed_memory()
             for name, b in module._buffers.items():
                 if b is not None and (new := moved(b)) is not None:
                     module._buffers[name] = new
-                    _release_freed_memory()
+                    release_freed_memory()
     return True
