@@ -93,7 +93,8 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     G = K // group_size
     P = -(-N // PANEL)
     src = q.cpu().numpy()
-    out = np.empty((P, G, group_size, 4 * bits), dtype=np.uint8)
+    packed = torch.empty(P, G, group_size, 4 * bits, dtype=torch.uint8)  # torch's allocation: 64-byte aligned, as the kernels' loads want
+    out = packed.numpy()
     for p0 in range(0, P, 64):
         p1 = min(P, p0 + 64)
         rows = src[p0 * PANEL : p1 * PANEL]
@@ -111,7 +112,7 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
             for j in range(1, 8):
                 word |= plane[..., j] << j
             out[p0:p1, ..., 16 + 4 * b : 20 + 4 * b] = word
-    return torch.from_numpy(out).to(q.device)
+    return packed.to(q.device)
 
 
 def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int) -> torch.Tensor:
