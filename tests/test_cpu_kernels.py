@@ -94,6 +94,37 @@ def test_panel_linear_every_format(bits, n, k, g, mins, scale_dtype):
     _close(qops.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits), x @ w.t())
 
 
+@pytest.mark.parametrize("bits,g,gps", [(4, 32, 8), (5, 32, 8), (6, 16, 16), (4, 16, 16)])
+@pytest.mark.parametrize("mins", [False, True])
+def test_factored_scales(bits, g, gps, mins):
+    """Scales and mins as a K-quant holds them (int8 sub-block values times an fp16 value per gps
+    groups, PackedLinear's factored form): every kernel (GEMV at each row count, the prefill GEMM)
+    and the float reference against the weights the products define; a quarter of fp32's bytes."""
+    from fasterllama.quant.linear import PackedLinear
+
+    n, k = 70, 1024
+    G = k // g
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
+    sub, sup = torch.randint(-32, 64, (n, G), dtype=torch.int8), (torch.rand(n, G // gps) * 0.01 + 1e-3).half()
+    msub, msup = (torch.randint(0, 64, (n, G), dtype=torch.int8), (-torch.rand(n, G // gps) * 0.01).half()) if mins else (None, None)
+    lin = PackedLinear(q, sub, msub, bits, scale_super=sup, min_super=msup)
+    s = sub.float() * sup.float().repeat_interleave(gps, 1)
+    m = msub.float() * msup.float().repeat_interleave(gps, 1) if mins else -(1 << (bits - 1)) * s
+    w = (q.float().view(n, G, g) * s[..., None] + m[..., None]).view(n, k)
+    assert lin.scales.dtype == torch.int8 and torch.equal(lin.dequantize(), w)
+    rows = torch.tensor([n - 1, 0, 37])
+    assert torch.equal(lin.dequantize_rows(rows, torch.float32), w[rows])
+    assert all(torch.equal(a, b) for a, b in zip(lin.rows_layout(), (q, s, m if mins else None)) if b is not None)
+    scale_bytes = sum(t.numel() * t.element_size() for t in (lin.scales, lin.mins, lin.scale_super, lin.min_super) if t is not None)
+    padded = -(-n // 32) * 32  # panels of 32 rows
+    assert scale_bytes * 8 / (padded * k) == (2 if mins else 1) * (8 + 16 / gps) / g  # int8 + fp16 / gps a group: not fp32's 32
+    for m_rows in ROWS:
+        x = torch.randn(m_rows, k)
+        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, None, lin.sups), x @ w.t())
+    x = torch.randn(3, k)
+    _close(qops.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, None, lin.sups), x @ w.t())
+
+
 @pytest.mark.parametrize("n,g", [(96, 32), (33, 64)])
 def test_pack_panels_is_the_int4_and_int8_layout(n, g):
     """pack_panels at 4 and 8 bits is to_panels' and int8_to_panels' layout: one kernel serves all."""

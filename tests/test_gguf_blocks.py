@@ -48,10 +48,18 @@ def test_decode_is_gguf_dequantize_exactly(type_name):
     assert b.q.min() >= (-128 if b.bits == 8 else 0) and b.q.max() < (128 if b.bits == 8 else 1 << b.bits)
     assert np.array_equal(b.values(), want)
     assert np.array_equal(_fma_values(b), want)
+    f = b.factors  # the K-quants' compact form: int8 sub-block values times an fp16 value per 256 columns
+    assert (f is not None) == type_name.endswith("_K")
+    if f is not None:
+        assert f.scale_sub.dtype == np.int8 and f.scale_super.dtype == np.float16 and f.scale_super.shape == (rows, k // 256)
+        assert np.array_equal(f.products(f.scale_sub, f.scale_super), b.scale)
+        assert (f.min_sub is None) == (b.mins is None)
+        if b.mins is not None:
+            assert np.array_equal(f.products(f.min_sub, f.min_super), b.mins)
 
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q4_0", "Q5_0"), ("Q5_0", "Q6_K", "Q4_1"), ("Q6_K", "Q6_K"),
-                                   ("Q3_K", "Q8_0")])
+                                   ("Q3_K", "Q8_0"), ("Q4_K", "Q4_K", "Q4_K")])
 def test_combine_holds_every_part_exactly(types):
     """A fused projection's parts of different types in one form: the values of each part."""
     k = 512
@@ -63,6 +71,7 @@ def test_combine_holds_every_part_exactly(types):
     assert np.array_equal(_fma_values(both), want)
     if len(set(types)) == 1 and types[0] in ("Q5_0", "Q6_K", "Q8_0", "Q4_0"):
         assert both.mins is None  # centred alike: no mins stored
+    assert (both.factors is not None) == (len(set(types)) == 1 and types[0].endswith("_K"))  # one K-quant type keeps its compact scales
 
 
 @pytest.mark.parametrize("types,kind", [(("Q5_0", "Q8_0"), "Int8Linear"), (("Q4_1", "Q4_0"), "Int4Linear"), (("Q6_K",), "Int8Linear"),

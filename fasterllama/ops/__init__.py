@@ -85,8 +85,8 @@ def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
     return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
 
 
-def panel_linear(x, qp, sp, mp, n, bits, bias=None):
-    return get_op("panel_linear", x.device)(x, qp, sp, mp, n, bits, bias)
+def panel_linear(x, qp, sp, mp, n, bits, bias=None, sups=None):
+    return get_op("panel_linear", x.device)(x, qp, sp, mp, n, bits, bias, sups)
 
 
 def quantize_per_token(x, static_scale=None, clip=False):

@@ -161,13 +161,24 @@ def panel_scales(sp: torch.Tensor, n: int) -> torch.Tensor:
     return sp.transpose(1, 2).reshape(-1, sp.shape[1])[:n].contiguous()
 
 
+def factored(sub: torch.Tensor, sup: torch.Tensor | None) -> torch.Tensor:
+    """Scales or mins as floats, from stored floats, or (sup given) from a K-quant's factored form:
+    int8 sub-block values [.., G, ..] times an fp16 scale per G / S groups, sup [.., S, ..] (dim 1 of
+    both). int8 times fp16 is exact in fp32: the same floats as d * sc."""
+    if sup is None:
+        return sub.float()
+    return sub.float() * sup.float().repeat_interleave(sub.shape[1] // sup.shape[1], dim=1)
+
+
 def dequantize_panel_rows(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, bits: int, rows: torch.Tensor | slice, n: int,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Float weights [R, K] of some rows: scale * q + min per group (min: stored, or -centre * scale)."""
+                          dtype: torch.dtype = torch.float32, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Float weights [R, K] of some rows: scale * q + min per group (min: stored, or -centre * scale;
+    sups: the super-block scales of factored scales and mins, PackedLinear)."""
     idx = torch.arange(n, device=qp.device)[rows]
     p, j = idx // PANEL, idx % PANEL
-    s = sp[p, :, j].float()[..., None]
-    m = -panel_centre(bits) * s if mp is None else mp[p, :, j].float()[..., None]
+    sup_s, sup_m = (None, None) if sups is None else sups
+    s = factored(sp[p, :, j], None if sup_s is None else sup_s[p, :, j])[..., None]
+    m = -panel_centre(bits) * s if mp is None else factored(mp[p, :, j], None if sup_m is None else sup_m[p, :, j])[..., None]
     w = panel_values(qp, bits, rows, n).float() * s + m
     return w.reshape(len(idx), -1).to(dtype)
 
@@ -220,10 +231,10 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 
 
 def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x @ W^T for W in panels (pack_panels), dequantized a block of rows at a time."""
     k = qp.shape[1] * qp.shape[2]
-    rows = lambda lo, hi: dequantize_panel_rows(qp, sp, mp, bits, slice(lo, hi), n, x.dtype)  # noqa: E731
+    rows = lambda lo, hi: dequantize_panel_rows(qp, sp, mp, bits, slice(lo, hi), n, x.dtype, sups)  # noqa: E731
     return _chunked_dequant_linear(x.reshape(-1, k), n, rows, bias).view(*x.shape[:-1], n)
 
 

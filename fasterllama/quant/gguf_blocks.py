@@ -16,15 +16,43 @@ QK_K = 256
 
 
 @dataclass
+class Factors:
+    """A K-quant's scales (and mins) as the file holds them: int8 sub-block values [rows, G] times
+    one fp16 value per super-block of G / S groups [rows, S] (its d; -dmin, or -4 d, for mins).
+    Exact: every product is the fp32 scale (min) itself."""
+
+    scale_sub: np.ndarray
+    scale_super: np.ndarray
+    min_sub: np.ndarray | None
+    min_super: np.ndarray | None
+
+    def products(self, sub: np.ndarray, sup: np.ndarray) -> np.ndarray:
+        return sub.astype(np.float32) * np.repeat(sup.astype(np.float32), sub.shape[1] // sup.shape[1], axis=1)
+
+
+def _factors(scale: np.ndarray, mins: np.ndarray | None, sub: np.ndarray, sup: np.ndarray, min_sub: np.ndarray | None = None,
+             min_super: np.ndarray | None = None) -> Factors | None:
+    """Factors of [rows, G] scales and mins from sub-block values and per-super-block values
+    [rows, S, 1] or [rows, S]; None where a product is not exactly the scale (an fp16 overflow)."""
+    rows = scale.shape[0]
+    f = Factors(sub.reshape(rows, -1).astype(np.int8), sup.reshape(rows, -1).astype(np.float16),
+                None if min_sub is None else min_sub.reshape(rows, -1).astype(np.int8), None if min_super is None else min_super.reshape(rows, -1).astype(np.float16))
+    exact = np.array_equal(f.products(f.scale_sub, f.scale_super), scale) and (
+        (mins is None) == (f.min_sub is None) and (mins is None or np.array_equal(f.products(f.min_sub, f.min_super), mins)))
+    return f if exact else None
+
+
+@dataclass
 class Blocks:
     """A [rows, K] tensor as q (uint8 values of `bits` bits; int8 for 8 bits) with scale and min
     [rows, K / group] float32. mins None: w = scale * (q - centre), centre = 2^(bits-1) below 8
-    bits, 0 for int8."""
+    bits, 0 for int8. factors: the K-quants' scales and mins in their compact form too."""
 
     q: np.ndarray
     scale: np.ndarray
     mins: np.ndarray | None
     bits: int
+    factors: Factors | None = None
 
     @property
     def group(self) -> int:
@@ -33,6 +61,15 @@ class Blocks:
     @property
     def centre(self) -> int:
         return 0 if self.bits == 8 else 1 << (self.bits - 1)
+
+    def map_rows(self, fn) -> None:
+        """Reorder the rows of every per-row array alike (fn: [rows, ...] -> [rows, ...]; q/k's RoPE
+        row permutation)."""
+        self.q, self.scale = fn(self.q), fn(self.scale)
+        self.mins = None if self.mins is None else fn(self.mins)
+        f = self.factors
+        if f is not None:
+            self.factors = Factors(*(None if a is None else fn(a) for a in (f.scale_sub, f.scale_super, f.min_sub, f.min_super)))
 
     def explicit_mins(self) -> np.ndarray:
         return -np.float32(self.centre) * self.scale if self.mins is None else self.mins
@@ -108,7 +145,8 @@ def _q4_k(b: np.ndarray) -> Blocks:  # d, dmin, 12 bytes of scales/mins, 128 byt
     rows = b.shape[0]
     d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
     sc, mn = _scale_min_k4(b[..., 4:16])
-    return Blocks(_k_nibbles(b[..., 16:144]).reshape(rows, -1), (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1), 4)
+    scale, mins = (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1)
+    return Blocks(_k_nibbles(b[..., 16:144]).reshape(rows, -1), scale, mins, 4, _factors(scale, mins, sc, d, mn, -dmin))
 
 
 def _q5_k(b: np.ndarray) -> Blocks:  # d, dmin, scales, 32 bytes of fifth bits, 128 bytes of nibbles
@@ -118,7 +156,8 @@ def _q5_k(b: np.ndarray) -> Blocks:  # d, dmin, scales, 32 bytes of fifth bits, 
     # element l of sub-block i takes bit i of qh[l]
     high = np.swapaxes(_bits_of(b[..., 16:48], 8), -1, -2).reshape(*b.shape[:-1], QK_K) << 4
     q = _k_nibbles(b[..., 48:176]) | high.astype(np.uint8)
-    return Blocks(q.reshape(rows, -1), (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1), 5)
+    scale, mins = (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1)
+    return Blocks(q.reshape(rows, -1), scale, mins, 5, _factors(scale, mins, sc, d, mn, -dmin))
 
 
 def _q6_k(b: np.ndarray) -> Blocks:  # 128 bytes low nibbles, 64 bytes of 2-bit highs, 16 int8 scales, d
@@ -129,7 +168,9 @@ def _q6_k(b: np.ndarray) -> Blocks:  # 128 bytes low nibbles, 64 bytes of 2-bit 
     high = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3  # [.., 2, 4, 32]
     q = (low | (high << 4)).reshape(rows, -1)
     sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)
-    return Blocks(q, (_f16(b[..., 208:210])[..., None] * sc).reshape(rows, -1), None, 6)
+    d = _f16(b[..., 208:210])[..., None]
+    scale = (d * sc).reshape(rows, -1)
+    return Blocks(q, scale, None, 6, _factors(scale, None, sc, d))
 
 
 def _q2_k(b: np.ndarray) -> Blocks:  # 16 bytes of 4-bit scale | 4-bit min, 64 bytes of 2-bit values, d, dmin
@@ -138,7 +179,8 @@ def _q2_k(b: np.ndarray) -> Blocks:  # 16 bytes of 4-bit scale | 4-bit min, 64 b
     q = ((qs >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3).reshape(rows, -1)
     d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
     sc, mn = (b[..., 0:16] & 15).astype(np.float32), (b[..., 0:16] >> 4).astype(np.float32)
-    return Blocks(q, (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1), 4)
+    scale, mins = (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1)
+    return Blocks(q, scale, mins, 4, _factors(scale, mins, sc, d, mn, -dmin))
 
 
 def _q3_k(b: np.ndarray) -> Blocks:  # 32 bytes of third bits, 64 bytes of 2-bit values, 12 bytes of 6-bit scales, d
@@ -151,8 +193,9 @@ def _q3_k(b: np.ndarray) -> Blocks:  # 32 bytes of third bits, 64 bytes of 2-bit
     s = b[..., 96:108]
     i = np.arange(16)
     sc = ((s[..., i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 15) | (((s[..., 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3) << 4)
-    scale = (_f16(b[..., 108:110])[..., None] * (sc.astype(np.float32) - 32)).reshape(rows, -1)
-    return Blocks(q, scale, -4 * scale, 4)
+    d, sub = _f16(b[..., 108:110])[..., None], sc.astype(np.float32) - 32
+    scale = (d * sub).reshape(rows, -1)
+    return Blocks(q, scale, -4 * scale, 4, _factors(scale, -4 * scale, sub, d, sub, -4 * d))
 
 
 # type -> (bytes per block, values per block, decoder)
@@ -174,6 +217,12 @@ def combine(parts: list[Blocks]) -> Blocks:
     widest values, the finest groups, mins stored unless every part is centred alike."""
     if len(parts) == 1:
         return parts[0]
+    if all(p.factors is not None for p in parts) and len({(p.bits, p.group, p.factors.scale_super.shape[1], p.mins is None) for p in parts}) == 1:
+        fs = [p.factors for p in parts]  # one K-quant type: stack, factors included
+        cat = lambda key: None if getattr(fs[0], key) is None else np.concatenate([getattr(f, key) for f in fs])  # noqa: E731
+        return Blocks(np.concatenate([p.q for p in parts]), np.concatenate([p.scale for p in parts]),
+                      None if parts[0].mins is None else np.concatenate([p.mins for p in parts]), parts[0].bits,
+                      Factors(cat("scale_sub"), cat("scale_super"), cat("min_sub"), cat("min_super")))
     bits = max(p.bits for p in parts)
     group = min(p.group for p in parts)
     centred = all(p.mins is None and (p.bits == bits or bits == 8) for p in parts)

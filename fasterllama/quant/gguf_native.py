@@ -33,6 +33,10 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     b = gguf_blocks.combine(parts)
     scale = torch.from_numpy(b.scale)
     if device.type == "cpu":
+        f = b.factors  # a K-quant's compact scales: int8 times fp16 per super-block
+        if f is not None:
+            return PackedLinear(torch.from_numpy(b.q), torch.from_numpy(f.scale_sub), None if f.min_sub is None else torch.from_numpy(f.min_sub), b.bits,
+                                scale_super=torch.from_numpy(f.scale_super), min_super=None if f.min_super is None else torch.from_numpy(f.min_super))
         return PackedLinear(torch.from_numpy(b.q), scale, None if b.mins is None else torch.from_numpy(b.mins), b.bits)
     if b.group < 16 or b.group & (b.group - 1):
         return None
@@ -74,8 +78,7 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
         blocks = gguf_blocks.decode(t.data, type_name, rows)
         if ".q_proj." in name or ".k_proj." in name:  # undo llama.cpp's row permutation, exactly
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            blocks.q, blocks.scale = unpermute_rope_rows(blocks.q, heads), unpermute_rope_rows(blocks.scale, heads)
-            blocks.mins = None if blocks.mins is None else unpermute_rope_rows(blocks.mins, heads)
+            blocks.map_rows(lambda a, h=heads: unpermute_rope_rows(a, h))
         ckpt._release_pages(t.data_offset, t.n_bytes)
         untrimmed += t.n_bytes
         if untrimmed >= TRIM_BYTES:  # the decoded-then-repacked temporaries would pile up on top of the weights

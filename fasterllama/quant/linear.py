@@ -127,37 +127,57 @@ class PackedLinear(nn.Module):
     (quant/gguf_native.py): Q4_0, Q5_0, Q6_K (mins=None: the values are centred, w = scale * (q -
     2^(bits-1))), Q4_1, Q5_1, Q2_K..Q5_K (mins stored), Q8_0 (int8, no mins). Scales and mins are
     fp16 where every one of them is an fp16 value, else fp32 (a K-quant's fp16 super-block scale
-    times its 6-bit sub-block scale has up to 17 significant bits)."""
+    times its 6-bit sub-block scale has up to 17 significant bits), or in the K-quant's own factored
+    form: scale_super given, `scale` (and `mins`) are int8 sub-block values [N, G] and
+    scale_super (min_super) fp16 [N, G / gps], one per super-block of gps groups: scale = sub *
+    super, exact in fp32, 1.1 bytes a group instead of 4 (Q4_K: 4.6 bits a weight, not 6)."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bits: int, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bits: int, bias: torch.Tensor | None = None,
+                 scale_super: torch.Tensor | None = None, min_super: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = q.shape
         self.bits = bits
         self.group_size = self.in_features // scale.shape[1]
-        exact16 = all(t is None or torch.equal(t.float().half().float(), t.float()) for t in (scale, mins))
-        sdtype = torch.float16 if exact16 else torch.float32
+        order = ops.quantized._panel_order
+        if scale_super is not None:
+            sdtype = torch.int8
+            self.scale_super = _buffer(order(scale_super.half()))
+            self.min_super = None if mins is None else _buffer(order(min_super.half()))
+        else:
+            exact16 = all(t is None or torch.equal(t.float().half().float(), t.float()) for t in (scale, mins))
+            sdtype = torch.float16 if exact16 else torch.float32
+            self.scale_super = self.min_super = None
         self.qweight = _buffer(ops.pack_panels(q, self.group_size, bits))
-        self.scales = _buffer(ops.quantized._panel_order(scale.to(sdtype)))
-        self.mins = None if mins is None else _buffer(ops.quantized._panel_order(mins.to(sdtype)))
+        self.scales = _buffer(order(scale.to(sdtype)))
+        self.mins = None if mins is None else _buffer(order(mins.to(sdtype)))
         self.bias = None if bias is None else _buffer(bias)
 
+    @property
+    def sups(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(scale_super, min_super) of factored scales, else None: the ops' `sups` argument."""
+        return None if self.scale_super is None else (self.scale_super, self.min_super)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, self.bits, self.bias)
+        return ops.panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, self.bits, self.bias, self.sups)
 
     def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(values [N, K], scales [N, G], mins [N, G] or None): what it was built from."""
-        n = self.out_features
-        q = ops.quantized.unpack_panels(self.qweight, self.bits, n)
-        return q, ops.quantized.panel_scales(self.scales, n), None if self.mins is None else ops.quantized.panel_scales(self.mins, n)
+        """(values [N, K], scales [N, G], mins [N, G] or None): what it was built from (factored
+        scales and mins as their float products)."""
+        n, sq = self.out_features, ops.quantized
+        q = sq.unpack_panels(self.qweight, self.bits, n)
+        s = sq.panel_scales(sq.factored(self.scales, self.scale_super) if self.scale_super is not None else self.scales, n)
+        m = None if self.mins is None else sq.panel_scales(sq.factored(self.mins, self.min_super) if self.min_super is not None else self.mins, n)
+        return q, s, m
 
     def dequantize_rows(self, rows: torch.Tensor | slice, dtype: torch.dtype) -> torch.Tensor:
-        return ops.dequantize_panel_rows(self.qweight, self.scales, self.mins, self.bits, rows, self.out_features, dtype)
+        return ops.dequantize_panel_rows(self.qweight, self.scales, self.mins, self.bits, rows, self.out_features, dtype, self.sups)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.dequantize_rows(slice(None), dtype)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, scales={self.scales.dtype}, mins={self.mins is not None}"
+        factored = "" if self.scale_super is None else f" x fp16 per {self.in_features // self.group_size // self.scale_super.shape[1]} groups"
+        return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group_size}, scales={self.scales.dtype}{factored}, mins={self.mins is not None}"
 
 
 class W8A8Linear(nn.Module):

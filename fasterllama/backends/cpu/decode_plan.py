@@ -25,8 +25,8 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("bits", _I), ("sbytes", _I), ("w", _P), ("scales", _P), ("mins", _P), ("bias", _P),
-                ("wsum", _P), ("in_scale", _P), ("clip", _I)]
+    _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("bits", _I), ("sbytes", _I), ("w", _P), ("scales", _P), ("mins", _P),
+                ("sup_s", _P), ("sup_m", _P), ("gps", _I), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -40,17 +40,19 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.is_contiguous() and m.in_features % 32 == 0:
-        return _Linear(0, m.out_features, m.in_features, m.in_features, 32, 4, m.weight.data_ptr(), None, None, cpu_kernels.ptr(bias))
+        return _Linear(0, m.out_features, m.in_features, m.in_features, 32, 4, m.weight.data_ptr(), bias=cpu_kernels.ptr(bias))
     panels = _panels(m)
     if panels is not None and m.in_features % 32 == 0:
         q, scales, mins, bits, g = panels
-        return _Linear(1, m.out_features, m.in_features, g, bits, scales.element_size(), q.data_ptr(), scales.data_ptr(), cpu_kernels.ptr(mins), cpu_kernels.ptr(bias))
+        sup_s, sup_m, gps = cpu_kernels.super_scales(scales, getattr(m, "sups", None))
+        return _Linear(1, m.out_features, m.in_features, g, bits, scales.element_size(), q.data_ptr(), scales.data_ptr(), cpu_kernels.ptr(mins),
+                       sup_s, sup_m, gps, cpu_kernels.ptr(bias))
     if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
         wsum = m.qweight.sum(dim=1, dtype=torch.int32)
         keep.append(wsum)
         in_scale = quantizer.input_scale if quantizer is m else getattr(quantizer, "static_scale", None)
-        return _Linear(3, m.out_features, m.in_features, m.in_features, 8, 4, m.qweight.data_ptr(), m.weight_scale.data_ptr(), None, cpu_kernels.ptr(bias),
-                       wsum.data_ptr(), cpu_kernels.ptr(in_scale), int(getattr(quantizer, "clip", False)))
+        return _Linear(3, m.out_features, m.in_features, m.in_features, 8, 4, m.qweight.data_ptr(), m.weight_scale.data_ptr(), bias=cpu_kernels.ptr(bias),
+                       wsum=wsum.data_ptr(), in_scale=cpu_kernels.ptr(in_scale), clip=int(getattr(quantizer, "clip", False)))
     return None
 
 
@@ -71,7 +73,7 @@ def _embedding(m: torch.nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
         w = m.weight
         if w.dtype != torch.float32 or not w.is_contiguous():
             return None
-        return _Linear(0, w.shape[0], w.shape[1], w.shape[1], 32, 4, w.data_ptr(), None, None, None)
+        return _Linear(0, w.shape[0], w.shape[1], w.shape[1], 32, 4, w.data_ptr())
     if isinstance(m, QuantizedEmbedding) and m.dtype == torch.float32 and isinstance(m.table, (Int8Linear, Int4Linear, PackedLinear)):
         return _linear(m.table, None, keep)
     return None

@@ -35,8 +35,8 @@ GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels (weights 
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "fl_panel_linear": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _P],
-    "fl_panel_gemm": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _P],
+    "fl_panel_linear": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P],
+    "fl_panel_gemm": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P],
     "fl_f32_linear": [_P, _I, _I, _P, _I, _P],
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
@@ -170,22 +170,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x @ W^T for W in panels (quantized.pack_panels): the GEMV kernel up to GEMV_MAX_ROWS rows,
     beyond them (prefill) the GEMM that dequantizes the panels a block at a time in cache: as fast
     as oneDNN's sgemm on the float weights (0.93-1.3x, benchmarks/quant_gemm_cpu.py) with no float
     copy of them to make or hold."""
     g = qp.shape[2]
     k = qp.shape[1] * g
-    if not _usable(x, k) or g % 4 != 0 or sp.dtype not in (torch.float16, torch.float32) or (mp is not None and mp.dtype != sp.dtype):
-        return quantized.panel_linear(x, qp, sp, mp, n, bits, bias)
+    if not _usable(x, k) or g % 4 != 0 or sp.dtype not in (torch.float16, torch.float32, torch.int8) or (mp is not None and mp.dtype != sp.dtype):
+        return quantized.panel_linear(x, qp, sp, mp, n, bits, bias, sups)
     x2 = _rows(x, k)
-    args = (qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size())
+    args = (qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size(), *super_scales(sp, sups))
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     kernel = _lib.fl_panel_linear if x2.shape[0] <= GEMV_MAX_ROWS else _lib.fl_panel_gemm
     kernel(x2.data_ptr(), x2.shape[0], k, *args, n, g, bits, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
+
+
+def super_scales(sp: torch.Tensor, sups: tuple[torch.Tensor, torch.Tensor | None] | None) -> tuple[int | None, int | None, int]:
+    """The C kernels' (sup_s, sup_m, gps) arguments: the fp16 super-block scales of int8 scales and
+    mins (PackedLinear's factored K-quant form) and the groups each covers; NULLs otherwise."""
+    if sups is None:
+        return None, None, 0
+    gps = sp.shape[1] // sups[0].shape[1]
+    if gps & (gps - 1) or gps * sups[0].shape[1] != sp.shape[1]:
+        raise ValueError(f"factored scales need a power-of-two number of groups per super-block, got {sp.shape[1]} / {sups[0].shape[1]}")
+    return sups[0].data_ptr(), ptr(sups[1]), gps
 
 
 def w8a8_linear(xq: torch.Tensor, xs: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -120,7 +120,10 @@ typedef __m256 vf;
  * channel), a scale s and a min m:   w = s * q + m.
  *   bits 4, 5, 6: q unsigned; without stored mins m = -2^(bits-1) * s (centred values, as in
  *   Q4_0, Q5_0 and Q6_K). bits 8: q int8; without stored mins m = 0.
- *   Scales and mins are fp16 or fp32 (sbytes 2 or 4): a K-quant's scale (fp16 times a 6-bit
+ *   Scales and mins are fp16 or fp32 (sbytes 2 or 4), or (sbytes 1) int8 sub-block values times an
+ *   fp16 scale per gps groups (a K-quant's own form: its d times a 6-bit sub-block scale, -dmin
+ *   times a 6-bit min), 1.1 bytes a group instead of 4, multiplied as they load (int8 x fp16 is
+ *   exact in fp32). Otherwise a K-quant's scale (fp16 times a 6-bit
  *   sub-block scale) needs fp32 to stay exact. s * q is exact in fp32 for all of them, so
  *   fma(s, q, m) rounds once, as gguf's dequantizers do.
  * A panel holds 32 output rows column by column, so one vector is one input column's weights for
@@ -142,12 +145,16 @@ typedef __m256 vf;
 typedef struct {
     const uint8_t *q;
     const void *scales, *mins; /* mins NULL: implied by bits (above) */
-    int64_t sbytes;            /* 2: fp16 scales and mins, 4: fp32 */
+    int64_t sbytes;            /* 2: fp16 scales and mins, 4: fp32, 1: int8 times sup_s / sup_m */
     float centre;              /* without mins: m = -centre * s */
+    const uint16_t *sup_s, *sup_m; /* sbytes 1: fp16 [P, G / gps, 32], one for gps groups */
+    int64_t gps, gps_shift;        /* gps a power of two: no division where a scale loads */
 } panel_w_t;
 
-static inline panel_w_t panel_w(const uint8_t *q, const void *s, const void *m, int64_t sbytes, int bits) {
-    panel_w_t w = {q, s, m, sbytes, m == NULL && bits >= 4 && bits < 8 ? (float)(1 << (bits - 1)) : 0.f};
+static inline panel_w_t panel_w(const uint8_t *q, const void *s, const void *m, int64_t sbytes, int bits, const void *sup_s,
+                                const void *sup_m, int64_t gps) {
+    panel_w_t w = {q, s, m, sbytes, m == NULL && bits >= 4 && bits < 8 ? (float)(1 << (bits - 1)) : 0.f, sup_s, sup_m, gps,
+                   gps > 0 ? __builtin_ctzll((unsigned long long)gps) : 0};
     return w;
 }
 
@@ -157,12 +164,28 @@ static inline panel_w_t panel_at(const panel_w_t *w, int64_t p, int64_t G, int64
     o.q += p * G * g * COL_BYTES(bits);
     o.scales = (const char *)w->scales + p * G * PANEL * w->sbytes;
     if (w->mins) o.mins = (const char *)w->mins + p * G * PANEL * w->sbytes;
+    if (w->sbytes == 1) {
+        o.sup_s = w->sup_s + p * (G / w->gps) * PANEL;
+        if (w->mins) o.sup_m = w->sup_m + p * (G / w->gps) * PANEL;
+    }
     return o;
 }
 
-/* 8 scales (or mins) from element i, fp16 or fp32. */
-static inline __m256 load8s(const void *p, int64_t i, int64_t sbytes) {
-    return sbytes == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
+/* Element i (group i / 32, lane i % 32) of a panel's scales -> its super-block scale's element. */
+static inline int64_t sup_at(const panel_w_t *w, int64_t i) { return (i >> (5 + w->gps_shift)) * PANEL + (i & (PANEL - 1)); }
+
+/* 8 scales (p: w->scales, sup: w->sup_s) or mins (w->mins, w->sup_m) of a panel from element i. */
+static inline __m256 load8s(const panel_w_t *w, const void *p, const uint16_t *sup, int64_t i) {
+    if (w->sbytes == 1)
+        return _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))),
+                             _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sup + sup_at(w, i)))));
+    return w->sbytes == 2 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* One scale or min (scalar: the embedding's rows). */
+static inline float load1s(const panel_w_t *w, const void *p, const uint16_t *sup, int64_t i) {
+    if (w->sbytes == 1) return (float)((const int8_t *)p)[i] * _cvtsh_ss(sup[sup_at(w, i)]);
+    return w->sbytes == 2 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* Rows lane0 .. lane0 + 7 (lane0 a multiple of 8) of a column's values, as floats. */
@@ -206,13 +229,16 @@ static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg
     *qa = _mm512_cvtepi32_ps(lo), *qb = _mm512_cvtepi32_ps(hi);
 }
 
-static inline __m512 load16s(const void *p, int64_t i, int64_t sbytes) {
-    return sbytes == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))) : _mm512_loadu_ps((const float *)p + i);
+static inline __m512 load16s(const panel_w_t *w, const void *p, const uint16_t *sup, int64_t i) {
+    if (w->sbytes == 1)
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i)))),
+                             _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sup + sup_at(w, i)))));
+    return w->sbytes == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))) : _mm512_loadu_ps((const float *)p + i);
 }
 
 /* The mins of 16 rows from element i, given their scales d. */
 static inline __m512 panel_mins16(const panel_w_t *w, int64_t i, __m512 d) {
-    return w->mins ? load16s(w->mins, i, w->sbytes) : _mm512_mul_ps(d, _mm512_set1_ps(-w->centre));
+    return w->mins ? load16s(w, w->mins, w->sup_m, i) : _mm512_mul_ps(d, _mm512_set1_ps(-w->centre));
 }
 
 /* 1-2 activation rows: each group's q . x sums in 4 independent chains (the FMA latency would
@@ -244,7 +270,7 @@ static inline __attribute__((always_inline)) void panel_few(const float *x, cons
         }
         for (int h = 0; h < 2; h++) {
             const int64_t i = grp * PANEL + 16 * h;
-            const __m512 d = load16s(w->scales, i, w->sbytes);
+            const __m512 d = load16s(w, w->scales, w->sup_s, i);
             const __m512 mn = has_min ? panel_mins16(w, i, d) : d;
             for (int r = 0; r < rows; r++) {
                 const __m512 sum = _mm512_add_ps(_mm512_add_ps(aq[r][h][0], aq[r][h][1]), _mm512_add_ps(aq[r][h][2], aq[r][h][3]));
@@ -268,7 +294,7 @@ static inline __attribute__((always_inline)) void panel_many(const float *x, int
         const float *xg = x + grp * g;
         PANEL_PF((const char *)w->scales + grp * PANEL * w->sbytes);
         if (w->mins) PANEL_PF((const char *)w->mins + grp * PANEL * w->sbytes);
-        const __m512 d0 = load16s(w->scales, grp * PANEL, w->sbytes), d1 = load16s(w->scales, grp * PANEL + 16, w->sbytes);
+        const __m512 d0 = load16s(w, w->scales, w->sup_s, grp * PANEL), d1 = load16s(w, w->scales, w->sup_s, grp * PANEL + 16);
         __m512 m0 = _mm512_setzero_ps(), m1 = m0;
         if (has_min) m0 = panel_mins16(w, grp * PANEL, d0), m1 = panel_mins16(w, grp * PANEL + 16, d1);
         for (int64_t kk = 0; kk < g; kk++) {
@@ -298,8 +324,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
 
 /* The scales and mins of 8 rows from element i. */
 static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m256 *m) {
-    *d = load8s(w->scales, i, w->sbytes);
-    *m = w->mins ? load8s(w->mins, i, w->sbytes) : _mm256_mul_ps(*d, _mm256_set1_ps(-w->centre));
+    *d = load8s(w, w->scales, w->sup_s, i);
+    *m = w->mins ? load8s(w, w->mins, w->sup_m, i) : _mm256_mul_ps(*d, _mm256_set1_ps(-w->centre));
 }
 
 /* 1-2 activation rows: a group's q . x in 2 chains a vector, scaled once a group (as on AVX-512). */
@@ -414,8 +440,8 @@ PANEL_WIDTH(8)
 /* y [M, N] = x [M, K] @ W^T for W in panels (qp, sp, mp; mp NULL: mins implied by bits; sbytes:
  * 2 for fp16 scales and mins, 4 for fp32). Meant for small M (decode); fl_panel_gemm for large M. */
 void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
-                     int64_t N, int64_t g, int64_t bits, float *y) {
-    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits);
+                     const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
+    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
     const panel_block_fn block = bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4;
     const int64_t G = K / g, P = (N + PANEL - 1) / PANEL;
     float *xsum = NULL; /* per-group sums of x: the mins' term with 1-2 rows */
@@ -453,16 +479,16 @@ void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, co
 #endif
 #define GEMM_LANES (int)(sizeof(vf) / sizeof(float))
 
-/* wb [kc, 32] = panel p's weights of groups [grp0, grp1), column by column. */
-static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *w, int64_t G, int64_t g, int64_t p, int64_t grp0,
-                                                               int64_t grp1, float *wb, const int bits) {
+/* wb [kc, 32] = a panel's weights (w: panel_at's view) of groups [grp0, grp1), column by column. */
+static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *w, int64_t g, int64_t grp0, int64_t grp1, float *wb,
+                                                               const int bits) {
     for (int64_t grp = grp0; grp < grp1; grp++) {
-        const uint8_t *qg = w->q + (p * G + grp) * g * COL_BYTES(bits);
-        const int64_t si = (p * G + grp) * PANEL;
+        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
+        const int64_t si = grp * PANEL;
         __m256 d[4], m[4];
         for (int i = 0; i < 4; i++) {
-            d[i] = load8s(w->scales, si + 8 * i, w->sbytes);
-            m[i] = w->mins ? load8s(w->mins, si + 8 * i, w->sbytes) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
+            d[i] = load8s(w, w->scales, w->sup_s, si + 8 * i);
+            m[i] = w->mins ? load8s(w, w->mins, w->sup_m, si + 8 * i) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
         }
         float *o = wb + (grp - grp0) * g * PANEL;
         for (int64_t kk = 0; kk < g; kk++)
@@ -516,9 +542,10 @@ static inline __attribute__((always_inline)) void gemm_panel(const float *x, int
                                                              int64_t g, float *y, int64_t p, float *wb, float *t, const int bits) {
     const int64_t G = K / g, gpb = g >= GEMM_KC ? 1 : GEMM_KC / g;
     const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    const panel_w_t wp = panel_at(w, p, G, g, bits);
     for (int64_t grp0 = 0; grp0 < G; grp0 += gpb) {
         const int64_t grp1 = grp0 + gpb < G ? grp0 + gpb : G, kc = (grp1 - grp0) * g;
-        gemm_dequant(w, G, g, p, grp0, grp1, wb, bits);
+        gemm_dequant(&wp, g, grp0, grp1, wb, bits);
         for (int64_t r0 = 0; r0 < mc; r0 += GEMM_R)
             for (int v0 = 0; v0 < PANEL / GEMM_LANES; v0 += GEMM_V)
                 gemm_tile_any(x + r0 * K + grp0 * g, K, wb, kc, t + r0 * PANEL, v0, grp0 == 0, (int)(mc - r0 < GEMM_R ? mc - r0 : GEMM_R));
@@ -539,8 +566,8 @@ GEMM_WIDTH(8)
 
 /* y [M, N] = x [M, K] @ W^T for W in panels (as fl_panel_linear), for many rows (prefill). */
 void fl_panel_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
-                   int64_t N, int64_t g, int64_t bits, float *y) {
-    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits);
+                   const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
+    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
     const gemm_panel_fn panel = bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
     const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g);
 #pragma omp parallel
@@ -1305,9 +1332,11 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
  * What the model's forward does for B single-token sequences (see model/llama.py), without a
  * Python round trip per op: ~300 ops a step would otherwise cost more than the attention. */
 typedef struct {
-    int64_t kind; /* 0: fp32 weights, 1: quantized panels (bits, sbytes: see panel_w_t), 3: w8a8 */
+    int64_t kind; /* 0: fp32 weights, 1: quantized panels (bits, sbytes, sup_s, sup_m, gps: see panel_w_t), 3: w8a8 */
     int64_t n, k, g, bits, sbytes;
     const void *w, *scales, *mins;
+    const void *sup_s, *sup_m;
+    int64_t gps;
     const float *bias;     /* or NULL */
     const int32_t *wsum;   /* w8a8: row sums of w */
     const float *in_scale; /* w8a8: the static activation scale, or NULL for per-token scales */
@@ -1338,7 +1367,7 @@ static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y
         return;
     }
     if (L->kind == 0) fl_f32_linear(x, M, L->k, (const float *)L->w, L->n, y);
-    else fl_panel_linear(x, M, L->k, (const uint8_t *)L->w, L->scales, L->mins, L->sbytes, L->n, L->g, L->bits, y);
+    else fl_panel_linear(x, M, L->k, (const uint8_t *)L->w, L->scales, L->mins, L->sbytes, L->sup_s, L->sup_m, L->gps, L->n, L->g, L->bits, y);
     if (L->bias)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < L->n; n++) y[m * L->n + n] += L->bias[n];
@@ -1356,7 +1385,7 @@ static void add_into(float *h, const float *d, int64_t n) {
  * dequantized as the model's embedding does it: float(q) * scale + min. */
 static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, float *h) {
     const int64_t K = E->k, g = E->g, G = K / g;
-    const panel_w_t w = panel_w(E->w, E->scales, E->mins, E->sbytes, (int)E->bits);
+    const panel_w_t w = panel_w(E->w, E->scales, E->mins, E->sbytes, (int)E->bits, E->sup_s, E->sup_m, E->gps);
     for (int64_t b = 0; b < B; b++) {
         const int64_t t = tokens[b];
         float *o = h + b * K;
@@ -1366,11 +1395,12 @@ static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, f
             continue;
         }
         const int64_t p = t / PANEL, j = t % PANEL; /* row t is lane t % 32 of its panel's columns */
+        const panel_w_t wp = panel_at(&w, p, G, g, (int)E->bits);
         for (int64_t grp = 0; grp < G; grp++) {
-            const uint8_t *q = w.q + (p * G + grp) * g * COL_BYTES(E->bits);
-            const int64_t si = (p * G + grp) * PANEL + j;
-            const float s = w.sbytes == 2 ? _cvtsh_ss(((const uint16_t *)w.scales)[si]) : ((const float *)w.scales)[si];
-            const float m = w.mins == NULL ? -w.centre * s : w.sbytes == 2 ? _cvtsh_ss(((const uint16_t *)w.mins)[si]) : ((const float *)w.mins)[si];
+            const uint8_t *q = wp.q + grp * g * COL_BYTES(E->bits);
+            const int64_t si = grp * PANEL + j;
+            const float s = load1s(&wp, wp.scales, wp.sup_s, si);
+            const float m = wp.mins == NULL ? -wp.centre * s : load1s(&wp, wp.mins, wp.sup_m, si);
             for (int64_t kk = 0; kk < g; kk++) o[grp * g + kk] = (float)panel_value(q + kk * COL_BYTES(E->bits), j, (int)E->bits) * s + m;
         }
     }
