@@ -94,3 +94,19 @@ def test_gpu_modules_are_the_row_layouts(types, kind):
         assert np.array_equal(module.dequantize().numpy(), want)
     cpu = gguf_native._module(parts, torch.device("cpu"))
     assert np.array_equal(cpu.dequantize().numpy(), np.concatenate([p.values() for p in parts]))
+
+
+@pytest.mark.parametrize("type_name,most", [("Q4_K", 1.03), ("Q5_K", 1.03), ("Q6_K", 1.0), ("Q8_0", 1.0), ("Q5_0", 1.0), ("Q4_1", 1.0)])
+def test_cpu_module_is_about_the_file_size(type_name, most):
+    """On the CPU a tensor takes about its bytes in the file: values in 4-6 bit planes or int8, and
+    a K-quant's scales in its own form (int8 sub-block values, fp16 per 256 columns), not fp32 per
+    group (which made Q4_K 6 bits a weight against the file's 4.5)."""
+    import torch
+
+    from fasterllama.quant import gguf_native
+
+    rows, k = 64, 1024
+    raw = _random_blocks(type_name, rows, k, seed=3)
+    module = gguf_native._module([gguf_blocks.decode(raw, type_name, rows)], torch.device("cpu"))
+    held = sum(t.numel() * t.element_size() for t in module.buffers())
+    assert held <= most * raw.size * raw.itemsize
