@@ -110,3 +110,28 @@ def test_cpu_module_is_about_the_file_size(type_name, most):
     module = gguf_native._module([gguf_blocks.decode(raw, type_name, rows)], torch.device("cpu"))
     held = sum(t.numel() * t.element_size() for t in module.buffers())
     assert held <= most * raw.size * raw.itemsize
+
+
+@pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")])
+def test_mixed_parts_keep_their_own_width(types):
+    """A fused projection of parts of different types (a _K_M file's q/k beside v) keeps each run of
+    alike parts in its own form: its size stays the parts' size in the file (widened to the widest,
+    Q5_0 q/k took int8: 1.5x; Q4_K q/k took 6-bit values with fp32 scales per 16: ~2x)."""
+    import torch
+
+    from fasterllama.quant import gguf_native
+    from fasterllama.quant.linear import FusedLinear
+
+    raws = [_random_blocks(t, 64, 512, seed=i) for i, t in enumerate(types)]
+    parts = [gguf_blocks.decode(r, t, 64) for r, t in zip(raws, types)]
+    module = gguf_native._module(parts, torch.device("cpu"))
+    assert isinstance(module, FusedLinear) and [p.bits for p in module.parts] == [_BITS[types[0]], _BITS[types[2]]]
+    assert np.array_equal(module.dequantize().numpy(), np.concatenate([p.values() for p in parts]))
+    held = sum(t.numel() * t.element_size() for t in module.buffers())
+    assert held <= 1.03 * sum(r.size * r.itemsize for r in raws)
+    from fasterllama.backends.cpu import kernels
+
+    kernels.load()  # the C kernels where they build (the decode step's), else the reference ops
+    x = torch.randn(3, 512)
+    want = x @ module.dequantize().t()
+    assert (module(x) - want).abs().max() <= 1e-5 * want.abs().max()

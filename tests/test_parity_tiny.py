@@ -333,13 +333,14 @@ _TYPE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 4, 
 @pytest.mark.parametrize("name,weight_type", [("smol_mix", "q5_0"), ("smol_mix", "q4_k_m"), ("kquant_mix", "q4_k_m"), ("kquant", "q4_k_m"),
                                               ("kquant", "q5_1")])
 def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> None:
-    """Every quantized linear of a GGUF file stays quantized (PackedLinear) as wide as its widest
-    part (a fused qkv of Q5_0 and Q8_0 parts: int8), dequantizing to exactly gguf-py's floats;
-    logits equal HF transformers loading the same file within 1e-4, greedy tokens are identical,
-    and decode still runs as one C call."""
+    """Every quantized linear of a GGUF file stays quantized (PackedLinear), a fused projection of
+    parts of different types as a FusedLinear of each part in its own width (Q5_0 q/k beside Q8_0
+    v), dequantizing to exactly gguf-py's floats; logits equal HF transformers loading the same file
+    within 1e-4, greedy tokens are identical, alone and in a batch, and decode still runs as one C
+    call."""
     transformers = pytest.importorskip("transformers")
     from fasterllama.backends.cpu import kernels as ck
-    from fasterllama.quant.linear import PackedLinear
+    from fasterllama.quant.linear import FusedLinear, PackedLinear
 
     spec = SMOL_MIX if name == "smol_mix" else tm.K_SPECS[name]
     model = tm.quantize_roundtrip_(tm.build_hf_model(spec), weight_type)
@@ -355,8 +356,9 @@ def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> N
     for module_name, parts in modules.items():
         types = frozenset(tensors[p].tensor_type.name for p in parts)
         module = net.get_submodule(module_name)
-        assert isinstance(module, PackedLinear), (module_name, types, type(module))
-        assert module.bits == max(_TYPE_BITS[t] for t in types), (module_name, types)
+        pieces = list(module.parts) if isinstance(module, FusedLinear) else [module]
+        assert all(isinstance(p, PackedLinear) for p in pieces), (module_name, types, type(module))
+        assert {p.bits for p in pieces} == {_TYPE_BITS[t] for t in types}, (module_name, types)  # no part widened
         want = np.concatenate([_file_weight(tensors[p], spec) for p in parts])
         assert torch.equal(module.dequantize(), torch.from_numpy(want)), module_name
         seen.add(types)
@@ -374,6 +376,7 @@ def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> N
     tokens = greedy(llm, [PROMPT])[0]
     assert tokens == tm.hf_greedy(hf_file, PROMPT, N_GREEDY)
     assert len(set(tokens)) >= 8  # not a degenerate loop
+    assert greedy(llm, [BATCH_PROMPTS[0], PROMPT, BATCH_PROMPTS[2]])[1] == tokens  # batched decode steps: the fused parts' outputs interleave by row
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

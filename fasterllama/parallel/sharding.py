@@ -25,7 +25,7 @@ from ..config import ModelConfig
 from ..errors import FasterLlamaError
 from ..model.llama import Linear, LlamaForCausalLM, SiluAndMul
 from ..quant.convert import SiluAndMulQuant
-from ..quant.linear import Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding, W8A8Linear
+from ..quant.linear import FusedLinear, Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding, W8A8Linear
 from .group import TPGroup
 
 
@@ -145,11 +145,26 @@ def _cols_of_groups(cols: slice, group: int, what: str, k: int) -> slice:
     return slice(cols.start // group, cols.stop // group)
 
 
+def _part_rows(rows: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """The rows among `rows` (of a fused projection) that fall in the part [start, start + n), as
+    the part's own indices."""
+    inside = rows[(rows >= start) & (rows < start + n)]
+    return inside - start
+
+
 def take(module: nn.Module, rows: torch.Tensor | None = None, cols: slice | None = None, bias: bool = True, what: str = "a weight") -> nn.Module:
     """A new module of the same kind holding rows `rows` (output features) and input columns
     `cols` of `module`'s weight, values unchanged; bias=False drops the bias (row-parallel ranks
     after the first: the all-reduce adds it once)."""
     every = slice(None)
+    if isinstance(module, FusedLinear):  # each part its own rows of the whole's
+        kept, start = [], 0
+        for p in module.parts:
+            mine = None if rows is None else _part_rows(rows, start, p.out_features)
+            if mine is None or len(mine):
+                kept.append(take(p, mine, cols, bias, what))
+            start += p.out_features
+        return kept[0] if len(kept) == 1 else FusedLinear(kept)
     r = every if rows is None else rows
     c = every if cols is None else cols
     b = None if module.bias is None or not bias else module.bias.data[r].clone()

@@ -16,7 +16,7 @@ from ..loading.gguf_file import GGUFCheckpoint, _dequantize, canonical_name, unp
 from ..model.llama import LlamaForCausalLM
 from ..parallel.sharding import ShardPlan, cut_module
 from . import gguf_blocks
-from .linear import Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding
+from .linear import FusedLinear, Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding
 
 NATIVE_TYPES = tuple(gguf_blocks.FORMATS)
 TRIM_BYTES = 16 << 20  # decoded blocks between heap trims: each tensor's temporaries are freed, not returned
@@ -24,20 +24,36 @@ TRIM_BYTES = 16 << 20  # decoded blocks between heap trims: each tensor's tempor
 _PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
+def _form(b: gguf_blocks.Blocks) -> tuple:
+    return b.bits, b.group, b.mins is None, b.factors is None
+
+
+def _packed(b: gguf_blocks.Blocks) -> PackedLinear:
+    f = b.factors  # a K-quant's compact scales: int8 times fp16 per super-block
+    if f is not None:
+        return PackedLinear(torch.from_numpy(b.q), torch.from_numpy(f.scale_sub), None if f.min_sub is None else torch.from_numpy(f.min_sub), b.bits,
+                            scale_super=torch.from_numpy(f.scale_super), min_super=None if f.min_super is None else torch.from_numpy(f.min_super))
+    return PackedLinear(torch.from_numpy(b.q), torch.from_numpy(b.scale), None if b.mins is None else torch.from_numpy(b.mins), b.bits)
+
+
 def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.Module | None:
-    """The quantized module for a (fused) projection's parts: PackedLinear on the CPU; on other
+    """The quantized module for a (fused) projection's parts: on the CPU a PackedLinear, or where the
+    parts' forms differ a FusedLinear of one per run of alike parts (each in its own width); on other
     devices the row layouts their kernels read: 4-bit values with a scale and min per group of 32
     or more (Q4_0, Q4_1, Q4_K), int8 for other values without mins (Q5_0, Q8_0, Q6_K's groups of
     16), scales fp16 where exact, else fp32. None where those cannot hold the parts exactly (Q5_1,
     Q5_K, and Q2_K's / Q3_K's groups of 16 with mins: loaded as float)."""
+    if device.type == "cpu":
+        runs: list[list[gguf_blocks.Blocks]] = []
+        for b in parts:
+            if runs and _form(runs[-1][0]) == _form(b):
+                runs[-1].append(b)
+            else:
+                runs.append([b])
+        modules = [_packed(gguf_blocks.combine(run)) for run in runs]
+        return modules[0] if len(modules) == 1 else FusedLinear(modules)
     b = gguf_blocks.combine(parts)
     scale = torch.from_numpy(b.scale)
-    if device.type == "cpu":
-        f = b.factors  # a K-quant's compact scales: int8 times fp16 per super-block
-        if f is not None:
-            return PackedLinear(torch.from_numpy(b.q), torch.from_numpy(f.scale_sub), None if f.min_sub is None else torch.from_numpy(f.min_sub), b.bits,
-                                scale_super=torch.from_numpy(f.scale_super), min_super=None if f.min_super is None else torch.from_numpy(f.min_super))
-        return PackedLinear(torch.from_numpy(b.q), scale, None if b.mins is None else torch.from_numpy(b.mins), b.bits)
     if b.group < 16 or b.group & (b.group - 1):
         return None
     if b.bits == 4 and b.group >= 32:

@@ -210,6 +210,26 @@ class W8A8Linear(nn.Module):
         return dequantize_int8(self.qweight, self.weight_scale, dtype)
 
 
+class FusedLinear(nn.Module):
+    """Projections fused along their outputs (q, k, v) whose quantized forms differ, each kept in
+    its own: a _K_M file's q/k in Q5_0 beside v in Q8_0 would otherwise all widen to int8 (+3 bits
+    a weight), an 8B file's Q4_K q/k beside Q6_K v to 6-bit values with fp32 scales in groups of 16
+    (~10 bits). The CPU decode step runs the parts as one matrix (one parallel loop)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.bias = None  # the parts hold theirs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x) for p in self.parts], dim=-1)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+
 class QuantizedEmbedding(nn.Module):
     """Token embedding that reads rows of a quantized matrix (tied with the quantized lm_head, or
     its own), so the table is never expanded to float."""

@@ -18,7 +18,7 @@ from ...engine.scheduler import ScheduledSeq
 from ...model.llama import Linear, LlamaForCausalLM, RMSNorm
 from ...ops import AttentionMetadata
 from ...quant.convert import QuantRMSNorm, SiluAndMulQuant
-from ...quant.linear import Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding, W8A8Linear
+from ...quant.linear import FusedLinear, Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding, W8A8Linear
 from . import kernels as cpu_kernels
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -26,7 +26,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("bits", _I), ("sbytes", _I), ("w", _P), ("scales", _P), ("mins", _P),
-                ("sup_s", _P), ("sup_m", _P), ("gps", _I), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I)]
+                ("sup_s", _P), ("sup_m", _P), ("gps", _I), ("parts", _P), ("nparts", _I), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -41,12 +41,19 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
         return None
     if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.is_contiguous() and m.in_features % 32 == 0:
         return _Linear(0, m.out_features, m.in_features, m.in_features, 32, 4, m.weight.data_ptr(), bias=cpu_kernels.ptr(bias))
+    if isinstance(m, FusedLinear):  # matrices side by side: one kind-4 linear over their kind-1 descriptions
+        parts = [_linear(p, None, keep) for p in m.parts]
+        if any(p is None or p.kind != 1 or p.bias for p in parts) or len(parts) > 8:
+            return None
+        array = (_Linear * len(parts))(*parts)
+        keep.append(array)
+        return _Linear(4, m.out_features, m.in_features, parts=ctypes.addressof(array), nparts=len(parts))
     panels = _panels(m)
     if panels is not None and m.in_features % 32 == 0:
         q, scales, mins, bits, g = panels
         sup_s, sup_m, gps = cpu_kernels.super_scales(scales, getattr(m, "sups", None))
         return _Linear(1, m.out_features, m.in_features, g, bits, scales.element_size(), q.data_ptr(), scales.data_ptr(), cpu_kernels.ptr(mins),
-                       sup_s, sup_m, gps, cpu_kernels.ptr(bias))
+                       sup_s, sup_m, gps, bias=cpu_kernels.ptr(bias))
     if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
         wsum = m.qweight.sum(dim=1, dtype=torch.int32)
         keep.append(wsum)

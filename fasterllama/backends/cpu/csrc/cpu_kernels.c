@@ -405,58 +405,84 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
 
 /* Panel p's rows of y [M, N] = x [M, K] @ W^T. */
 static inline __attribute__((always_inline)) void panel_block(const float *x, const float *xsum, int64_t M, int64_t K, const panel_w_t *w,
-    int64_t N, int64_t g, float *y, int64_t p, const int bits) {
+    int64_t N, int64_t g, float *y, int64_t ldo, int64_t p, const int bits) {
     const int64_t G = K / g;
     const panel_w_t wp = panel_at(w, p, G, g, bits);
     const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
     float tail[MT * PANEL]; /* the padded last panel's outputs, before the valid ones are copied */
     for (int64_t m0 = 0; m0 < M; m0 += MT) {
         const int64_t rows = M - m0 >= MT ? MT : M - m0;
-        float *yo = valid == PANEL ? y + m0 * N + p * PANEL : tail;
-        const int64_t ldy = valid == PANEL ? N : PANEL;
+        float *yo = valid == PANEL ? y + m0 * ldo + p * PANEL : tail;
+        const int64_t ldy = valid == PANEL ? ldo : PANEL;
 #define PANEL_CALL(R) panel_rows(x + m0 * K, xsum ? xsum + m0 * G : NULL, K, &wp, G, g, yo, ldy, bits, R)
         DISPATCH_ROWS(rows, PANEL_CALL)
 #undef PANEL_CALL
         if (valid < PANEL)
             for (int64_t r = 0; r < rows; r++)
-                for (int64_t j = 0; j < valid; j++) y[(m0 + r) * N + p * PANEL + j] = tail[r * PANEL + j];
+                for (int64_t j = 0; j < valid; j++) y[(m0 + r) * ldo + p * PANEL + j] = tail[r * PANEL + j];
     }
 }
 
 /* One copy of the panel code per width. OpenMP outlines a parallel loop's body before inlining,
  * so a width passed into the loop would be a run-time value there (measured: the 1-2 row kernels
  * ran 1.7x slower); the loops below call these instead. */
-typedef void (*panel_block_fn)(const float *, const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t);
+typedef void (*panel_block_fn)(const float *, const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t,
+                               int64_t);
 #define PANEL_WIDTH(B)                                                                                                        \
     static void panel_block_##B(const float *x, const float *xsum, int64_t M, int64_t K, const panel_w_t *w, int64_t N,      \
-                                int64_t g, float *y, int64_t p) {                                                            \
-        panel_block(x, xsum, M, K, w, N, g, y, p, B);                                                                         \
+                                int64_t g, float *y, int64_t ldo, int64_t p) {                                               \
+        panel_block(x, xsum, M, K, w, N, g, y, ldo, p, B);                                                                    \
     }
 PANEL_WIDTH(4)
 PANEL_WIDTH(5)
 PANEL_WIDTH(6)
 PANEL_WIDTH(8)
 
-/* y [M, N] = x [M, K] @ W^T for W in panels (qp, sp, mp; mp NULL: mins implied by bits; sbytes:
- * 2 for fp16 scales and mins, 4 for fp32). Meant for small M (decode); fl_panel_gemm for large M. */
-void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
-                     const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
-    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
-    const panel_block_fn block = bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4;
-    const int64_t G = K / g, P = (N + PANEL - 1) / PANEL;
-    float *xsum = NULL; /* per-group sums of x: the mins' term with 1-2 rows */
+/* One matrix of a (fused) projection: its panels, width and group, and where its outputs go. */
+typedef struct {
+    panel_w_t w;
+    panel_block_fn block;
+    int64_t N, g, offset; /* outputs [offset, offset + N) of the projection's rows */
+    float *xsum;          /* per-group sums of x: the mins' term with 1-2 rows (NULL without mins) */
+} panel_part_t;
+
+static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
+    panel_part_t part = {w, bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, NULL};
+    const int64_t G = K / g;
     if (w.mins != NULL || w.centre != 0.f) {
-        xsum = malloc(sizeof(float) * M * G);
+        part.xsum = malloc(sizeof(float) * M * G);
         for (int64_t i = 0; i < M * G; i++) {
             const float *xg = x + (i / G) * K + (i % G) * g;
             float s = 0.f;
             for (int64_t j = 0; j < g; j++) s += xg[j];
-            xsum[i] = s;
+            part.xsum[i] = s;
         }
     }
+    return part;
+}
+
+/* y [M, ldo] (columns of each part at its offset) = x [M, K] @ the parts' W^T, every part's panels
+ * shared out among the threads in one parallel loop: a projection fused from matrices of different
+ * widths (q/k in 5 bits, v in int8) costs one fork/join, as one matrix does. */
+static void panel_parts_linear(const float *x, int64_t M, int64_t K, panel_part_t *parts, int nparts, float *y, int64_t ldo) {
+    int64_t first[8], P = 0; /* the first global panel of each part (nparts <= 8) */
+    for (int i = 0; i < nparts; i++) first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < P; p++) block(x, xsum, M, K, &w, N, g, y, p);
-    free(xsum);
+    for (int64_t gp = 0; gp < P; gp++) {
+        int i = 0;
+        while (i + 1 < nparts && gp >= first[i + 1]) i++;
+        const panel_part_t *pt = &parts[i];
+        pt->block(x, pt->xsum, M, K, &pt->w, pt->N, pt->g, y + pt->offset, ldo, gp - first[i]);
+    }
+    for (int i = 0; i < nparts; i++) free(parts[i].xsum);
+}
+
+/* y [M, N] = x [M, K] @ W^T for W in panels (qp, sp, mp; mp NULL: mins implied by bits; sbytes:
+ * 2 for fp16 scales and mins, 4 for fp32, 1 for factored ones). Meant for small M (decode); fl_panel_gemm for large M. */
+void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
+                     const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
+    panel_part_t part = panel_part(x, M, K, panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps), N, g, bits, 0);
+    panel_parts_linear(x, M, K, &part, 1, y, N);
 }
 
 /* ---- many activation rows (prefill): y [M, N] = x [M, K] @ W^T straight from the panels ----------
@@ -1331,12 +1357,15 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
 /* ---- a whole decode step over all layers in one call ------------------------------------------
  * What the model's forward does for B single-token sequences (see model/llama.py), without a
  * Python round trip per op: ~300 ops a step would otherwise cost more than the attention. */
-typedef struct {
-    int64_t kind; /* 0: fp32 weights, 1: quantized panels (bits, sbytes, sup_s, sup_m, gps: see panel_w_t), 3: w8a8 */
+typedef struct fl_linear {
+    int64_t kind; /* 0: fp32 weights, 1: quantized panels (bits, sbytes, sup_s, sup_m, gps: see panel_w_t), 3: w8a8,
+                   4: panel matrices side by side (parts: nparts kind-1 linears, their outputs in order) */
     int64_t n, k, g, bits, sbytes;
     const void *w, *scales, *mins;
     const void *sup_s, *sup_m;
     int64_t gps;
+    const struct fl_linear *parts;
+    int64_t nparts;
     const float *bias;     /* or NULL */
     const int32_t *wsum;   /* w8a8: row sums of w */
     const float *in_scale; /* w8a8: the static activation scale, or NULL for per-token scales */
@@ -1367,7 +1396,15 @@ static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y
         return;
     }
     if (L->kind == 0) fl_f32_linear(x, M, L->k, (const float *)L->w, L->n, y);
-    else fl_panel_linear(x, M, L->k, (const uint8_t *)L->w, L->scales, L->mins, L->sbytes, L->sup_s, L->sup_m, L->gps, L->n, L->g, L->bits, y);
+    else {
+        const fl_linear_t *ps = L->kind == 4 ? L->parts : L;
+        const int n = L->kind == 4 ? (int)L->nparts : 1;
+        panel_part_t parts[8];
+        for (int i = 0, off = 0; i < n; off += (int)ps[i].n, i++)
+            parts[i] = panel_part(x, M, L->k, panel_w(ps[i].w, ps[i].scales, ps[i].mins, ps[i].sbytes, (int)ps[i].bits, ps[i].sup_s, ps[i].sup_m, ps[i].gps),
+                                  ps[i].n, ps[i].g, ps[i].bits, off);
+        panel_parts_linear(x, M, L->k, parts, n, y, L->n);
+    }
     if (L->bias)
         for (int64_t m = 0; m < M; m++)
             for (int64_t n = 0; n < L->n; n++) y[m * L->n + n] += L->bias[n];
