@@ -172,9 +172,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
                  bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x @ W^T for W in panels (quantized.pack_panels): the GEMV kernel up to GEMV_MAX_ROWS rows,
-    beyond them (prefill) the GEMM that dequantizes the panels a block at a time in cache: as fast
-    as oneDNN's sgemm on the float weights (0.93-1.3x, benchmarks/quant_gemm_cpu.py) with no float
-    copy of them to make or hold."""
+    beyond them (prefill) the GEMM that dequantizes the panels a block at a time in cache: within
+    10% of oneDNN's sgemm on the float weights (0.91-1.17x, benchmarks/quant_gemm_cpu.py) with no
+    float copy of them to make or hold."""
     g = qp.shape[2]
     k = qp.shape[1] * g
     if not _usable(x, k) or g % 4 != 0 or sp.dtype not in (torch.float16, torch.float32, torch.int8) or (mp is not None and mp.dtype != sp.dtype):
