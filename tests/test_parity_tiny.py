@@ -379,6 +379,29 @@ def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> N
     assert greedy(llm, [BATCH_PROMPTS[0], PROMPT, BATCH_PROMPTS[2]])[1] == tokens  # batched decode steps: the fused parts' outputs interleave by row
 
 
+@pytest.mark.parametrize("weight_type", ["q8_0", "q4_k_m"])
+def test_gguf_biases_kept(tmp_path, weight_type: str) -> None:
+    """A llama GGUF with q/k/v/o and MLP `.bias` tensors (llama.cpp reads them as optional): the
+    quantized layers that replace the float ones keep the biases (a fused projection's parts each
+    their rows), so logits equal the HF model holding the same dequantized weights and biases."""
+    from fasterllama.quant.linear import FusedLinear
+
+    spec = dataclasses.replace(SMOL_MIX, name="smol_bias", attention_bias=True, mlp_bias=True)
+    model = tm.quantize_roundtrip_(tm.build_hf_model(spec), weight_type)
+    ref = tm.hf_logits(model, PROMPT)
+    with torch.no_grad():
+        for m in model.modules():
+            if getattr(m, "bias", None) is not None:
+                m.bias.zero_()
+    assert (tm.hf_logits(model, PROMPT) - ref).abs().max().item() > 0.1  # the biases matter
+    path = tm.write_gguf(tm.quantize_roundtrip_(tm.build_hf_model(spec), weight_type), str(tmp_path / f"bias-{weight_type}.gguf"), weight_type)
+    llm = LLM(model=path, progress=False)
+    qkv = llm.engine.model.get_submodule("layers.2.self_attn.qkv_proj")
+    assert not isinstance(qkv, torch.nn.Linear) and (weight_type == "q8_0" or isinstance(qkv, FusedLinear))
+    assert_logits_close(llm.compute_logits(PROMPT), ref)
+    assert greedy(llm, [PROMPT]) == [tm.hf_greedy(tm.quantize_roundtrip_(tm.build_hf_model(spec), weight_type), PROMPT, N_GREEDY)]
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_chunked_prefill_matches_hf(zoo: Zoo, fmt: str) -> None:
     """A 7-token step budget splits prompts into chunks (mixed with other sequences' decodes)."""

@@ -439,9 +439,9 @@ def write_gguf(model: torch.nn.Module, path: str, weight_type: str = "f32") -> s
     for name, arr in state.items():
         if "rotary_emb" in name:
             continue
-        if name.endswith("self_attn.q_proj.weight"):
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):  # the converter permutes biases too
             arr = llama_cpp_permute(arr, heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             arr = llama_cpp_permute(arr, kv_heads)
         arr = np.ascontiguousarray(arr, dtype=np.float32)
         if _is_quantized_weight(name, arr):

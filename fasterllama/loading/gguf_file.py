@@ -202,6 +202,7 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=list(dict.fromkeys(eos_ids)),
     )

@@ -65,6 +65,17 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     return None
 
 
+def _take_bias(loaded: torch.nn.Module, quantized: torch.nn.Module) -> None:
+    """Give the quantized layer the bias load_weights put in the float layer it replaces (a file's
+    `.bias` tensors; a fused projection's parts each take their rows)."""
+    bias = getattr(loaded, "bias", None)
+    if bias is None:
+        return
+    parts = list(quantized.parts) if isinstance(quantized, FusedLinear) else [quantized]
+    for part, rows in zip(parts, bias.data.split([p.out_features for p in parts])):
+        part.bias = torch.nn.Parameter(rows.clone(), requires_grad=False)
+
+
 def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch.dtype, device: torch.device, progress=None,
                      plan: ShardPlan | None = None) -> None:
     """plan: `model` holds one tensor-parallel rank's part; each tensor is cut to it as it loads,
@@ -128,6 +139,8 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
             model.embed_tokens = QuantizedEmbedding(module, dtype)
         else:
             parent, _, attr = path.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, module)
+            owner = model.get_submodule(parent) if parent else model
+            _take_bias(getattr(owner, attr), module)
+            setattr(owner, attr, module)
     if "model.embed_tokens.weight" in quantized and "lm_head.weight" not in quantized and "lm_head.weight" not in {n for n, _ in floats}:
         model.lm_head = model.embed_tokens.table  # tied: one quantized matrix serves both
