@@ -3,7 +3,7 @@ in one process on one loaded model, so that this machine's drifting memory speed
 them alike (separate runs minutes apart differ by up to 30% here).
 
     cp fasterllama/backends/cpu/csrc/cpu_kernels.c /tmp/edit.c   # then edit /tmp/edit.c
-    python benchmarks/ab_kernels.py fasterllama/backends/cpu/csrc/cpu_kernels.c /tmp/edit.c [--batch 8] [--quantization none] [--prompt-len 2000]
+    python benchmarks/ab_kernels.py fasterllama/backends/cpu/csrc/cpu_kernels.c /tmp/edit.c [--model GGUF] [--batch 8] [--quantization none] [--prompt-len 2000]
 
 Each source must keep the exported functions' signatures (backends/cpu/kernels.py _SIGNATURES).
 """
@@ -23,13 +23,14 @@ from fasterllama.backends.cpu import kernels as cpu_kernels
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sources", nargs="+", type=Path)
+    ap.add_argument("--model", default=None, help="a model path (default: the default model)")
     ap.add_argument("--quantization", default=None, help="as LLM(quantization=...); default: the file's own tensors")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="tokens in each sequence's cache when decoding starts")
     ap.add_argument("--repeats", type=int, default=6)
     args = ap.parse_args()
-    llm = LLM(None, progress=False, quantization=args.quantization)
+    llm = LLM(args.model, progress=False, quantization=args.quantization)
     libs = {str(src): cpu_kernels.open_library(src) for src in args.sources}
     times: dict[str, list[float]] = {name: [] for name in libs}
     for _ in range(args.repeats):

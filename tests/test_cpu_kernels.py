@@ -68,7 +68,7 @@ def _panel_weights(n: int, k: int, g: int, bits: int, mins: bool, scale_dtype: t
     return q, s, m
 
 
-@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8])
 @pytest.mark.parametrize("n,k,g", [(70, 256, 16), (33, 512, 32), (40, 1536, 64)])
 @pytest.mark.parametrize("mins", [False, True])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
@@ -94,7 +94,7 @@ def test_panel_linear_every_format(bits, n, k, g, mins, scale_dtype):
     _close(qops.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits), x @ w.t())
 
 
-@pytest.mark.parametrize("bits,g,gps", [(4, 32, 8), (5, 32, 8), (6, 16, 16), (4, 16, 16)])
+@pytest.mark.parametrize("bits,g,gps", [(4, 32, 8), (5, 32, 8), (6, 16, 16), (4, 16, 16), (2, 16, 16), (3, 16, 16)])
 @pytest.mark.parametrize("mins", [False, True])
 def test_factored_scales(bits, g, gps, mins):
     """Scales and mins as a K-quant holds them (int8 sub-block values times an fp16 value per gps
@@ -154,7 +154,7 @@ def test_int8_linear(m, n, k, g, per_channel):
     _close(ck.panel_linear(x, *qops.int8_to_panels(q, scale), None, n, 8), qops.int8_weight_linear(x, q, scale))
 
 
-@pytest.mark.parametrize("bits", [5, 6, 8])
+@pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])
 @pytest.mark.parametrize("m,n,k,g", [(403, 70, 1600, 32), (200, 33, 512, 16), (29, 96, 576, 576)])
 def test_panel_gemm_blocks(bits, m, n, k, g):
     """The prefill GEMM (more than GEMV_MAX_ROWS rows) over its blocks: rows past one pass of

@@ -13,7 +13,7 @@ from fasterllama.quant import gguf_blocks  # noqa: E402
 # where each type keeps its fp16 fields (d, and dmin / m): set to sane values in random blocks
 _FP16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108],
                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 4, "Q3_K": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
 
 
 def _random_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
@@ -75,13 +75,13 @@ def test_combine_holds_every_part_exactly(types):
 
 
 @pytest.mark.parametrize("types,kind", [(("Q5_0", "Q8_0"), "Int8Linear"), (("Q4_1", "Q4_0"), "Int4Linear"), (("Q6_K",), "Int8Linear"),
-                                        (("Q4_K",), "Int4Linear"), (("Q3_K",), None), (("Q6_K", "Q5_0", "Q8_0"), "Int8Linear"),
+                                        (("Q4_K",), "Int4Linear"), (("Q3_K",), "Int8Linear"), (("Q6_K", "Q5_0", "Q8_0"), "Int8Linear"),
                                         (("Q4_0", "Q5_0"), None), (("Q5_K",), None), (("Q5_1",), None), (("Q2_K",), None), (("Q4_K", "Q6_K"), None)])
 def test_gpu_modules_are_the_row_layouts(types, kind):
     """Off the CPU the file's blocks load as the row layouts the GPU kernels read, exactly: 4-bit
     with mins in groups of 32 (Q4_K's scales in fp32), int8 for centred values in groups of 16 or
-    more; or as float where those cannot hold them (5-bit values with mins, Q2_K's groups of 16
-    with mins, Q3_K, 4 + 5-bit mixes)."""
+    more (Q3_K's centred 3-bit values too); or as float where those cannot hold them (5-bit values
+    with mins, Q2_K's groups of 16 with mins, 4 + 5-bit mixes)."""
     import torch
 
     from fasterllama.quant import gguf_native
@@ -96,11 +96,13 @@ def test_gpu_modules_are_the_row_layouts(types, kind):
     assert np.array_equal(cpu.dequantize().numpy(), np.concatenate([p.values() for p in parts]))
 
 
-@pytest.mark.parametrize("type_name,most", [("Q4_K", 1.03), ("Q5_K", 1.03), ("Q6_K", 1.0), ("Q8_0", 1.0), ("Q5_0", 1.0), ("Q4_1", 1.0)])
+@pytest.mark.parametrize("type_name,most", [("Q4_K", 1.03), ("Q5_K", 1.03), ("Q6_K", 1.0), ("Q8_0", 1.0), ("Q5_0", 1.0), ("Q4_1", 1.0),
+                                            ("Q3_K", 1.04), ("Q2_K", 1.2)])
 def test_cpu_module_is_about_the_file_size(type_name, most):
-    """On the CPU a tensor takes about its bytes in the file: values in 4-6 bit planes or int8, and
+    """On the CPU a tensor takes about its bytes in the file: values in 2-6 bit planes or int8, and
     a K-quant's scales in its own form (int8 sub-block values, fp16 per 256 columns), not fp32 per
-    group (which made Q4_K 6 bits a weight against the file's 4.5)."""
+    group (which made Q4_K 6 bits a weight against the file's 4.5; Q2_K / Q3_K's values in 4-bit
+    planes took 5.1 bits against 2.6 / 3.4; Q2_K's 4-bit scales and mins as int8: 3.1)."""
     import torch
 
     from fasterllama.quant import gguf_native

@@ -81,20 +81,28 @@ def int8_panel_rows(qp: torch.Tensor, sp: torch.Tensor, rows: torch.Tensor | sli
     return qp[p, :, :, j].reshape(len(idx), -1), sp[p, :, j]
 
 
+def low_bits(bits: int) -> int:
+    """Bits of a panel column's first plane: nibbles for 4-6 bits, 2-bit crumbs for 2-3 (each
+    further bit is a 32-bit word)."""
+    return 4 if bits >= 4 else 2
+
+
 def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
-    """Values [N, K] (4-6 bits: 0 .. 2^bits - 1; 8 bits: int8) -> the CPU kernels' panels, uint8
+    """Values [N, K] (2-6 bits: 0 .. 2^bits - 1; 8 bits: int8) -> the CPU kernels' panels, uint8
     [P, G, g, 4 * bits]: a column of 4-6 bits is 16 bytes of nibbles (byte j: row j low, row j + 16
-    high), then per further bit b one little-endian 32-bit word (bit j: bit 4 + b of row j); a
-    column of int8 is 32 bytes, row j at byte j. Int8 panels equal int8_to_panels', 4-bit panels
-    to_panels'. Packed 64 panels at a time: the temporaries stay small beside a vocabulary-sized
-    matrix. In numpy (the panels are CPU memory): torch's uint8 kernels would map ~5 MB more of
-    its code into every process that loads a model."""
+    high), of 2-3 bits 8 bytes of crumbs (byte j: rows j, j + 8, j + 16, j + 24 from bit 0 up), then
+    per further bit b one little-endian 32-bit word (bit j: that bit of row j); a column of int8 is
+    32 bytes, row j at byte j. Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed
+    64 panels at a time: the temporaries stay small beside a vocabulary-sized matrix. In numpy (the
+    panels are CPU memory): torch's uint8 kernels would map ~5 MB more of its code into every
+    process that loads a model."""
     N, K = q.shape
     G = K // group_size
     P = -(-N // PANEL)
     src = q.cpu().numpy()
     packed = torch.empty(P, G, group_size, 4 * bits, dtype=torch.uint8)  # torch's allocation: 64-byte aligned, as the kernels' loads want
     out = packed.numpy()
+    low = low_bits(bits)
     for p0 in range(0, P, 64):
         p1 = min(P, p0 + 64)
         rows = src[p0 * PANEL : p1 * PANEL]
@@ -105,13 +113,17 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
             out[p0:p1] = v.astype(np.int8).view(np.uint8)
             continue
         v = v.astype(np.uint8)
-        out[p0:p1, ..., :16] = (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
-        for b in range(bits - 4):  # the word's 4 bytes: rows 0-7, 8-15, 16-23, 24-31
-            plane = ((v >> (4 + b)) & 1).reshape(*v.shape[:-1], 4, 8)
+        if low == 4:
+            out[p0:p1, ..., :16] = (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
+        else:
+            c = v.reshape(*v.shape[:-1], 4, 8) & 3
+            out[p0:p1, ..., :8] = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+        for b in range(bits - low):  # the word's 4 bytes: rows 0-7, 8-15, 16-23, 24-31
+            plane = ((v >> (low + b)) & 1).reshape(*v.shape[:-1], 4, 8)
             word = plane[..., 0].copy()
             for j in range(1, 8):
                 word |= plane[..., j] << j
-            out[p0:p1, ..., 16 + 4 * b : 20 + 4 * b] = word
+            out[p0:p1, ..., 4 * (low + b) : 4 * (low + b) + 4] = word
     return packed.to(q.device)
 
 
@@ -124,29 +136,32 @@ def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int
     if bits == 8:
         return torch.gather(cols, 3, jj.expand(*cols.shape[:3])[..., None])[..., 0].view(torch.int8).to(torch.int32)
     c = cols.to(torch.int32)
-    v = (torch.gather(c, 3, (jj % 16).expand(*c.shape[:3])[..., None])[..., 0] >> (4 * (jj // 16))) & 15
-    for b in range(bits - 4):
-        byte = torch.gather(c, 3, (16 + 4 * b + jj // 8).expand(*c.shape[:3])[..., None])[..., 0]
-        v = v | ((byte >> (jj % 8)) & 1) << (4 + b)
+    low = low_bits(bits)
+    per_byte = 8 // low  # rows a byte of the first plane holds
+    byte = lambda i: torch.gather(c, 3, i.expand(*c.shape[:3])[..., None])[..., 0]  # noqa: E731
+    v = (byte(jj % (PANEL // per_byte)) >> (low * (jj // (PANEL // per_byte)))) & ((1 << low) - 1)
+    for b in range(bits - low):
+        v = v | ((byte(4 * (low + b) + jj // 8) >> (jj % 8)) & 1) << (low + b)
     return v
 
 
 def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Every row's values [n, K] (uint8 for 4-6 bits, int8 for 8) back from pack_panels' layout,
+    """Every row's values [n, K] (uint8 for 2-6 bits, int8 for 8) back from pack_panels' layout,
     64 panels at a time (panel_values reads any rows, but holds each row's whole panel column)."""
     P, G, g, _ = qp.shape
     out = torch.empty(P * PANEL, G * g, dtype=torch.int8 if bits == 8 else torch.uint8, device=qp.device)
     shifts = torch.arange(8, dtype=torch.uint8, device=qp.device)
+    low = low_bits(bits)
     for p0 in range(0, P, 64):
         cols = qp[p0 : p0 + 64]  # [p, G, g, 4 * bits]
         if bits == 8:
             v = cols.view(torch.int8)
         else:
-            nib = cols[..., :16]
-            v = torch.cat((nib & 15, nib >> 4), dim=-1)  # [p, G, g, 32]: rows 0-15 low nibbles, 16-31 high
-            for b in range(bits - 4):  # word b: bit j of byte i is bit 4 + b of row 8 i + j
-                plane = (cols[..., 16 + 4 * b : 20 + 4 * b, None] >> shifts) & 1  # [p, G, g, 4, 8]
-                v = v | (plane.reshape(v.shape) << (4 + b))
+            plane = cols[..., : 4 * low]  # 16 bytes of nibbles or 8 of crumbs: rows in order, the lowest bits first
+            v = torch.cat([(plane >> s) & ((1 << low) - 1) for s in range(0, 8, low)], dim=-1)  # [p, G, g, 32]
+            for b in range(bits - low):  # word b: bit j of byte i is bit low + b of row 8 i + j
+                bit = (cols[..., 4 * (low + b) : 4 * (low + b) + 4, None] >> shifts) & 1  # [p, G, g, 4, 8]
+                v = v | (bit.reshape(v.shape) << (low + b))
         out[p0 * PANEL : (p0 + cols.shape[0]) * PANEL] = v.permute(0, 3, 1, 2).reshape(-1, G * g)
     return out[:n]
 

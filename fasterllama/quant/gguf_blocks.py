@@ -180,7 +180,7 @@ def _q2_k(b: np.ndarray) -> Blocks:  # 16 bytes of 4-bit scale | 4-bit min, 64 b
     d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
     sc, mn = (b[..., 0:16] & 15).astype(np.float32), (b[..., 0:16] >> 4).astype(np.float32)
     scale, mins = (d * sc).reshape(rows, -1), (-(dmin * mn)).reshape(rows, -1)
-    return Blocks(q, scale, mins, 4, _factors(scale, mins, sc, d, mn, -dmin))
+    return Blocks(q, scale, mins, 2, _factors(scale, mins, sc, d, mn, -dmin))
 
 
 def _q3_k(b: np.ndarray) -> Blocks:  # 32 bytes of third bits, 64 bytes of 2-bit values, 12 bytes of 6-bit scales, d
@@ -195,7 +195,7 @@ def _q3_k(b: np.ndarray) -> Blocks:  # 32 bytes of third bits, 64 bytes of 2-bit
     sc = ((s[..., i % 8] >> (4 * (i // 8)).astype(np.uint8)) & 15) | (((s[..., 8 + i % 4] >> (2 * (i // 4)).astype(np.uint8)) & 3) << 4)
     d, sub = _f16(b[..., 108:110])[..., None], sc.astype(np.float32) - 32
     scale = (d * sub).reshape(rows, -1)
-    return Blocks(q, scale, -4 * scale, 4, _factors(scale, -4 * scale, sub, d, sub, -4 * d))
+    return Blocks(q, scale, None, 3, _factors(scale, None, sub, d))
 
 
 # type -> (bytes per block, values per block, decoder)

@@ -40,9 +40,9 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     """The quantized module for a (fused) projection's parts: on the CPU a PackedLinear, or where the
     parts' forms differ a FusedLinear of one per run of alike parts (each in its own width); on other
     devices the row layouts their kernels read: 4-bit values with a scale and min per group of 32
-    or more (Q4_0, Q4_1, Q4_K), int8 for other values without mins (Q5_0, Q8_0, Q6_K's groups of
-    16), scales fp16 where exact, else fp32. None where those cannot hold the parts exactly (Q5_1,
-    Q5_K, and Q2_K's / Q3_K's groups of 16 with mins: loaded as float)."""
+    or more (Q4_0, Q4_1, Q4_K), int8 for other values without mins (Q5_0, Q8_0, Q3_K's and Q6_K's
+    groups of 16), scales fp16 where exact, else fp32. None where those cannot hold the parts
+    exactly (Q5_1, Q5_K, and Q2_K's groups of 16 with mins: loaded as float)."""
     if device.type == "cpu":
         runs: list[list[gguf_blocks.Blocks]] = []
         for b in parts:

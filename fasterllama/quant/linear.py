@@ -122,10 +122,10 @@ class Int4Linear(_PanelStorage, nn.Module):
 
 
 class PackedLinear(nn.Module):
-    """Weights of 4, 5, 6 or 8 bits kept in the CPU kernels' panels (ops.pack_panels) with a scale
+    """Weights of 2-6 or 8 bits kept in the CPU kernels' panels (ops.pack_panels) with a scale
     and a min per row and group: w = scale * q + min. GGUF's block types repack into it exactly
-    (quant/gguf_native.py): Q4_0, Q5_0, Q6_K (mins=None: the values are centred, w = scale * (q -
-    2^(bits-1))), Q4_1, Q5_1, Q2_K..Q5_K (mins stored), Q8_0 (int8, no mins). Scales and mins are
+    (quant/gguf_native.py): Q4_0, Q5_0, Q3_K, Q6_K (mins=None: the values are centred, w = scale *
+    (q - 2^(bits-1))), Q4_1, Q5_1, Q2_K, Q4_K, Q5_K (mins stored), Q8_0 (int8, no mins). Scales and mins are
     fp16 where every one of them is an fp16 value, else fp32 (a K-quant's fp16 super-block scale
     times its 6-bit sub-block scale has up to 17 significant bits), or in the K-quant's own factored
     form: scale_super given, `scale` (and `mins`) are int8 sub-block values [N, G] and

@@ -118,8 +118,8 @@ typedef __m256 vf;
  * One layout for every weight-only format (w4, w8, and GGUF's Q4_0 .. Q8_0 and K-quants repacked
  * exactly): values q of `bits` bits and, per row and group of g input columns (g = K: per
  * channel), a scale s and a min m:   w = s * q + m.
- *   bits 4, 5, 6: q unsigned; without stored mins m = -2^(bits-1) * s (centred values, as in
- *   Q4_0, Q5_0 and Q6_K). bits 8: q int8; without stored mins m = 0.
+ *   bits 2-6: q unsigned; without stored mins m = -2^(bits-1) * s (centred values, as in
+ *   Q4_0, Q5_0, Q3_K and Q6_K). bits 8: q int8; without stored mins m = 0.
  *   Scales and mins are fp16 or fp32 (sbytes 2 or 4), or (sbytes 1) int8 sub-block values times an
  *   fp16 scale per gps groups (a K-quant's own form: its d times a 6-bit sub-block scale, -dmin
  *   times a 6-bit min), 1.1 bytes a group instead of 4, multiplied as they load (int8 x fp16 is
@@ -132,8 +132,9 @@ typedef __m256 vf;
  * reduction per row; 4-bit panels ran 1.2-1.6x faster at 1-8 activation rows, cold (a C harness
  * at SmolLM2's shapes, AVX-512).
  *   q [P, G, g, 4 * bits] bytes. A column of 4-6 bits: 16 bytes of nibbles (byte j: row j in the
- *      low nibble, row j + 16 in the high one), then one 32-bit word per further bit (bit j of
- *      word b: bit 4 + b of row j). A column of int8: 32 bytes, row j at byte j.
+ *      low nibble, row j + 16 in the high one), of 2-3 bits: 8 bytes of crumbs (byte j: rows j,
+ *      j + 8, j + 16, j + 24 from bit 0 up); then one 32-bit word per further bit (bit j of word
+ *      b: bit 4 + b, or 2 + b, of row j). A column of int8: 32 bytes, row j at byte j.
  *   scales, mins [P, G, 32]. P = ceil(N / 32), the last panel padded with zero rows.
  * ops/quantized.py's pack_panels / unpack_panels define the same layout. `bits` is a compile-time
  * constant in every always_inline kernel below (each width gets its own straight-line code); the
@@ -141,6 +142,8 @@ typedef __m256 vf;
 #define PANEL 32
 #define PANEL_PF(p) _mm_prefetch((const char *)(p) + PF_BYTES / 4, WEIGHT_HINT) /* scales: 1/8 the bytes */
 #define COL_BYTES(bits) ((bits) * 4)
+#define LOW_BITS(bits) ((bits) >= 4 ? 4 : 2) /* the first plane: nibbles, or 2-bit crumbs */
+#define PF_COLS(bits) ((bits) == 4 ? 4 : (bits) < 4 ? 64 / COL_BYTES(bits) : 2) /* columns between prefetches */
 
 typedef struct {
     const uint8_t *q;
@@ -153,7 +156,7 @@ typedef struct {
 
 static inline panel_w_t panel_w(const uint8_t *q, const void *s, const void *m, int64_t sbytes, int bits, const void *sup_s,
                                 const void *sup_m, int64_t gps) {
-    panel_w_t w = {q, s, m, sbytes, m == NULL && bits >= 4 && bits < 8 ? (float)(1 << (bits - 1)) : 0.f, sup_s, sup_m, gps,
+    panel_w_t w = {q, s, m, sbytes, m == NULL && bits < 8 ? (float)(1 << (bits - 1)) : 0.f, sup_s, sup_m, gps,
                    gps > 0 ? __builtin_ctzll((unsigned long long)gps) : 0};
     return w;
 }
@@ -191,13 +194,19 @@ static inline float load1s(const panel_w_t *w, const void *p, const uint16_t *su
 /* Rows lane0 .. lane0 + 7 (lane0 a multiple of 8) of a column's values, as floats. */
 static inline __attribute__((always_inline)) __m256 panel_q8(const uint8_t *c, int lane0, const int bits) {
     if (bits == 8) return i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(c + lane0)));
-    const __m128i b = _mm_loadl_epi64((const __m128i *)(c + lane0 % 16));
-    const __m128i nib = lane0 < 16 ? _mm_and_si128(b, _mm_set1_epi8(0x0F)) : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    __m256i v = _mm256_cvtepu8_epi32(nib);
+    const int low = LOW_BITS(bits);
+    __m256i v;
+    if (low == 4) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(c + lane0 % 16));
+        v = _mm256_cvtepu8_epi32(lane0 < 16 ? _mm_and_si128(b, _mm_set1_epi8(0x0F)) : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)));
+    } else { /* crumbs: bytes 0-7 hold rows 8 s + j at bits 2 s */
+        v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
+        v = _mm256_and_si256(_mm256_srli_epi32(v, 2 * (lane0 / 8)), _mm256_set1_epi32(3));
+    }
     const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    for (int bb = 0; bb < bits - 4; bb++) {
-        const __m256i t = _mm256_and_si256(_mm256_set1_epi32(c[16 + 4 * bb + lane0 / 8]), sel);
-        v = _mm256_add_epi32(v, _mm256_and_si256(_mm256_cmpeq_epi32(t, sel), _mm256_set1_epi32(16 << bb)));
+    for (int bb = 0; bb < bits - low; bb++) {
+        const __m256i t = _mm256_and_si256(_mm256_set1_epi32(c[4 * (low + bb) + lane0 / 8]), sel);
+        v = _mm256_add_epi32(v, _mm256_and_si256(_mm256_cmpeq_epi32(t, sel), _mm256_set1_epi32((1 << low) << bb)));
     }
     return _mm256_cvtepi32_ps(v);
 }
@@ -205,8 +214,9 @@ static inline __attribute__((always_inline)) __m256 panel_q8(const uint8_t *c, i
 /* Row j's value in a column (scalar: the embedding's rows). */
 static inline int panel_value(const uint8_t *c, int64_t j, int bits) {
     if (bits == 8) return (int8_t)c[j];
-    int v = (c[j % 16] >> (4 * (j / 16))) & 15;
-    for (int b = 0; b < bits - 4; b++) v |= ((c[16 + 4 * b + j / 8] >> (j % 8)) & 1) << (4 + b);
+    const int low = LOW_BITS(bits), per = 32 * low / 8; /* rows a bit position of the first plane holds */
+    int v = (c[j % per] >> (low * (j / per))) & ((1 << low) - 1);
+    for (int b = 0; b < bits - low; b++) v |= ((c[4 * (low + b) + j / 8] >> (j % 8)) & 1) << (low + b);
     return v;
 }
 
@@ -219,12 +229,22 @@ static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg
         *qb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
         return;
     }
-    const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-    __m512i lo = _mm512_and_si512(i, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(i, 4);
-    for (int b = 0; b < bits - 4; b++) { /* bit 4 + b of each row: a mask-add */
-        const __m512i add = _mm512_set1_epi32(16 << b);
-        lo = _mm512_mask_add_epi32(lo, _load_mask16((__mmask16 *)(c + 16 + 4 * b)), lo, add);
-        hi = _mm512_mask_add_epi32(hi, _load_mask16((__mmask16 *)(c + 18 + 4 * b)), hi, add);
+    const int low = LOW_BITS(bits);
+    __m512i lo, hi;
+    if (low == 4) {
+        const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+        lo = _mm512_and_si512(i, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(i, 4);
+    } else { /* crumbs: the 8 bytes twice, shifted by 0 / 2 (rows 0-15) and 4 / 6 (rows 16-31) */
+        const __m128i b8 = _mm_loadl_epi64((const __m128i *)c);
+        const __m512i i = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b8, b8));
+        const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+        lo = _mm512_and_si512(_mm512_srlv_epi32(i, sh), _mm512_set1_epi32(3));
+        hi = _mm512_and_si512(_mm512_srlv_epi32(i, _mm512_add_epi32(sh, _mm512_set1_epi32(4))), _mm512_set1_epi32(3));
+    }
+    for (int b = 0; b < bits - low; b++) { /* bit low + b of each row: a mask-add */
+        const __m512i add = _mm512_set1_epi32((1 << low) << b);
+        lo = _mm512_mask_add_epi32(lo, _load_mask16((__mmask16 *)(c + 4 * (low + b))), lo, add);
+        hi = _mm512_mask_add_epi32(hi, _load_mask16((__mmask16 *)(c + 4 * (low + b) + 2)), hi, add);
     }
     *qa = _mm512_cvtepi32_ps(lo), *qb = _mm512_cvtepi32_ps(hi);
 }
@@ -298,7 +318,7 @@ static inline __attribute__((always_inline)) void panel_many(const float *x, int
         __m512 m0 = _mm512_setzero_ps(), m1 = m0;
         if (has_min) m0 = panel_mins16(w, grp * PANEL, d0), m1 = panel_mins16(w, grp * PANEL + 16, d1);
         for (int64_t kk = 0; kk < g; kk++) {
-            if (kk % (bits == 4 ? 4 : 2) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
+            if (kk % PF_COLS(bits) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
             __m512 w0, w1;
             panel_column(qg, kk, bits, &w0, &w1);
             if (has_min) w0 = _mm512_fmadd_ps(w0, d0, m0), w1 = _mm512_fmadd_ps(w1, d1, m1);
@@ -385,7 +405,7 @@ static inline __attribute__((always_inline)) void panel_quarter_many(const float
         __m256 d, m;
         panel_scales8(w, si, &d, &m);
         for (int64_t kk = 0; kk < g; kk++) {
-            if (c == 0 && kk % (bits == 4 ? 4 : 2) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
+            if (c == 0 && kk % PF_COLS(bits) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
             const __m256 q = panel_q8(qg + kk * COL_BYTES(bits), lane0, bits);
             const __m256 wv = has_min ? _mm256_fmadd_ps(q, d, m) : _mm256_mul_ps(q, d);
             for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xg + r * K + kk), acc[r]);
@@ -433,6 +453,8 @@ typedef void (*panel_block_fn)(const float *, const float *, int64_t, int64_t, c
                                 int64_t g, float *y, int64_t ldo, int64_t p) {                                               \
         panel_block(x, xsum, M, K, w, N, g, y, ldo, p, B);                                                                    \
     }
+PANEL_WIDTH(2)
+PANEL_WIDTH(3)
 PANEL_WIDTH(4)
 PANEL_WIDTH(5)
 PANEL_WIDTH(6)
@@ -447,7 +469,7 @@ typedef struct {
 } panel_part_t;
 
 static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
-    panel_part_t part = {w, bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, NULL};
+    panel_part_t part = {w, bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, NULL};
     const int64_t G = K / g;
     if (w.mins != NULL || w.centre != 0.f) {
         part.xsum = malloc(sizeof(float) * M * G);
@@ -585,6 +607,8 @@ typedef void (*gemm_panel_fn)(const float *, int64_t, int64_t, const panel_w_t *
                                int64_t p, float *wb, float *t) {                                                              \
         gemm_panel(x, M, K, w, N, g, y, p, wb, t, B);                                                                           \
     }
+GEMM_WIDTH(2)
+GEMM_WIDTH(3)
 GEMM_WIDTH(4)
 GEMM_WIDTH(5)
 GEMM_WIDTH(6)
@@ -594,7 +618,7 @@ GEMM_WIDTH(8)
 void fl_panel_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
                    const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
     const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
-    const gemm_panel_fn panel = bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
+    const gemm_panel_fn panel = bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
     const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g);
 #pragma omp parallel
     {
