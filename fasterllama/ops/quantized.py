@@ -87,12 +87,22 @@ def low_bits(bits: int) -> int:
     return 4 if bits >= 4 else 2
 
 
+def _first_plane(v: np.ndarray, low: int) -> np.ndarray:
+    """Values [..., g, 32] -> the first plane's 16 bytes a column (nibbles) or a pair of columns
+    (crumbs), [..., g or g / 2, 16]."""
+    if low == 4:
+        return (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
+    a, b = v.reshape(*v.shape[:-2], -1, 2, PANEL)[..., 0, :] & 3, v.reshape(*v.shape[:-2], -1, 2, PANEL)[..., 1, :] & 3
+    return a[..., :16] | (b[..., :16] << 2) | (a[..., 16:] << 4) | (b[..., 16:] << 6)
+
+
 def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     """Values [N, K] (2-6 bits: 0 .. 2^bits - 1; 8 bits: int8) -> the CPU kernels' panels, uint8
     [P, G, g, 4 * bits]: a column of 4-6 bits is 16 bytes of nibbles (byte j: row j low, row j + 16
-    high), of 2-3 bits 8 bytes of crumbs (byte j: rows j, j + 8, j + 16, j + 24 from bit 0 up), then
-    per further bit b one little-endian 32-bit word (bit j: that bit of row j); a column of int8 is
-    32 bytes, row j at byte j. Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed
+    high), then per further bit b one little-endian 32-bit word (bit j: that bit of row j); columns
+    of 2-3 bits go in pairs, 16 bytes of crumbs (byte j: row j of the first, of the second, row j +
+    16 of the first, of the second, from bit 0 up) then per further bit the first's word and the
+    second's; a column of int8 is 32 bytes, row j at byte j. Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed
     64 panels at a time: the temporaries stay small beside a vocabulary-sized matrix. In numpy (the
     panels are CPU memory): torch's uint8 kernels would map ~5 MB more of its code into every
     process that loads a model."""
@@ -113,17 +123,15 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
             out[p0:p1] = v.astype(np.int8).view(np.uint8)
             continue
         v = v.astype(np.uint8)
-        if low == 4:
-            out[p0:p1, ..., :16] = (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
-        else:
-            c = v.reshape(*v.shape[:-1], 4, 8) & 3
-            out[p0:p1, ..., :8] = c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+        dst = out[p0:p1] if low == 4 else out[p0:p1].reshape(p1 - p0, G, group_size // 2, 8 * bits)  # a column, or a pair
+        dst[..., :16] = _first_plane(v, low)
         for b in range(bits - low):  # the word's 4 bytes: rows 0-7, 8-15, 16-23, 24-31
             plane = ((v >> (low + b)) & 1).reshape(*v.shape[:-1], 4, 8)
             word = plane[..., 0].copy()
             for j in range(1, 8):
                 word |= plane[..., j] << j
-            out[p0:p1, ..., 4 * (low + b) : 4 * (low + b) + 4] = word
+            at = 16 + (4 if low == 4 else 8) * b
+            dst[..., at : at + (4 if low == 4 else 8)] = word.reshape(*dst.shape[:-1], -1)
     return packed.to(q.device)
 
 
@@ -135,13 +143,17 @@ def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int
     jj = j[:, None, None]
     if bits == 8:
         return torch.gather(cols, 3, jj.expand(*cols.shape[:3])[..., None])[..., 0].view(torch.int8).to(torch.int32)
-    c = cols.to(torch.int32)
     low = low_bits(bits)
-    per_byte = 8 // low  # rows a byte of the first plane holds
+    if low == 2:  # pairs of columns: column kk's bytes are its pair's, its crumbs 2 bits up when kk is odd
+        R, G, g, nb = cols.shape
+        cols = cols.reshape(R, G, g // 2, 1, 2 * nb).expand(R, G, g // 2, 2, 2 * nb).reshape(R, G, g, 2 * nb)
+    c = cols.to(torch.int32)
+    odd = torch.arange(c.shape[2], device=qp.device)[None, None, :] % 2 if low == 2 else 0
     byte = lambda i: torch.gather(c, 3, i.expand(*c.shape[:3])[..., None])[..., 0]  # noqa: E731
-    v = (byte(jj % (PANEL // per_byte)) >> (low * (jj // (PANEL // per_byte)))) & ((1 << low) - 1)
+    v = (byte(jj % 16) >> (2 * odd + 4 * (jj // 16))) & ((1 << low) - 1)
     for b in range(bits - low):
-        v = v | ((byte(4 * (low + b) + jj // 8) >> (jj % 8)) & 1) << (low + b)
+        at = 16 + 4 * b if low == 4 else 16 + 8 * b + 4 * odd
+        v = v | ((byte(at + jj // 8) >> (jj % 8)) & 1) << (low + b)
     return v
 
 
@@ -156,12 +168,19 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         cols = qp[p0 : p0 + 64]  # [p, G, g, 4 * bits]
         if bits == 8:
             v = cols.view(torch.int8)
-        else:
-            plane = cols[..., : 4 * low]  # 16 bytes of nibbles or 8 of crumbs: rows in order, the lowest bits first
-            v = torch.cat([(plane >> s) & ((1 << low) - 1) for s in range(0, 8, low)], dim=-1)  # [p, G, g, 32]
-            for b in range(bits - low):  # word b: bit j of byte i is bit low + b of row 8 i + j
-                bit = (cols[..., 4 * (low + b) : 4 * (low + b) + 4, None] >> shifts) & 1  # [p, G, g, 4, 8]
-                v = v | (bit.reshape(v.shape) << (low + b))
+        elif low == 4:
+            v = torch.cat((cols[..., :16] & 15, cols[..., :16] >> 4), dim=-1)  # [p, G, g, 32]: rows 0-15 low nibbles, 16-31 high
+            for b in range(bits - 4):  # word b: bit j of byte i is bit 4 + b of row 8 i + j
+                bit = (cols[..., 16 + 4 * b : 20 + 4 * b, None] >> shifts) & 1  # [p, G, g, 4, 8]
+                v = v | (bit.reshape(v.shape) << (4 + b))
+        else:  # pairs of columns: [p, G, g / 2, 8 * bits]
+            pair = cols.reshape(*cols.shape[:2], g // 2, 8 * bits)
+            c = pair[..., :16]
+            v = torch.stack((torch.cat((c & 3, (c >> 4) & 3), -1), torch.cat(((c >> 2) & 3, c >> 6), -1)), dim=-2)  # [p, G, g / 2, 2, 32]
+            for b in range(bits - 2):
+                bit = (pair[..., 16 + 8 * b : 24 + 8 * b, None] >> shifts) & 1  # [p, G, g / 2, 8, 8]: the two words
+                v = v | (bit.reshape(v.shape) << (2 + b))
+            v = v.reshape(*cols.shape[:3], PANEL)
         out[p0 * PANEL : (p0 + cols.shape[0]) * PANEL] = v.permute(0, 3, 1, 2).reshape(-1, G * g)
     return out[:n]
 

@@ -132,9 +132,11 @@ typedef __m256 vf;
  * reduction per row; 4-bit panels ran 1.2-1.6x faster at 1-8 activation rows, cold (a C harness
  * at SmolLM2's shapes, AVX-512).
  *   q [P, G, g, 4 * bits] bytes. A column of 4-6 bits: 16 bytes of nibbles (byte j: row j in the
- *      low nibble, row j + 16 in the high one), of 2-3 bits: 8 bytes of crumbs (byte j: rows j,
- *      j + 8, j + 16, j + 24 from bit 0 up); then one 32-bit word per further bit (bit j of word
- *      b: bit 4 + b, or 2 + b, of row j). A column of int8: 32 bytes, row j at byte j.
+ *      low nibble, row j + 16 in the high one), then one 32-bit word per further bit (bit j of
+ *      word b: bit 4 + b of row j). Columns of 2-3 bits go in pairs (2 * 4 * bits bytes): 16
+ *      bytes of crumbs (byte j: bits 0-1 row j of the first, 2-3 row j of the second, 4-5 and 6-7
+ *      their rows j + 16), then per further bit the first's word and the second's (bit j: bit
+ *      2 + b of row j). A column of int8: 32 bytes, row j at byte j.
  *   scales, mins [P, G, 32]. P = ceil(N / 32), the last panel padded with zero rows.
  * ops/quantized.py's pack_panels / unpack_panels define the same layout. `bits` is a compile-time
  * constant in every always_inline kernel below (each width gets its own straight-line code); the
@@ -191,62 +193,88 @@ static inline float load1s(const panel_w_t *w, const void *p, const uint16_t *su
     return w->sbytes == 2 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Rows lane0 .. lane0 + 7 (lane0 a multiple of 8) of a column's values, as floats. */
-static inline __attribute__((always_inline)) __m256 panel_q8(const uint8_t *c, int lane0, const int bits) {
+/* Column kk's bytes: its own, or (2-3 bits) its pair's: two columns share 16 bytes of crumbs, so
+ * one widening serves both and each vector of 16 rows needs one shift and one mask. */
+static inline const uint8_t *col_bytes(const uint8_t *qg, int64_t kk, const int bits) {
+    return qg + (LOW_BITS(bits) == 2 ? kk & ~(int64_t)1 : kk) * COL_BYTES(bits);
+}
+
+/* Where column kk's word of bit LOW_BITS + b starts, from col_bytes. */
+static inline int64_t word_at(int64_t kk, const int bits, int b) { return LOW_BITS(bits) == 2 ? 16 + 8 * b + 4 * (kk & 1) : 16 + 4 * b; }
+
+/* The shift of column kk's rows j < 16 in the first plane's bytes (rows j + 16: 4 more). */
+static inline int low_shift(int64_t kk, const int bits) { return LOW_BITS(bits) == 2 ? 2 * (int)(kk & 1) : 0; }
+
+/* Rows lane0 .. lane0 + 7 (lane0 a multiple of 8) of column kk's values, as floats. */
+static inline __attribute__((always_inline)) __m256 panel_q8(const uint8_t *qg, int64_t kk, int lane0, const int bits) {
+    const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(c + lane0)));
     const int low = LOW_BITS(bits);
+    const __m128i b = _mm_loadl_epi64((const __m128i *)(c + lane0 % 16));
     __m256i v;
     if (low == 4) {
-        const __m128i b = _mm_loadl_epi64((const __m128i *)(c + lane0 % 16));
         v = _mm256_cvtepu8_epi32(lane0 < 16 ? _mm_and_si128(b, _mm_set1_epi8(0x0F)) : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)));
-    } else { /* crumbs: bytes 0-7 hold rows 8 s + j at bits 2 s */
-        v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)c));
-        v = _mm256_and_si256(_mm256_srli_epi32(v, 2 * (lane0 / 8)), _mm256_set1_epi32(3));
+    } else {
+        const __m128i sh = _mm_cvtsi32_si128(low_shift(kk, bits) + 4 * (lane0 / 16));
+        v = _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(b), sh), _mm256_set1_epi32(3));
     }
     const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     for (int bb = 0; bb < bits - low; bb++) {
-        const __m256i t = _mm256_and_si256(_mm256_set1_epi32(c[4 * (low + bb) + lane0 / 8]), sel);
+        const __m256i t = _mm256_and_si256(_mm256_set1_epi32(c[word_at(kk, bits, bb) + lane0 / 8]), sel);
         v = _mm256_add_epi32(v, _mm256_and_si256(_mm256_cmpeq_epi32(t, sel), _mm256_set1_epi32((1 << low) << bb)));
     }
     return _mm256_cvtepi32_ps(v);
 }
 
-/* Row j's value in a column (scalar: the embedding's rows). */
-static inline int panel_value(const uint8_t *c, int64_t j, int bits) {
+/* Row j's value in column kk (scalar: the embedding's rows). */
+static inline int panel_value(const uint8_t *qg, int64_t kk, int64_t j, int bits) {
+    const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return (int8_t)c[j];
-    const int low = LOW_BITS(bits), per = 32 * low / 8; /* rows a bit position of the first plane holds */
-    int v = (c[j % per] >> (low * (j / per))) & ((1 << low) - 1);
-    for (int b = 0; b < bits - low; b++) v |= ((c[4 * (low + b) + j / 8] >> (j % 8)) & 1) << (low + b);
+    const int low = LOW_BITS(bits);
+    int v = (c[j % 16] >> (low_shift(kk, bits) + 4 * (j / 16))) & ((1 << low) - 1);
+    for (int b = 0; b < bits - low; b++) v |= ((c[word_at(kk, bits, b) + j / 8] >> (j % 8)) & 1) << (low + b);
     return v;
 }
 
 #if defined(__AVX512F__)
 /* Column kk's 32 values as floats (rows 0-15, 16-31), before scaling. */
 static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg, int64_t kk, const int bits, __m512 *qa, __m512 *qb) {
-    const uint8_t *c = qg + kk * COL_BYTES(bits);
+    const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) {
         *qa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
         *qb = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
         return;
     }
     const int low = LOW_BITS(bits);
+    const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
     __m512i lo, hi;
     if (low == 4) {
-        const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
         lo = _mm512_and_si512(i, _mm512_set1_epi32(15)), hi = _mm512_srli_epi32(i, 4);
-    } else { /* crumbs: the 8 bytes twice, shifted by 0 / 2 (rows 0-15) and 4 / 6 (rows 16-31) */
-        const __m128i b8 = _mm_loadl_epi64((const __m128i *)c);
-        const __m512i i = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(b8, b8));
-        const __m512i sh = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
-        lo = _mm512_and_si512(_mm512_srlv_epi32(i, sh), _mm512_set1_epi32(3));
-        hi = _mm512_and_si512(_mm512_srlv_epi32(i, _mm512_add_epi32(sh, _mm512_set1_epi32(4))), _mm512_set1_epi32(3));
+    } else { /* the pair's crumbs: this column's at bits 0 / 4, or 2 / 6 */
+        const __m128i sh = _mm_cvtsi32_si128(low_shift(kk, bits));
+        lo = _mm512_and_si512(_mm512_srl_epi32(i, sh), _mm512_set1_epi32(3));
+        hi = _mm512_and_si512(_mm512_srl_epi32(i, _mm_add_epi32(sh, _mm_cvtsi32_si128(4))), _mm512_set1_epi32(3));
     }
     for (int b = 0; b < bits - low; b++) { /* bit low + b of each row: a mask-add */
         const __m512i add = _mm512_set1_epi32((1 << low) << b);
-        lo = _mm512_mask_add_epi32(lo, _load_mask16((__mmask16 *)(c + 4 * (low + b))), lo, add);
-        hi = _mm512_mask_add_epi32(hi, _load_mask16((__mmask16 *)(c + 4 * (low + b) + 2)), hi, add);
+        lo = _mm512_mask_add_epi32(lo, _load_mask16((__mmask16 *)(c + word_at(kk, bits, b))), lo, add);
+        hi = _mm512_mask_add_epi32(hi, _load_mask16((__mmask16 *)(c + word_at(kk, bits, b) + 2)), hi, add);
     }
     *qa = _mm512_cvtepi32_ps(lo), *qb = _mm512_cvtepi32_ps(hi);
+}
+
+/* Columns kk and kk + 1 (kk even) of 2-3 bits, one widening of their shared crumbs for both:
+ * q[u][h] is column kk + u's rows 16 h .. 16 h + 15. */
+static inline __attribute__((always_inline)) void panel_pair(const uint8_t *qg, int64_t kk, const int bits, __m512 q[2][2]) {
+    const uint8_t *c = qg + kk * COL_BYTES(bits);
+    const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)), three = _mm512_set1_epi32(3);
+    __m512i v[2][2] = {{_mm512_and_si512(i, three), _mm512_and_si512(_mm512_srli_epi32(i, 4), three)},
+                       {_mm512_and_si512(_mm512_srli_epi32(i, 2), three), _mm512_srli_epi32(i, 6)}};
+    for (int b = 0; b < bits - 2; b++)
+        for (int u = 0; u < 2; u++)
+            for (int h = 0; h < 2; h++)
+                v[u][h] = _mm512_mask_add_epi32(v[u][h], _load_mask16((__mmask16 *)(c + 16 + 8 * b + 4 * u + 2 * h)), v[u][h], _mm512_set1_epi32(4 << b));
+    for (int u = 0; u < 2; u++) q[u][0] = _mm512_cvtepi32_ps(v[u][0]), q[u][1] = _mm512_cvtepi32_ps(v[u][1]);
 }
 
 static inline __m512 load16s(const panel_w_t *w, const void *p, const uint16_t *sup, int64_t i) {
@@ -278,13 +306,14 @@ static inline __attribute__((always_inline)) void panel_few(const float *x, cons
         for (int64_t kk = 0; kk < g; kk += 4) {
             PREFETCH(qg + kk * COL_BYTES(bits));
             if (bits > 4) PREFETCH(qg + kk * COL_BYTES(bits) + 64);
+            __m512 q[4][2];
+            if (LOW_BITS(bits) == 2) panel_pair(qg, kk, bits, q), panel_pair(qg, kk + 2, bits, q + 2);
+            else for (int u = 0; u < 4; u++) panel_column(qg, kk + u, bits, &q[u][0], &q[u][1]);
             for (int u = 0; u < 4; u++) {
-                __m512 qa, qb;
-                panel_column(qg, kk + u, bits, &qa, &qb);
                 for (int r = 0; r < rows; r++) {
                     const __m512 xb = _mm512_set1_ps(xg[r * K + kk + u]);
-                    aq[r][0][u] = _mm512_fmadd_ps(qa, xb, aq[r][0][u]);
-                    aq[r][1][u] = _mm512_fmadd_ps(qb, xb, aq[r][1][u]);
+                    aq[r][0][u] = _mm512_fmadd_ps(q[u][0], xb, aq[r][0][u]);
+                    aq[r][1][u] = _mm512_fmadd_ps(q[u][1], xb, aq[r][1][u]);
                 }
             }
         }
@@ -362,8 +391,7 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
         for (int64_t kk = 0; kk < g; kk += 2) {
             PREFETCH(qg + kk * COL_BYTES(bits));
             for (int u = 0; u < 2; u++) {
-                const uint8_t *c = qg + (kk + u) * COL_BYTES(bits);
-                const __m256 qa = panel_q8(c, 16 * h, bits), qb = panel_q8(c, 16 * h + 8, bits);
+                const __m256 qa = panel_q8(qg, kk + u, 16 * h, bits), qb = panel_q8(qg, kk + u, 16 * h + 8, bits);
                 for (int r = 0; r < rows; r++) {
                     const __m256 xb = _mm256_broadcast_ss(xg + r * K + kk + u);
                     aq[r][0][u] = _mm256_fmadd_ps(qa, xb, aq[r][0][u]);
@@ -406,7 +434,7 @@ static inline __attribute__((always_inline)) void panel_quarter_many(const float
         panel_scales8(w, si, &d, &m);
         for (int64_t kk = 0; kk < g; kk++) {
             if (c == 0 && kk % PF_COLS(bits) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
-            const __m256 q = panel_q8(qg + kk * COL_BYTES(bits), lane0, bits);
+            const __m256 q = panel_q8(qg, kk, lane0, bits);
             const __m256 wv = has_min ? _mm256_fmadd_ps(q, d, m) : _mm256_mul_ps(q, d);
             for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xg + r * K + kk), acc[r]);
         }
@@ -541,7 +569,7 @@ static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *
         float *o = wb + (grp - grp0) * g * PANEL;
         for (int64_t kk = 0; kk < g; kk++)
             for (int i = 0; i < 4; i++)
-                _mm256_store_ps(o + kk * PANEL + 8 * i, _mm256_fmadd_ps(panel_q8(qg + kk * COL_BYTES(bits), 8 * i, bits), d[i], m[i]));
+                _mm256_store_ps(o + kk * PANEL + 8 * i, _mm256_fmadd_ps(panel_q8(qg, kk, 8 * i, bits), d[i], m[i]));
     }
 }
 
@@ -1462,7 +1490,7 @@ static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, f
             const int64_t si = grp * PANEL + j;
             const float s = load1s(&wp, wp.scales, wp.sup_s, si);
             const float m = wp.mins == NULL ? -wp.centre * s : load1s(&wp, wp.mins, wp.sup_m, si);
-            for (int64_t kk = 0; kk < g; kk++) o[grp * g + kk] = (float)panel_value(q + kk * COL_BYTES(E->bits), j, (int)E->bits) * s + m;
+            for (int64_t kk = 0; kk < g; kk++) o[grp * g + kk] = (float)panel_value(q, kk, j, (int)E->bits) * s + m;
         }
     }
 }
