@@ -14,7 +14,7 @@ import os
 import time
 
 TYPES = {name: f"LLAMA_FTYPE_MOSTLY_{name.upper()}" for name in (
-    "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_m", "q3_k_l", "q2_k", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "iq4_nl")}
+    "q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_m", "q3_k_l", "q2_k", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "iq4_nl", "iq4_xs")}
 
 
 def main() -> None:

@@ -125,6 +125,31 @@ def test_factored_scales(bits, g, gps, mins):
     _close(qops.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, None, lin.sups), x @ w.t())
 
 
+@pytest.mark.parametrize("factored", [False, True])
+@pytest.mark.parametrize("n,k", [(70, 256), (33, 1536)])
+def test_nl4_values_through_the_table(n, k, factored):
+    """Width code NL4 (GGUF's IQ4_NL and IQ4_XS): 4-bit indices into IQ4_NL's 16 int8 values, w =
+    scale * NL4_VALUES[q], with fp16 scales per 32 (IQ4_NL) or int8 x fp16 per 256 (IQ4_XS): every
+    kernel (GEMV at each row count, the prefill GEMM) and the float reference against the table."""
+    from fasterllama.quant.linear import PackedLinear
+
+    g, G = 32, k // 32
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    if factored:
+        sub, sup = torch.randint(-32, 32, (n, G), dtype=torch.int8), (torch.rand(n, G // 8) * 0.01 + 1e-3).half()
+        lin = PackedLinear(q, sub, None, qops.NL4, scale_super=sup)
+        s = sub.float() * sup.float().repeat_interleave(8, 1)
+    else:
+        s = (torch.rand(n, G) * 0.01 + 1e-3).half().float()
+        lin = PackedLinear(q, s, None, qops.NL4)
+    w = (torch.tensor(qops.NL4_VALUES, dtype=torch.float32)[q.long()].view(n, G, g) * s[..., None]).view(n, k)
+    assert torch.equal(lin.dequantize(), w) and lin.qweight.shape[-1] == 16  # 4-bit panels
+    assert torch.equal(lin.dequantize_rows(torch.tensor([n - 1, 0]), torch.float32), w[[n - 1, 0]])
+    for m_rows in ROWS + [200]:
+        x = torch.randn(m_rows, k)
+        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, qops.NL4, None, lin.sups), x @ w.t())
+
+
 @pytest.mark.parametrize("n,g", [(96, 32), (33, 64)])
 def test_pack_panels_is_the_int4_and_int8_layout(n, g):
     """pack_panels at 4 and 8 bits is to_panels' and int8_to_panels' layout: one kernel serves all."""

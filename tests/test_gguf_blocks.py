@@ -12,8 +12,9 @@ from fasterllama.quant import gguf_blocks  # noqa: E402
 
 # where each type keeps its fp16 fields (d, and dmin / m): set to sane values in random blocks
 _FP16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q2_K": [80, 82], "Q3_K": [108],
-                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+                "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
+_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6,
+         "IQ4_NL": gguf_blocks.NL4, "IQ4_XS": gguf_blocks.NL4}
 
 
 def _random_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
@@ -29,7 +30,7 @@ def _random_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
 def _fma_values(b: gguf_blocks.Blocks) -> np.ndarray:
     """scale * q + min rounded once, as the kernels' fma computes it."""
     rows, k = b.q.shape
-    q = b.q.astype(np.float64).reshape(rows, -1, b.group)
+    q = (gguf_blocks.NL4_VALUES[b.q] if b.bits == gguf_blocks.NL4 else b.q).astype(np.float64).reshape(rows, -1, b.group)
     w = q * b.scale.astype(np.float64)[..., None] + b.explicit_mins().astype(np.float64)[..., None]
     return w.astype(np.float32).reshape(rows, k)
 
@@ -45,11 +46,11 @@ def test_decode_is_gguf_dequantize_exactly(type_name):
     b = gguf_blocks.decode(raw, type_name, rows)
     want = _gguf_values(raw, type_name)
     assert b.bits == _BITS[type_name] and b.q.shape == (rows, k)
-    assert b.q.min() >= (-128 if b.bits == 8 else 0) and b.q.max() < (128 if b.bits == 8 else 1 << b.bits)
+    assert b.q.min() >= (-128 if b.bits == 8 else 0) and b.q.max() < (128 if b.bits == 8 else 16 if b.bits == gguf_blocks.NL4 else 1 << b.bits)
     assert np.array_equal(b.values(), want)
     assert np.array_equal(_fma_values(b), want)
     f = b.factors  # the K-quants' compact form: int8 sub-block values times an fp16 value per 256 columns
-    assert (f is not None) == type_name.endswith("_K")
+    assert (f is not None) == (type_name.endswith("_K") or type_name == "IQ4_XS")
     if f is not None:
         assert f.scale_sub.dtype == np.int8 and f.scale_super.dtype == np.float16 and f.scale_super.shape == (rows, k // 256)
         assert np.array_equal(f.products(f.scale_sub, f.scale_super), b.scale)
@@ -59,24 +60,26 @@ def test_decode_is_gguf_dequantize_exactly(type_name):
 
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q6_K"), ("Q4_0", "Q5_0"), ("Q5_0", "Q6_K", "Q4_1"), ("Q6_K", "Q6_K"),
-                                   ("Q3_K", "Q8_0"), ("Q4_K", "Q4_K", "Q4_K")])
+                                   ("Q3_K", "Q8_0"), ("Q4_K", "Q4_K", "Q4_K"), ("IQ4_NL", "Q5_0", "Q8_0"), ("IQ4_XS", "IQ4_XS"), ("IQ4_NL", "IQ4_XS")])
 def test_combine_holds_every_part_exactly(types):
     """A fused projection's parts of different types in one form: the values of each part."""
     k = 512
     parts = [gguf_blocks.decode(_random_blocks(t, 4 + i, k, seed=i), t, 4 + i) for i, t in enumerate(types)]
     want = np.concatenate([p.values() for p in parts])
     both = gguf_blocks.combine(parts)
-    assert both.bits == max(_BITS[t] for t in types)
+    widest = max(_BITS[t] for t in types)
+    assert both.bits == (8 if widest == gguf_blocks.NL4 and len({_BITS[t] for t in types}) > 1 else widest)  # IQ4 beside others: int8
     assert both.group == min(p.group for p in parts)
     assert np.array_equal(_fma_values(both), want)
     if len(set(types)) == 1 and types[0] in ("Q5_0", "Q6_K", "Q8_0", "Q4_0"):
         assert both.mins is None  # centred alike: no mins stored
-    assert (both.factors is not None) == (len(set(types)) == 1 and types[0].endswith("_K"))  # one K-quant type keeps its compact scales
+    assert (both.factors is not None) == (len(set(types)) == 1 and types[0] in ("Q4_K", "Q6_K", "IQ4_XS"))  # one K-quant type keeps its compact scales
 
 
 @pytest.mark.parametrize("types,kind", [(("Q5_0", "Q8_0"), "Int8Linear"), (("Q4_1", "Q4_0"), "Int4Linear"), (("Q6_K",), "Int8Linear"),
                                         (("Q4_K",), "Int4Linear"), (("Q3_K",), "Int8Linear"), (("Q6_K", "Q5_0", "Q8_0"), "Int8Linear"),
-                                        (("Q4_0", "Q5_0"), None), (("Q5_K",), None), (("Q5_1",), None), (("Q2_K",), None), (("Q4_K", "Q6_K"), None)])
+                                        (("Q4_0", "Q5_0"), None), (("Q5_K",), None), (("Q5_1",), None), (("Q2_K",), None), (("Q4_K", "Q6_K"), None),
+                                        (("IQ4_NL",), "Int8Linear"), (("IQ4_XS", "Q8_0"), "Int8Linear")])
 def test_gpu_modules_are_the_row_layouts(types, kind):
     """Off the CPU the file's blocks load as the row layouts the GPU kernels read, exactly: 4-bit
     with mins in groups of 32 (Q4_K's scales in fp32), int8 for centred values in groups of 16 or
@@ -97,7 +100,7 @@ def test_gpu_modules_are_the_row_layouts(types, kind):
 
 
 @pytest.mark.parametrize("type_name,most", [("Q4_K", 1.03), ("Q5_K", 1.03), ("Q6_K", 1.0), ("Q8_0", 1.0), ("Q5_0", 1.0), ("Q4_1", 1.0),
-                                            ("Q3_K", 1.04), ("Q2_K", 1.2)])
+                                            ("Q3_K", 1.04), ("Q2_K", 1.2), ("IQ4_NL", 1.0), ("IQ4_XS", 1.03)])
 def test_cpu_module_is_about_the_file_size(type_name, most):
     """On the CPU a tensor takes about its bytes in the file: values in 2-6 bit planes or int8, and
     a K-quant's scales in its own form (int8 sub-block values, fp16 per 256 columns), not fp32 per

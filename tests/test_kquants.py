@@ -172,6 +172,31 @@ def test_bad_inputs_raise() -> None:
         kq.quantize(np.zeros((2, 2, 256), np.float32), "Q4_K")
 
 
+# -- IQ4_NL / IQ4_XS: 4-bit indices into a 16-value table --------------------------------------------
+@pytest.mark.parametrize("type_name", kq.IQ4_TYPES)
+@pytest.mark.parametrize("kind", ["normal", "student_t3", "negative"])
+def test_iq4_blocks(type_name: str, kind: str) -> None:
+    """gguf reads the blocks back as exactly the chosen values (zero rows and rows of one sign
+    included), with less error than Q4_0's round-to-nearest and, on two-signed weights, about
+    Q4_K's (one-signed rows suit Q4_K's mins better than a symmetric table)."""
+    x = weights(kind, (16, 512))
+    x[3] = 0
+    blocks, values = kq.quantize_with_values(x, type_name)
+    assert blocks.shape == (16, 512 // (32 if type_name == "IQ4_NL" else 256) * (18 if type_name == "IQ4_NL" else 136))
+    assert np.array_equal(dequant(blocks, type_name, x.shape), values)
+    assert np.array_equal(kq.quantize(x, type_name), blocks) and not values[3].any()
+    q4_0 = dequant(kq.quantize(x, "Q4_0"), "Q4_0", x.shape)
+    assert rel_rms(values, x) < rel_rms(q4_0, x)
+    if kind != "negative":
+        assert rel_rms(values, x) < 1.15 * rel_rms(dequant(kq.quantize(x, "Q4_K"), "Q4_K", x.shape), x)
+
+
+def test_iq4_xs_needs_whole_super_blocks() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        kq.quantize(np.zeros((2, 288), np.float32), "IQ4_XS")
+    assert kq.tensor_type("blk.0.ffn_down.weight", 288, "iq4_xs", 4, False) == "iq4_nl"  # llama.cpp's fallback
+
+
 # -- the 32-element types go through gguf's own quantizer ---------------------------------------
 @pytest.mark.parametrize("type_name", kq.BLOCK32_TYPES)
 def test_block32_types_delegate_to_gguf(type_name: str) -> None:

@@ -327,11 +327,12 @@ def _file_weight(t, spec: tm.TinySpec) -> np.ndarray:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
 
 
-_TYPE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}
+_TYPE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5, "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6,
+              "IQ4_NL": 9, "IQ4_XS": 9}  # 9: the kernels' width code of IQ4's table values (ops.quantized.NL4)
 
 
 @pytest.mark.parametrize("name,weight_type", [("smol_mix", "q5_0"), ("smol_mix", "q4_k_m"), ("kquant_mix", "q4_k_m"), ("kquant", "q4_k_m"),
-                                              ("kquant", "q5_1"), ("kquant", "q2_k")])
+                                              ("kquant", "q5_1"), ("kquant", "q2_k"), ("smol_mix", "iq4_nl"), ("kquant_mix", "iq4_xs")])
 def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> None:
     """Every quantized linear of a GGUF file stays quantized (PackedLinear), a fused projection of
     parts of different types as a FusedLinear of each part in its own width (Q5_0 q/k beside Q8_0
@@ -362,14 +363,16 @@ def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> N
         want = np.concatenate([_file_weight(tensors[p], spec) for p in parts])
         assert torch.equal(module.dequantize(), torch.from_numpy(want)), module_name
         seen.add(types)
-    if weight_type == "q5_0":
-        assert seen == {frozenset({"Q5_0"})}
+    if weight_type in ("q5_0", "iq4_nl"):
+        assert seen == {frozenset({weight_type.upper()})}
     elif name == "smol_mix":  # as in SmolLM2's llama.cpp Q4_K_M file
         assert {frozenset({"Q5_0"}), frozenset({"Q8_0"}), frozenset({"Q5_0", "Q8_0"}), frozenset({"Q4_K"}), frozenset({"Q6_K"})} <= seen
     elif weight_type == "q4_k_m":
         assert {frozenset({"Q4_K"}), frozenset({"Q6_K"})} <= seen
     elif weight_type == "q2_k":  # 2-bit values in their own planes
         assert frozenset({"Q2_K"}) in seen
+    elif weight_type == "iq4_xs":  # and IQ4_NL where rows are not whole super-blocks
+        assert {frozenset({"IQ4_XS"}), frozenset({"IQ4_NL"})} <= seen
     if ck.load() is not None:
         assert llm.engine.runner.decode_plan is not None
 

@@ -29,7 +29,7 @@ import torch
 
 # llama.cpp's type per tensor (fallbacks, the _K_M rule) lives in fasterllama.quant.kquants, which
 # `fasterllama quantize --mode q4_k_m` (quant/gguf_export.py) uses too; test_kquant_gguf spells out the types it must give.
-from fasterllama.quant.kquants import K_FALLBACK, tensor_type
+from fasterllama.quant.kquants import tensor_type
 from fasterllama.quant.kquants import use_more_bits as _use_more_bits  # noqa: F401  (tests use it)
 from fasterllama.tokenizer import bytes_to_unicode  # GPT-2's byte alphabet
 
@@ -318,7 +318,8 @@ def gguf_name(hf_name: str) -> str:
 # types need rows that are a multiple of 256 (see K_SPECS); "q4_k_m" mixes types per tensor.
 BLOCK_WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
 K_WEIGHT_TYPES = ("q4_k", "q5_k", "q6_k", "q4_k_m")
-WEIGHT_TYPES = BLOCK_WEIGHT_TYPES + K_WEIGHT_TYPES
+IQ4_WEIGHT_TYPES = ("iq4_nl", "iq4_xs")  # iq4_xs: rows that are not whole 256-element super-blocks take IQ4_NL
+WEIGHT_TYPES = BLOCK_WEIGHT_TYPES + K_WEIGHT_TYPES + IQ4_WEIGHT_TYPES
 
 def _qtype(type_name: str):
     from gguf import GGMLQuantizationType
@@ -326,7 +327,7 @@ def _qtype(type_name: str):
     return GGMLQuantizationType[type_name.upper()]
 
 
-# K-quant searches are not idempotent: re-quantizing dequantized Q5_K (or Q2_K, Q6_K) values
+# K-quant (and IQ4) searches are not idempotent: re-quantizing dequantized Q5_K (or Q2_K, Q6_K) values
 # can move a few sub-blocks by a step. So _roundtrip remembers which blocks each dequantized row
 # came from, and _encode writes those blocks again when it meets that row (also after the Q/K row
 # permutation): a file written from quantize_roundtrip_'s weights then holds exactly them.
@@ -347,7 +348,7 @@ def _encode(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, Any]:
         return arr, None
     if type_name == "f16":
         return arr.astype(np.float16), None
-    if type_name.upper() in kquants.K_QUANT_TYPES:  # gguf-py has no K-quant quantizers
+    if type_name.upper() in kquants.K_QUANT_TYPES + kquants.IQ4_TYPES:  # gguf-py has no K-quant or IQ4 quantizers
         known = [_K_ROW_BLOCKS.get(_row_key(type_name, row)) for row in arr]
         if all(b is not None for b in known):
             return np.stack(known), _qtype(type_name)
@@ -359,13 +360,15 @@ def _roundtrip(arr: np.ndarray, type_name: str) -> np.ndarray:
     """The float32 values a weight of this (resolved) type reads back as, by gguf's dequantizers."""
     from gguf import quants
 
+    from fasterllama.quant import kquants
+
     if type_name == "f32":
         return arr
     if type_name == "f16":
         return arr.astype(np.float16).astype(np.float32)
     data, qt = _encode(arr, type_name)
     out = quants.dequantize(data, qt).reshape(arr.shape).astype(np.float32)
-    if type_name in K_FALLBACK:
+    if type_name.upper() in kquants.K_QUANT_TYPES + kquants.IQ4_TYPES:
         for row, blocks in zip(out, data):
             _K_ROW_BLOCKS[_row_key(type_name, row)] = blocks
     return out

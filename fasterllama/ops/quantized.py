@@ -81,6 +81,17 @@ def int8_panel_rows(qp: torch.Tensor, sp: torch.Tensor, rows: torch.Tensor | sli
     return qp[p, :, :, j].reshape(len(idx), -1), sp[p, :, j]
 
 
+# Width code of 4-bit indices into IQ4_NL's 16 int8 values (llama.cpp's kvalues_iq4nl): a 4-bit
+# panel whose values go through the table, w = scale * NL4_VALUES[q] (GGUF's IQ4_NL and IQ4_XS).
+NL4 = 9
+NL4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def value_bits(bits: int) -> int:
+    """The bits a value of width code `bits` takes in a panel (NL4: 4)."""
+    return 4 if bits == NL4 else bits
+
+
 def low_bits(bits: int) -> int:
     """Bits of a panel column's first plane: nibbles for 4-6 bits, 2-bit crumbs for 2-3 (each
     further bit is a 32-bit word)."""
@@ -109,6 +120,7 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     N, K = q.shape
     G = K // group_size
     P = -(-N // PANEL)
+    bits = value_bits(bits)
     src = q.cpu().numpy()
     packed = torch.empty(P, G, group_size, 4 * bits, dtype=torch.uint8)  # torch's allocation: 64-byte aligned, as the kernels' loads want
     out = packed.numpy()
@@ -136,7 +148,8 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
 
 
 def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int) -> torch.Tensor:
-    """The values of some rows of a panel matrix (pack_panels), int32 [R, G, g]."""
+    """The values of some rows of a panel matrix (pack_panels), int32 [R, G, g] (NL4: the indices)."""
+    bits = value_bits(bits)
     idx = torch.arange(n, device=qp.device)[rows]
     p, j = idx // PANEL, idx % PANEL
     cols = qp[p]  # [R, G, g, 4 * bits]
@@ -161,6 +174,7 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Every row's values [n, K] (uint8 for 2-6 bits, int8 for 8) back from pack_panels' layout,
     64 panels at a time (panel_values reads any rows, but holds each row's whole panel column)."""
     P, G, g, _ = qp.shape
+    bits = value_bits(bits)
     out = torch.empty(P * PANEL, G * g, dtype=torch.int8 if bits == 8 else torch.uint8, device=qp.device)
     shifts = torch.arange(8, dtype=torch.uint8, device=qp.device)
     low = low_bits(bits)
@@ -187,7 +201,7 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 def panel_centre(bits: int) -> int:
     """The offset of values stored without mins: w = s * (q - centre) (0 for int8)."""
-    return 0 if bits == 8 else 1 << (bits - 1)
+    return 0 if bits >= 8 else 1 << (bits - 1)
 
 
 def panel_scales(sp: torch.Tensor, n: int) -> torch.Tensor:
@@ -213,7 +227,10 @@ def dequantize_panel_rows(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor |
     sup_s, sup_m = (None, None) if sups is None else sups
     s = factored(sp[p, :, j], None if sup_s is None else sup_s[p, :, j])[..., None]
     m = -panel_centre(bits) * s if mp is None else factored(mp[p, :, j], None if sup_m is None else sup_m[p, :, j])[..., None]
-    w = panel_values(qp, bits, rows, n).float() * s + m
+    q = panel_values(qp, bits, rows, n)
+    if bits == NL4:
+        q = torch.tensor(NL4_VALUES, dtype=torch.int32, device=q.device)[q]
+    w = q.float() * s + m
     return w.reshape(len(idx), -1).to(dtype)
 
 

@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..ops.quantized import NL4
+from ..ops.quantized import NL4_VALUES as _NL4_VALUES
+
 QK_K = 256
+NL4_VALUES = np.array(_NL4_VALUES, dtype=np.int8)  # IQ4_NL / IQ4_XS: w = scale * NL4_VALUES[q], width code NL4
 
 
 @dataclass
@@ -44,9 +48,10 @@ def _factors(scale: np.ndarray, mins: np.ndarray | None, sub: np.ndarray, sup: n
 
 @dataclass
 class Blocks:
-    """A [rows, K] tensor as q (uint8 values of `bits` bits; int8 for 8 bits) with scale and min
-    [rows, K / group] float32. mins None: w = scale * (q - centre), centre = 2^(bits-1) below 8
-    bits, 0 for int8. factors: the K-quants' scales and mins in their compact form too."""
+    """A [rows, K] tensor as q (uint8 values of `bits` bits; int8 for 8 bits; 4-bit indices for
+    bits == NL4) with scale and min [rows, K / group] float32. mins None: w = scale * (q -
+    centre), centre = 2^(bits-1) below 8 bits, 0 for int8; NL4: w = scale * NL4_VALUES[q].
+    factors: the K-quants' scales and mins in their compact form too."""
 
     q: np.ndarray
     scale: np.ndarray
@@ -60,7 +65,7 @@ class Blocks:
 
     @property
     def centre(self) -> int:
-        return 0 if self.bits == 8 else 1 << (self.bits - 1)
+        return 0 if self.bits >= 8 else 1 << (self.bits - 1)
 
     def map_rows(self, fn) -> None:
         """Reorder the rows of every per-row array alike (fn: [rows, ...] -> [rows, ...]; q/k's RoPE
@@ -77,7 +82,7 @@ class Blocks:
     def values(self) -> np.ndarray:
         """The float32 weights (the reference for tests; never used on the model's path)."""
         rows, k = self.q.shape
-        q = self.q.astype(np.float32).reshape(rows, -1, self.group)
+        q = (NL4_VALUES[self.q] if self.bits == NL4 else self.q).astype(np.float32).reshape(rows, -1, self.group)
         if self.mins is None and self.bits < 8:
             q = q - np.float32(self.centre)
             return (q * self.scale[..., None]).reshape(rows, k)
@@ -198,10 +203,28 @@ def _q3_k(b: np.ndarray) -> Blocks:  # 32 bytes of third bits, 64 bytes of 2-bit
     return Blocks(q, scale, None, 3, _factors(scale, None, sub, d))
 
 
+def _iq4_nl(b: np.ndarray) -> Blocks:  # d, 16 bytes: element j low nibble, j + 16 high (Q4_0's layout)
+    q = np.concatenate((b[..., 2:] & 15, b[..., 2:] >> 4), axis=-1)
+    return Blocks(q.reshape(b.shape[0], -1), _f16(b[..., 0:2]), None, NL4)
+
+
+def _iq4_xs(b: np.ndarray) -> Blocks:  # d, 2 bytes of scales' high bits, 4 of low nibbles, 8 x 16 bytes of IQ4_NL nibbles
+    rows = b.shape[0]
+    d = _f16(b[..., 0:2])[..., None]
+    high = (np.ascontiguousarray(b[..., 2:4]).view(np.uint16)[..., :1] >> (2 * np.arange(8, dtype=np.uint16))) & 3
+    low = (b[..., 4:8, None] >> np.array([0, 4], dtype=np.uint8)).reshape(*b.shape[:-1], 8) & 15
+    sub = (low | (high.astype(np.uint8) << 4)).astype(np.float32) - 32
+    qs = b[..., 8:136].reshape(*b.shape[:-1], 8, 16)
+    q = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(rows, -1)
+    scale = (d * sub).reshape(rows, -1)
+    return Blocks(q, scale, None, NL4, _factors(scale, None, sub, d))
+
+
 # type -> (bytes per block, values per block, decoder)
 FORMATS = {
     "Q8_0": (34, 32, _q8_0), "Q4_0": (18, 32, _q4_0), "Q4_1": (20, 32, _q4_1), "Q5_0": (22, 32, _q5_0), "Q5_1": (24, 32, _q5_1),
     "Q2_K": (84, QK_K, _q2_k), "Q3_K": (110, QK_K, _q3_k), "Q4_K": (144, QK_K, _q4_k), "Q5_K": (176, QK_K, _q5_k), "Q6_K": (210, QK_K, _q6_k),
+    "IQ4_NL": (18, 32, _iq4_nl), "IQ4_XS": (136, QK_K, _iq4_xs),
 }
 
 
@@ -224,13 +247,17 @@ def combine(parts: list[Blocks]) -> Blocks:
                       None if parts[0].mins is None else np.concatenate([p.mins for p in parts]), parts[0].bits,
                       Factors(cat("scale_sub"), cat("scale_super"), cat("min_sub"), cat("min_super")))
     bits = max(p.bits for p in parts)
+    if bits == NL4 and any(p.bits != NL4 for p in parts):
+        bits = 8  # IQ4 values are int8 ones
     group = min(p.group for p in parts)
     centred = all(p.mins is None and (p.bits == bits or bits == 8) for p in parts)
     qs, scales, mins = [], [], []
     for p in parts:
         rep = p.group // group
         s = np.repeat(p.scale, rep, axis=1)
-        if bits == 8 and p.bits < 8:  # as int8: centred values shift, others keep mins
+        if bits == 8 and p.bits == NL4:
+            q, m = NL4_VALUES[p.q], None
+        elif bits == 8 and p.bits < 8:  # as int8: centred values shift, others keep mins
             q = p.q.astype(np.int16) - (p.centre if p.mins is None else 0)
             m = None if p.mins is None else np.repeat(p.mins, rep, axis=1)
         else:

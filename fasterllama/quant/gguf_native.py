@@ -41,7 +41,7 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     parts' forms differ a FusedLinear of one per run of alike parts (each in its own width); on other
     devices the row layouts their kernels read: 4-bit values with a scale and min per group of 32
     or more (Q4_0, Q4_1, Q4_K), int8 for other values without mins (Q5_0, Q8_0, Q3_K's and Q6_K's
-    groups of 16), scales fp16 where exact, else fp32. None where those cannot hold the parts
+    groups of 16, IQ4's table values), scales fp16 where exact, else fp32. None where those cannot hold the parts
     exactly (Q5_1, Q5_K, and Q2_K's groups of 16 with mins: loaded as float)."""
     if device.type == "cpu":
         runs: list[list[gguf_blocks.Blocks]] = []
@@ -61,7 +61,8 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
         exact16 = all(torch.equal(x.half().float(), x) for x in (scale, mins))
         return Int4Linear(torch.from_numpy(b.q), scale, mins, scale_dtype=torch.float16 if exact16 else torch.float32)
     if b.mins is None:
-        return Int8Linear(torch.from_numpy((b.q.astype(np.int16) - b.centre).astype(np.int8)), scale)
+        q = gguf_blocks.NL4_VALUES[b.q] if b.bits == gguf_blocks.NL4 else (b.q.astype(np.int16) - b.centre).astype(np.int8)
+        return Int8Linear(torch.from_numpy(q), scale)
     return None
 
 

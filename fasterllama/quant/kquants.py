@@ -11,6 +11,9 @@ exact block bytes of the format as ggml defines it (ggml-common.h / ggml-quants.
 * Q6_K: 16 sub-blocks of 16 with int8 scales and an fp16 `d`; value = d*sc*(q - 32), q in [0, 63]
   split into low nibbles `ql` and 2 high bits `qh`.
 * Q2_K: 16 sub-blocks of 16 with 4-bit scale and 4-bit min; value = d*sc*q - dmin*m, q in [0, 3].
+* IQ4_NL: blocks of 32 with an fp16 `d`; value = d*NL4_VALUES[q], q a 4-bit index into 16 int8
+  values spaced for normally distributed weights. IQ4_XS: super-blocks of 256 with an fp16 `d`
+  and 6-bit sub-block scales ls per 32; value = d*(ls - 32)*NL4_VALUES[q].
 
 Scales and mins are chosen as llama.cpp's reference quantizers choose them (no importance
 matrix): a least-squares search over candidate inverse scales per sub-block (make_qkx2_quants for
@@ -26,10 +29,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from ..ops.quantized import NL4_VALUES
 from .quantize import search_scale_min
 
 QK_K = 256
 K_QUANT_TYPES = ("Q2_K", "Q4_K", "Q5_K", "Q6_K")
+IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
 BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # delegated to gguf.quants
 
 _CHUNK_SUPERBLOCKS = 4096  # super-blocks per vectorized step: ~4 MB float32 temporaries
@@ -248,16 +253,84 @@ def _k_blocks(arr: np.ndarray, type_name: str, with_values: bool) -> tuple[np.nd
     return out.reshape(rows, -1), None if vals is None else vals.reshape(rows, k)
 
 
+# -- IQ4_NL / IQ4_XS ---------------------------------------------------------------------------------
+_NL = np.array(NL4_VALUES, dtype=np.float32)
+_NL_MIDS = (_NL[1:] + _NL[:-1]) / 2
+
+
+def _nl_index(v: np.ndarray) -> np.ndarray:
+    """The index of the table value nearest each of v."""
+    return np.searchsorted(_NL_MIDS, v).astype(np.uint8)
+
+
+def _search_nl(x: np.ndarray) -> np.ndarray:
+    """The scale per group of 32 [n] for value = scale * NL4_VALUES[q] (llama.cpp's
+    quantize_row_iq4_nl_impl without an importance matrix): the largest-magnitude element maps to
+    the table's ends at 15 candidate inverse scales, each gets its least-squares scale (weights
+    x^2), and the one that explains the most of the group is kept."""
+    idx = np.abs(x).argmax(axis=1)
+    signed_max = np.take_along_axis(x, idx[:, None], axis=1)[:, 0]
+    live = np.abs(signed_max) >= _EPS
+    safe = np.where(live, signed_max, np.float32(1))
+    w = x * x
+    best_d, best = np.zeros(x.shape[0], np.float32), np.full(x.shape[0], -np.inf, np.float32)
+    for inv in [-_NL[0] / safe] + [(np.float32(t) + _NL[0]) / safe for t in range(-7, 8)]:
+        q = _NL[_nl_index(inv[:, None] * x)]
+        sumqx, sumq2 = (w * q * x).sum(axis=1), (w * q * q).sum(axis=1)
+        ok = sumq2 > 0
+        d = np.where(ok, sumqx / np.where(ok, sumq2, 1), 0)
+        score = np.where(ok, d * sumqx, -np.inf)
+        better = score > best
+        best_d, best = np.where(better, d, best_d), np.where(better, score, best)
+    return np.where(live, best_d, np.float32(0)).astype(np.float32)
+
+
+def _nl_indices(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Indices [n, 32] of x [n, 32] against value = step * NL4_VALUES[q] (step 0: index of 1, value 0)."""
+    safe = np.where(step == 0, np.float32(1), step)
+    return np.where(step[:, None] == 0, np.uint8(8), _nl_index(x / safe[:, None]))
+
+
+def _nl_nibbles(q: np.ndarray) -> np.ndarray:
+    """Indices [n, 32] -> 16 bytes each: element j in the low nibble of byte j, j + 16 in the high."""
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _iq4_blocks(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(blocks, values) of a float [rows, K] matrix in IQ4_NL (K % 32 == 0) or IQ4_XS (K % 256)."""
+    rows, k = arr.shape
+    x = np.ascontiguousarray(arr, dtype=np.float32).reshape(-1, 32)
+    scale = _search_nl(x)
+    if type_name == "IQ4_NL":
+        dh, d = _fp16(scale)
+        q = _nl_indices(x, d)
+        blocks = np.concatenate([_f16_bytes(dh), _nl_nibbles(q)], axis=1)
+        return blocks.reshape(rows, -1), (d[:, None] * _NL[q]).reshape(rows, k)
+    sub = scale.reshape(-1, 8)  # the 8 scales of each super-block, against its d
+    idx = np.abs(sub).argmax(axis=1)
+    dh, d = _fp16(-np.take_along_axis(sub, idx[:, None], axis=1)[:, 0] / 32)
+    ls = np.clip(_rint(sub / np.where(d == 0, np.float32(1), d)[:, None]), -32, 31).astype(np.int32) + 32  # [nb, 8]
+    step = (d[:, None] * (ls - 32).astype(np.float32)).reshape(-1)
+    q = _nl_indices(x, step)
+    scales_h = np.zeros(ls.shape[0], np.uint16)
+    for ib in range(8):
+        scales_h |= ((ls[:, ib] >> 4) << (2 * ib)).astype(np.uint16)
+    scales_l = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+    blocks = np.concatenate([_f16_bytes(dh), scales_h.astype("<u2").reshape(-1, 1).view(np.uint8), scales_l.astype(np.uint8),
+                             _nl_nibbles(q).reshape(-1, 128)], axis=1)
+    return blocks.reshape(rows, -1), (step[:, None] * _NL[q]).reshape(rows, k)
+
+
 def _check(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, str]:
     name = type_name.upper()
-    if name not in K_QUANT_TYPES and name not in BLOCK32_TYPES:
-        raise ValueError(f"unsupported quantization type {type_name!r}; expected one of {K_QUANT_TYPES + BLOCK32_TYPES}")
+    if name not in K_QUANT_TYPES + BLOCK32_TYPES + IQ4_TYPES:
+        raise ValueError(f"unsupported quantization type {type_name!r}; expected one of {K_QUANT_TYPES + BLOCK32_TYPES + IQ4_TYPES}")
     arr = np.asarray(arr)
     if arr.ndim == 1:
         arr = arr[None]
     if arr.ndim != 2:
         raise ValueError(f"expected a [rows, K] matrix, got shape {arr.shape}")
-    block = QK_K if name in K_QUANT_TYPES else 32
+    block = QK_K if name in K_QUANT_TYPES or name == "IQ4_XS" else 32
     if arr.shape[1] % block:
         hint = " (llama.cpp falls back to Q5_0/Q5_1/Q8_0 for such tensors)" if block == QK_K else ""
         raise ValueError(f"{name} needs rows whose length is a multiple of {block}, got K={arr.shape[1]}{hint}")
@@ -269,12 +342,14 @@ def _check(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, str]:
 def quantize(arr: np.ndarray, type_name: str) -> np.ndarray:
     """Quantize a float [rows, K] matrix to GGUF blocks: uint8 [rows, K/block * bytes per block].
 
-    K-quants (Q2_K, Q4_K, Q5_K, Q6_K) need K % 256 == 0 and are computed here; Q4_0, Q4_1, Q5_0,
+    K-quants (Q2_K, Q4_K, Q5_K, Q6_K) and IQ4_XS need K % 256 == 0, IQ4_NL K % 32, and are computed here; Q4_0, Q4_1, Q5_0,
     Q5_1 and Q8_0 (K % 32 == 0) are delegated to `gguf.quants.quantize`. The result is what a GGUF
     tensor of that type stores, ready for `GGUFWriter.add_tensor(..., raw_dtype=...)`."""
     arr, name = _check(arr, type_name)
     if name in K_QUANT_TYPES:
         return _k_blocks(arr, name, with_values=False)[0]
+    if name in IQ4_TYPES:
+        return _iq4_blocks(arr, name)[0]
     from gguf import GGMLQuantizationType, quants
 
     return np.asarray(quants.quantize(arr, GGMLQuantizationType[name]), dtype=np.uint8)
@@ -284,6 +359,8 @@ def quantize_with_values(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, n
     """(blocks, the float32 values they dequantize to), the values computed from the chosen codes
     rather than by reading the bytes back, so tests can check the packing against a dequantizer."""
     arr, name = _check(arr, type_name)
+    if name in IQ4_TYPES:
+        return _iq4_blocks(arr, name)
     if name not in K_QUANT_TYPES:
         from gguf import GGMLQuantizationType, quants
 
@@ -297,7 +374,7 @@ def quantize_with_values(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, n
 
 # -- which type each tensor of a mixed file gets ----------------------------------------------------
 # llama.cpp's fallback when a tensor's rows are not whole 256-element super-blocks
-K_FALLBACK = {"q2_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
+K_FALLBACK = {"q2_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "iq4_nl"}
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:

@@ -119,7 +119,8 @@ typedef __m256 vf;
  * exactly): values q of `bits` bits and, per row and group of g input columns (g = K: per
  * channel), a scale s and a min m:   w = s * q + m.
  *   bits 2-6: q unsigned; without stored mins m = -2^(bits-1) * s (centred values, as in
- *   Q4_0, Q5_0, Q3_K and Q6_K). bits 8: q int8; without stored mins m = 0.
+ *   Q4_0, Q5_0, Q3_K and Q6_K). bits 8: q int8; without stored mins m = 0. bits NL4 (IQ4_NL,
+ *   IQ4_XS): 4-bit indices, the value is NL4_VALUES[q] (int8), m = 0.
  *   Scales and mins are fp16 or fp32 (sbytes 2 or 4), or (sbytes 1) int8 sub-block values times an
  *   fp16 scale per gps groups (a K-quant's own form: its d times a 6-bit sub-block scale, -dmin
  *   times a 6-bit min), 1.1 bytes a group instead of 4, multiplied as they load (int8 x fp16 is
@@ -143,9 +144,12 @@ typedef __m256 vf;
  * scale width and the min are tested once a group. */
 #define PANEL 32
 #define PANEL_PF(p) _mm_prefetch((const char *)(p) + PF_BYTES / 4, WEIGHT_HINT) /* scales: 1/8 the bytes */
-#define COL_BYTES(bits) ((bits) * 4)
-#define LOW_BITS(bits) ((bits) >= 4 ? 4 : 2) /* the first plane: nibbles, or 2-bit crumbs */
-#define PF_COLS(bits) ((bits) == 4 ? 4 : (bits) < 4 ? 64 / COL_BYTES(bits) : 2) /* columns between prefetches */
+#define NL4 9 /* width code: 4-bit indices into IQ4_NL's 16 values (NL4_VALUES) */
+#define VALUE_BITS(bits) ((bits) == NL4 ? 4 : (bits))
+#define COL_BYTES(bits) (VALUE_BITS(bits) * 4)
+#define LOW_BITS(bits) (VALUE_BITS(bits) >= 4 ? 4 : 2) /* the first plane: nibbles, or 2-bit crumbs */
+#define PF_COLS(bits) (VALUE_BITS(bits) == 4 ? 4 : VALUE_BITS(bits) < 4 ? 64 / COL_BYTES(bits) : 2) /* columns between prefetches */
+static const int8_t NL4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}; /* kvalues_iq4nl */
 
 typedef struct {
     const uint8_t *q;
@@ -219,7 +223,10 @@ static inline __attribute__((always_inline)) __m256 panel_q8(const uint8_t *qg, 
         v = _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(b), sh), _mm256_set1_epi32(3));
     }
     const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    for (int bb = 0; bb < bits - low; bb++) {
+    if (bits == NL4) /* the nibbles through the table, as int8 */
+        return i8x8_to_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)NL4_VALUES), lane0 < 16 ? _mm_and_si128(b, _mm_set1_epi8(0x0F))
+                                                                                                     : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F))));
+    for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) {
         const __m256i t = _mm256_and_si256(_mm256_set1_epi32(c[word_at(kk, bits, bb) + lane0 / 8]), sel);
         v = _mm256_add_epi32(v, _mm256_and_si256(_mm256_cmpeq_epi32(t, sel), _mm256_set1_epi32((1 << low) << bb)));
     }
@@ -232,8 +239,8 @@ static inline int panel_value(const uint8_t *qg, int64_t kk, int64_t j, int bits
     if (bits == 8) return (int8_t)c[j];
     const int low = LOW_BITS(bits);
     int v = (c[j % 16] >> (low_shift(kk, bits) + 4 * (j / 16))) & ((1 << low) - 1);
-    for (int b = 0; b < bits - low; b++) v |= ((c[word_at(kk, bits, b) + j / 8] >> (j % 8)) & 1) << (low + b);
-    return v;
+    for (int b = 0; b < VALUE_BITS(bits) - low; b++) v |= ((c[word_at(kk, bits, b) + j / 8] >> (j % 8)) & 1) << (low + b);
+    return bits == NL4 ? NL4_VALUES[v] : v;
 }
 
 #if defined(__AVX512F__)
@@ -255,7 +262,12 @@ static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg
         lo = _mm512_and_si512(_mm512_srl_epi32(i, sh), _mm512_set1_epi32(3));
         hi = _mm512_and_si512(_mm512_srl_epi32(i, _mm_add_epi32(sh, _mm_cvtsi32_si128(4))), _mm512_set1_epi32(3));
     }
-    for (int b = 0; b < bits - low; b++) { /* bit low + b of each row: a mask-add */
+    if (bits == NL4) { /* the indices through the table: a permute where a conversion would be */
+        const __m512 table = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)NL4_VALUES)));
+        *qa = _mm512_permutexvar_ps(lo, table), *qb = _mm512_permutexvar_ps(hi, table);
+        return;
+    }
+    for (int b = 0; b < VALUE_BITS(bits) - low; b++) { /* bit low + b of each row: a mask-add */
         const __m512i add = _mm512_set1_epi32((1 << low) << b);
         lo = _mm512_mask_add_epi32(lo, _load_mask16((__mmask16 *)(c + word_at(kk, bits, b))), lo, add);
         hi = _mm512_mask_add_epi32(hi, _load_mask16((__mmask16 *)(c + word_at(kk, bits, b) + 2)), hi, add);
@@ -305,7 +317,7 @@ static inline __attribute__((always_inline)) void panel_few(const float *x, cons
         for (int r = 0; r < rows; r++) for (int h = 0; h < 2; h++) for (int u = 0; u < 4; u++) aq[r][h][u] = _mm512_setzero_ps();
         for (int64_t kk = 0; kk < g; kk += 4) {
             PREFETCH(qg + kk * COL_BYTES(bits));
-            if (bits > 4) PREFETCH(qg + kk * COL_BYTES(bits) + 64);
+            if (VALUE_BITS(bits) > 4) PREFETCH(qg + kk * COL_BYTES(bits) + 64);
             __m512 q[4][2];
             if (LOW_BITS(bits) == 2) panel_pair(qg, kk, bits, q), panel_pair(qg, kk + 2, bits, q + 2);
             else for (int u = 0; u < 4; u++) panel_column(qg, kk + u, bits, &q[u][0], &q[u][1]);
@@ -487,6 +499,7 @@ PANEL_WIDTH(4)
 PANEL_WIDTH(5)
 PANEL_WIDTH(6)
 PANEL_WIDTH(8)
+PANEL_WIDTH(NL4)
 
 /* One matrix of a (fused) projection: its panels, width and group, and where its outputs go. */
 typedef struct {
@@ -497,7 +510,7 @@ typedef struct {
 } panel_part_t;
 
 static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
-    panel_part_t part = {w, bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, NULL};
+    panel_part_t part = {w, bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, NULL};
     const int64_t G = K / g;
     if (w.mins != NULL || w.centre != 0.f) {
         part.xsum = malloc(sizeof(float) * M * G);
@@ -641,12 +654,13 @@ GEMM_WIDTH(4)
 GEMM_WIDTH(5)
 GEMM_WIDTH(6)
 GEMM_WIDTH(8)
+GEMM_WIDTH(NL4)
 
 /* y [M, N] = x [M, K] @ W^T for W in panels (as fl_panel_linear), for many rows (prefill). */
 void fl_panel_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
                    const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
     const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
-    const gemm_panel_fn panel = bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
+    const gemm_panel_fn panel = bits == NL4 ? gemm_panel_NL4 : bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
     const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g);
 #pragma omp parallel
     {
