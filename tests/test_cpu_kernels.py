@@ -244,11 +244,14 @@ def test_rms_norm_and_silu():
 
 
 
-@pytest.mark.parametrize("n", [1, 7, 32, 77, 49152])
+@pytest.mark.parametrize("n", [1, 7, 32, 77, 40001, 49152])
 def test_argmax_is_torch_argmax(n):
     """Greedy decoding's argmax: torch's index on random rows, ties (the first), -inf rows and NaN
-    (the first NaN), with lengths that leave a tail after the 32-wide loop."""
-    x = torch.randn(6, n)
+    (the first NaN), with lengths that leave a tail after the 32-wide loop; in long rows a NaN far
+    after the largest value, and the largest value both early and late."""
+    x = torch.randn(8, n)
+    x[6, 0], x[6, n - 2] = 100.0, float("nan")  # the largest first, a NaN last: the NaN
+    x[7, min(1, n - 1)] = x[7, n - 5 if n > 5 else 0] = 100.0  # the same largest value early and late: the first
     x[1] = x[1].round()  # ties, many of them
     x[2] = float("-inf")
     x[3, n // 2] = float("nan")
