@@ -267,7 +267,7 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
     return 0
 
 
-GGUF_MODES = ("q4_k_m", "q4_k", "q5_k", "q6_k", "q2_k", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1")  # quant/gguf_export.py
+GGUF_MODES = ("q4_k_m", "q4_k", "q5_k", "q6_k", "q2_k", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1", "iq4_nl", "iq4_xs")  # quant/gguf_export.py
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:

@@ -210,10 +210,12 @@ def test_block32_types_delegate_to_gguf(type_name: str) -> None:
         kq.quantize(np.zeros((1, 40), np.float32), type_name)
 
 
-def test_quantize_command_writes_a_q4_k_m_gguf(tmp_path):
-    """`fasterllama quantize SRC.gguf --mode q4_k_m -o OUT.gguf`: llama.cpp's per-tensor mix, every
-    weight the values kquants' quantizer chose for the source's floats (read back by gguf-py), and
-    a file HF transformers loads to the logits fasterllama computes from it (1e-4), greedy equal."""
+@pytest.mark.parametrize("mode,types", [("q4_k_m", {"q4_k", "q6_k", "q5_0", "q8_0"}), ("iq4_xs", {"iq4_xs", "iq4_nl", "q6_k"})])
+def test_quantize_command_writes_a_gguf(tmp_path, mode: str, types: set[str]):
+    """`fasterllama quantize SRC.gguf --mode q4_k_m -o OUT.gguf` (and iq4_xs): llama.cpp's
+    per-tensor mix, every weight the values kquants' quantizer chose for the source's floats (read
+    back by gguf-py), and a file HF transformers loads to the logits fasterllama computes from it
+    (1e-4), greedy equal."""
     transformers = pytest.importorskip("transformers")
     import subprocess
     import sys
@@ -226,27 +228,27 @@ def test_quantize_command_writes_a_q4_k_m_gguf(tmp_path):
     spec = tm.K_SPECS["kquant_mix"]
     src = tm.write_gguf(tm.build_hf_model(spec), str(tmp_path / "src.gguf"))
     out = str(tmp_path / "out.gguf")
-    proc = subprocess.run([sys.executable, "-m", "fasterllama", "quantize", src, "--mode", "q4_k_m", "-o", out, "-q"],
+    proc = subprocess.run([sys.executable, "-m", "fasterllama", "quantize", src, "--mode", mode, "-o", out, "-q"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "wrote" in proc.stdout and "Q4_K" in proc.stdout
+    assert "wrote" in proc.stdout and ("Q4_K" if mode == "q4_k_m" else "IQ4_XS") in proc.stdout
     source = {t.name: t for t in gguf.GGUFReader(src).tensors}
     written = gguf.GGUFReader(out)
-    types = set()
+    got_types = set()
     for t in written.tensors:
         s = source[t.name]
         if len(s.shape) == 1 or t.name.endswith("norm.weight"):
             assert t.tensor_type == s.tensor_type and np.array_equal(t.data, s.data)
             continue
         rows_k = (int(s.shape[1]), int(s.shape[0]))
-        want_type = kq.tensor_type(t.name, rows_k[1], "q4_k_m", spec.num_layers, True)
+        want_type = kq.tensor_type(t.name, rows_k[1], mode, spec.num_layers, True, spec.num_heads // spec.num_kv_heads)
         assert t.tensor_type.name == want_type.upper(), t.name
         _, want = kq.quantize_with_values(np.asarray(s.data, dtype=np.float32).reshape(rows_k), want_type)
         got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows_k)
         assert np.array_equal(got, want), t.name
-        types.add(want_type)
-    assert {"q4_k", "q6_k", "q5_0", "q8_0"} <= types
-    assert written.fields["general.file_type"].contents() == int(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+        got_types.add(want_type)
+    assert types <= got_types
+    assert written.fields["general.file_type"].contents() == int(gguf.LlamaFileType["MOSTLY_" + mode.upper()])
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="out.gguf", dtype=torch.float32).eval()
     llm = LLM(out, progress=False)
@@ -258,6 +260,24 @@ def test_quantize_command_writes_a_q4_k_m_gguf(tmp_path):
     with torch.no_grad():
         hf_tokens = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, len(ids):].tolist()
     assert tokens == hf_tokens
+
+
+def test_iq4_mix_is_llama_cpps() -> None:
+    """The IQ4 mixes' per-tensor types as llama.cpp's quantizer picks them without an importance
+    matrix (its IQ4_XS file of the default model: Q8_0 output, Q5_K ffn_down in layers 0-2,
+    IQ4_NL for the 576-wide rows, IQ4_XS for the rest), and the CLI's list of GGUF modes is the
+    exporter's."""
+    from fasterllama.cli import GGUF_MODES
+    from fasterllama.quant import gguf_export
+
+    assert GGUF_MODES == gguf_export.MODES
+    mix = {n: kq.tensor_type(n, k, "iq4_xs", 30, True, 3) for n, k in
+           (("token_embd.weight", 576), ("blk.2.ffn_down.weight", 1536), ("blk.3.ffn_down.weight", 1536), ("blk.0.attn_v.weight", 576),
+            ("blk.29.ffn_up.weight", 576))}
+    assert mix == {"token_embd.weight": "q8_0", "blk.2.ffn_down.weight": "q5_k", "blk.3.ffn_down.weight": "iq4_xs",
+                   "blk.0.attn_v.weight": "iq4_nl", "blk.29.ffn_up.weight": "iq4_nl"}
+    assert kq.tensor_type("blk.0.attn_v.weight", 4096, "iq4_xs", 32, False, 4) == "q5_k"  # 4 query heads a KV head
+    assert kq.tensor_type("output.weight", 4096, "iq4_nl", 32, False) == "q6_k"
 
 
 def test_quantize_command_gguf_mode_needs_a_gguf_source(tmp_path):

@@ -255,12 +255,17 @@ def _k_blocks(arr: np.ndarray, type_name: str, with_values: bool) -> tuple[np.nd
 
 # -- IQ4_NL / IQ4_XS ---------------------------------------------------------------------------------
 _NL = np.array(NL4_VALUES, dtype=np.float32)
-_NL_MIDS = (_NL[1:] + _NL[:-1]) / 2
+_NL_MIDS = (_NL[1:] + _NL[:-1]) / 2  # half-integers or integers, one at most in [f, f + 1)
+_FLOORS = np.arange(-128, 129, dtype=np.float32)
+_MIDS_BELOW = np.searchsorted(_NL_MIDS, _FLOORS).astype(np.uint8)  # per floor f: how many midpoints lie below f
+_MID_IN = np.array([next((m for m in _NL_MIDS if f <= m < f + 1), np.inf) for f in _FLOORS], dtype=np.float32)  # the one in [f, f + 1)
 
 
 def _nl_index(v: np.ndarray) -> np.ndarray:
-    """The index of the table value nearest each of v."""
-    return np.searchsorted(_NL_MIDS, v).astype(np.uint8)
+    """The index of the table value nearest each of v: how many midpoints lie below it (np.searchsorted's
+    answer, by two lookups at v's floor instead of a search per value)."""
+    f = (np.floor(np.clip(v, -128, 128)) + 128).astype(np.int16)
+    return _MIDS_BELOW[f] + (_MID_IN[f] < v)
 
 
 def _search_nl(x: np.ndarray) -> np.ndarray:
@@ -384,17 +389,24 @@ def use_more_bits(layer: int, n_layers: int) -> bool:
     return layer < eighth or layer >= 7 * n_layers // 8 or (layer - eighth) % 3 == 2
 
 
-def tensor_type(name: str, row_len: int, weight_type: str, n_layers: int, tied: bool) -> str:
+def tensor_type(name: str, row_len: int, weight_type: str, n_layers: int, tied: bool, n_gqa: int = 1) -> str:
     """The (lowercase) GGML type a 2-D weight named `name` (GGUF naming) gets in a file of
-    `weight_type`, following llama.cpp's choices: for "q4_k_m", Q6_K for the output matrix (the
-    token embedding when tied), attn_v and ffn_down in the use_more_bits layers, Q4_K for the
-    rest; K types whose rows are not a multiple of 256 fall back as in K_FALLBACK."""
+    `weight_type`, following llama.cpp's choices (without an importance matrix): for "q4_k_m",
+    Q6_K for the output matrix (the token embedding when tied), attn_v and ffn_down in the
+    use_more_bits layers, Q4_K for the rest; for "iq4_nl" / "iq4_xs", Q6_K for the output matrix,
+    Q5_K for the first eighth of the layers' ffn_down and for attn_v where 4 or more query heads
+    share a KV head (n_gqa), the IQ4 type for the rest; K types and IQ4_XS whose rows are not a
+    multiple of 256 fall back as in K_FALLBACK."""
     t = weight_type
+    parts = name.split(".")
+    is_output = name == "output.weight" or (tied and name == "token_embd.weight")
+    kind, layer = (parts[2], int(parts[1])) if parts[0] == "blk" else ("", -1)
     if weight_type == "q4_k_m":
-        parts = name.split(".")
-        is_output = name == "output.weight" or (tied and name == "token_embd.weight")
-        more_bits = parts[0] == "blk" and parts[2] in ("attn_v", "ffn_down") and use_more_bits(int(parts[1]), n_layers)
+        more_bits = kind in ("attn_v", "ffn_down") and use_more_bits(layer, n_layers)
         t = "q6_k" if is_output or more_bits else "q4_k"
+    elif weight_type in ("iq4_nl", "iq4_xs"):
+        more_bits = (kind == "ffn_down" and layer < n_layers // 8) or (kind == "attn_v" and n_gqa >= 4)
+        t = "q6_k" if is_output else "q5_k" if more_bits else weight_type
     if t in K_FALLBACK and row_len % 256:
         t = K_FALLBACK[t]
     return t
