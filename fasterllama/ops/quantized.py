@@ -103,7 +103,8 @@ def _first_plane(v: np.ndarray, low: int) -> np.ndarray:
     (crumbs), [..., g or g / 2, 16]."""
     if low == 4:
         return (v[..., :16] & 15) | ((v[..., 16:] & 15) << 4)
-    a, b = v.reshape(*v.shape[:-2], -1, 2, PANEL)[..., 0, :] & 3, v.reshape(*v.shape[:-2], -1, 2, PANEL)[..., 1, :] & 3
+    pair = v.reshape(*v.shape[:-2], -1, 2, PANEL) & 3
+    a, b = pair[..., 0, :], pair[..., 1, :]
     return a[..., :16] | (b[..., :16] << 2) | (a[..., 16:] << 4) | (b[..., 16:] << 6)
 
 
@@ -113,10 +114,10 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     high), then per further bit b one little-endian 32-bit word (bit j: that bit of row j); columns
     of 2-3 bits go in pairs, 16 bytes of crumbs (byte j: row j of the first, of the second, row j +
     16 of the first, of the second, from bit 0 up) then per further bit the first's word and the
-    second's; a column of int8 is 32 bytes, row j at byte j. Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed
-    64 panels at a time: the temporaries stay small beside a vocabulary-sized matrix. In numpy (the
-    panels are CPU memory): torch's uint8 kernels would map ~5 MB more of its code into every
-    process that loads a model."""
+    second's; a column of int8 is 32 bytes, row j at byte j (NL4: 4-bit panels of the indices).
+    Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed 64 panels at a time: the
+    temporaries stay small beside a vocabulary-sized matrix. In numpy (the panels are CPU memory):
+    torch's uint8 kernels would map ~5 MB more of its code into every process that loads a model."""
     N, K = q.shape
     G = K // group_size
     P = -(-N // PANEL)
