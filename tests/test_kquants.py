@@ -11,12 +11,12 @@ from gguf import GGMLQuantizationType, quants
 
 from fasterllama.quant import kquants as kq
 
-K_TYPES = kq.K_QUANT_TYPES  # Q2_K, Q4_K, Q5_K, Q6_K
-BYTES_PER_256 = {"Q2_K": 84, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-# relative RMS error on N(0, 0.02) weights (measured 0.299, 0.072, 0.036, 0.018)
-REL_RMS_BOUND = {"Q2_K": 0.31, "Q4_K": 0.075, "Q5_K": 0.038, "Q6_K": 0.019}
+K_TYPES = kq.K_QUANT_TYPES  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+BYTES_PER_256 = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# relative RMS error on N(0, 0.02) weights (measured 0.299, 0.154, 0.072, 0.036, 0.018)
+REL_RMS_BOUND = {"Q2_K": 0.31, "Q3_K": 0.16, "Q4_K": 0.075, "Q5_K": 0.038, "Q6_K": 0.019}
 # (group size, levels - 1 or half-range, asymmetric with a min?) of each format's sub-blocks
-GRID = {"Q2_K": (16, 3, True), "Q4_K": (32, 15, True), "Q5_K": (32, 31, True), "Q6_K": (16, 32, False)}
+GRID = {"Q2_K": (16, 3, True), "Q3_K": (16, 4, False), "Q4_K": (32, 15, True), "Q5_K": (32, 31, True), "Q6_K": (16, 32, False)}
 
 
 def dequant(blocks: np.ndarray, type_name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -85,8 +85,8 @@ def test_error_bound_on_gaussian_weights(type_name: str) -> None:
     err = rel_rms(got, x)
     assert err < REL_RMS_BOUND[type_name]
     assert err > 0.5 * REL_RMS_BOUND[type_name]  # really quantized at that many bits
-    # more bits, less error: Q2_K > Q4_K > Q5_K > Q6_K ordering is checked by the bounds table
-    assert REL_RMS_BOUND["Q2_K"] > REL_RMS_BOUND["Q4_K"] > REL_RMS_BOUND["Q5_K"] > REL_RMS_BOUND["Q6_K"]
+    # more bits, less error: Q2_K > Q3_K > Q4_K > Q5_K > Q6_K ordering is checked by the bounds table
+    assert REL_RMS_BOUND["Q2_K"] > REL_RMS_BOUND["Q3_K"] > REL_RMS_BOUND["Q4_K"] > REL_RMS_BOUND["Q5_K"] > REL_RMS_BOUND["Q6_K"]
 
 
 @pytest.mark.parametrize("type_name", K_TYPES)

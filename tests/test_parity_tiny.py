@@ -254,7 +254,7 @@ def _expected_kquant_types(name: str, weight_type: str) -> dict[str, str]:
     """The GGML type of every 2-D weight in a K_SPECS file, spelled out (4 layers: the Q4_K_M
     rule gives layers 2 and 3 more bits; kquant_mix's 288-wide ffn_down rows cannot be K-quants)."""
     spec = tm.K_SPECS[name]
-    fallback = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+    fallback = {"Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
     names = ["token_embd.weight"] + ([] if spec.tie_word_embeddings else ["output.weight"])
     names += [f"blk.{i}.{t}.weight" for i in range(spec.num_layers) for t in
               ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")]

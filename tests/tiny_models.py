@@ -317,7 +317,7 @@ def gguf_name(hf_name: str) -> str:
 # weight_type -> GGML type of the 2-D weights (norms and rope_freqs always stay F32). The K
 # types need rows that are a multiple of 256 (see K_SPECS); "q4_k_m" mixes types per tensor.
 BLOCK_WEIGHT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-K_WEIGHT_TYPES = ("q4_k", "q5_k", "q6_k", "q4_k_m")
+K_WEIGHT_TYPES = ("q3_k", "q4_k", "q5_k", "q6_k", "q4_k_m")
 IQ4_WEIGHT_TYPES = ("iq4_nl", "iq4_xs")  # iq4_xs: rows that are not whole 256-element super-blocks take IQ4_NL
 WEIGHT_TYPES = BLOCK_WEIGHT_TYPES + K_WEIGHT_TYPES + IQ4_WEIGHT_TYPES
 

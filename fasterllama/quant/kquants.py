@@ -11,6 +11,8 @@ exact block bytes of the format as ggml defines it (ggml-common.h / ggml-quants.
 * Q6_K: 16 sub-blocks of 16 with int8 scales and an fp16 `d`; value = d*sc*(q - 32), q in [0, 63]
   split into low nibbles `ql` and 2 high bits `qh`.
 * Q2_K: 16 sub-blocks of 16 with 4-bit scale and 4-bit min; value = d*sc*q - dmin*m, q in [0, 3].
+* Q3_K: 16 sub-blocks of 16 with 6-bit signed scales (sc - 32) and an fp16 `d`; value =
+  d*(sc - 32)*(q - 4), q in [0, 7] split into 2-bit `qs` and a high bit in `hmask`.
 * IQ4_NL: blocks of 32 with an fp16 `d`; value = d*NL4_VALUES[q], q a 4-bit index into 16 int8
   values spaced for normally distributed weights. IQ4_XS: super-blocks of 256 with an fp16 `d`
   and 6-bit sub-block scales ls per 32; value = d*(ls - 32)*NL4_VALUES[q].
@@ -33,7 +35,7 @@ from ..ops.quantized import NL4_VALUES
 from .quantize import search_scale_min
 
 QK_K = 256
-K_QUANT_TYPES = ("Q2_K", "Q4_K", "Q5_K", "Q6_K")
+K_QUANT_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
 BLOCK32_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")  # delegated to gguf.quants
 
@@ -166,6 +168,26 @@ def _parts_q6_k(x: np.ndarray) -> dict[str, np.ndarray]:
     return {"d": d_h, "sc": sc, "q": q}
 
 
+def _parts_q3_k(x: np.ndarray) -> dict[str, np.ndarray]:
+    """Q6_K's way at 3 bits: a symmetric search per 16 (levels -4..3), then the 16 scales as 6-bit
+    signed codes against the super-block's largest (which maps to -32)."""
+    nb = x.shape[0]
+    g = x.reshape(-1, 16)
+    scale, levels = _search_symmetric(g, 4)
+    scale = scale.reshape(nb, 16)
+    idx = np.abs(scale).argmax(axis=1)
+    max_scale = np.take_along_axis(scale, idx[:, None], axis=1)[:, 0]
+    live = np.abs(max_scale) >= _EPS
+    iscale = np.zeros_like(max_scale)
+    iscale[live] = np.float32(-32.0) / max_scale[live]
+    sc = np.clip(_rint(iscale[:, None] * scale), -32, 31).astype(np.int32)
+    d_h, d = _fp16(np.where(live, -max_scale / np.float32(32.0), np.float32(0)))
+    step = (d[:, None] * sc.astype(np.float32)).reshape(-1)
+    q = (_requantize(g, step, np.zeros_like(step), levels, -4, 3) + 4).astype(np.uint8).reshape(nb, QK_K)
+    q[~live], sc[~live] = 0, -32  # an all-~0 super-block: zero bytes
+    return {"d": d_h, "sc": (sc + 32).astype(np.uint8), "q": q}
+
+
 # -- byte packing (the inverse of ggml's dequantize_row_*) ------------------------------------------
 def _pack_scale_min_k4(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     """8 six-bit scales and 8 six-bit mins -> 12 bytes: bytes 0-3 low 6 bits of scales 0-3 (top 2
@@ -218,10 +240,29 @@ def _pack_q2_k(p: dict[str, np.ndarray]) -> np.ndarray:
     return np.concatenate([scales, qs.reshape(-1, 64), _f16_bytes(p["d"]), _f16_bytes(p["dmin"])], axis=1)
 
 
+def _pack_q3_k(p: dict[str, np.ndarray]) -> np.ndarray:
+    q = p["q"].reshape(-1, 2, 4, 32)  # value 128 n + 32 j + l
+    low, high = q & 3, (q >> 2) & 1
+    qs = low[:, :, 0] | (low[:, :, 1] << 2) | (low[:, :, 2] << 4) | (low[:, :, 3] << 6)  # [nb, 2, 32]
+    hmask = np.zeros((q.shape[0], 32), np.uint8)  # bit 4 n + j of byte l
+    for n in range(2):
+        for j in range(4):
+            hmask |= high[:, n, j] << (4 * n + j)
+    sc = p["sc"]
+    scales = np.zeros((sc.shape[0], 12), np.uint8)
+    scales[:, :8] = (sc[:, :8] & 15) | ((sc[:, 8:] & 15) << 4)
+    for i in range(16):
+        scales[:, 8 + i % 4] |= ((sc[:, i] >> 4) & 3) << (2 * (i // 4))
+    return np.concatenate([hmask, qs.reshape(-1, 64), scales, _f16_bytes(p["d"])], axis=1)
+
+
 def _values(type_name: str, p: dict[str, np.ndarray]) -> np.ndarray:
     """The float32 values the parts stand for, computed as gguf's dequantizers compute them."""
     q = p["q"].astype(np.float32)
     d = p["d"].astype(np.float32)[:, None]
+    if type_name == "Q3_K":
+        step = d * (p["sc"].astype(np.float32) - 32)
+        return (step[:, :, None] * (q.reshape(-1, 16, 16) - 4)).reshape(-1, QK_K)
     if type_name == "Q6_K":
         step = d * p["sc"].astype(np.float32)
         return (step[:, :, None] * (q.reshape(-1, 16, 16) - 32)).reshape(-1, QK_K)
@@ -233,6 +274,7 @@ def _values(type_name: str, p: dict[str, np.ndarray]) -> np.ndarray:
 
 _K: dict[str, tuple[Callable, Callable, int]] = {  # type -> (parts, pack, bytes per super-block)
     "Q2_K": (_parts_q2_k, _pack_q2_k, 84),
+    "Q3_K": (_parts_q3_k, _pack_q3_k, 110),
     "Q4_K": (_parts_q4_k, _pack_q4_k, 144),
     "Q5_K": (_parts_q5_k, _pack_q5_k, 176),
     "Q6_K": (_parts_q6_k, _pack_q6_k, 210),
@@ -347,7 +389,7 @@ def _check(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, str]:
 def quantize(arr: np.ndarray, type_name: str) -> np.ndarray:
     """Quantize a float [rows, K] matrix to GGUF blocks: uint8 [rows, K/block * bytes per block].
 
-    K-quants (Q2_K, Q4_K, Q5_K, Q6_K) and IQ4_XS need K % 256 == 0, IQ4_NL K % 32, and are computed here; Q4_0, Q4_1, Q5_0,
+    K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) and IQ4_XS need K % 256 == 0, IQ4_NL K % 32, and are computed here; Q4_0, Q4_1, Q5_0,
     Q5_1 and Q8_0 (K % 32 == 0) are delegated to `gguf.quants.quantize`. The result is what a GGUF
     tensor of that type stores, ready for `GGUFWriter.add_tensor(..., raw_dtype=...)`."""
     arr, name = _check(arr, type_name)
@@ -379,7 +421,7 @@ def quantize_with_values(arr: np.ndarray, type_name: str) -> tuple[np.ndarray, n
 
 # -- which type each tensor of a mixed file gets ----------------------------------------------------
 # llama.cpp's fallback when a tensor's rows are not whole 256-element super-blocks
-K_FALLBACK = {"q2_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "iq4_nl"}
+K_FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "iq4_xs": "iq4_nl"}
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:
