@@ -94,7 +94,7 @@ def value_bits(bits: int) -> int:
 
 def low_bits(bits: int) -> int:
     """Bits of a panel column's first plane: nibbles for 4-6 bits, 2-bit crumbs for 2-3 (each
-    further bit is a 32-bit word)."""
+    further bit is a 32-bit word; 6 bits' top two are crumbs, see pack_panels)."""
     return 4 if bits >= 4 else 2
 
 
@@ -110,11 +110,12 @@ def _first_plane(v: np.ndarray, low: int) -> np.ndarray:
 
 def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     """Values [N, K] (2-6 bits: 0 .. 2^bits - 1; 8 bits: int8) -> the CPU kernels' panels, uint8
-    [P, G, g, 4 * bits]: a column of 4-6 bits is 16 bytes of nibbles (byte j: row j low, row j + 16
-    high), then per further bit b one little-endian 32-bit word (bit j: that bit of row j); columns
+    [P, G, g, 4 * bits]: a column of 4-5 bits is 16 bytes of nibbles (byte j: row j low, row j + 16
+    high), then for a fifth bit one little-endian 32-bit word (bit j: that bit of row j); columns
     of 2-3 bits go in pairs, 16 bytes of crumbs (byte j: row j of the first, of the second, row j +
     16 of the first, of the second, from bit 0 up) then per further bit the first's word and the
-    second's; a column of int8 is 32 bytes, row j at byte j (NL4: 4-bit panels of the indices).
+    second's; columns of 6 bits too, each one's nibbles then the pair's top two bits as crumbs; a
+    column of int8 is 32 bytes, row j at byte j (NL4: 4-bit panels of the indices).
     Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed 64 panels at a time: the
     temporaries stay small beside a vocabulary-sized matrix. In numpy (the panels are CPU memory):
     torch's uint8 kernels would map ~5 MB more of its code into every process that loads a model."""
@@ -136,6 +137,12 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
             out[p0:p1] = v.astype(np.int8).view(np.uint8)
             continue
         v = v.astype(np.uint8)
+        if bits == 6:  # pairs: each column's nibbles, then both columns' top two bits as crumbs
+            pair = out[p0:p1].reshape(p1 - p0, G, group_size // 2, 48)
+            nib = _first_plane(v, 4).reshape(*pair.shape[:-1], 32)
+            pair[..., :32] = nib
+            pair[..., 32:] = _first_plane(v >> 4, 2)
+            continue
         dst = out[p0:p1] if low == 4 else out[p0:p1].reshape(p1 - p0, G, group_size // 2, 8 * bits)  # a column, or a pair
         dst[..., :16] = _first_plane(v, low)
         for b in range(bits - low):  # the word's 4 bytes: rows 0-7, 8-15, 16-23, 24-31
@@ -158,6 +165,14 @@ def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int
     if bits == 8:
         return torch.gather(cols, 3, jj.expand(*cols.shape[:3])[..., None])[..., 0].view(torch.int8).to(torch.int32)
     low = low_bits(bits)
+    if bits == 6:  # pairs: the column's nibbles, the pair's crumbs of the top two bits
+        R, G, g, _ = cols.shape
+        pair = cols.reshape(R, G, g // 2, 48).to(torch.int32)
+        odd = torch.arange(g, device=qp.device) % 2
+        nib = pair[..., :32].reshape(R, G, g, 16)
+        top = pair[..., None, 32:].expand(R, G, g // 2, 2, 16).reshape(R, G, g, 16)
+        at = lambda t, i: torch.gather(t, 3, i.expand(*t.shape[:3])[..., None])[..., 0]  # noqa: E731
+        return ((at(nib, jj % 16) >> (4 * (jj // 16))) & 15) | (((at(top, jj % 16) >> (2 * odd + 4 * (jj // 16))) & 3) << 4)
     if low == 2:  # pairs of columns: column kk's bytes are its pair's, its crumbs 2 bits up when kk is odd
         R, G, g, nb = cols.shape
         cols = cols.reshape(R, G, g // 2, 1, 2 * nb).expand(R, G, g // 2, 2, 2 * nb).reshape(R, G, g, 2 * nb)
@@ -183,6 +198,12 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         cols = qp[p0 : p0 + 64]  # [p, G, g, 4 * bits]
         if bits == 8:
             v = cols.view(torch.int8)
+        elif bits == 6:  # pairs: each column's nibbles, then the pair's crumbs of the top two bits
+            pair = cols.reshape(*cols.shape[:2], g // 2, 48)
+            nib = pair[..., :32].reshape(*cols.shape[:3], 16)
+            c = pair[..., 32:]
+            top = torch.stack((torch.cat((c & 3, (c >> 4) & 3), -1), torch.cat(((c >> 2) & 3, c >> 6), -1)), dim=-2).reshape(*cols.shape[:3], PANEL)
+            v = torch.cat((nib & 15, nib >> 4), dim=-1) | (top << 4)
         elif low == 4:
             v = torch.cat((cols[..., :16] & 15, cols[..., :16] >> 4), dim=-1)  # [p, G, g, 32]: rows 0-15 low nibbles, 16-31 high
             for b in range(bits - 4):  # word b: bit j of byte i is bit 4 + b of row 8 i + j

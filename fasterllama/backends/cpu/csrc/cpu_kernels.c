@@ -132,12 +132,13 @@ typedef __m256 vf;
  * feeds two FMAs (the whole panel). In GGUF's row layout each weight needed its own x load and a
  * reduction per row; 4-bit panels ran 1.2-1.6x faster at 1-8 activation rows, cold (a C harness
  * at SmolLM2's shapes, AVX-512).
- *   q [P, G, g, 4 * bits] bytes. A column of 4-6 bits: 16 bytes of nibbles (byte j: row j in the
- *      low nibble, row j + 16 in the high one), then one 32-bit word per further bit (bit j of
- *      word b: bit 4 + b of row j). Columns of 2-3 bits go in pairs (2 * 4 * bits bytes): 16
- *      bytes of crumbs (byte j: bits 0-1 row j of the first, 2-3 row j of the second, 4-5 and 6-7
- *      their rows j + 16), then per further bit the first's word and the second's (bit j: bit
- *      2 + b of row j). A column of int8: 32 bytes, row j at byte j.
+ *   q [P, G, g, 4 * bits] bytes. A column of 4-5 bits: 16 bytes of nibbles (byte j: row j in the
+ *      low nibble, row j + 16 in the high one), then one 32-bit word for a fifth bit (bit j: bit
+ *      4 of row j). Columns of 2-3 bits go in pairs (2 * 4 * bits bytes): 16 bytes of crumbs (byte
+ *      j: bits 0-1 row j of the first, 2-3 row j of the second, 4-5 and 6-7 their rows j + 16),
+ *      then per further bit the first's word and the second's (bit j: bit 2 + b of row j). Columns
+ *      of 6 bits too: each one's 16 bytes of nibbles, then the pair's top two bits as 16 bytes of
+ *      crumbs (as the 2-bit ones). A column of int8: 32 bytes, row j at byte j.
  *   scales, mins [P, G, 32]. P = ceil(N / 32), the last panel padded with zero rows.
  * ops/quantized.py's pack_panels / unpack_panels define the same layout. `bits` is a compile-time
  * constant in every always_inline kernel below (each width gets its own straight-line code); the
@@ -199,9 +200,13 @@ static inline float load1s(const panel_w_t *w, const void *p, const uint16_t *su
 
 /* Column kk's bytes: its own, or (2-3 bits) its pair's: two columns share 16 bytes of crumbs, so
  * one widening serves both and each vector of 16 rows needs one shift and one mask. */
+#define PAIRED(bits) (LOW_BITS(bits) == 2 || (bits) == 6) /* columns stored in pairs */
 static inline const uint8_t *col_bytes(const uint8_t *qg, int64_t kk, const int bits) {
-    return qg + (LOW_BITS(bits) == 2 ? kk & ~(int64_t)1 : kk) * COL_BYTES(bits);
+    return qg + (PAIRED(bits) ? kk & ~(int64_t)1 : kk) * COL_BYTES(bits) + (bits == 6 ? 16 * (kk & 1) : 0);
 }
+
+/* 6 bits: a pair's 16 bytes of crumbs of the top two bits (after both columns' nibbles), from col_bytes. */
+static inline int64_t top_at(int64_t kk) { return 32 - 16 * (kk & 1); }
 
 /* Where column kk's word of bit LOW_BITS + b starts, from col_bytes. */
 static inline int64_t word_at(int64_t kk, const int bits, int b) { return LOW_BITS(bits) == 2 ? 16 + 8 * b + 4 * (kk & 1) : 16 + 4 * b; }
@@ -223,6 +228,11 @@ static inline __attribute__((always_inline)) __m256 panel_q8(const uint8_t *qg, 
         v = _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(b), sh), _mm256_set1_epi32(3));
     }
     const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    if (bits == 6) { /* the top two bits: this column's crumbs of the pair */
+        const __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + top_at(kk) + lane0 % 16)));
+        v = _mm256_add_epi32(v, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(t, _mm_cvtsi32_si128(2 * (int)(kk & 1) + 4 * (lane0 / 16))), _mm256_set1_epi32(3)), 4));
+        return _mm256_cvtepi32_ps(v);
+    }
     if (bits == NL4) /* the nibbles through the table, as int8 */
         return i8x8_to_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)NL4_VALUES), lane0 < 16 ? _mm_and_si128(b, _mm_set1_epi8(0x0F))
                                                                                                      : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F))));
@@ -239,6 +249,7 @@ static inline int panel_value(const uint8_t *qg, int64_t kk, int64_t j, int bits
     if (bits == 8) return (int8_t)c[j];
     const int low = LOW_BITS(bits);
     int v = (c[j % 16] >> (low_shift(kk, bits) + 4 * (j / 16))) & ((1 << low) - 1);
+    if (bits == 6) return v | ((c[top_at(kk) + j % 16] >> (2 * (int)(kk & 1) + 4 * (j / 16))) & 3) << 4;
     for (int b = 0; b < VALUE_BITS(bits) - low; b++) v |= ((c[word_at(kk, bits, b) + j / 8] >> (j % 8)) & 1) << (low + b);
     return bits == NL4 ? NL4_VALUES[v] : v;
 }
@@ -262,6 +273,13 @@ static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg
         lo = _mm512_and_si512(_mm512_srl_epi32(i, sh), _mm512_set1_epi32(3));
         hi = _mm512_and_si512(_mm512_srl_epi32(i, _mm_add_epi32(sh, _mm_cvtsi32_si128(4))), _mm512_set1_epi32(3));
     }
+    if (bits == 6) { /* the top two bits: this column's crumbs of the pair, moved to bits 4-5 */
+        const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + top_at(kk)))), m = _mm512_set1_epi32(0x30);
+        lo = _mm512_add_epi32(lo, _mm512_and_si512(_mm512_sll_epi32(t, _mm_cvtsi32_si128(4 - 2 * (int)(kk & 1))), m));
+        hi = _mm512_add_epi32(hi, _mm512_and_si512(_mm512_srl_epi32(t, _mm_cvtsi32_si128(2 * (int)(kk & 1))), m));
+        *qa = _mm512_cvtepi32_ps(lo), *qb = _mm512_cvtepi32_ps(hi);
+        return;
+    }
     if (bits == NL4) { /* the indices through the table: a permute where a conversion would be */
         const __m512 table = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)NL4_VALUES)));
         *qa = _mm512_permutexvar_ps(lo, table), *qb = _mm512_permutexvar_ps(hi, table);
@@ -279,6 +297,17 @@ static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg
  * q[u][h] is column kk + u's rows 16 h .. 16 h + 15. */
 static inline __attribute__((always_inline)) void panel_pair(const uint8_t *qg, int64_t kk, const int bits, __m512 q[2][2]) {
     const uint8_t *c = qg + kk * COL_BYTES(bits);
+    if (bits == 6) { /* each column's nibbles, then one widening of the pair's top-bit crumbs */
+        const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 32))), m = _mm512_set1_epi32(0x30);
+        const __m512i top[2][2] = {{_mm512_and_si512(_mm512_slli_epi32(t, 4), m), _mm512_and_si512(t, m)},
+                                   {_mm512_and_si512(_mm512_slli_epi32(t, 2), m), _mm512_and_si512(_mm512_srli_epi32(t, 2), m)}};
+        for (int u = 0; u < 2; u++) {
+            const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * u)));
+            q[u][0] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_and_si512(i, _mm512_set1_epi32(15)), top[u][0]));
+            q[u][1] = _mm512_cvtepi32_ps(_mm512_or_si512(_mm512_srli_epi32(i, 4), top[u][1]));
+        }
+        return;
+    }
     const __m512i i = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c)), three = _mm512_set1_epi32(3);
     __m512i v[2][2] = {{_mm512_and_si512(i, three), _mm512_and_si512(_mm512_srli_epi32(i, 4), three)},
                        {_mm512_and_si512(_mm512_srli_epi32(i, 2), three), _mm512_srli_epi32(i, 6)}};
@@ -319,7 +348,7 @@ static inline __attribute__((always_inline)) void panel_few(const float *x, cons
             PREFETCH(qg + kk * COL_BYTES(bits));
             if (VALUE_BITS(bits) > 4) PREFETCH(qg + kk * COL_BYTES(bits) + 64);
             __m512 q[4][2];
-            if (LOW_BITS(bits) == 2) panel_pair(qg, kk, bits, q), panel_pair(qg, kk + 2, bits, q + 2);
+            if (PAIRED(bits)) panel_pair(qg, kk, bits, q), panel_pair(qg, kk + 2, bits, q + 2);
             else for (int u = 0; u < 4; u++) panel_column(qg, kk + u, bits, &q[u][0], &q[u][1]);
             for (int u = 0; u < 4; u++) {
                 for (int r = 0; r < rows; r++) {
