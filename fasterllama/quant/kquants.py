@@ -147,44 +147,37 @@ def _parts_q2_k(x: np.ndarray) -> dict[str, np.ndarray]:
     return _parts_min_type(x, group=16, nmax=3, top=15, rmin=-0.5, nstep=15, mad=True)
 
 
-def _parts_q6_k(x: np.ndarray) -> dict[str, np.ndarray]:
+def _parts_symmetric(x: np.ndarray, nmax: int, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Shared by Q6_K and Q3_K: a symmetric search per 16 (levels -nmax..nmax-1), then the 16 scales
+    as signed codes in [-top, top - 1] against the super-block's largest, which maps to -top (the
+    extra negative level), its sign folded into d. Returns (d fp16, codes, values + nmax, live)."""
     nb = x.shape[0]
     g = x.reshape(-1, 16)
-    scale, levels = _search_symmetric(g, 32)
+    scale, levels = _search_symmetric(g, nmax)
     scale = scale.reshape(nb, 16)
     idx = np.abs(scale).argmax(axis=1)
     max_scale = np.take_along_axis(scale, idx[:, None], axis=1)[:, 0]
     live = np.abs(max_scale) >= _EPS
     iscale = np.zeros_like(max_scale)
-    iscale[live] = np.float32(-128.0) / max_scale[live]
-    # the largest scale maps to -128 (int8's extra negative level), its sign folded into d
-    sc = np.clip(_rint(iscale[:, None] * scale), -128, 127).astype(np.int8)
-    d_h, d = _fp16(np.where(live, -max_scale / np.float32(128.0), np.float32(0)))
+    iscale[live] = np.float32(-top) / max_scale[live]
+    sc = np.clip(_rint(iscale[:, None] * scale), -top, top - 1).astype(np.int32)
+    d_h, d = _fp16(np.where(live, -max_scale / np.float32(top), np.float32(0)))
     step = (d[:, None] * sc.astype(np.float32)).reshape(-1)
-    q = _requantize(g, step, np.zeros_like(step), levels, -32, 31) + 32
-    q = q.astype(np.uint8).reshape(nb, QK_K)
+    q = (_requantize(g, step, np.zeros_like(step), levels, -nmax, nmax - 1) + nmax).astype(np.uint8).reshape(nb, QK_K)
     q[~live] = 0  # ggml zeroes a whole super-block whose scales are all ~0
+    return d_h, sc, q, live
+
+
+def _parts_q6_k(x: np.ndarray) -> dict[str, np.ndarray]:
+    d_h, sc, q, live = _parts_symmetric(x, 32, 128)
     sc[~live] = 0
-    return {"d": d_h, "sc": sc, "q": q}
+    return {"d": d_h, "sc": sc.astype(np.int8), "q": q}
 
 
 def _parts_q3_k(x: np.ndarray) -> dict[str, np.ndarray]:
-    """Q6_K's way at 3 bits: a symmetric search per 16 (levels -4..3), then the 16 scales as 6-bit
-    signed codes against the super-block's largest (which maps to -32)."""
-    nb = x.shape[0]
-    g = x.reshape(-1, 16)
-    scale, levels = _search_symmetric(g, 4)
-    scale = scale.reshape(nb, 16)
-    idx = np.abs(scale).argmax(axis=1)
-    max_scale = np.take_along_axis(scale, idx[:, None], axis=1)[:, 0]
-    live = np.abs(max_scale) >= _EPS
-    iscale = np.zeros_like(max_scale)
-    iscale[live] = np.float32(-32.0) / max_scale[live]
-    sc = np.clip(_rint(iscale[:, None] * scale), -32, 31).astype(np.int32)
-    d_h, d = _fp16(np.where(live, -max_scale / np.float32(32.0), np.float32(0)))
-    step = (d[:, None] * sc.astype(np.float32)).reshape(-1)
-    q = (_requantize(g, step, np.zeros_like(step), levels, -4, 3) + 4).astype(np.uint8).reshape(nb, QK_K)
-    q[~live], sc[~live] = 0, -32  # an all-~0 super-block: zero bytes
+    """Q6_K's way at 3 bits: levels -4..3, 6-bit signed scale codes (stored + 32)."""
+    d_h, sc, q, live = _parts_symmetric(x, 4, 32)
+    sc[~live] = -32  # an all-~0 super-block: zero bytes
     return {"d": d_h, "sc": (sc + 32).astype(np.uint8), "q": q}
 
 
