@@ -198,8 +198,9 @@ static inline float load1s(const panel_w_t *w, const void *p, const uint16_t *su
     return w->sbytes == 2 ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Column kk's bytes: its own, or (2-3 bits) its pair's: two columns share 16 bytes of crumbs, so
- * one widening serves both and each vector of 16 rows needs one shift and one mask. */
+/* Column kk's bytes: its own, or (2-3 and 6 bits) from its pair's: two columns share 16 bytes of
+ * crumbs, so one widening serves both and each vector of 16 rows needs one shift and one mask (6
+ * bits: this column's nibbles within the pair). */
 #define PAIRED(bits) (LOW_BITS(bits) == 2 || (bits) == 6) /* columns stored in pairs */
 static inline const uint8_t *col_bytes(const uint8_t *qg, int64_t kk, const int bits) {
     return qg + (PAIRED(bits) ? kk & ~(int64_t)1 : kk) * COL_BYTES(bits) + (bits == 6 ? 16 * (kk & 1) : 0);
