@@ -7,6 +7,7 @@ Engines (each skipped with a note when not installed):
   fasterllama (default)    LLM(model): the file's Q4_1/Q8_0 tensors kept quantized, computed exactly
   fasterllama fp32         LLM(model, quantization="none"): the GGUF dequantized to fp32 weights
   fasterllama w8a8         opt-in: int8 activations (trades accuracy; reported separately)
+  fasterllama gguf-a8      opt-in: the file's quants kept, prefill with int8 activations as llama.cpp's
   llama.cpp                llama-cpp-python (`pip install -e '.[llamacpp]'`, CMAKE_ARGS=-DGGML_NATIVE=ON)
   HF transformers fp32     AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)
 
@@ -221,6 +222,8 @@ def main() -> None:
     engines: list[Engine] = list(ours)
     if "w8a8" not in skip:
         engines.append(FasterLlama("fasterllama w8a8 (opt-in)", path, quantization="w8a8"))
+    if "a8" not in skip:
+        engines.append(FasterLlama("fasterllama gguf-a8 (opt-in)", path, quantization="gguf-a8"))
     notes = []
     if "llamacpp" not in skip:
         try:

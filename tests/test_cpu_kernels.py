@@ -194,6 +194,52 @@ def test_panel_gemm_blocks(bits, m, n, k, g):
     _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, bias), x @ lin.dequantize().t() + bias)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8, qops.NL4])
+@pytest.mark.parametrize("m,n,k,g,factored", [(17, 70, 256, 16, True), (300, 33, 1600, 32, False), (40, 96, 576, 576, False),
+                                              (29, 40, 512, 64, False), (60, 64, 1024, 32, True)])
+@pytest.mark.parametrize("mins", [False, True])
+def test_panel_gemm_a8(bits, m, n, k, g, factored, mins):
+    """quantization "gguf-a8"'s GEMM: x rounded to int8 per chunk of min(g, 32) columns, integer dot
+    products against every width's values, the scales per chunk. Against its reference (the float
+    panel product of round_activations(x)): row blocks past A8_MC (256) and not a multiple of the
+    register tile, columns in several blocks with a short last one, groups of 16 / 32 / 64 / a whole
+    row, factored K-quant scales, stored and implied mins, a bias; an all-zero row, an outlier."""
+    from fasterllama.quant.linear import PackedLinear
+
+    if mins and bits in (8, qops.NL4):
+        pytest.skip("int8 and IQ4 values have no mins")
+    G = k // g
+    vbits = 4 if bits == qops.NL4 else bits
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8) if bits == 8 else torch.randint(0, 1 << vbits, (n, k), dtype=torch.uint8)
+    if factored:
+        gps = 256 // g
+        sups = (torch.rand(n, G // gps) * 0.01 + 1e-3).half(), (-torch.rand(n, G // gps) * 0.01).half() if mins else None
+        subs = torch.randint(-32, 64, (n, G), dtype=torch.int8), torch.randint(0, 64, (n, G), dtype=torch.int8) if mins else None
+        lin = PackedLinear(q, subs[0], subs[1], bits, scale_super=sups[0], min_super=sups[1])
+    else:
+        q_, s, mn = _panel_weights(n, k, g, 8, mins, torch.float32)
+        lin = PackedLinear(q, s, mn, bits)
+    x, bias = torch.randn(m, k), torch.randn(n)
+    x[0] = 0
+    x[-1, 3] = 50.0  # one chunk's scale 50 / 127: its other values round coarsely, other chunks not
+    want = qops.panel_linear_a8(x, lin.qweight, lin.scales, lin.mins, n, bits, bias, lin.sups)
+    _close(want, qops.round_activations(x, min(g, 32)) @ lin.dequantize().t() + bias)
+    _close(ck.panel_linear_a8(x, lin.qweight, lin.scales, lin.mins, n, bits, bias, lin.sups), want)
+
+
+def test_round_activations():
+    """int8 per chunk, scale absmax / 127: every value a multiple of its chunk's scale within half a
+    step of x, |q| <= 127, the absmax exact, zero chunks zero."""
+    x = torch.randn(5, 64) * torch.tensor([1.0, 100.0]).repeat_interleave(32)
+    x[2, :32] = 0
+    r = qops.round_activations(x, 32)
+    scale = x.view(5, 2, 32).abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    steps = (r.view(5, 2, 32) / scale).round()
+    assert torch.equal(steps * scale, r.view(5, 2, 32)) and steps.abs().max() <= 127
+    assert ((r - x).view(5, 2, 32).abs() <= scale / 2 * (1 + 1e-5)).all()
+    assert torch.equal(r.abs().amax(-1), x.abs().amax(-1)) and torch.equal(r[2, :32], torch.zeros(32))
+
+
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("k", [128, 1056])  # 1056: long rows, walked in column blocks when m > 4
 def test_f32_linear(m, k):

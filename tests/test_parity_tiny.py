@@ -386,6 +386,43 @@ def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> N
     assert greedy(llm, [BATCH_PROMPTS[0], PROMPT, BATCH_PROMPTS[2]])[1] == tokens  # batched decode steps: the fused parts' outputs interleave by row
 
 
+def test_gguf_a8_prefill(tmp_path, monkeypatch) -> None:
+    """quantization "gguf-a8": the same blocks as "gguf", and every linear of more than A8_MIN_ROWS
+    rows takes x rounded to int8 by chunk: each such product the model makes equals its reference
+    op on the same input (the whole model cannot: a last-bit difference upstream moves a rounding
+    by a step), the logits stay near the exact ones without equalling them, and short prompts and
+    decode steps are exact."""
+    from fasterllama import ops
+    from fasterllama.ops import quantized as qops
+    from fasterllama.quant.linear import A8_MIN_ROWS, PackedLinear
+
+    model = tm.quantize_roundtrip_(tm.build_hf_model(SMOL_MIX), "q4_k_m")
+    path = tm.write_gguf(model, str(tmp_path / "smol_mix-q4_k_m.gguf"), weight_type="q4_k_m")
+    exact, a8 = LLM(model=path, progress=False), LLM(model=path, progress=False, quantization="gguf-a8")
+    assert a8.engine.quant_config == "gguf-a8"
+    flags = [[m.int8_activations for m in llm.engine.model.modules() if isinstance(m, PackedLinear)] for llm in (exact, a8)]
+    assert len(flags[1]) > 8 and not any(flags[0]) and all(flags[1])
+    kernel, widths = ops.get_op("panel_linear_a8", "cpu"), set()
+
+    def checked(x, qp, sp, mp, n, bits, bias=None, sups=None):
+        y = kernel(x, qp, sp, mp, n, bits, bias, sups)
+        assert_logits_close(y, qops.panel_linear_a8(x, qp, sp, mp, n, bits, bias, sups), atol=1e-5 * y.abs().max().item())
+        widths.add(bits)
+        return y
+
+    with monkeypatch.context() as mp:
+        mp.setitem(ops._BACKENDS.setdefault("cpu", {}), "panel_linear_a8", checked)
+        got = a8.compute_logits(LONG_PROMPT)
+    assert widths == {4, 5, 6, 8}  # Q4_K, Q5_0, Q6_K, Q8_0 (the tied head)
+    want = exact.compute_logits(LONG_PROMPT)
+    rel = (got - want).abs().max().item() / want.abs().max().item()
+    assert 1e-6 < rel < 0.15, rel  # 0.07: 4 random layers amplify the rounding more than a trained model does
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+    short = LONG_PROMPT[:A8_MIN_ROWS]
+    assert torch.equal(a8.compute_logits(short), exact.compute_logits(short))
+    assert greedy(a8, [LONG_PROMPT], 4)[0][0] == int(got[-1].argmax())
+
+
 @pytest.mark.parametrize("weight_type", ["q8_0", "q4_k_m"])
 def test_gguf_biases_kept(tmp_path, weight_type: str) -> None:
     """A llama GGUF with q/k/v/o and MLP `.bias` tensors (llama.cpp reads them as optional): the

@@ -108,8 +108,9 @@ def test_quantization_errors(tmp_path):
     import tiny_models as tm
 
     hf_folder = tm.save_hf_checkpoint(tm.build_hf_model(tm.TinySpec("plain")), str(tmp_path / "hf"))
-    with pytest.raises(FasterLlamaError, match="not a GGUF file"):
-        LLM(tmp_path / "hf", quantization="gguf", progress=False)
+    for mode in ("gguf", "gguf-a8"):
+        with pytest.raises(FasterLlamaError, match="not a GGUF file"):
+            LLM(tmp_path / "hf", quantization=mode, progress=False)
     assert LLM(hf_folder, progress=False).engine.quant_config is None  # the default on other checkpoints: float
     kept = LLM(progress=False)  # the default model: its 4-bit tensors kept
     with pytest.raises(FasterLlamaError, match="quantized already.*none"):

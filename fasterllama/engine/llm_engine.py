@@ -16,7 +16,7 @@ import torch
 from ..backends import Backend, get_backend
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
-from ..loading.model_loader import LoadedModel, load_model
+from ..loading.model_loader import GGUF_NATIVE, LoadedModel, load_model
 from ..loading.registry import resolve_model_path
 from ..model import LlamaForCausalLM
 from ..parallel import workers as tp_workers
@@ -32,6 +32,8 @@ from .model_runner import ModelRunner
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
 from .structured import StructuredOutput
+
+FILE_MODES = (None, *GGUF_NATIVE, "none")  # quantization values that load a checkpoint as it is (no quantize step)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -169,11 +171,12 @@ class LLMEngine:
             raise FasterLlamaError(f"quantization must be a string such as 'w8' or 'none', got {type(quantization).__name__}")
         if calibration_text is not None and not isinstance(calibration_text, str):
             raise FasterLlamaError(f"calibration_text must be a string, got {type(calibration_text).__name__}")
-        if quantization not in (None, "gguf", "none"):
+        if quantization not in FILE_MODES:
             try:
                 QuantConfig.parse(quantization)  # a bad spec fails before the model loads
             except FasterLlamaError as e:
-                raise FasterLlamaError(f"{e}; or none (float weights) or gguf (a GGUF file's quantized tensors as they are)") from None
+                raise FasterLlamaError(f"{e}; or none (float weights), gguf (a GGUF file's quantized tensors as they are) "
+                                       "or gguf-a8 (and int8 activations in prefill)") from None
         dev = resolve_device(device)
         group = workers = None
         if tensor_parallel_size > 1 or tp_workers.torchrun_env() is not None:
@@ -186,13 +189,13 @@ class LLMEngine:
             backend = get_backend(dev)
             backend.register_ops()
             dtype = resolve_dtype(dtype, backend)
-            loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, "gguf") else "none",
+            loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, *GGUF_NATIVE) else "none",
                                 backend.keeps_gguf_quantized(dtype), progress,
                                 # in parts as it loads, unless a quantization mode needs the whole model first (calibration)
-                                (group.rank, group.size) if group is not None and quantization in (None, "gguf", "none") else None)
+                                (group.rank, group.size) if group is not None and quantization in FILE_MODES else None)
             self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
                         enable_prefix_caching, tensor_parallel=group is not None)
-            if quantization not in (None, "gguf", "none"):
+            if quantization not in FILE_MODES:
                 self.quantize(quantization, calibration_text, calibration_tokens)
             if group is not None:
                 self.join_tensor_parallel(group, workers)

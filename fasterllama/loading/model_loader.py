@@ -27,6 +27,9 @@ class LoadedModel:
     seconds: float
 
 
+GGUF_NATIVE = ("gguf", "gguf-a8")  # quantization values that keep a GGUF file's blocks
+
+
 def _counted(items, bar):
     for item in items:
         if bar is not None:
@@ -37,13 +40,15 @@ def _counted(items, bar):
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quantization: str | None, keep_gguf_quantized: bool,
                progress: bool = True, shard: tuple[int, int] | None = None) -> LoadedModel:
     """quantization None: a GGUF file's quantized tensors stay quantized where
-    `keep_gguf_quantized` (the backend's kernels run them exactly); "gguf" asks for that, "none"
+    `keep_gguf_quantized` (the backend's kernels run them exactly); "gguf" asks for that ("gguf-a8":
+    and the CPU's prefill GEMMs take int8 activations, as llama.cpp's do), "none"
     expands every tensor to `dtype`; any other mode loads floats for the caller to quantize.
     shard (rank, ranks): build and load only this tensor-parallel rank's part of the model, each
     tensor cut as it loads (parallel.sharding.ShardPlan), so a rank holds about 1/ranks of the
     weights; parallel.sharding.shard_model then puts the collectives between the parts."""
     from ..quant.checkpoint import load_quantized
     from ..quant.gguf_native import load_gguf_native
+    from ..quant.linear import PackedLinear
 
     t0 = time.perf_counter()
     ckpt = open_checkpoint(model)
@@ -72,11 +77,17 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
                 raise FasterLlamaError("tensor parallelism does not load checkpoints saved by `fasterllama quantize` yet: "
                                        "load the float or GGUF model with quantization=...")
             quant_config = load_quantized(net, saved_quant, _counted(ckpt.iter_tensors(), bar), dtype, device)
-        elif quantization == "gguf":  # keep the file's quantized tensors quantized
+        elif quantization in GGUF_NATIVE:  # keep the file's quantized tensors quantized
             if ckpt.format != "gguf":
-                raise FasterLlamaError("quantization 'gguf' keeps a GGUF file's quantized tensors; this model is not a GGUF file")
+                raise FasterLlamaError(f"quantization {quantization!r} keeps a GGUF file's quantized tensors; this model is not a GGUF file")
             load_gguf_native(net, ckpt.source, dtype, device, bar, plan)
-            quant_config = "gguf"
+            if quantization == "gguf-a8":
+                if device.type != "cpu":
+                    raise FasterLlamaError("quantization 'gguf-a8' (int8 activations in prefill) runs on the CPU; use 'gguf' on this device")
+                for m in net.modules():
+                    if isinstance(m, PackedLinear):
+                        m.int8_activations = True
+            quant_config = quantization
         else:
             net.load_weights(_counted(tensors, bar), dtype, device)
     finally:

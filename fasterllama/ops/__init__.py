@@ -89,6 +89,10 @@ def panel_linear(x, qp, sp, mp, n, bits, bias=None, sups=None):
     return get_op("panel_linear", x.device)(x, qp, sp, mp, n, bits, bias, sups)
 
 
+def panel_linear_a8(x, qp, sp, mp, n, bits, bias=None, sups=None):
+    return get_op("panel_linear_a8", x.device)(x, qp, sp, mp, n, bits, bias, sups)
+
+
 def quantize_per_token(x, static_scale=None, clip=False):
     return get_op("quantize_per_token", x.device)(x, static_scale, clip)
 

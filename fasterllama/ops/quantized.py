@@ -311,6 +311,28 @@ def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.
     return _chunked_dequant_linear(x.reshape(-1, k), n, rows, bias).view(*x.shape[:-1], n)
 
 
+def round_activations(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """x with each row rounded to int8 per chunk of `chunk` columns (scale absmax / 127, rounded
+    half to even), returned as floats: what llama.cpp's integer dot products multiply."""
+    k = x.shape[-1]
+    xc = x.float().reshape(-1, k // chunk, chunk)
+    scale = xc.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+    return (torch.round(xc / scale).clamp(-127, 127) * scale).reshape(x.shape)
+
+
+def panel_chunk(group_size: int) -> int:
+    """The columns of x that share one int8 scale under panel_linear_a8: a weight group, at most 32."""
+    return min(group_size, 32)
+
+
+def panel_linear_a8(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
+                    bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """panel_linear of x rounded to int8 (round_activations, chunks of panel_chunk(g) columns): the
+    weights stay exactly the file's, the activations take llama.cpp's 8 bits (prefill under
+    quantization "gguf-a8")."""
+    return panel_linear(round_activations(x, panel_chunk(qp.shape[2])), qp, sp, mp, n, bits, bias, sups)
+
+
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows with a dynamic absmax/127 scale per token, or one static (calibrated) scale.
     Under a static scale, a row beyond its range (absmax > 127 * scale: an attention sink or a

@@ -37,6 +37,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "fl_panel_linear": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P],
     "fl_panel_gemm": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P],
+    "fl_panel_gemm_a8": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P],
     "fl_f32_linear": [_P, _I, _I, _P, _I, _P],
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
@@ -188,6 +189,23 @@ def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.
     return y if bias is None else y + bias
 
 
+def panel_linear_a8(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
+                    bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """quantized.panel_linear_a8 in one call: x rounded to int8 by chunk, then integer dot products
+    against the panels' values (AVX-512 VNNI's vpdpbusd; AVX2's maddubs), one float multiply-add
+    per chunk for the scales."""
+    g = qp.shape[2]
+    k = qp.shape[1] * g
+    if not _usable(x, k) or (g != 16 and g % 32 != 0) or sp.dtype not in (torch.float16, torch.float32, torch.int8) or (mp is not None and mp.dtype != sp.dtype):
+        return quantized.panel_linear_a8(x, qp, sp, mp, n, bits, bias, sups)
+    x2 = _rows(x, k)
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    _lib.fl_panel_gemm_a8(x2.data_ptr(), x2.shape[0], k, qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size(), *super_scales(sp, sups),
+                          n, g, bits, y.data_ptr())
+    y = y.view(*x.shape[:-1], n)
+    return y if bias is None else y + bias
+
+
 def super_scales(sp: torch.Tensor, sups: tuple[torch.Tensor, torch.Tensor | None] | None) -> tuple[int | None, int | None, int]:
     """The C kernels' (sup_s, sup_m, gps) arguments: the fp16 super-block scales of int8 scales and
     mins (PackedLinear's factored K-quant form) and the groups each covers; NULLs otherwise."""
@@ -311,7 +329,7 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 
 OPS = {
-    "linear": linear, "panel_linear": panel_linear,
+    "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8,
     "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 

@@ -1450,6 +1450,280 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
     FOR_ROWS(m, M, { quantize_row(x + m * K, K, static_scale, clip, q + m * K, scales + m); })
 }
 
+/* ---- prefill with int8 activations (quantization "gguf-a8"): y = xhat @ W^T ---------------------
+ * xhat: each row of x rounded to int8 per chunk of E = min(g, 32) columns (scale absmax / 127), as
+ * llama.cpp's integer dot products take activations; the weights stay exactly the file's. A group's
+ * values go into bytes centred on zero (v = d * s + m', s = q - 2^(bits-1); 8-bit and IQ4 values
+ * as they are), and a chunk's sum over k of s * xq is exact in int32: one integer dot product
+ * (AVX-512 VNNI: vpdpbusd, 64 multiply-adds against 16 for an fp32 FMA) then one float multiply-add
+ * per chunk: d * xs * sum (+ m' * xs * sum_k xq where the type has mins). A thread makes a panel's
+ * bytes a block of GEMM_KC columns at a time ([k / 4][32 outputs][4], the dot product's order) and
+ * runs a register tile of A8_R rows x 32 outputs over A8_MC rows. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define A8_VNNI 1 /* vpdpbusd takes x + 128 unsigned; each chunk's sum starts at -128 * sum(s) */
+#define A8_R 6    /* 12 int32 + 12 float accumulators, 2 weight vectors */
+#define A8_V 2
+typedef __m512i a8i;
+typedef __m512 a8f;
+#define A8_ZERO() _mm512_setzero_si512()
+#define A8_LOADI(p) _mm512_loadu_si512((const void *)(p))
+#define A8_ABS(w) (w)
+#define A8F_LOAD(p) _mm512_loadu_ps(p)
+#define A8F_STORE(p, v) _mm512_storeu_ps(p, v)
+#define A8F_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define A8F_MUL(a, b) _mm512_mul_ps(a, b)
+#define A8F_SET1(v) _mm512_set1_ps(v)
+#define A8F_ZERO() _mm512_setzero_ps()
+#define A8_DOT(acc, xb, w, aw) _mm512_dpbusd_epi32(acc, xb, w)
+#define A8_BCAST(p) _mm512_set1_epi32(*(const int32_t *)(p))
+#define A8_TOF(v) _mm512_cvtepi32_ps(v)
+#else
+#define A8_VNNI 0 /* AVX2: maddubs on |w| and x * sign(w): a pair stays within int16 (2 * 128 * 127) */
+#define A8_R 2
+#define A8_V 2
+typedef __m256i a8i;
+typedef __m256 a8f;
+#define A8_ZERO() _mm256_setzero_si256()
+#define A8_LOADI(p) _mm256_loadu_si256((const __m256i *)(p))
+#define A8_ABS(w) _mm256_sign_epi8(w, w)
+#define A8F_LOAD(p) _mm256_loadu_ps(p)
+#define A8F_STORE(p, v) _mm256_storeu_ps(p, v)
+#define A8F_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define A8F_MUL(a, b) _mm256_mul_ps(a, b)
+#define A8F_SET1(v) _mm256_set1_ps(v)
+#define A8F_ZERO() _mm256_setzero_ps()
+#define A8_DOT(acc, xb, w, aw) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w)), _mm256_set1_epi16(1)))
+#define A8_BCAST(p) _mm256_set1_epi32(*(const int32_t *)(p))
+#define A8_TOF(v) _mm256_cvtepi32_ps(v)
+#endif
+#define A8_LANES (int)(sizeof(a8i) / sizeof(int32_t))
+#define A8_MC 256 /* activation rows a pass over the panels: int8, 4x the rows fp32's GEMM_MC holds */
+
+/* Column kk's 32 values as bytes, centred (rows 0-31 in bytes 0-31). */
+static inline __attribute__((always_inline)) __m256i panel_i8(const uint8_t *qg, int64_t kk, const int bits) {
+    const uint8_t *c = col_bytes(qg, kk, bits);
+    if (bits == 8) return _mm256_loadu_si256((const __m256i *)c);
+    const int low = LOW_BITS(bits);
+    const __m128i mask = _mm_set1_epi8((char)((1 << low) - 1));
+    const __m128i b = _mm_srl_epi16(_mm_loadu_si128((const __m128i *)c), _mm_cvtsi32_si128(low_shift(kk, bits)));
+    __m256i v = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+    if (bits == NL4) return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)NL4_VALUES)), v);
+    if (bits == 6) { /* the top two bits: this column's crumbs of the pair */
+        const __m128i t = _mm_srl_epi16(_mm_loadu_si128((const __m128i *)(c + top_at(kk))), _mm_cvtsi32_si128(2 * (int)(kk & 1)));
+        const __m128i three = _mm_set1_epi8(3);
+        v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), three), _mm_and_si128(t, three)), 4));
+    } else {
+        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+        for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) { /* a plane's bit j (of 32) -> row j's byte */
+            int32_t word;
+            memcpy(&word, c + word_at(kk, bits, bb), 4);
+            const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(word), spread), sel);
+            v = _mm256_add_epi8(v, _mm256_and_si256(_mm256_cmpeq_epi8(t, sel), _mm256_set1_epi8((char)((1 << low) << bb))));
+        }
+    }
+    return _mm256_sub_epi8(v, _mm256_set1_epi8((char)(1 << (VALUE_BITS(bits) - 1))));
+}
+
+/* Four columns' bytes -> dst [32 outputs][4 columns]. */
+static inline void a8_store4(int8_t *dst, __m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+    const __m256i a = _mm256_unpacklo_epi8(c0, c1), b = _mm256_unpacklo_epi8(c2, c3);
+    const __m256i a2 = _mm256_unpackhi_epi8(c0, c1), b2 = _mm256_unpackhi_epi8(c2, c3);
+    const __m256i e = _mm256_unpacklo_epi16(a, b), f = _mm256_unpackhi_epi16(a, b);     /* rows 0-3 | 16-19, 4-7 | 20-23 */
+    const __m256i g = _mm256_unpacklo_epi16(a2, b2), h = _mm256_unpackhi_epi16(a2, b2); /* rows 8-11 | 24-27, 12-15 | 28-31 */
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permute2x128_si256(e, f, 0x20));
+    _mm256_storeu_si256((__m256i *)(dst + 32), _mm256_permute2x128_si256(g, h, 0x20));
+    _mm256_storeu_si256((__m256i *)(dst + 64), _mm256_permute2x128_si256(e, f, 0x31));
+    _mm256_storeu_si256((__m256i *)(dst + 96), _mm256_permute2x128_si256(g, h, 0x31));
+}
+
+/* A panel's groups [grp0, grp1) -> wb (bytes), wd / wm (scale d and m' of each chunk's 32 outputs)
+ * and wneg (VNNI: -128 * the chunk's sum of bytes, where its int32 sums start). */
+static inline __attribute__((always_inline)) void a8_prep(const panel_w_t *w, int64_t g, int E, int64_t grp0, int64_t grp1, int8_t *wb,
+                                                          float *wd, float *wm, int32_t *wneg, const int bits) {
+    const float off = bits == 8 || bits == NL4 ? 0.f : (float)(1 << (VALUE_BITS(bits) - 1));
+    for (int64_t grp = grp0; grp < grp1; grp++) {
+        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
+        const int64_t si = grp * PANEL, k0 = (grp - grp0) * g;
+        __m256 d[4], m[4];
+        for (int i = 0; i < 4; i++) {
+            d[i] = load8s(w, w->scales, w->sup_s, si + 8 * i);
+            if (w->mins) m[i] = _mm256_fmadd_ps(d[i], _mm256_set1_ps(off), load8s(w, w->mins, w->sup_m, si + 8 * i));
+        }
+        for (int64_t kk = 0; kk < g; kk += 4)
+            a8_store4(wb + (k0 + kk) * PANEL, panel_i8(qg, kk, bits), panel_i8(qg, kk + 1, bits), panel_i8(qg, kk + 2, bits),
+                      panel_i8(qg, kk + 3, bits));
+        for (int64_t e0 = 0; e0 < g; e0 += E) {
+            const int64_t ci = (k0 + e0) / E;
+            for (int i = 0; i < 4; i++) {
+                _mm256_storeu_ps(wd + ci * PANEL + 8 * i, d[i]);
+                if (w->mins) _mm256_storeu_ps(wm + ci * PANEL + 8 * i, m[i]);
+            }
+#if A8_VNNI
+            for (int v = 0; v < PANEL / 16; v++) {
+                __m512i s = _mm512_setzero_si512();
+                for (int64_t kq = 0; kq < E / 4; kq++)
+                    s = _mm512_dpbusd_epi32(s, _mm512_set1_epi8(1), _mm512_loadu_si512((const void *)(wb + (k0 + e0 + 4 * kq) * PANEL + 64 * v)));
+                _mm512_storeu_si512((void *)(wneg + ci * PANEL + 16 * v), _mm512_mullo_epi32(s, _mm512_set1_epi32(-128)));
+            }
+#else
+            (void)wneg;
+#endif
+        }
+    }
+}
+
+/* acc tile t [rows, 32] (+)= the chunks [0, nch) of rows x (xq int8 [rows, ldx], xs / xsum [rows, ldc])
+ * against the prepared weights, outputs [v0, v0 + A8_V vectors). */
+static inline __attribute__((always_inline)) void a8_tile(const uint8_t *xq, int64_t ldx, const float *xs, const float *xsum, int64_t ldc,
+                                                          const int8_t *wb, const float *wd, const float *wm, const int32_t *wneg,
+                                                          int64_t nch, const int E, float *t, int v0, int first, const int rows) {
+    a8f acc[A8_R][A8_V];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < A8_V; v++) acc[r][v] = first ? A8F_ZERO() : A8F_LOAD(t + r * PANEL + (v0 + v) * A8_LANES);
+    for (int64_t c = 0; c < nch; c++) {
+        a8i ai[A8_R][A8_V];
+        for (int r = 0; r < rows; r++)
+            for (int v = 0; v < A8_V; v++) ai[r][v] = A8_VNNI ? A8_LOADI(wneg + c * PANEL + (v0 + v) * A8_LANES) : A8_ZERO();
+        for (int kq = 0; kq < E / 4; kq++) {
+            const int8_t *wk = wb + (c * E + 4 * kq) * PANEL + v0 * A8_LANES * 4;
+            a8i wv[A8_V], aw[A8_V];
+            for (int v = 0; v < A8_V; v++) {
+                wv[v] = A8_LOADI(wk + v * A8_LANES * 4);
+                aw[v] = A8_ABS(wv[v]);
+            }
+            for (int r = 0; r < rows; r++) {
+                const a8i xb = A8_BCAST(xq + r * ldx + c * E + 4 * kq);
+                for (int v = 0; v < A8_V; v++) ai[r][v] = A8_DOT(ai[r][v], xb, wv[v], aw[v]);
+            }
+        }
+        for (int v = 0; v < A8_V; v++) {
+            const a8f d = A8F_LOAD(wd + c * PANEL + (v0 + v) * A8_LANES);
+            for (int r = 0; r < rows; r++) acc[r][v] = A8F_FMA(A8_TOF(ai[r][v]), A8F_MUL(d, A8F_SET1(xs[r * ldc + c])), acc[r][v]);
+            if (wm) {
+                const a8f m = A8F_LOAD(wm + c * PANEL + (v0 + v) * A8_LANES);
+                for (int r = 0; r < rows; r++) acc[r][v] = A8F_FMA(m, A8F_SET1(xsum[r * ldc + c]), acc[r][v]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < A8_V; v++) A8F_STORE(t + r * PANEL + (v0 + v) * A8_LANES, acc[r][v]);
+}
+
+static void a8_tile_any(const uint8_t *xq, int64_t ldx, const float *xs, const float *xsum, int64_t ldc, const int8_t *wb, const float *wd,
+                        const float *wm, const int32_t *wneg, int64_t nch, int E, float *t, int v0, int first, int rows) {
+#define A8_CALL(R, E_) a8_tile(xq, ldx, xs, xsum, ldc, wb, wd, wm, wneg, nch, E_, t, v0, first, R)
+#define A8_ROWS(R) (E == 16 ? A8_CALL(R, 16) : A8_CALL(R, 32))
+    switch (rows) {
+#if A8_R > 2
+        case 6: A8_ROWS(6); break;
+        case 5: A8_ROWS(5); break;
+        case 4: A8_ROWS(4); break;
+        case 3: A8_ROWS(3); break;
+#endif
+        case 2: A8_ROWS(2); break;
+        default: A8_ROWS(1); break;
+    }
+#undef A8_ROWS
+#undef A8_CALL
+}
+
+typedef struct {
+    int8_t *wb;
+    float *wd, *wm;
+    int32_t *wneg;
+} a8_buf_t;
+
+/* Panel p's outputs of y for mc <= A8_MC rows of quantized x (xq [mc, K], xs / xsum [mc, K / E]). */
+static inline __attribute__((always_inline)) void a8_panel(const uint8_t *xq, const float *xs, const float *xsum, int64_t mc, int64_t K,
+                                                           const panel_w_t *w, int64_t N, int64_t g, int E, float *y, int64_t p,
+                                                           const a8_buf_t *b, float *t, const int bits) {
+    const int64_t G = K / g, gpb = g >= GEMM_KC ? 1 : GEMM_KC / g, C = K / E;
+    const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    const panel_w_t wp = panel_at(w, p, G, g, bits);
+    for (int64_t grp0 = 0; grp0 < G; grp0 += gpb) {
+        const int64_t grp1 = grp0 + gpb < G ? grp0 + gpb : G, c0 = grp0 * g / E;
+        a8_prep(&wp, g, E, grp0, grp1, b->wb, b->wd, b->wm, b->wneg, bits);
+        for (int64_t r0 = 0; r0 < mc; r0 += A8_R)
+            for (int v0 = 0; v0 < PANEL / A8_LANES; v0 += A8_V)
+                a8_tile_any(xq + r0 * K + grp0 * g, K, xs + r0 * C + c0, xsum + r0 * C + c0, C, b->wb, b->wd, w->mins ? b->wm : NULL, b->wneg,
+                            (grp1 - grp0) * g / E, E, t + r0 * PANEL, v0, grp0 == 0, (int)(mc - r0 < A8_R ? mc - r0 : A8_R));
+    }
+    for (int64_t r = 0; r < mc; r++) memcpy(y + r * N + p * PANEL, t + r * PANEL, sizeof(float) * valid);
+}
+
+typedef void (*a8_panel_fn)(const uint8_t *, const float *, const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, int,
+                            float *, int64_t, const a8_buf_t *, float *);
+#define A8_WIDTH(B)                                                                                                                  \
+    static void a8_panel_##B(const uint8_t *xq, const float *xs, const float *xsum, int64_t mc, int64_t K, const panel_w_t *w,     \
+                             int64_t N, int64_t g, int E, float *y, int64_t p, const a8_buf_t *b, float *t) {                      \
+        a8_panel(xq, xs, xsum, mc, K, w, N, g, E, y, p, b, t, B);                                                                   \
+    }
+A8_WIDTH(2)
+A8_WIDTH(3)
+A8_WIDTH(4)
+A8_WIDTH(5)
+A8_WIDTH(6)
+A8_WIDTH(8)
+A8_WIDTH(NL4)
+
+/* Row x [K] -> xq (int8; VNNI: + 128), and per chunk of E columns its scale and scale * sum(xq). */
+static inline void a8_quantize_row(const float *x, int64_t K, int E, uint8_t *xq, float *xs, float *xsum) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t c = 0; c < K / E; c++) {
+        const float *xc = x + c * E;
+        __m256 m = _mm256_setzero_ps();
+        for (int k = 0; k < E; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xc + k), absmask));
+        const float s = fmaxf(hmax8(m), 1e-12f) / 127.f;
+        const __m256 vs = _mm256_set1_ps(s);
+        __m256i isum = _mm256_setzero_si256();
+        for (int k = 0; k < E; k += 8) { /* |x| <= absmax: within +-127 before rounding (half to even) */
+            const __m256i i = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(xc + k), vs));
+            isum = _mm256_add_epi32(isum, i);
+            const __m128i p16 = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+            __m128i p8 = _mm_packs_epi16(p16, p16);
+            if (A8_VNNI) p8 = _mm_xor_si128(p8, _mm_set1_epi8((char)0x80));
+            _mm_storel_epi64((__m128i *)(xq + c * E + k), p8);
+        }
+        const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+        const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        xs[c] = s;
+        xsum[c] = s * (float)_mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1)));
+    }
+}
+
+/* y [M, N] = xhat [M, K] @ W^T for W in panels (as fl_panel_gemm), x rounded to int8 per row and
+ * chunk of min(g, 32) columns (quantized.round_activations); g a multiple of 16 or 16 itself. */
+void fl_panel_gemm_a8(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
+                      const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
+    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
+    const a8_panel_fn panel = bits == NL4 ? a8_panel_NL4 : bits == 2 ? a8_panel_2 : bits == 3 ? a8_panel_3 : bits == 5 ? a8_panel_5 : bits == 6 ? a8_panel_6 : bits == 8 ? a8_panel_8 : a8_panel_4;
+    const int E = g < 32 ? (int)g : 32;
+    const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g), C = K / E;
+    uint8_t *xq = aligned_alloc(64, (M * K + 63) & ~(int64_t)63);
+    float *xs = malloc(sizeof(float) * M * C), *xsum = malloc(sizeof(float) * M * C);
+    FOR_ROWS(m, M, { a8_quantize_row(x + m * K, K, E, xq + m * K, xs + m * C, xsum + m * C); })
+#pragma omp parallel
+    {
+        a8_buf_t b = {aligned_alloc(64, kc * PANEL), aligned_alloc(64, sizeof(float) * kc / E * PANEL),
+                      aligned_alloc(64, sizeof(float) * kc / E * PANEL), aligned_alloc(64, sizeof(int32_t) * kc / E * PANEL)};
+        float *t = aligned_alloc(64, sizeof(float) * A8_MC * PANEL);
+        for (int64_t m0 = 0; m0 < M; m0 += A8_MC) { /* all panels over one block of rows: it stays in L2 */
+            const int64_t mc = M - m0 < A8_MC ? M - m0 : A8_MC;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; p++) panel(xq + m0 * K, xs + m0 * C, xsum + m0 * C, mc, K, &w, N, g, E, y + m0 * N, p, &b, t);
+        }
+        free(b.wb);
+        free(b.wd);
+        free(b.wm);
+        free(b.wneg);
+        free(t);
+    }
+    free(xq);
+    free(xs);
+    free(xsum);
+}
+
 /* ---- a whole decode step over all layers in one call ------------------------------------------
  * What the model's forward does for B single-token sequences (see model/llama.py), without a
  * Python round trip per op: ~300 ops a step would otherwise cost more than the attention. */
