@@ -139,7 +139,11 @@ class LlamaCpp(Engine):
         self.weight_bytes = os.path.getsize(path)
 
     def _argmax(self) -> int:
-        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
+        """The last token's logits from the context (Llama.scores holds rows only with logits_all:
+        read without it, every greedy step took token 0)."""
+        import numpy as np
+
+        return int(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),)).argmax())
 
     def prefill(self, ids: list[int]) -> float:
         self.llm.reset()
@@ -295,11 +299,12 @@ def main() -> None:
             batch_caps[e.name] = cap = peak * 1e9 / (2 * e.weight_macs)
             line += f"; the FMA peak caps any batch at {cap:.0f} tok/s = {cap / rates[1]:.2f}x this batch 1"
         print(line)
-    if "HF transformers fp32" in tokens:
-        ref = tokens["HF transformers fp32"]
-        for name in (e.name for e in ours):
-            same = next((i for i, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
-            print(f"{name}: greedy tokens identical to HF for {same} of {len(ref)} positions")
+    for peer in ("HF transformers fp32", "llama.cpp"):
+        if peer in tokens:
+            ref = tokens[peer]
+            for name in (e.name for e in engines if e.name != peer and isinstance(e, FasterLlama)):
+                same = next((i for i, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
+                print(f"{name}: greedy tokens identical to {peer}'s for {same} of {len(ref)} positions")
     for note in notes:
         print(note)
     result["batch_throughput_tok_s"] = batch_rates

@@ -24,11 +24,11 @@ PROGRAMS = {
         f"llm.generate([{IDS}], SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))\n" + _PEAK
     ),
     "llama.cpp": (
-        "import llama_cpp\n"
+        "import llama_cpp\nimport numpy as np\n"
         "llm = llama_cpp.Llama({path!r}, n_ctx=512, n_threads=2, verbose=False)\n"
         f"llm.eval({IDS})\n"
         "for _ in range(128):\n"
-        "    llm.eval([int(llm.scores[llm.n_tokens - 1].argmax())])\n" + _PEAK
+        "    llm.eval([int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).argmax())])\n" + _PEAK
     ),
 }
 

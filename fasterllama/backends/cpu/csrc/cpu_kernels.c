@@ -1459,6 +1459,12 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
  * per chunk: d * xs * sum (+ m' * xs * sum_k xq where the type has mins). A thread makes a panel's
  * bytes a block of GEMM_KC columns at a time ([k / 4][32 outputs][4], the dot product's order) and
  * runs a register tile of A8_R rows x 32 outputs over A8_MC rows. */
+static inline int32_t load_i32(const void *p) { /* four bytes of x, broadcast to every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define A8_VNNI 1 /* vpdpbusd takes x + 128 unsigned; each chunk's sum starts at -128 * sum(s) */
 #define A8_R 6    /* 12 int32 + 12 float accumulators, 2 weight vectors */
@@ -1475,7 +1481,7 @@ typedef __m512 a8f;
 #define A8F_SET1(v) _mm512_set1_ps(v)
 #define A8F_ZERO() _mm512_setzero_ps()
 #define A8_DOT(acc, xb, w, aw) _mm512_dpbusd_epi32(acc, xb, w)
-#define A8_BCAST(p) _mm512_set1_epi32(*(const int32_t *)(p))
+#define A8_BCAST(p) _mm512_set1_epi32(load_i32(p))
 #define A8_TOF(v) _mm512_cvtepi32_ps(v)
 #else
 #define A8_VNNI 0 /* AVX2: maddubs on |w| and x * sign(w): a pair stays within int16 (2 * 128 * 127) */
@@ -1493,7 +1499,7 @@ typedef __m256 a8f;
 #define A8F_SET1(v) _mm256_set1_ps(v)
 #define A8F_ZERO() _mm256_setzero_ps()
 #define A8_DOT(acc, xb, w, aw) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w)), _mm256_set1_epi16(1)))
-#define A8_BCAST(p) _mm256_set1_epi32(*(const int32_t *)(p))
+#define A8_BCAST(p) _mm256_set1_epi32(load_i32(p))
 #define A8_TOF(v) _mm256_cvtepi32_ps(v)
 #endif
 #define A8_LANES (int)(sizeof(a8i) / sizeof(int32_t))
