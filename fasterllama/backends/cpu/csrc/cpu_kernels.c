@@ -1503,9 +1503,13 @@ typedef __m256 a8f;
 #define A8_TOF(v) _mm256_cvtepi32_ps(v)
 #endif
 #define A8_LANES (int)(sizeof(a8i) / sizeof(int32_t))
+/* AVX2: 2-6 bit values stay unsigned (q, not q - 2^(bits-1); the offset joins the mins' term), so
+ * maddubs takes them as they are (no sign fix-up), and two k-quads' pairs add in int16 before one
+ * madd widens them: 2 * 2 * 63 * 127 < 32768. int8 and IQ4 values are signed: the sign trick. */
+#define A8_UNSIGNED(bits) (!A8_VNNI && (bits) != 8 && (bits) != NL4)
 #define A8_MC 256 /* activation rows a pass over the panels: int8, 4x the rows fp32's GEMM_MC holds */
 
-/* Column kk's 32 values as bytes, centred (rows 0-31 in bytes 0-31). */
+/* Column kk's 32 values as bytes (rows 0-31 in bytes 0-31), centred unless A8_UNSIGNED. */
 static inline __attribute__((always_inline)) __m256i panel_i8(const uint8_t *qg, int64_t kk, const int bits) {
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)c);
@@ -1528,7 +1532,7 @@ static inline __attribute__((always_inline)) __m256i panel_i8(const uint8_t *qg,
             v = _mm256_add_epi8(v, _mm256_and_si256(_mm256_cmpeq_epi8(t, sel), _mm256_set1_epi8((char)((1 << low) << bb))));
         }
     }
-    return _mm256_sub_epi8(v, _mm256_set1_epi8((char)(1 << (VALUE_BITS(bits) - 1))));
+    return A8_UNSIGNED(bits) ? v : _mm256_sub_epi8(v, _mm256_set1_epi8((char)(1 << (VALUE_BITS(bits) - 1))));
 }
 
 /* Four columns' bytes -> dst [32 outputs][4 columns]. */
@@ -1547,7 +1551,7 @@ static inline void a8_store4(int8_t *dst, __m256i c0, __m256i c1, __m256i c2, __
  * and wneg (VNNI: -128 * the chunk's sum of bytes, where its int32 sums start). */
 static inline __attribute__((always_inline)) void a8_prep(const panel_w_t *w, int64_t g, int E, int64_t grp0, int64_t grp1, int8_t *wb,
                                                           float *wd, float *wm, int32_t *wneg, const int bits) {
-    const float off = bits == 8 || bits == NL4 ? 0.f : (float)(1 << (VALUE_BITS(bits) - 1));
+    const float off = bits == 8 || bits == NL4 || A8_UNSIGNED(bits) ? 0.f : (float)(1 << (VALUE_BITS(bits) - 1));
     for (int64_t grp = grp0; grp < grp1; grp++) {
         const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const int64_t si = grp * PANEL, k0 = (grp - grp0) * g;
@@ -1555,6 +1559,7 @@ static inline __attribute__((always_inline)) void a8_prep(const panel_w_t *w, in
         for (int i = 0; i < 4; i++) {
             d[i] = load8s(w, w->scales, w->sup_s, si + 8 * i);
             if (w->mins) m[i] = _mm256_fmadd_ps(d[i], _mm256_set1_ps(off), load8s(w, w->mins, w->sup_m, si + 8 * i));
+            else if (A8_UNSIGNED(bits)) m[i] = _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre)); /* the centre: a min */
         }
         for (int64_t kk = 0; kk < g; kk += 4)
             a8_store4(wb + (k0 + kk) * PANEL, panel_i8(qg, kk, bits), panel_i8(qg, kk + 1, bits), panel_i8(qg, kk + 2, bits),
@@ -1563,7 +1568,7 @@ static inline __attribute__((always_inline)) void a8_prep(const panel_w_t *w, in
             const int64_t ci = (k0 + e0) / E;
             for (int i = 0; i < 4; i++) {
                 _mm256_storeu_ps(wd + ci * PANEL + 8 * i, d[i]);
-                if (w->mins) _mm256_storeu_ps(wm + ci * PANEL + 8 * i, m[i]);
+                if (w->mins || A8_UNSIGNED(bits)) _mm256_storeu_ps(wm + ci * PANEL + 8 * i, m[i]);
             }
 #if A8_VNNI
             for (int v = 0; v < PANEL / 16; v++) {
@@ -1583,7 +1588,8 @@ static inline __attribute__((always_inline)) void a8_prep(const panel_w_t *w, in
  * against the prepared weights, outputs [v0, v0 + A8_V vectors). */
 static inline __attribute__((always_inline)) void a8_tile(const uint8_t *xq, int64_t ldx, const float *xs, const float *xsum, int64_t ldc,
                                                           const int8_t *wb, const float *wd, const float *wm, const int32_t *wneg,
-                                                          int64_t nch, const int E, float *t, int v0, int first, const int rows) {
+                                                          int64_t nch, const int E, float *t, int v0, int first, const int rows,
+                                                          const int u8w) {
     a8f acc[A8_R][A8_V];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < A8_V; v++) acc[r][v] = first ? A8F_ZERO() : A8F_LOAD(t + r * PANEL + (v0 + v) * A8_LANES);
@@ -1591,6 +1597,22 @@ static inline __attribute__((always_inline)) void a8_tile(const uint8_t *xq, int
         a8i ai[A8_R][A8_V];
         for (int r = 0; r < rows; r++)
             for (int v = 0; v < A8_V; v++) ai[r][v] = A8_VNNI ? A8_LOADI(wneg + c * PANEL + (v0 + v) * A8_LANES) : A8_ZERO();
+#if !A8_VNNI
+        if (u8w) { /* unsigned bytes: maddubs as it is, two k-quads a widening */
+            for (int kq = 0; kq < E / 4; kq += 2) {
+                const int8_t *wk = wb + (c * E + 4 * kq) * PANEL + v0 * A8_LANES * 4;
+                a8i w0[A8_V], w1[A8_V];
+                for (int v = 0; v < A8_V; v++) w0[v] = A8_LOADI(wk + v * A8_LANES * 4), w1[v] = A8_LOADI(wk + 4 * PANEL + v * A8_LANES * 4);
+                for (int r = 0; r < rows; r++) {
+                    const a8i x0 = A8_BCAST(xq + r * ldx + c * E + 4 * kq), x1 = A8_BCAST(xq + r * ldx + c * E + 4 * kq + 4);
+                    for (int v = 0; v < A8_V; v++)
+                        ai[r][v] = _mm256_add_epi32(ai[r][v], _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(w0[v], x0),
+                                                                                                 _mm256_maddubs_epi16(w1[v], x1)),
+                                                                                _mm256_set1_epi16(1)));
+                }
+            }
+        } else
+#endif
         for (int kq = 0; kq < E / 4; kq++) {
             const int8_t *wk = wb + (c * E + 4 * kq) * PANEL + v0 * A8_LANES * 4;
             a8i wv[A8_V], aw[A8_V];
@@ -1598,6 +1620,7 @@ static inline __attribute__((always_inline)) void a8_tile(const uint8_t *xq, int
                 wv[v] = A8_LOADI(wk + v * A8_LANES * 4);
                 aw[v] = A8_ABS(wv[v]);
             }
+            (void)aw; /* VNNI: unused */
             for (int r = 0; r < rows; r++) {
                 const a8i xb = A8_BCAST(xq + r * ldx + c * E + 4 * kq);
                 for (int v = 0; v < A8_V; v++) ai[r][v] = A8_DOT(ai[r][v], xb, wv[v], aw[v]);
@@ -1617,9 +1640,13 @@ static inline __attribute__((always_inline)) void a8_tile(const uint8_t *xq, int
 }
 
 static void a8_tile_any(const uint8_t *xq, int64_t ldx, const float *xs, const float *xsum, int64_t ldc, const int8_t *wb, const float *wd,
-                        const float *wm, const int32_t *wneg, int64_t nch, int E, float *t, int v0, int first, int rows) {
-#define A8_CALL(R, E_) a8_tile(xq, ldx, xs, xsum, ldc, wb, wd, wm, wneg, nch, E_, t, v0, first, R)
-#define A8_ROWS(R) (E == 16 ? A8_CALL(R, 16) : A8_CALL(R, 32))
+                        const float *wm, const int32_t *wneg, int64_t nch, int E, float *t, int v0, int first, int rows, int u8w) {
+#define A8_CALL(R, E_, U) a8_tile(xq, ldx, xs, xsum, ldc, wb, wd, wm, wneg, nch, E_, t, v0, first, R, U)
+#if A8_VNNI
+#define A8_ROWS(R) (E == 16 ? A8_CALL(R, 16, 0) : A8_CALL(R, 32, 0))
+#else
+#define A8_ROWS(R) (u8w ? (E == 16 ? A8_CALL(R, 16, 1) : A8_CALL(R, 32, 1)) : (E == 16 ? A8_CALL(R, 16, 0) : A8_CALL(R, 32, 0)))
+#endif
     switch (rows) {
 #if A8_R > 2
         case 6: A8_ROWS(6); break;
@@ -1652,8 +1679,9 @@ static inline __attribute__((always_inline)) void a8_panel(const uint8_t *xq, co
         a8_prep(&wp, g, E, grp0, grp1, b->wb, b->wd, b->wm, b->wneg, bits);
         for (int64_t r0 = 0; r0 < mc; r0 += A8_R)
             for (int v0 = 0; v0 < PANEL / A8_LANES; v0 += A8_V)
-                a8_tile_any(xq + r0 * K + grp0 * g, K, xs + r0 * C + c0, xsum + r0 * C + c0, C, b->wb, b->wd, w->mins ? b->wm : NULL, b->wneg,
-                            (grp1 - grp0) * g / E, E, t + r0 * PANEL, v0, grp0 == 0, (int)(mc - r0 < A8_R ? mc - r0 : A8_R));
+                a8_tile_any(xq + r0 * K + grp0 * g, K, xs + r0 * C + c0, xsum + r0 * C + c0, C, b->wb, b->wd,
+                            w->mins || A8_UNSIGNED(bits) ? b->wm : NULL, b->wneg, (grp1 - grp0) * g / E, E, t + r0 * PANEL, v0, grp0 == 0,
+                            (int)(mc - r0 < A8_R ? mc - r0 : A8_R), A8_UNSIGNED(bits));
     }
     for (int64_t r = 0; r < mc; r++) memcpy(y + r * N + p * PANEL, t + r * PANEL, sizeof(float) * valid);
 }
