@@ -227,6 +227,35 @@ def test_panel_gemm_a8(bits, m, n, k, g, factored, mins):
     _close(ck.panel_linear_a8(x, lin.qweight, lin.scales, lin.mins, n, bits, bias, lin.sups), want)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8, qops.NL4])
+@pytest.mark.parametrize("g,factored,mins", [(32, False, False), (32, False, True), (16, True, True), (32, True, False)])
+def test_panel_rows_lookup(bits, g, factored, mins):
+    """The quantized embedding's lookup in C (rows read from their panels) equals the reference's
+    floats bit for bit: every width, fp16 and factored scales, stored and implied mins, repeated ids,
+    both ends of the table; ids out of range raise as the reference does."""
+    from fasterllama.quant.linear import PackedLinear
+
+    if mins and bits in (8, qops.NL4):
+        pytest.skip("int8 and IQ4 values have no mins")
+    n, k = 100, 512
+    G = k // g
+    vbits = 4 if bits == qops.NL4 else bits
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8) if bits == 8 else torch.randint(0, 1 << vbits, (n, k), dtype=torch.uint8)
+    if factored:
+        sups = (torch.rand(n, G // (256 // g)) * 0.01).half(), (torch.rand(n, G // (256 // g)) * 0.01).half() if mins else None
+        lin = PackedLinear(q, torch.randint(1, 60, (n, G)).to(torch.int8), torch.randint(-60, 0, (n, G)).to(torch.int8) if mins else None, bits,
+                           scale_super=sups[0], min_super=sups[1])
+    else:
+        lin = PackedLinear(q, (torch.rand(n, G) * 0.01).half().float(), (torch.rand(n, G) * 0.01).half().float() if mins else None, bits)
+    args = (lin.qweight, lin.scales, lin.mins, bits)
+    ids = torch.tensor([0, 99, 31, 32, 64, 5, 5])
+    got = ck.dequantize_panel_rows(*args, ids, n, torch.float32, lin.sups)
+    assert torch.equal(got, qops.dequantize_panel_rows(*args, ids, n, torch.float32, lin.sups))
+    assert torch.equal(got, lin.dequantize()[ids])
+    with pytest.raises(IndexError):
+        ck.dequantize_panel_rows(*args, torch.tensor([3, n]), n, torch.float32, lin.sups)
+
+
 def test_round_activations():
     """int8 per chunk, scale absmax / 127: every value a multiple of its chunk's scale within half a
     step of x, |q| <= 127, the absmax exact, zero chunks zero."""

@@ -127,4 +127,8 @@ unpack_int4 = quantized.unpack_int4
 unpack_int4_rows = quantized.unpack_int4_rows
 to_panels, from_panels, panel_rows = quantized.to_panels, quantized.from_panels, quantized.panel_rows
 int8_to_panels, int8_panel_rows = quantized.int8_to_panels, quantized.int8_panel_rows
-pack_panels, dequantize_panel_rows = quantized.pack_panels, quantized.dequantize_panel_rows
+pack_panels = quantized.pack_panels
+
+
+def dequantize_panel_rows(qp, sp, mp, bits, rows, n, dtype=torch.float32, sups=None):
+    return get_op("dequantize_panel_rows", qp.device)(qp, sp, mp, bits, rows, n, dtype, sups)

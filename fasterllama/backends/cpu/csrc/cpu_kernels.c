@@ -1847,6 +1847,16 @@ static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, f
     }
 }
 
+/* out [n, K] = rows ids[0..n) of W in panels as floats (as fl_panel_linear's arguments; the ids
+ * < N): the quantized embedding's lookup for a prompt, without gathering whole panels. */
+void fl_panel_rows(const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes, const void *sup_s, const void *sup_m, int64_t gps,
+                   int64_t K, int64_t g, int64_t bits, const int64_t *ids, int64_t n, float *out) {
+    fl_linear_t E;
+    memset(&E, 0, sizeof(E));
+    E.kind = 1, E.k = K, E.g = g, E.bits = bits, E.sbytes = sbytes, E.w = qp, E.scales = sp, E.mins = mp, E.sup_s = sup_s, E.sup_m = sup_m, E.gps = gps;
+    FOR_ROWS(i, n, { embed_rows(&E, ids + i, 1, out + i * K); })
+}
+
 /* cos, sin [B, D] = the rotate-half RoPE tables of each token's position, as the model builds
  * them: angle = float(position) * inv_freq[i] for i < D/2, repeated for the second half. */
 static void rope_tables(const int64_t *positions, int64_t B, const float *inv_freq, int64_t D, float *cos_out, float *sin_out) {
