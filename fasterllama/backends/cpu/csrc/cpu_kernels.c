@@ -1453,12 +1453,12 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
 /* ---- prefill with int8 activations (quantization "gguf-a8"): y = xhat @ W^T ---------------------
  * xhat: each row of x rounded to int8 per chunk of E = min(g, 32) columns (scale absmax / 127), as
  * llama.cpp's integer dot products take activations; the weights stay exactly the file's. A group's
- * values go into bytes centred on zero (v = d * s + m', s = q - 2^(bits-1); 8-bit and IQ4 values
- * as they are), and a chunk's sum over k of s * xq is exact in int32: one integer dot product
- * (AVX-512 VNNI: vpdpbusd, 64 multiply-adds against 16 for an fp32 FMA) then one float multiply-add
- * per chunk: d * xs * sum (+ m' * xs * sum_k xq where the type has mins). A thread makes a panel's
- * bytes a block of GEMM_KC columns at a time ([k / 4][32 outputs][4], the dot product's order) and
- * runs a register tile of A8_R rows x 32 outputs over A8_MC rows. */
+ * values go into bytes (v = d * s + m'; VNNI: s = q - 2^(bits-1), centred, 8-bit and IQ4 values as
+ * they are; AVX2: see A8_UNSIGNED), and a chunk's sum over k of s * xq is exact in int32: one
+ * integer dot product (AVX-512 VNNI: vpdpbusd, 64 multiply-adds against 16 for an fp32 FMA) then
+ * one float multiply-add per chunk: d * xs * sum (+ m' * xs * sum_k xq where the type has mins).
+ * A thread makes a panel's bytes a block of GEMM_KC columns at a time ([k / 4][32 outputs][4], the
+ * dot product's order) and runs a register tile of A8_R rows x 32 outputs over A8_MC rows. */
 static inline int32_t load_i32(const void *p) { /* four bytes of x, broadcast to every lane */
     int32_t v;
     memcpy(&v, p, 4);
@@ -1484,7 +1484,7 @@ typedef __m512 a8f;
 #define A8_BCAST(p) _mm512_set1_epi32(load_i32(p))
 #define A8_TOF(v) _mm512_cvtepi32_ps(v)
 #else
-#define A8_VNNI 0 /* AVX2: maddubs on |w| and x * sign(w): a pair stays within int16 (2 * 128 * 127) */
+#define A8_VNNI 0 /* AVX2: maddubs (A8_UNSIGNED below; signed values: |w| and x * sign(w), a pair within int16) */
 #define A8_R 2
 #define A8_V 2
 typedef __m256i a8i;
