@@ -217,24 +217,33 @@ def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale, USE_DOT: tl.constexp
 
 
 @triton.jit
+def _split_chunk(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keys per split of a sequence: its length over the splits, rounded up to whole tiles."""
+    return tl.maximum(tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Program (sequence b, KV head, split): all GROUP query heads of the KV head attend keys
-    [split * CHUNK, (split + 1) * CHUNK) ∩ [0, seq_len), so each K/V tile is read once. One split
-    writes the final output; several write unnormalized partials for _decode_combine_kernel."""
+    [split * chunk, (split + 1) * chunk) ∩ [0, seq_len), so each K/V tile is read once; the chunk
+    follows the sequence's actual length (_split_chunk), so a short context in a large cache still
+    spreads over every split. One split writes the final output; several write unnormalized
+    partials for _decode_combine_kernel."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    lo = split * CHUNK
+    chunk = _split_chunk(seq_len, NUM_SPLITS, BLOCK_N)
+    lo = split * chunk
     if NUM_SPLITS > 1 and lo >= seq_len:  # nothing to attend: the combine kernel ignores this split
         return
-    hi = tl.minimum(lo + CHUNK, seq_len)
+    hi = tl.minimum(lo + chunk, seq_len)
 
     PADDED: tl.constexpr = BLOCK_D != D
     offs_g = tl.arange(0, GROUP_PAD)
@@ -273,7 +282,7 @@ def _decode_kernel(
 @triton.jit
 def _decode_combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
 ):
     """Program (sequence, query head): merge the splits' partials by their log-sum-exp. Only the
@@ -282,7 +291,7 @@ def _decode_combine_kernel(
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     offs_s = tl.arange(0, SPLITS_PAD)
-    mask_s = offs_s < tl.cdiv(seq_len, CHUNK)
+    mask_s = offs_s < tl.cdiv(seq_len, _split_chunk(seq_len, NUM_SPLITS, BLOCK_N))
     part = (b.to(tl.int64) * H + h) * NUM_SPLITS + offs_s
     m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
     part_l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
@@ -308,31 +317,30 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _decode_block_n(head_dim: int, use_dot: bool, dtype: torch.dtype) -> int:
+def _decode_block_n(head_dim: int, use_dot: bool, dtype: torch.dtype, programs: int, device: torch.device) -> int:
     """Keys per tile: sized so that a program stays under ~100 registers (checked with ptxas for
-    sm_90), which lets several programs per SM keep enough K/V loads in flight."""
+    sm_90), which lets several programs per SM keep enough K/V loads in flight; tiles of 32 keys
+    where (sequences x KV heads) alone fill less than the chip, so that a short context still
+    splits into enough programs (a 512-key context over 3 KV heads: 48 programs, not 12)."""
     if _INTERPRET:
         return 16
     if not use_dot:  # broadcast products [BLOCK_N, D] live in registers
         return max(16, min(32, 4096 // head_dim))
     if dtype == torch.float32:  # "ieee" fp32 dots run on FMA units with large register tiles
         return max(16, min(128, 2048 // head_dim))
-    return min(128, 8192 // head_dim)
+    block_n = min(128, 8192 // head_dim)
+    return min(block_n, 32) if programs < _num_sms(device.index or 0) else block_n
 
 
-def _decode_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device: torch.device) -> tuple[int, int]:
-    """(chunk, num_splits) from shapes and the cache capacity only, so a captured graph stays
-    valid. Actual lengths are unknown on the host, so split as finely as a grid of ~64 programs per
-    SM allows (programs past a sequence's end exit at once), in chunks of at least 256 keys and at
-    most 64 splits; a batch filling that grid on its own runs one split and skips the combine."""
-    if _INTERPRET:  # small tests: chunks of two tiles exercise both the split and the tile loop
-        chunk = 2 * block_n
-    else:
-        splits = max(1, min(64, triton.cdiv(max_len, 256), 64 * _num_sms(device.index or 0) // (batch * kv_heads)))
-        chunk = triton.cdiv(triton.cdiv(max_len, splits), block_n) * block_n
-    num_splits = triton.cdiv(max_len, chunk)
-    assert num_splits <= 64, "the combine kernel holds all splits in registers"
-    return chunk, num_splits
+def _decode_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
+    """How many splits a sequence's keys are cut into, from shapes and the cache capacity only, so
+    a captured graph stays valid: enough for ~16 programs per SM with the batch's (sequence, KV
+    head) pairs, at most 64 and no more than the capacity has tiles. Each program's share follows
+    the actual length at run time (_split_chunk); a batch filling the grid on its own runs one split
+    and skips the combine."""
+    if _INTERPRET:  # small tests: two-tile splits exercise both the split and the tile loop
+        return triton.cdiv(max_len, 2 * block_n)
+    return max(1, min(64, triton.cdiv(max_len, block_n), triton.cdiv(16 * _num_sms(device.index or 0), batch * kv_heads)))
 
 
 def decode_attention(
@@ -351,10 +359,13 @@ def decode_attention(
     out = torch.empty_like(q)
     if B == 0:
         return out
-    use_dot = group > 1  # pad the group to 16 rows for tensor cores; a lone query multiplies and sums
+    # the query heads of a KV head padded to 16 rows for tensor cores (MHA too: its lone query as a
+    # broadcast-multiply-sum needed cross-warp reductions every tile, 18 us for a 7B layer's 512
+    # keys on an H200); fp32 MHA, which would run "ieee" dots on the FMA units, multiplies and sums
+    use_dot = group > 1 or q.dtype != torch.float32
     block_d = _block_d(D)
-    block_n = _decode_block_n(block_d, use_dot, q.dtype)
-    chunk, num_splits = _decode_splits(B, KVH, max_len, block_n, q.device)
+    block_n = _decode_block_n(block_d, use_dot, q.dtype, B * KVH, q.device)
+    num_splits = _decode_splits(B, KVH, max_len, block_n, q.device)
     if num_splits > 1:
         part_acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
@@ -366,14 +377,13 @@ def decode_attention(
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
         H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_D=block_d,
-        BLOCK_N=block_n,
-        CHUNK=chunk, NUM_SPLITS=num_splits, USE_DOT=use_dot, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
         num_warps=4, num_stages=2,
     )
     if num_splits > 1:
         _decode_combine_kernel[(B, H)](
             part_acc, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1),
-            H=H, D=D, BLOCK_D=block_d, CHUNK=chunk, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            H=H, D=D, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
 
