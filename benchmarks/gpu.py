@@ -161,10 +161,12 @@ def engine_decode(model, cfg: ModelConfig, batch: int, ctx: int, steps: int) -> 
 
 
 def engine_prefill(model, cfg: ModelConfig, n: int, reps: int) -> float:
-    engine = LLMEngine.from_model(model, max_model_len=n + 8, max_num_seqs=1, max_num_batched_tokens=n)
-    ids = prompt(n, cfg.vocab_size, 99)
+    """Prefill tok/s of an n-token prompt, a new one each repetition and no prefix cache: the same
+    prompt again would be served from the cache (the 2026-11-27 run's prefill figures were)."""
+    engine = LLMEngine.from_model(model, max_model_len=n + 8, max_num_seqs=1, max_num_batched_tokens=n, enable_prefix_caching=False)
     times = []
-    for _ in range(reps + 1):
+    for rep in range(reps + 1):
+        ids = prompt(n, cfg.vocab_size, 99 + rep)
         engine.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
         sync()
         t = time.perf_counter()
