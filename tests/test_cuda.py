@@ -72,11 +72,12 @@ def test_quantized_same_as_cpu(models, mode: str) -> None:
 
 
 @pytest.mark.parametrize("name,weight_type", [("head_dim", "q8_0"), ("head_dim", "q4_1"), ("kquant", "q4_k_m"), ("kquant", "q6_k"),
-                                              ("kquant_mix", "iq4_xs")])
+                                              ("kquant_mix", "iq4_xs"), ("kquant", "q5_k"), ("kquant", "q2_k")])
 def test_quantized_gguf_on_cuda(tmp_path, name: str, weight_type: str) -> None:
-    """A GGUF's Q8_0/Q4_1 tensors, a Q4_K_M file's Q4_K / Q6_K / Q5_0 / Q8_0 ones, and IQ4_XS /
-    IQ4_NL ones (int8: their table's values) stay quantized on the GPU too (the Triton GEMV/GEMM
-    kernels read the file's values) and give HF's logits and tokens, as the CPU default does."""
+    """A GGUF's Q8_0/Q4_1 tensors, a Q4_K_M file's Q4_K / Q6_K / Q5_0 / Q8_0 ones, IQ4_XS / IQ4_NL
+    ones (int8: their table's values) and Q5_K / Q5_1 / Q2_K ones (int8 with a min per group) stay
+    quantized on the GPU too (the Triton GEMV/GEMM kernels read the file's values) and give HF's
+    logits and tokens, as the CPU default does."""
     from fasterllama.quant.linear import Int4Linear, Int8Linear
 
     spec = tm.K_SPECS[name] if name in tm.K_SPECS else tm.SPECS[name]

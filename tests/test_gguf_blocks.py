@@ -78,13 +78,14 @@ def test_combine_holds_every_part_exactly(types):
 
 @pytest.mark.parametrize("types,kind", [(("Q5_0", "Q8_0"), "Int8Linear"), (("Q4_1", "Q4_0"), "Int4Linear"), (("Q6_K",), "Int8Linear"),
                                         (("Q4_K",), "Int4Linear"), (("Q3_K",), "Int8Linear"), (("Q6_K", "Q5_0", "Q8_0"), "Int8Linear"),
-                                        (("Q4_0", "Q5_0"), None), (("Q5_K",), None), (("Q5_1",), None), (("Q2_K",), None), (("Q4_K", "Q6_K"), None),
+                                        (("Q4_0", "Q5_0"), "Int8Linear"), (("Q5_K",), "Int8Linear"), (("Q5_1",), "Int8Linear"), (("Q2_K",), "Int8Linear"),
+                                        (("Q4_K", "Q6_K"), "Int8Linear"), (("Q4_1", "Q5_1", "Q8_0"), "Int8Linear"),
                                         (("IQ4_NL",), "Int8Linear"), (("IQ4_XS", "Q8_0"), "Int8Linear")])
 def test_gpu_modules_are_the_row_layouts(types, kind):
     """Off the CPU the file's blocks load as the row layouts the GPU kernels read, exactly: 4-bit
     with mins in groups of 32 (Q4_K's scales in fp32), int8 for centred values in groups of 16 or
-    more (Q3_K's centred 3-bit values too); or as float where those cannot hold them (5-bit values
-    with mins, Q2_K's groups of 16 with mins, 4 + 5-bit mixes)."""
+    more (Q3_K's centred 3-bit values too), and int8 with a min per group for values with mins
+    that 4 bits in groups of 32 cannot hold (Q5_1, Q5_K, Q2_K's groups of 16, mixes with them)."""
     import torch
 
     from fasterllama.quant import gguf_native

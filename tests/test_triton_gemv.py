@@ -61,6 +61,23 @@ def test_triton_int8_gemv(shape, dtype, rows, group, cfg) -> None:
     assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg), ref) < _tol(dtype)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS[:2])
+@pytest.mark.parametrize("group", [16, 32])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_int8_gemv_with_mins(shape, rows, group, cfg) -> None:
+    """w = q * scale + min per group (Q5_1 / Q5_K / Q2_K off the CPU): the min term is min * sum(x)."""
+    N, K = shape
+    if K % group:
+        pytest.skip("group does not divide K")
+    q = torch.randint(0, 32, (N, K), device=DEVICE, dtype=torch.int8)
+    s = torch.rand(N, K // group, device=DEVICE) * 0.02
+    m = -torch.rand(N, K // group, device=DEVICE) * 0.3
+    x = torch.randn(rows, K, device=DEVICE).to(torch.bfloat16)
+    ref = quantized.int8_weight_linear(x.float(), q, s, None, m).to(torch.bfloat16)
+    assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg, mins=m), ref) < _tol(torch.bfloat16)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS)
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 2])

@@ -177,3 +177,22 @@ def test_gguf_k_quant_layouts(M: int, dtype: torch.dtype) -> None:
     scales, mins = scales.float() * (1 + 2**-14), mins.float() * (1 - 2**-13)  # not fp16 values
     assert not torch.equal(scales.half().float(), scales)
     _check(tlin.int4_weight_linear(x, packed, scales, mins, 32, None), ref.int4_weight_linear(x, packed, scales, mins, 32, None), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("group,levels", [(32, 32), (16, 4)])  # Q5_1 / Q5_K values 0..31; Q2_K's 0..3 in groups of 16
+def test_int8_weight_linear_with_mins(M: int, dtype: torch.dtype, group: int, levels: int) -> None:
+    """Values with a min per group (w = q * scale + min), as Q5_1, Q5_K and Q2_K tensors load off
+    the CPU: the min term of each group is min * sum(x) in the GEMV kernel, part of the dequantized
+    tile in the tensor-core one."""
+    N, K = SHAPES[-1]
+    g = torch.Generator(device="cpu").manual_seed(N + M + group)
+    q = torch.randint(0, levels, (N, K), generator=g, dtype=torch.int8).to(DEVICE)
+    scale = (torch.rand(N, K // group, generator=g) * 0.02 + 0.001).to(DEVICE)
+    mins = (-torch.rand(N, K // group, generator=g) * levels * 0.01).to(DEVICE)
+    x, bias = _x(M, K, dtype), _bias(N, dtype, True)
+    want = ref.int8_weight_linear(x, q, scale, bias, mins)
+    no_mins = ref.int8_weight_linear(x, q, scale, bias)
+    assert (want.float() - no_mins.float()).abs().max() > 0.1  # the mins matter
+    _check(tlin.int8_weight_linear(x, q, scale, bias, mins), want, dtype)

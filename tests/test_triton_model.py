@@ -117,3 +117,23 @@ def test_speculative_verify_steps_replay_the_decode_buckets(interpreted, gqa) ->
     s = engine.speculator
     assert 0 < s.num_accepted_tokens < s.num_draft_tokens
     assert 4 in engine.runner.decode_plan.graphs
+
+
+@pytest.mark.parametrize("weight_type", ["q5_k", "q2_k"])
+def test_gguf_off_cpu_layouts_with_mins(interpreted, monkeypatch, tmp_path, weight_type: str) -> None:
+    """A Q5_K (Q5_1 where rows are short) or Q2_K file in the row layouts a GPU loads (int8 values
+    with a scale and a min per group, gguf_native._module off the CPU), through the Triton kernels:
+    HF's logits on the same file and its greedy tokens."""
+    from fasterllama.quant import gguf_native
+    from fasterllama.quant.linear import Int8Linear
+
+    real = gguf_native._module
+    monkeypatch.setattr(gguf_native, "_module", lambda parts, device: real(parts, torch.device("cuda")))
+    hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.K_SPECS["kquant"]), weight_type)
+    path = tm.write_gguf(hf, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type=weight_type)
+    loaded = load_model(path, torch.float32, torch.device("cpu"), None, True, progress=False)
+    with_mins = [m for m in loaded.model.modules() if isinstance(m, Int8Linear) and m.weight_min is not None]
+    assert len(with_mins) >= 4 * tm.K_SPECS["kquant"].num_layers  # every projection kept quantized, none as float
+    engine = llm_engine.LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=48, max_num_seqs=4)
+    assert (engine.compute_logits(PROMPT) - tm.hf_logits(hf, PROMPT)).abs().max().item() < 1e-3
+    assert _greedy(engine, [PROMPT]) == [tm.hf_greedy(hf, PROMPT, 6)]

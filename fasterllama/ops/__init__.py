@@ -77,8 +77,8 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
 
 
 # -- quantized ops (see quantized.py) -----------------------------------------------------------
-def int8_weight_linear(x, qweight, scale, bias=None):
-    return get_op("int8_weight_linear", x.device)(x, qweight, scale, bias)
+def int8_weight_linear(x, qweight, scale, bias=None, mins=None):
+    return get_op("int8_weight_linear", x.device)(x, qweight, scale, bias, mins)
 
 
 def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):

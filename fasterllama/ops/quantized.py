@@ -270,17 +270,21 @@ def _chunked_dequant_linear(x2: torch.Tensor, n: int, dequant_rows, bias: torch.
     return out if bias is None else out + bias
 
 
-def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ (q * scale)^T for int8 q with per-channel [N] or per-group [N, K/g] scales.
+def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                       mins: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ (q * scale + min)^T for int8 q with per-channel [N] or per-group [N, K/g] scales (and,
+    with per-group scales, optionally per-group mins).
 
     Dequantizes a block of rows at a time into cache-sized float tiles and runs the float GEMM:
     on AVX2 CPUs this beats torch's int8-weight kernel with float activations by far."""
     N, K = qweight.shape
     G = 1 if scale.dim() == 1 else scale.shape[1]
     sc = scale.view(N, G, 1).to(x.dtype)
+    mn = None if mins is None else mins.view(N, G, 1).to(x.dtype)
 
     def rows(lo: int, hi: int) -> torch.Tensor:
-        return (qweight[lo:hi].view(hi - lo, G, K // G).to(x.dtype) * sc[lo:hi]).view(hi - lo, K)
+        w = qweight[lo:hi].view(hi - lo, G, K // G).to(x.dtype) * sc[lo:hi]
+        return (w if mn is None else w + mn[lo:hi]).view(hi - lo, K)
 
     return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
 

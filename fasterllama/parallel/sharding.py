@@ -179,7 +179,8 @@ def take(module: nn.Module, rows: torch.Tensor | None = None, cols: slice | None
         return W8A8Linear(module.qweight.data[r][:, c], module.weight_scale.data[r], module.input_scale, b, module.dtype, module.clip)
     if isinstance(module, Int8Linear):
         q, s = module.rows_layout()
-        return Int8Linear(q[r][:, c], s[r] if module.group_size is None else s[r][:, gc], b)
+        m = module.weight_min
+        return Int8Linear(q[r][:, c], s[r] if module.group_size is None else s[r][:, gc], b, None if m is None else m.data[r][:, gc])
     if isinstance(module, Int4Linear):
         q, s, m = module._rows(every)
         return Int4Linear(q[r][:, c], s[r][:, gc], m[r][:, gc], b, scale_dtype=s.dtype)

@@ -40,9 +40,10 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     """The quantized module for a (fused) projection's parts: on the CPU a PackedLinear, or where the
     parts' forms differ a FusedLinear of one per run of alike parts (each in its own width); on other
     devices the row layouts their kernels read: 4-bit values with a scale and min per group of 32
-    or more (Q4_0, Q4_1, Q4_K), int8 for other values without mins (Q5_0, Q8_0, Q3_K's and Q6_K's
-    groups of 16, IQ4's table values), scales fp16 where exact, else fp32. None where those cannot hold the parts
-    exactly (Q5_1, Q5_K, and Q2_K's groups of 16 with mins: loaded as float)."""
+    or more (Q4_0, Q4_1, Q4_K; scales fp16 where exact, else fp32), int8 for other values (Q5_0,
+    Q8_0, Q3_K's and Q6_K's groups of 16, IQ4's table values; with fp32 mins, Q5_1's and Q5_K's
+    values 0..31 and Q2_K's 0..3 in groups of 16). None where those cannot hold the parts exactly
+    (groups that are not a power of two of at least 16: loaded as float)."""
     if device.type == "cpu":
         runs: list[list[gguf_blocks.Blocks]] = []
         for b in parts:
@@ -63,6 +64,8 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     if b.mins is None:
         q = gguf_blocks.NL4_VALUES[b.q] if b.bits == gguf_blocks.NL4 else (b.q.astype(np.int16) - b.centre).astype(np.int8)
         return Int8Linear(torch.from_numpy(q), scale)
+    if b.bits != gguf_blocks.NL4:  # values 0 .. 2^bits - 1, or int8 (a Q8_0 part beside ones with mins)
+        return Int8Linear(torch.from_numpy(b.q.astype(np.int8)), scale, mins=torch.from_numpy(b.mins))
     return None
 
 

@@ -33,20 +33,24 @@ class _PanelStorage:
 
 
 class Int8Linear(_PanelStorage, nn.Module):
-    """Weight-only int8 (mode `w8`): per output channel, or per group of input columns (Q8_0-like)."""
+    """Weight-only int8 (mode `w8`): per output channel, or per group of input columns (Q8_0-like);
+    optionally with a min per group, w = q * scale + min (a GGUF's Q5_1, Q5_K and Q2_K blocks off
+    the CPU, whose values 0..31 or 0..3 it holds exactly; those stay in rows, never panels)."""
 
     ROW_FIELDS = ("qweight", "weight_scale")
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, mins: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = qweight.shape
         self.qweight = _buffer(qweight.contiguous())
         self.weight_scale = _buffer(scale.float().contiguous())
         self.bias = None if bias is None else _buffer(bias)
         self.group_size = None if scale.dim() == 1 else self.in_features // scale.shape[1]
+        assert mins is None or (self.group_size is not None and mins.shape == scale.shape), "mins need per-group scales of their shape"
+        self.weight_min = None if mins is None else _buffer(mins.float().contiguous())
 
     def use_panels(self) -> None:
-        if not self.panels:
+        if not self.panels and self.weight_min is None:  # (the CPU's int8 panels have no mins: rows and the reference op)
             qp, sp = ops.int8_to_panels(self.qweight, self.weight_scale)
             self.qweight, self.weight_scale = _buffer(qp), _buffer(sp)
             self.panels = True
@@ -63,13 +67,13 @@ class Int8Linear(_PanelStorage, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
             return ops.panel_linear(x, self.qweight, self.weight_scale, None, self.out_features, 8, self.bias)
-        return ops.int8_weight_linear(x, self.qweight, self.weight_scale, self.bias)
+        return ops.int8_weight_linear(x, self.qweight, self.weight_scale, self.bias, self.weight_min)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return dequantize_int8(*self.rows_layout(), dtype)
+        return dequantize_int8(*self.rows_layout(), dtype, self.weight_min)
 
     def dequantize_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_int8(*self._rows(rows), dtype)
+        return dequantize_int8(*self._rows(rows), dtype, None if self.weight_min is None else self.weight_min[rows])
 
 
 class Int4Linear(_PanelStorage, nn.Module):

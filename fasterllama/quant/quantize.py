@@ -17,12 +17,14 @@ def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch
     return q, (scale.view(N) if group_size is None else scale)
 
 
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32, mins: torch.Tensor | None = None) -> torch.Tensor:
+    """q * scale (+ min) per channel [N] or per group [N, G] (mins: per group only)."""
     N, K = q.shape
     if scale.dim() == 1:
         return (q.to(dtype) * scale.to(dtype)[:, None])
     groups = scale.shape[1]
-    return (q.view(N, groups, K // groups).to(dtype) * scale.to(dtype)[..., None]).view(N, K)
+    w = q.view(N, groups, K // groups).to(dtype) * scale.to(dtype)[..., None]
+    return (w if mins is None else w + mins.to(dtype)[..., None]).view(N, K)
 
 
 def search_scale_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1, nstep: int = 20,

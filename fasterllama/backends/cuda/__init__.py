@@ -32,14 +32,14 @@ def _gemv_ops(gemv, triton_linear) -> dict:
                 return gemv.float_gemv(x, weight, bias, cfg)
         return F.linear(x, weight, bias)
 
-    def int8_weight_linear(x, qweight, scale, bias=None):
+    def int8_weight_linear(x, qweight, scale, bias=None, mins=None):
         N, K = qweight.shape
         group = K // scale.shape[1] if scale.dim() == 2 else 0
         if rows(x) <= gemv.MAX_ROWS and gemv.supports("int8", K, group or 32):
-            kernel, cfg = gemv.choice("int8", N, K, group, x.dtype)
+            kernel, cfg = gemv.choice("int8", N, K, group, x.dtype, mins is not None)
             if kernel == "gemv":
-                return gemv.int8_gemv(x, qweight, scale, bias, cfg)
-        return triton_linear.int8_weight_linear(x, qweight, scale, bias)
+                return gemv.int8_gemv(x, qweight, scale, bias, cfg, mins)
+        return triton_linear.int8_weight_linear(x, qweight, scale, bias, mins)
 
     def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
         N, K = packed.shape[0], packed.shape[1] * 2

@@ -77,10 +77,11 @@ def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK
 
 
 @triton.jit
-def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
-                      GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr):
+def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
+                      GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
+                      HAS_MINS: tl.constexpr):
     """Tiles [BLOCK_N, GPB, GS]: GPB groups of GS columns (per channel: GS-column chunks, the
-    scale applied at the end). K % GS == 0."""
+    scale applied at the end). K % GS == 0. With mins (per group), min * sum(x) per group."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -105,6 +106,11 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT,
             acc0 += r0 * s
             if TWO:
                 acc1 += r1 * s
+            if HAS_MINS:
+                mn = tl.load(mn_ptr + offs_n[:, None] * G + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+                acc0 += mn * tl.sum(x0, axis=1)[None, :]
+                if TWO:
+                    acc1 += mn * tl.sum(x1, axis=1)[None, :]
         else:
             acc0 += r0
             if TWO:
@@ -182,15 +188,16 @@ def float_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-              cfg: Config = DEFAULT_CONFIG) -> torch.Tensor:
+              cfg: Config = DEFAULT_CONFIG, mins: torch.Tensor | None = None) -> torch.Tensor:
     N, K = qweight.shape
     s = scale.reshape(N, -1)
     G = s.shape[1]
     gs = K // G if G > 1 else 32
     x2 = _rows(x)
     gpb = max(1, cfg.tile_bytes // gs)
-    args = (qweight.contiguous(), s.contiguous())
-    out = _launch(_int8_gemv_kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1)
+    args = (qweight.contiguous(), s.contiguous(), s if mins is None else mins.contiguous())
+    out = _launch(_int8_gemv_kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1,
+                  HAS_MINS=mins is not None)
     return out.view(*x.shape[:-1], N)
 
 
@@ -219,8 +226,9 @@ _CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> (
 DEFAULT = {"float": "cublas", "int8": "gemv", "int4": "gemv"}
 
 
-def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype) -> tuple[str, Config]:
-    return _CHOICE.get((kind, N, K, group, dtype), (DEFAULT[kind], DEFAULT_CONFIG))
+def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype, mins: bool = False) -> tuple[str, Config]:
+    key = (kind, N, K, group, dtype) + (("mins",) if mins else ())
+    return _CHOICE.get(key, (DEFAULT[kind], DEFAULT_CONFIG))
 
 
 def _time(fn, calls: int = 10, replays: int = 5) -> float:
@@ -256,11 +264,12 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
         fns = {("gemv", c): (lambda c=c: float_gemv(x, w, cfg=c)) for c in CONFIGS}
         return ("float", *w.shape, 0, x.dtype), {("cublas", DEFAULT_CONFIG): lambda: F.linear(x, w), **fns}
     if isinstance(module, Int8Linear) and not module.panels:
-        q, s = module.qweight, module.weight_scale
+        q, s, m = module.qweight, module.weight_scale, module.weight_min
         if not supports("int8", q.shape[1], module.group_size or 32):
             return (), {}
-        fns = {("gemv", c): (lambda c=c: int8_gemv(x, q, s, cfg=c)) for c in CONFIGS}
-        return ("int8", *q.shape, module.group_size or 0, x.dtype), {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s), **fns}
+        fns = {("gemv", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m)) for c in CONFIGS}
+        key = ("int8", *q.shape, module.group_size or 0, x.dtype) + (("mins",) if m is not None else ())
+        return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s, mins=m), **fns}
     if isinstance(module, Int4Linear) and not module.panels:
         args = (module.qweight, module.scales, module.mins, module.group_size)
         fns = {("gemv", c): (lambda c=c: int4_gemv(x, *args, cfg=c)) for c in CONFIGS}

@@ -155,13 +155,14 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, b_ptr, xs_ptr, ws_ptr, M, N, SPLITS
 # -- int8 weights, float activations --------------------------------------------------------------------
 @triton.jit
 def _int8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, k_split,
+    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, k_split,
     PER_GROUP: tl.constexpr, GS: tl.constexpr, GPB: tl.constexpr, GS_T: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MINS: tl.constexpr,
 ):
-    """Rows [pid_n * BLOCK_N, +BLOCK_N) of x @ (q * s)^T over K slice pid_k, for all M <= BLOCK_M
-    rows of x. A weight tile is [BLOCK_N, GPB, GS_T]: GPB runs of GS_T columns, each inside one
-    scale group of GS columns (per channel: one run, the scale applied at the end)."""
+    """Rows [pid_n * BLOCK_N, +BLOCK_N) of x @ (q * s + min)^T over K slice pid_k, for all M <=
+    BLOCK_M rows of x. A weight tile is [BLOCK_N, GPB, GS_T]: GPB runs of GS_T columns, each inside
+    one scale group of GS columns (per channel: one run, the scale applied at the end); a run's
+    min term is min * sum(x over the run)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BLOCK_K: tl.constexpr = GPB * GS_T
@@ -180,11 +181,15 @@ def _int8_gemv_kernel(
         if PER_GROUP:
             kg = k0 + offs_g * GS_T
             s = tl.load(s_ptr + offs_n[:, None] * G + (kg // GS)[None, :], mask=n_ok[:, None] & (kg < K)[None, :], other=0.0)
+            if HAS_MINS:
+                mn = tl.load(mn_ptr + offs_n[:, None] * G + (kg // GS)[None, :], mask=n_ok[:, None] & (kg < K)[None, :], other=0.0)
         for m in tl.static_range(BLOCK_M):  # the weight tile stays in registers for every row
             xv = tl.load(x_ptr + m * stride_xm + k, mask=k_ok & (m < M), other=0.0).to(tl.float32)
             r = tl.sum(w * xv[None, :, :], axis=2)
             if PER_GROUP:
                 r = r * s
+                if HAS_MINS:
+                    r += mn * tl.sum(xv, axis=1)[None, :]
             acc = tl.where(rows[None, :] == m, acc + tl.sum(r, axis=1)[:, None], acc)
     if not PER_GROUP:
         acc *= tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
@@ -193,9 +198,10 @@ def _int8_gemv_kernel(
 
 @triton.jit
 def _int8_linear_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, k_split,
+    x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, k_split,
     PER_GROUP: tl.constexpr, GS: tl.constexpr, GPB: tl.constexpr, GS_T: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MINS: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """The tl.dot version: the weight tile (laid out as in the GEMV kernel) is dequantized to the
     activation dtype (exactly, per channel: the scale comes in the epilogue) and multiplied on
@@ -224,6 +230,8 @@ def _int8_linear_kernel(
             kg = k0 + offs_g * GS_T
             s = tl.load(s_ptr + offs_n[:, None] * G + (kg // GS)[None, :], mask=n_ok[:, None] & (kg < K)[None, :], other=0.0)
             w = w * s[:, :, None]
+            if HAS_MINS:
+                w += tl.load(mn_ptr + offs_n[:, None] * G + (kg // GS)[None, :], mask=n_ok[:, None] & (kg < K)[None, :], other=0.0)[:, :, None]
         w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(xt.dtype)
         acc = tl.dot(xt, tl.trans(w), acc, input_precision=PRECISION)
     if not PER_GROUP:
@@ -231,9 +239,11 @@ def _int8_linear_kernel(
     _store(out_ptr + pid_k * M * N, acc, offs_m, offs_n, M, N, b_ptr, HAS_BIAS)
 
 
-def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (q * scale)^T (+ bias) -> [..., N] in x.dtype, for int8 q [N, K] and fp32 scales
-    per output channel [N] or per group of K/G input columns [N, G] (G > 1: K/G a power of two)."""
+def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                       mins: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (q * scale + min)^T (+ bias) -> [..., N] in x.dtype, for int8 q [N, K] and fp32
+    scales per output channel [N] or per group of K/G input columns [N, G] (G > 1: K/G a power of
+    two), with fp32 mins [N, G] or none."""
     N, K = qweight.shape
     x2 = x.reshape(-1, K).contiguous()
     M = x2.shape[0]
@@ -243,6 +253,7 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     gs = K // G
     if per_group:
         assert gs * G == K and gs & (gs - 1) == 0, f"per-group scales need a power-of-two group, got K={K}, G={G}"
+    assert mins is None or (per_group and mins.shape == s.shape), "mins need per-group scales"
     if M == 0:
         return x.new_empty(*x.shape[:-1], N)
     qweight = qweight.contiguous()
@@ -257,8 +268,8 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
     common = {"PER_GROUP": per_group, "GS": gs if per_group else 1, "GPB": block_k // gs_t, "GS_T": gs_t, "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages}
-    args = (x2, qweight, s, bias if has_bias else s, part, M, N, K, G, x2.stride(0), per * block_k)
+              "HAS_BIAS": has_bias, "HAS_MINS": mins is not None, "num_warps": warps, "num_stages": stages}
+    args = (x2, qweight, s, s if mins is None else mins.contiguous(), bias if has_bias else s, part, M, N, K, G, x2.stride(0), per * block_k)
     if gemv:
         _int8_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
     else:
