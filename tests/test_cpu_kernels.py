@@ -538,6 +538,37 @@ def test_prefill_attention(group, d, start, n):
     _close(ck.attention(q, k_cache, v_cache, meta, 0.3), ref.attention(q, k_cache, v_cache, meta, 0.3))
 
 
+def test_sample_rows_draws_the_reference_samplers_tokens():
+    """The one-pass C sampler against the PyTorch sampler (engine/sampler.py) on rows of every
+    kind: greedy, temperatures, top-k (1, some, past the vocabulary), top-p through the top-256
+    candidates and through the full-sort fallback (a flat distribution), min-p, mixes. Tokens are
+    equal except where the reference's two best scores tie to 1e-5 (rounding may order them apart)."""
+    from fasterllama import SamplingParams
+    from fasterllama.engine import sampler
+    from fasterllama.engine.sequence import Sequence
+
+    V, g = 3000, torch.Generator().manual_seed(3)
+    rows, logits = [], []
+    for i in range(96):
+        params = SamplingParams(temperature=[0.0, 0.3, 0.8, 1.5][i % 4], top_k=[0, 1, 7, 50, V + 10][i % 5], top_p=[1.0, 0.9, 0.5, 0.99][i // 4 % 4],
+                                min_p=[0.0, 0.05, 0.3][i // 16 % 3], seed=int(torch.randint(0, 2**62, (1,), generator=g)))
+        seq = Sequence([1, 2, 3], params, None, params.seed)
+        seq.output_token_ids = list(range(i % 7))  # steps 0..6
+        rows.append((seq, []))
+        logits.append(torch.randn(V, generator=g) * (0.01 if i % 6 == 5 else 4.0))  # every sixth flat: top-p falls back to the full sort
+    logits = torch.stack(logits)
+    b = sampler.sampling_batch(rows, V, [2], logits.device)
+    want = sampler.sample_with_probs(logits, b)[0]
+    got = ck.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
+    probs = sampler.probabilities(logits, b)
+    scores = (probs / -torch.log(sampler.hashed_uniform(b.seeds, b.steps, V)).float()).topk(2, dim=-1).values
+    near_tie = (scores[:, 0] - scores[:, 1]) <= 1e-5 * scores[:, 0]
+    assert ((got == want) | near_tie | (b.temperature == 0) & (got == want)).all()
+    assert (got == want).float().mean() > 0.98
+    assert len(set(want.tolist())) > 40  # the rows draw different tokens (not all the argmax)
+    assert not torch.equal(want, logits.argmax(-1))
+
+
 @pytest.mark.skipif(bool(os.environ.get("FASTERLLAMA_CFLAGS")), reason="already a custom build")
 def test_avx2_build_matches_reference():
     """The AVX2 code paths (the CI machine may lack AVX-512) pass the same op tests, built with

@@ -197,7 +197,11 @@ def sample_with_probs(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Ten
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """Next token per row: argmax for greedy rows, a seeded draw otherwise."""
+    """Next token per row: argmax for greedy rows, a seeded draw otherwise; in one kernel where the
+    backend has one (ops `sample_rows`: the same draw as sample_with_probs, up to rounding)."""
+    fused = ops.registered("sample_rows", logits.device)
+    if fused is not None and logits.dim() == 2:
+        return fused(penalized(logits, b), b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
     return sample_with_probs(logits, b)[0]
 
 

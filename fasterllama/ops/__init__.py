@@ -48,6 +48,13 @@ def get_op(name: str, device: torch.device | str) -> Callable:
     return fn
 
 
+def registered(name: str, device: torch.device | str) -> Callable | None:
+    """A backend's own version of `name` for this device, None if it has none (for ops whose
+    reference lives with their caller: the sampler's `sample_rows`)."""
+    device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    return _BACKENDS.get(device_type, {}).get(name)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return get_op("rms_norm", x.device)(x, weight, eps)
 

@@ -43,6 +43,7 @@ _SIGNATURES = {
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
     "fl_argmax_rows": [_P, _I, _I, _P],
+    "fl_sample_rows": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P],
     "fl_rope_store_kv": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _I, _I, _P],
     "fl_decode_attention": [_P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_prefill_attention": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
@@ -296,6 +297,18 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The next token of each row of fp32 logits [B, V] (penalties already applied): the reference
+    sampler's draw (engine/sampler.py: sample_with_probs) in one C pass per row."""
+    B, V = logits.shape
+    assert logits.dtype == torch.float32 and 0 < V < 1 << 31
+    args = [t.contiguous() for t in (temperature.float(), top_k.long(), top_p.float(), min_p.float(), seeds.long(), steps.long())]
+    out = torch.empty(B, dtype=torch.int64)
+    _lib.fl_sample_rows(logits.contiguous().data_ptr(), B, V, *(a.data_ptr() for a in args), out.data_ptr())
+    return out
+
+
 def paged(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Caches the C kernels read: fp32 [blocks, kv_heads, block_size, head_dim] views whose rows
     are contiguous (blocks and heads at any strides, the same for K and V), blocks of a power of
@@ -350,7 +363,8 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
 
 OPS = {
     "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8, "dequantize_panel_rows": dequantize_panel_rows,
-    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "rope_and_store_kv": rope_and_store_kv, "attention": attention,
+    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "sample_rows": sample_rows,
+    "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 
 

@@ -894,6 +894,158 @@ void fl_argmax_rows(const float *x, int64_t M, int64_t N, int64_t *out) {
     for (int64_t m = 0; m < M; m++) out[m] = argmax_row(x + m * N, N);
 }
 
+/* ---- sampling: one pass per row where the reference sampler (engine/sampler.py) makes ~20 ----
+ * The same draw as sampler.apply_temperature_and_filters + draw: logits / temperature, top-k
+ * (keep >= the k-th largest), top-p (keep a token while the mass of the tokens above it is <
+ * top_p; among the top 256 candidates, else over a full ascending sort: remove while the mass up
+ * to it is <= 1 - top_p), min-p (drop p < min_p * p(max)), then argmax of p / -log(u) with u the
+ * counter-based hash of (seed, step, token). Softmax terms e = exp(l - max) are computed once: the
+ * max token always survives, so every stage's softmax is e / (its sum over the kept tokens).
+ * Temperature 0: argmax of the logits. Agrees with the reference to rounding (sums in another
+ * order): a different token only where two candidates' scores tie to ~1e-7. */
+static inline uint64_t sample_hash(uint64_t seed, uint64_t step, uint64_t idx) {
+    const uint64_t m1 = 0x9E3779B97F4A7C15ULL, m2 = 0xBF58476D1CE4E5B9ULL, m3 = 0x94D049BB133111EBULL;
+    uint64_t x = (seed * m1) ^ (step * m2 + idx);
+    x *= m1;
+    x = (x ^ (x >> 30)) * m2;
+    x = (x ^ (x >> 27)) * m3;
+    return x ^ (x >> 31);
+}
+
+typedef struct { float p; int32_t i; } prob_idx_t;
+
+static int by_prob_desc(const void *a, const void *b) {
+    const prob_idx_t *x = a, *y = b;
+    return x->p != y->p ? (x->p < y->p ? 1 : -1) : (x->i > y->i) - (x->i < y->i);
+}
+
+/* the k-th largest of x[0..n) (1 <= k <= n), x reordered: quickselect */
+static float kth_largest(float *x, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;
+    while (hi > lo) {
+        const float pivot = x[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (x[i] > pivot) i++;
+            while (x[j] < pivot) j--;
+            if (i <= j) { float t = x[i]; x[i] = x[j]; x[j] = t; i++; j--; }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return x[want];
+    }
+    return x[want];
+}
+
+/* top-p over the kept tokens (e > 0 marks them), e updated in place (0: removed): the most likely
+ * 256 tokens sorted (then 4,096, then all, where those hold less than top_p of the mass), a token
+ * kept while the mass above it is < top_p */
+static void top_p_mask(float *e, int32_t *idx, prob_idx_t *cand, float *tmp, int64_t V, float top_p) {
+    float sum = 0.0f;
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++)
+        if (e[i] > 0.0f) { sum += e[i]; idx[n++] = (int32_t)i; }
+    const float inv = 1.0f / sum;
+    for (int64_t want = 256;; want *= 16) {
+        int64_t c = 0;
+        if (n > want) { /* the want-th largest probability, then those above it (ties: the first ones) */
+            for (int64_t j = 0; j < n; j++) tmp[j] = e[idx[j]];
+            const float kth = kth_largest(tmp, n, want);
+            for (int64_t j = 0; j < n && c < want; j++)
+                if (e[idx[j]] > kth) cand[c++] = (prob_idx_t){e[idx[j]] * inv, idx[j]};
+            for (int64_t j = 0; j < n && c < want; j++)
+                if (e[idx[j]] == kth) cand[c++] = (prob_idx_t){e[idx[j]] * inv, idx[j]};
+        } else {
+            for (int64_t j = 0; j < n; j++) cand[c++] = (prob_idx_t){e[idx[j]] * inv, idx[j]};
+        }
+        qsort(cand, (size_t)c, sizeof(prob_idx_t), by_prob_desc);
+        float mass = 0.0f;
+        for (int64_t j = 0; j < c; j++) mass += cand[j].p;
+        if (c < n && mass < top_p) continue; /* the nucleus reaches past these candidates */
+        double cs = 0.0;
+        int64_t kept = 0;
+        for (; kept < c; kept++) {
+            cs += cand[kept].p;
+            if (!((float)cs - cand[kept].p < top_p)) break;
+        }
+        kept = kept > 0 ? kept : 1; /* the top token always stays */
+        for (int64_t j = 0; j < n; j++) tmp[idx[j]] = 0.0f; /* (tmp as a mark per token) */
+        for (int64_t j = 0; j < kept; j++) tmp[cand[j].i] = 1.0f;
+        for (int64_t j = 0; j < n; j++)
+            if (tmp[idx[j]] == 0.0f) e[idx[j]] = 0.0f;
+        return;
+    }
+}
+
+/* sum of e[0..n) (8 lanes, then the tail) */
+static float sum_floats(const float *e, int64_t n) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, _mm256_loadu_ps(e + i));
+    float s = hsum8(acc);
+    for (; i < n; i++) s += e[i];
+    return s;
+}
+
+void fl_sample_rows(const float *logits, int64_t B, int64_t V, const float *temperature, const int64_t *top_k, const float *top_p,
+                    const float *min_p, const int64_t *seeds, const int64_t *steps, int64_t *out) {
+    float *l = malloc((size_t)V * sizeof(float)), *tmp = malloc((size_t)V * sizeof(float));
+    int32_t *idx = malloc((size_t)V * sizeof(int32_t));
+    prob_idx_t *cand = malloc((size_t)V * sizeof(prob_idx_t));
+    for (int64_t b = 0; b < B; b++) {
+        const float *x = logits + b * V;
+        if (temperature[b] == 0.0f) { out[b] = argmax_row(x, V); continue; }
+        const __m256 vt = _mm256_set1_ps(temperature[b]);
+        __m256 vmx = _mm256_set1_ps(-INFINITY);
+        int64_t i = 0;
+        for (; i + 8 <= V; i += 8) {
+            const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vt);
+            _mm256_storeu_ps(l + i, v);
+            vmx = _mm256_max_ps(vmx, v);
+        }
+        float mx = hmax8(vmx);
+        for (; i < V; i++) { l[i] = x[i] / temperature[b]; mx = l[i] > mx ? l[i] : mx; }
+        const int64_t k = top_k[b];
+        float floor_l = -INFINITY; /* top-k: keep l >= the k-th largest */
+        if (k > 0 && k < V) {
+            memcpy(tmp, l, (size_t)V * sizeof(float));
+            floor_l = kth_largest(tmp, V, k);
+        }
+        /* e = exp(l - max) where kept, else 0 (in place of l; -inf logits are never kept) */
+        float *e = l;
+        const __m256 vmax = _mm256_set1_ps(mx), vfloor = _mm256_set1_ps(floor_l), vninf = _mm256_set1_ps(-INFINITY);
+        for (i = 0; i + 8 <= V; i += 8) {
+            const __m256 v = _mm256_loadu_ps(l + i);
+            const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, vfloor, _CMP_GE_OQ), _mm256_cmp_ps(v, vninf, _CMP_NEQ_OQ));
+            _mm256_storeu_ps(e + i, _mm256_and_ps(exp8(_mm256_sub_ps(v, vmax)), keep));
+        }
+        for (; i < V; i++) e[i] = l[i] >= floor_l && l[i] != -INFINITY ? expf(l[i] - mx) : 0.0f;
+        if (top_p[b] < 1.0f) top_p_mask(e, idx, cand, tmp, V, top_p[b]);
+        float sum = sum_floats(e, V);
+        if (min_p[b] > 0.0f) { /* drop p < min_p * p(max) (the max token's e is 1) */
+            const float thr = min_p[b] * (1.0f / sum);
+            for (i = 0; i < V; i++)
+                if (e[i] > 0.0f && e[i] / sum < thr) e[i] = 0.0f;
+            sum = sum_floats(e, V);
+        }
+        /* argmax of p / n, n = -log(u) >= 1 - u: a token whose p / (1 - u) cannot pass the best
+         * so far skips the log */
+        const float inv = 1.0f / sum;
+        const uint64_t seed = (uint64_t)seeds[b], step = (uint64_t)steps[b];
+        float best = -1.0f;
+        int64_t arg = 0;
+        for (i = 0; i < V; i++) {
+            if (e[i] == 0.0f) continue;
+            const double u = ((double)(sample_hash(seed, step, (uint64_t)i) >> 40) + 0.5) / 16777216.0;
+            if ((double)(e[i] * inv) * (1.0 + 1e-6) < (double)best * (1.0 - u)) continue;
+            const float s = e[i] / sum / (float)(-log(u));
+            if (s > best) { best = s; arg = i; }
+        }
+        out[b] = arg;
+    }
+    free(l); free(tmp); free(idx); free(cand);
+}
+
 /* The KV cache is paged: per layer K and V hold blocks of bs rows (bs = 1 << shift, a power of
  * two >= 8) for each KV head, row r of head h of block b at b * sb + h * sh + r * D floats; key
  * position p of a sequence sits in block table[p >> shift], row p & (bs - 1). The engine lays a
