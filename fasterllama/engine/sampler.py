@@ -86,16 +86,20 @@ def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token
         for i, (n, p) in enumerate(zip(steps, ps)):
             if n < p.min_tokens:
                 suppress[i, [t for t in {*eos_token_ids, *p.stop_token_ids} if t < vocab]] = True
+    # the per-row numbers in two copies to the device (one per dtype), not nine
+    floats = col([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps], [p.repetition_penalty for p in ps],
+                  [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]], f32)
+    ints = col([[p.top_k for p in ps], [s.seed for s, _ in rows], steps], torch.int64)
     return SamplingBatch(
-        temperature=col([p.temperature for p in ps], f32),
-        top_k=col([p.top_k for p in ps], torch.int64),
-        top_p=col([p.top_p for p in ps], f32),
-        min_p=col([p.min_p for p in ps], f32),
-        repetition_penalty=col([p.repetition_penalty for p in ps], f32),
-        presence_penalty=col([p.presence_penalty for p in ps], f32),
-        frequency_penalty=col([p.frequency_penalty for p in ps], f32),
-        seeds=col([s.seed for s, _ in rows], torch.int64),
-        steps=col(steps, torch.int64),
+        temperature=floats[0],
+        top_k=ints[0],
+        top_p=floats[1],
+        min_p=floats[2],
+        repetition_penalty=floats[3],
+        presence_penalty=floats[4],
+        frequency_penalty=floats[5],
+        seeds=ints[1],
+        steps=ints[2],
         prompt_tokens=padded([s.prompt_token_ids for s, _ in rows]) if needs_prompt else None,
         output_tokens=padded([s.output_token_ids + extra for s, extra in rows]) if needs_output else None,
         suppress=suppress,

@@ -1,6 +1,7 @@
 """The CUDA backend: Triton kernels for every op of the decode step (row-wise norms and SiLU,
 RoPE + KV store, decode and prefill attention, GEMV/GEMMs over weights kept quantized, the
-W8A8 GEMM), bf16 by default, and decode steps replayed from CUDA graphs (graphs.py).
+W8A8 GEMM) and for sampling (one launch a step), bf16 by default, and decode steps replayed
+from CUDA graphs (graphs.py).
 
 Without Triton (or with FASTERLLAMA_NO_TRITON=1) the PyTorch reference ops run, eagerly."""
 
@@ -57,7 +58,7 @@ def kernel_ops() -> dict | None:
     if os.environ.get("FASTERLLAMA_NO_TRITON") == "1":
         return None
     try:
-        from . import gemv, triton_attention, triton_linear, triton_norm
+        from . import gemv, triton_attention, triton_linear, triton_norm, triton_sampling
     except ImportError as e:  # triton not installed: the reference ops still run
         log.warning("Triton unavailable (%s): CUDA runs the PyTorch reference ops", e)
         return None
@@ -67,6 +68,7 @@ def kernel_ops() -> dict | None:
         "attention": triton_attention.attention,
         **_gemv_ops(gemv, triton_linear),
         "int8_linear": triton_linear.int8_gemm_dequant,
+        "sample_rows": triton_sampling.sample_rows,
     }
 
 

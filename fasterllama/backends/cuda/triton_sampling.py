@@ -1,0 +1,147 @@
+"""Sampling in one launch: the next token of each row of logits, as the PyTorch sampler draws it.
+
+Why: engine/sampler.py makes ~20 tensor ops over the vocabulary a step (softmaxes, a top-256
+sort for top-p, the counter-based hash and log of every token), each a kernel launch and a trip
+through the host. One program per row here does the same in passes over the row, with nothing
+sorted: temperature and the max; top-k as a threshold (the largest key K with at least k logits
+at or above it, found by bisection over the float's ordered bit pattern, so ties are kept as the
+reference keeps them); e = exp(l - max) over the kept tokens (the max token always survives, so
+each stage's softmax is e over its kept sum); top-p as the smallest key K whose tokens above it
+hold less than top_p of the mass (bisection again), a token kept while the mass above it is
+< top_p; min-p; then the argmax of p / -log(u), u from splitmix64 of (seed, step, token) exactly
+as sampler.hashed_uniform. The tokens equal the reference's except where two candidates' scores
+(or a token at a top-p boundary) tie to rounding. Temperature 0: the argmax of the logits."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 2048  # tokens a program handles per step of a pass
+
+
+@triton.jit
+def _key(x):
+    """fp32 -> int32 whose signed order is the floats' order."""
+    b = x.to(tl.int32, bitcast=True)
+    return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
+
+
+@triton.jit
+def _scaled(x_ptr, offs, V, t):
+    ok = offs < V
+    return tl.where(ok, tl.load(x_ptr + offs, mask=ok, other=float("-inf")).to(tl.float32) / t, float("-inf")), ok
+
+
+@triton.jit
+def _hash_uniform(seed, step, idx):
+    """sampler.hashed_uniform for (seed, step, token idx): splitmix64, the top 24 bits, fp64."""
+    m1 = tl.full([], 0x9E3779B97F4A7C15, tl.uint64)
+    m2 = tl.full([], 0xBF58476D1CE4E5B9, tl.uint64)
+    m3 = tl.full([], 0x94D049BB133111EB, tl.uint64)
+    x = (seed * m1) ^ (step * m2 + idx.to(tl.uint64))
+    x = x * m1
+    x = (x ^ (x >> 30)) * m2
+    x = (x ^ (x >> 27)) * m3
+    x = x ^ (x >> 31)
+    return ((x >> 40).to(tl.float64) + 0.5) / 16777216.0
+
+
+@triton.jit
+def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_ptr, V, stride_x, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    t = tl.load(t_ptr + row)
+    lanes = tl.arange(0, BLOCK)
+    if t == 0.0:  # greedy: the first maximal logit
+        best, arg = tl.full([], float("-inf"), tl.float32), tl.full([], 0, tl.int32)
+        for start in range(0, V, BLOCK):
+            v, ok = _scaled(x_row, start + lanes, V, 1.0)
+            m = tl.max(v, axis=0)
+            if m > best:
+                best, arg = m, start + tl.argmax(v, axis=0)
+        tl.store(out_ptr + row, arg.to(tl.int64))
+        return
+    mx = tl.full([], float("-inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        mx = tl.maximum(mx, tl.max(_scaled(x_row, start + lanes, V, t)[0], axis=0))
+    # top-k: the largest key K with >= k logits at or above it (keys of -inf and below count all)
+    k = tl.load(k_ptr + row)
+    floor_key = tl.full([], -2147483648, tl.int64)
+    if k > 0 and k < V:
+        lo, hi = tl.full([], -2147483648, tl.int64), tl.full([], 2147483647, tl.int64)
+        for _ in range(32):
+            mid = lo + (hi - lo + 1) // 2
+            count = 0
+            for start in range(0, V, BLOCK):
+                v, ok = _scaled(x_row, start + lanes, V, t)
+                count += tl.sum((ok & (_key(v).to(tl.int64) >= mid)).to(tl.int32), axis=0)
+            if count >= k:
+                lo = mid
+            else:
+                hi = mid - 1
+        floor_key = lo
+    # top-p: the smallest key K of e whose tokens above it hold < top_p of the kept mass
+    total = 0.0
+    for start in range(0, V, BLOCK):
+        v, ok = _scaled(x_row, start + lanes, V, t)
+        kept = ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf"))
+        total += tl.sum(tl.where(kept, tl.exp(v - mx), 0.0), axis=0)
+    top_p = tl.load(p_ptr + row)
+    e_floor = tl.full([], -1, tl.int64)  # keep e with key >= e_floor (e >= 0: every key >= 0)
+    if top_p < 1.0:
+        target = top_p * total
+        lo, hi = tl.full([], -1, tl.int64), tl.full([], 2147483647, tl.int64)  # mass above lo >= target > mass above hi
+        for _ in range(32):
+            if hi - lo > 1:
+                mid = lo + (hi - lo) // 2
+                above = 0.0
+                for start in range(0, V, BLOCK):
+                    v, ok = _scaled(x_row, start + lanes, V, t)
+                    e = tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
+                    above += tl.sum(tl.where(_key(e).to(tl.int64) > mid, e, 0.0), axis=0)
+                if above < target:
+                    hi = mid
+                else:
+                    lo = mid
+        e_floor = hi
+    # min-p, over what top-k and top-p kept
+    kept_sum = 0.0
+    for start in range(0, V, BLOCK):
+        v, ok = _scaled(x_row, start + lanes, V, t)
+        e = tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
+        kept_sum += tl.sum(tl.where(_key(e).to(tl.int64) >= e_floor, e, 0.0), axis=0)
+    min_p = tl.load(mp_ptr + row)  # kept while p >= min_p * p(max), p = e / kept_sum (the max token's e is 1)
+    final_sum = 0.0
+    for start in range(0, V, BLOCK):
+        v, ok = _scaled(x_row, start + lanes, V, t)
+        e = tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
+        e = tl.where((_key(e).to(tl.int64) >= e_floor) & (e / kept_sum >= min_p * (1.0 / kept_sum)), e, 0.0)
+        final_sum += tl.sum(e, axis=0)
+    seed = tl.load(seed_ptr + row).to(tl.uint64)
+    step = tl.load(step_ptr + row).to(tl.uint64)
+    best, arg = tl.full([], -1.0, tl.float32), tl.full([], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + lanes
+        v, ok = _scaled(x_row, offs, V, t)
+        e = tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
+        e = tl.where((_key(e).to(tl.int64) >= e_floor) & (e / kept_sum >= min_p * (1.0 / kept_sum)), e, 0.0)
+        noise = (-tl.log(_hash_uniform(seed, step, offs))).to(tl.float32)
+        s = tl.where(e > 0.0, (e / final_sum) / noise, -1.0)
+        m = tl.max(s, axis=0)
+        if m > best:
+            best, arg = m, start + tl.argmax(s, axis=0)
+    tl.store(out_ptr + row, arg.to(tl.int64))
+
+
+def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The next token of each row of logits [B, V] (penalties applied): sampler.sample's draw."""
+    B, V = logits.shape
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    out = torch.empty(B, dtype=torch.int64, device=logits.device)
+    if B:
+        args = (temperature.float(), top_k.long(), top_p.float(), min_p.float(), seeds.long(), steps.long())
+        _sample_kernel[(B,)](x, *(a.contiguous() for a in args), out, V, x.stride(0), BLOCK=BLOCK, num_warps=8)
+    return out
