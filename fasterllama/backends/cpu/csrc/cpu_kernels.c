@@ -987,63 +987,76 @@ static float sum_floats(const float *e, int64_t n) {
     return s;
 }
 
-void fl_sample_rows(const float *logits, int64_t B, int64_t V, const float *temperature, const int64_t *top_k, const float *top_p,
-                    const float *min_p, const int64_t *seeds, const int64_t *steps, int64_t *out) {
-    float *l = malloc((size_t)V * sizeof(float)), *tmp = malloc((size_t)V * sizeof(float));
+/* one row's token; scratch for V floats (l, tmp), V indices and V candidates */
+static int64_t sample_row(const float *x, int64_t V, float temperature, int64_t k, float top_p, float min_p, uint64_t seed, uint64_t step,
+                          float *l, float *tmp, int32_t *idx, prob_idx_t *cand) {
+    if (temperature == 0.0f) return argmax_row(x, V);
+    const __m256 vt = _mm256_set1_ps(temperature);
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vt);
+        _mm256_storeu_ps(l + i, v);
+        vmx = _mm256_max_ps(vmx, v);
+    }
+    float mx = hmax8(vmx);
+    for (; i < V; i++) { l[i] = x[i] / temperature; mx = l[i] > mx ? l[i] : mx; }
+    float floor_l = -INFINITY; /* top-k: keep l >= the k-th largest */
+    if (k > 0 && k < V) {
+        memcpy(tmp, l, (size_t)V * sizeof(float));
+        floor_l = kth_largest(tmp, V, k);
+    }
+    /* e = exp(l - max) where kept, else 0 (in place of l; -inf logits are never kept) */
+    float *e = l;
+    const __m256 vmax = _mm256_set1_ps(mx), vfloor = _mm256_set1_ps(floor_l), vninf = _mm256_set1_ps(-INFINITY);
+    for (i = 0; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(l + i);
+        const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, vfloor, _CMP_GE_OQ), _mm256_cmp_ps(v, vninf, _CMP_NEQ_OQ));
+        _mm256_storeu_ps(e + i, _mm256_and_ps(exp8(_mm256_sub_ps(v, vmax)), keep));
+    }
+    for (; i < V; i++) e[i] = l[i] >= floor_l && l[i] != -INFINITY ? expf(l[i] - mx) : 0.0f;
+    if (top_p < 1.0f) top_p_mask(e, idx, cand, tmp, V, top_p);
+    float sum = sum_floats(e, V);
+    if (min_p > 0.0f) { /* drop p < min_p * p(max) (the max token's e is 1) */
+        const float thr = min_p * (1.0f / sum);
+        for (i = 0; i < V; i++)
+            if (e[i] > 0.0f && e[i] / sum < thr) e[i] = 0.0f;
+        sum = sum_floats(e, V);
+    }
+    /* argmax of p / n, n = -log(u) >= 1 - u: a token whose p / (1 - u) cannot pass the best
+     * so far skips the log */
+    const float inv = 1.0f / sum;
+    float best = -1.0f;
+    int64_t arg = 0;
+    for (i = 0; i < V; i++) {
+        if (e[i] == 0.0f) continue;
+        const double u = ((double)(sample_hash(seed, step, (uint64_t)i) >> 40) + 0.5) / 16777216.0;
+        if ((double)(e[i] * inv) * (1.0 + 1e-6) < (double)best * (1.0 - u)) continue;
+        const float s = e[i] / sum / (float)(-log(u));
+        if (s > best) { best = s; arg = i; }
+    }
+    return arg;
+}
+
+/* row b of fl_sample_rows, with its own scratch (rows run on both threads) */
+static int64_t sample_row_b(const float *logits, int64_t b, int64_t V, const float *temperature, const int64_t *top_k, const float *top_p,
+                            const float *min_p, const int64_t *seeds, const int64_t *steps) {
+    float *l = malloc((size_t)V * sizeof(float));
+    float *tmp = malloc((size_t)V * sizeof(float));
     int32_t *idx = malloc((size_t)V * sizeof(int32_t));
     prob_idx_t *cand = malloc((size_t)V * sizeof(prob_idx_t));
-    for (int64_t b = 0; b < B; b++) {
-        const float *x = logits + b * V;
-        if (temperature[b] == 0.0f) { out[b] = argmax_row(x, V); continue; }
-        const __m256 vt = _mm256_set1_ps(temperature[b]);
-        __m256 vmx = _mm256_set1_ps(-INFINITY);
-        int64_t i = 0;
-        for (; i + 8 <= V; i += 8) {
-            const __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), vt);
-            _mm256_storeu_ps(l + i, v);
-            vmx = _mm256_max_ps(vmx, v);
-        }
-        float mx = hmax8(vmx);
-        for (; i < V; i++) { l[i] = x[i] / temperature[b]; mx = l[i] > mx ? l[i] : mx; }
-        const int64_t k = top_k[b];
-        float floor_l = -INFINITY; /* top-k: keep l >= the k-th largest */
-        if (k > 0 && k < V) {
-            memcpy(tmp, l, (size_t)V * sizeof(float));
-            floor_l = kth_largest(tmp, V, k);
-        }
-        /* e = exp(l - max) where kept, else 0 (in place of l; -inf logits are never kept) */
-        float *e = l;
-        const __m256 vmax = _mm256_set1_ps(mx), vfloor = _mm256_set1_ps(floor_l), vninf = _mm256_set1_ps(-INFINITY);
-        for (i = 0; i + 8 <= V; i += 8) {
-            const __m256 v = _mm256_loadu_ps(l + i);
-            const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(v, vfloor, _CMP_GE_OQ), _mm256_cmp_ps(v, vninf, _CMP_NEQ_OQ));
-            _mm256_storeu_ps(e + i, _mm256_and_ps(exp8(_mm256_sub_ps(v, vmax)), keep));
-        }
-        for (; i < V; i++) e[i] = l[i] >= floor_l && l[i] != -INFINITY ? expf(l[i] - mx) : 0.0f;
-        if (top_p[b] < 1.0f) top_p_mask(e, idx, cand, tmp, V, top_p[b]);
-        float sum = sum_floats(e, V);
-        if (min_p[b] > 0.0f) { /* drop p < min_p * p(max) (the max token's e is 1) */
-            const float thr = min_p[b] * (1.0f / sum);
-            for (i = 0; i < V; i++)
-                if (e[i] > 0.0f && e[i] / sum < thr) e[i] = 0.0f;
-            sum = sum_floats(e, V);
-        }
-        /* argmax of p / n, n = -log(u) >= 1 - u: a token whose p / (1 - u) cannot pass the best
-         * so far skips the log */
-        const float inv = 1.0f / sum;
-        const uint64_t seed = (uint64_t)seeds[b], step = (uint64_t)steps[b];
-        float best = -1.0f;
-        int64_t arg = 0;
-        for (i = 0; i < V; i++) {
-            if (e[i] == 0.0f) continue;
-            const double u = ((double)(sample_hash(seed, step, (uint64_t)i) >> 40) + 0.5) / 16777216.0;
-            if ((double)(e[i] * inv) * (1.0 + 1e-6) < (double)best * (1.0 - u)) continue;
-            const float s = e[i] / sum / (float)(-log(u));
-            if (s > best) { best = s; arg = i; }
-        }
-        out[b] = arg;
-    }
-    free(l); free(tmp); free(idx); free(cand);
+    const int64_t token = sample_row(logits + b * V, V, temperature[b], top_k[b], top_p[b], min_p[b], (uint64_t)seeds[b], (uint64_t)steps[b],
+                                     l, tmp, idx, cand);
+    free(l);
+    free(tmp);
+    free(idx);
+    free(cand);
+    return token;
+}
+
+void fl_sample_rows(const float *logits, int64_t B, int64_t V, const float *temperature, const int64_t *top_k, const float *top_p,
+                    const float *min_p, const int64_t *seeds, const int64_t *steps, int64_t *out) {
+    FOR_ROWS(b, B, { out[b] = sample_row_b(logits, b, V, temperature, top_k, top_p, min_p, seeds, steps); })
 }
 
 /* The KV cache is paged: per layer K and V hold blocks of bs rows (bs = 1 << shift, a power of
