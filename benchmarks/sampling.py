@@ -5,8 +5,8 @@ process.
 
     python benchmarks/sampling.py [--model M] [--max-tokens 128] [--batch 1] [--rounds 3]
 
-Sampled rows use the CLI's defaults (temperature 0.8, min-p 0.05) and a top-k / top-p mix
-(temperature 0.7, top-k 40, top-p 0.9). Prints tok/s of each mode (medians) and the ratios."""
+Sampled rows use the CLI's defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) and the
+OpenAI API's (temperature 1, no filter). Prints tok/s of each mode (medians) and the ratios."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def main() -> None:
     n = args.max_tokens
     params = {
         "greedy": SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-        "t0.8 min-p 0.05": SamplingParams(temperature=0.8, min_p=0.05, max_tokens=n, ignore_eos=True, seed=1),
-        "t0.7 top-k 40 top-p 0.9": SamplingParams(temperature=0.7, top_k=40, top_p=0.9, max_tokens=n, ignore_eos=True, seed=1),
+        "CLI defaults (t 0.8, top-k 40, top-p 0.95, min-p 0.05)": SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05,
+                                                                                 max_tokens=n, ignore_eos=True, seed=1),
+        "OpenAI defaults (t 1)": SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True, seed=1),
     }
     fused = ops.registered("sample_rows", device)
     table = ops._BACKENDS.get(device.type, {})

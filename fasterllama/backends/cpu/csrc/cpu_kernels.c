@@ -919,64 +919,6 @@ static int by_prob_desc(const void *a, const void *b) {
     return x->p != y->p ? (x->p < y->p ? 1 : -1) : (x->i > y->i) - (x->i < y->i);
 }
 
-/* the k-th largest of x[0..n) (1 <= k <= n), x reordered: quickselect */
-static float kth_largest(float *x, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1, want = k - 1;
-    while (hi > lo) {
-        const float pivot = x[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (x[i] > pivot) i++;
-            while (x[j] < pivot) j--;
-            if (i <= j) { float t = x[i]; x[i] = x[j]; x[j] = t; i++; j--; }
-        }
-        if (want <= j) hi = j;
-        else if (want >= i) lo = i;
-        else return x[want];
-    }
-    return x[want];
-}
-
-/* top-p over the kept tokens (e > 0 marks them), e updated in place (0: removed): the most likely
- * 256 tokens sorted (then 4,096, then all, where those hold less than top_p of the mass), a token
- * kept while the mass above it is < top_p */
-static void top_p_mask(float *e, int32_t *idx, prob_idx_t *cand, float *tmp, int64_t V, float top_p) {
-    float sum = 0.0f;
-    int64_t n = 0;
-    for (int64_t i = 0; i < V; i++)
-        if (e[i] > 0.0f) { sum += e[i]; idx[n++] = (int32_t)i; }
-    const float inv = 1.0f / sum;
-    for (int64_t want = 256;; want *= 16) {
-        int64_t c = 0;
-        if (n > want) { /* the want-th largest probability, then those above it (ties: the first ones) */
-            for (int64_t j = 0; j < n; j++) tmp[j] = e[idx[j]];
-            const float kth = kth_largest(tmp, n, want);
-            for (int64_t j = 0; j < n && c < want; j++)
-                if (e[idx[j]] > kth) cand[c++] = (prob_idx_t){e[idx[j]] * inv, idx[j]};
-            for (int64_t j = 0; j < n && c < want; j++)
-                if (e[idx[j]] == kth) cand[c++] = (prob_idx_t){e[idx[j]] * inv, idx[j]};
-        } else {
-            for (int64_t j = 0; j < n; j++) cand[c++] = (prob_idx_t){e[idx[j]] * inv, idx[j]};
-        }
-        qsort(cand, (size_t)c, sizeof(prob_idx_t), by_prob_desc);
-        float mass = 0.0f;
-        for (int64_t j = 0; j < c; j++) mass += cand[j].p;
-        if (c < n && mass < top_p) continue; /* the nucleus reaches past these candidates */
-        double cs = 0.0;
-        int64_t kept = 0;
-        for (; kept < c; kept++) {
-            cs += cand[kept].p;
-            if (!((float)cs - cand[kept].p < top_p)) break;
-        }
-        kept = kept > 0 ? kept : 1; /* the top token always stays */
-        for (int64_t j = 0; j < n; j++) tmp[idx[j]] = 0.0f; /* (tmp as a mark per token) */
-        for (int64_t j = 0; j < kept; j++) tmp[cand[j].i] = 1.0f;
-        for (int64_t j = 0; j < n; j++)
-            if (tmp[idx[j]] == 0.0f) e[idx[j]] = 0.0f;
-        return;
-    }
-}
-
 /* sum of e[0..n) (8 lanes, then the tail) */
 static float sum_floats(const float *e, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
@@ -987,9 +929,74 @@ static float sum_floats(const float *e, int64_t n) {
     return s;
 }
 
-/* one row's token; scratch for V floats (l, tmp), V indices and V candidates */
+/* min-heap of (p, i) by p: restore the heap property below slot at */
+static void heap_down(prob_idx_t *h, int64_t size, int64_t at) {
+    for (;;) {
+        int64_t least = at, l = 2 * at + 1, r = l + 1;
+        if (l < size && h[l].p < h[least].p) least = l;
+        if (r < size && h[r].p < h[least].p) least = r;
+        if (least == at) return;
+        const prob_idx_t t = h[at]; h[at] = h[least]; h[least] = t;
+        at = least;
+    }
+}
+
+/* the m largest values of x[0..n) above `above` as (value, index) pairs in h, a min-heap (h[0]: the
+ * m-th largest); returns how many (fewer than m when fewer pass). One pass: values are compared
+ * with the heap's min 8 at a time, and only the few above it (~m log(n / m) of them) enter. A
+ * quickselect took 0.4 ms on a real row of logits (its pivots fall badly on their order). */
+static int64_t top_m(const float *x, int64_t n, int64_t m, float above, prob_idx_t *h) {
+    int64_t size = 0, i = 0;
+    for (; i < n && size < m; i++)
+        if (x[i] > above) h[size++] = (prob_idx_t){x[i], (int32_t)i};
+    if (size < m) return size;
+    for (int64_t j = size / 2 - 1; j >= 0; j--) heap_down(h, size, j);
+    for (; i < n && i % 8; i++)
+        if (x[i] > h[0].p) { h[0] = (prob_idx_t){x[i], (int32_t)i}; heap_down(h, size, 0); }
+    for (; i + 8 <= n; i += 8) {
+        int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), _mm256_set1_ps(h[0].p), _CMP_GT_OQ));
+        while (hits) {
+            const int64_t j = i + __builtin_ctz(hits);
+            hits &= hits - 1;
+            if (x[j] > h[0].p) { h[0] = (prob_idx_t){x[j], (int32_t)j}; heap_down(h, size, 0); }
+        }
+    }
+    for (; i < n; i++)
+        if (x[i] > h[0].p) { h[0] = (prob_idx_t){x[i], (int32_t)i}; heap_down(h, size, 0); }
+    return size;
+}
+
+/* top-p over the kept tokens (e > 0 marks them), e updated in place (0: removed): the most likely
+ * 256 tokens sorted (then 4,096, then all, where those hold less than top_p of the mass), a token
+ * kept while the mass above it is < top_p */
+static void top_p_mask(float *e, prob_idx_t *cand, float *mark, int64_t V, float top_p) {
+    const float sum = sum_floats(e, V), inv = 1.0f / sum;
+    for (int64_t want = 256;; want *= 16) {
+        const int64_t c = top_m(e, V, want < V ? want : V, 0.0f, cand);
+        for (int64_t j = 0; j < c; j++) cand[j].p *= inv; /* e -> p */
+        qsort(cand, (size_t)c, sizeof(prob_idx_t), by_prob_desc);
+        float mass = 0.0f;
+        for (int64_t j = 0; j < c; j++) mass += cand[j].p;
+        if (c == want && want < V && mass < top_p) continue; /* the nucleus reaches past these candidates */
+        double cs = 0.0;
+        int64_t kept = 0;
+        for (; kept < c; kept++) {
+            cs += cand[kept].p;
+            if (!((float)cs - cand[kept].p < top_p)) break;
+        }
+        kept = kept > 0 ? kept : 1; /* the top token always stays */
+        memset(mark, 0, (size_t)V * sizeof(float));
+        for (int64_t j = 0; j < kept; j++) mark[cand[j].i] = 1.0f;
+        for (int64_t i = 0; i < V; i++)
+            if (mark[i] == 0.0f) e[i] = 0.0f;
+        return;
+    }
+}
+
+
+/* one row's token; scratch for V floats (l, tmp) and V candidates */
 static int64_t sample_row(const float *x, int64_t V, float temperature, int64_t k, float top_p, float min_p, uint64_t seed, uint64_t step,
-                          float *l, float *tmp, int32_t *idx, prob_idx_t *cand) {
+                          float *l, float *tmp, prob_idx_t *cand) {
     if (temperature == 0.0f) return argmax_row(x, V);
     const __m256 vt = _mm256_set1_ps(temperature);
     __m256 vmx = _mm256_set1_ps(-INFINITY);
@@ -1002,10 +1009,7 @@ static int64_t sample_row(const float *x, int64_t V, float temperature, int64_t 
     float mx = hmax8(vmx);
     for (; i < V; i++) { l[i] = x[i] / temperature; mx = l[i] > mx ? l[i] : mx; }
     float floor_l = -INFINITY; /* top-k: keep l >= the k-th largest */
-    if (k > 0 && k < V) {
-        memcpy(tmp, l, (size_t)V * sizeof(float));
-        floor_l = kth_largest(tmp, V, k);
-    }
+    if (k > 0 && k < V && top_m(l, V, k, -INFINITY, cand) == k) floor_l = cand[0].p; /* the k-th largest (fewer finite: all stay) */
     /* e = exp(l - max) where kept, else 0 (in place of l; -inf logits are never kept) */
     float *e = l;
     const __m256 vmax = _mm256_set1_ps(mx), vfloor = _mm256_set1_ps(floor_l), vninf = _mm256_set1_ps(-INFINITY);
@@ -1015,7 +1019,7 @@ static int64_t sample_row(const float *x, int64_t V, float temperature, int64_t 
         _mm256_storeu_ps(e + i, _mm256_and_ps(exp8(_mm256_sub_ps(v, vmax)), keep));
     }
     for (; i < V; i++) e[i] = l[i] >= floor_l && l[i] != -INFINITY ? expf(l[i] - mx) : 0.0f;
-    if (top_p < 1.0f) top_p_mask(e, idx, cand, tmp, V, top_p);
+    if (top_p < 1.0f) top_p_mask(e, cand, tmp, V, top_p);
     float sum = sum_floats(e, V);
     if (min_p > 0.0f) { /* drop p < min_p * p(max) (the max token's e is 1) */
         const float thr = min_p * (1.0f / sum);
@@ -1043,13 +1047,11 @@ static int64_t sample_row_b(const float *logits, int64_t b, int64_t V, const flo
                             const float *min_p, const int64_t *seeds, const int64_t *steps) {
     float *l = malloc((size_t)V * sizeof(float));
     float *tmp = malloc((size_t)V * sizeof(float));
-    int32_t *idx = malloc((size_t)V * sizeof(int32_t));
     prob_idx_t *cand = malloc((size_t)V * sizeof(prob_idx_t));
     const int64_t token = sample_row(logits + b * V, V, temperature[b], top_k[b], top_p[b], min_p[b], (uint64_t)seeds[b], (uint64_t)steps[b],
-                                     l, tmp, idx, cand);
+                                     l, tmp, cand);
     free(l);
     free(tmp);
-    free(idx);
     free(cand);
     return token;
 }
