@@ -40,19 +40,15 @@ def current_step() -> AttentionMetadata | None:
     return _step.get()
 
 
-def get_op(name: str, device: torch.device | str) -> Callable:
-    device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
-    fn = _BACKENDS.get(device_type, {}).get(name)
-    if fn is None:
-        fn = getattr(reference, name, None) or getattr(quantized, name)
-    return fn
-
-
 def registered(name: str, device: torch.device | str) -> Callable | None:
     """A backend's own version of `name` for this device, None if it has none (for ops whose
     reference lives with their caller: the sampler's `sample_rows`)."""
     device_type = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
     return _BACKENDS.get(device_type, {}).get(name)
+
+
+def get_op(name: str, device: torch.device | str) -> Callable:
+    return registered(name, device) or getattr(reference, name, None) or getattr(quantized, name)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -35,6 +35,18 @@ def _scaled(x_ptr, offs, V, t):
 
 
 @triton.jit
+def _top_k_e(v, ok, mx, floor_key):
+    """exp(l - max) of the tokens top-k keeps (key >= floor_key, finite), 0 elsewhere."""
+    return tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
+
+
+@triton.jit
+def _top_p_min_p_e(e, e_floor, kept_sum, min_p):
+    """e of the tokens top-p keeps (key >= e_floor) whose p = e / kept_sum >= min_p * p(max), 0 elsewhere."""
+    return tl.where((_key(e).to(tl.int64) >= e_floor) & (e / kept_sum >= min_p * (1.0 / kept_sum)), e, 0.0)
+
+
+@triton.jit
 def _hash_uniform(seed, step, idx):
     """sampler.hashed_uniform for (seed, step, token idx): splitmix64, the top 24 bits, fp64."""
     m1 = tl.full([], 0x9E3779B97F4A7C15, tl.uint64)
@@ -86,8 +98,7 @@ def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_p
     total = 0.0
     for start in range(0, V, BLOCK):
         v, ok = _scaled(x_row, start + lanes, V, t)
-        kept = ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf"))
-        total += tl.sum(tl.where(kept, tl.exp(v - mx), 0.0), axis=0)
+        total += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
     top_p = tl.load(p_ptr + row)
     e_floor = tl.full([], -1, tl.int64)  # keep e with key >= e_floor (e >= 0: every key >= 0)
     if top_p < 1.0:
@@ -99,7 +110,7 @@ def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_p
                 above = 0.0
                 for start in range(0, V, BLOCK):
                     v, ok = _scaled(x_row, start + lanes, V, t)
-                    e = tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
+                    e = _top_k_e(v, ok, mx, floor_key)
                     above += tl.sum(tl.where(_key(e).to(tl.int64) > mid, e, 0.0), axis=0)
                 if above < target:
                     hi = mid
@@ -110,14 +121,14 @@ def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_p
     kept_sum = 0.0
     for start in range(0, V, BLOCK):
         v, ok = _scaled(x_row, start + lanes, V, t)
-        e = tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
+        e = _top_k_e(v, ok, mx, floor_key)
         kept_sum += tl.sum(tl.where(_key(e).to(tl.int64) >= e_floor, e, 0.0), axis=0)
     min_p = tl.load(mp_ptr + row)  # kept while p >= min_p * p(max), p = e / kept_sum (the max token's e is 1)
     final_sum = 0.0
     for start in range(0, V, BLOCK):
         v, ok = _scaled(x_row, start + lanes, V, t)
-        e = tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
-        e = tl.where((_key(e).to(tl.int64) >= e_floor) & (e / kept_sum >= min_p * (1.0 / kept_sum)), e, 0.0)
+        e = _top_k_e(v, ok, mx, floor_key)
+        e = _top_p_min_p_e(e, e_floor, kept_sum, min_p)
         final_sum += tl.sum(e, axis=0)
     seed = tl.load(seed_ptr + row).to(tl.uint64)
     step = tl.load(step_ptr + row).to(tl.uint64)
@@ -125,8 +136,8 @@ def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_p
     for start in range(0, V, BLOCK):
         offs = start + lanes
         v, ok = _scaled(x_row, offs, V, t)
-        e = tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
-        e = tl.where((_key(e).to(tl.int64) >= e_floor) & (e / kept_sum >= min_p * (1.0 / kept_sum)), e, 0.0)
+        e = _top_k_e(v, ok, mx, floor_key)
+        e = _top_p_min_p_e(e, e_floor, kept_sum, min_p)
         noise = (-tl.log(_hash_uniform(seed, step, offs))).to(tl.float32)
         s = tl.where(e > 0.0, (e / final_sum) / noise, -1.0)
         m = tl.max(s, axis=0)
