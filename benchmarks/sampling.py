@@ -6,7 +6,9 @@ process.
     python benchmarks/sampling.py [--model M] [--max-tokens 128] [--batch 1] [--rounds 3]
 
 Sampled rows use the CLI's defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) and the
-OpenAI API's (temperature 1, no filter). Prints tok/s of each mode (medians) and the ratios."""
+OpenAI API's (temperature 1, no filter). Prints tok/s of each mode (medians) and the ratios, then
+the draw alone on the model's real logits (the prompt's last row, --batch copies of it): µs of the
+kernel and of the PyTorch sampler, and whether they drew the same tokens."""
 
 from __future__ import annotations
 
@@ -67,6 +69,33 @@ def main() -> None:
     for name, k in modes[1:]:
         r = statistics.median(rates[(name, k)])
         print(f"  {name}, {'one-pass kernel' if k else 'PyTorch sampler'}: {r:.1f} tok/s ({r / greedy:.2f}x greedy)")
+    if fused is not None:
+        draw_alone(llm, prompts, list(params.items())[1:], fused, args.rounds)
+
+
+def draw_alone(llm: LLM, prompts: list[list[int]], params: list[tuple[str, SamplingParams]], fused, rounds: int) -> None:
+    """The draw by itself on real logits: the kernel against the PyTorch sampler (medians of alternating rounds)."""
+    from fasterllama.engine import sampler
+    from fasterllama.engine.sequence import Sequence
+
+    logits = llm.compute_logits(prompts[0])[-1:].float().expand(len(prompts), -1).contiguous()
+    V = logits.shape[1]
+    print(f"  the draw alone, {len(prompts)} row(s) of the prompt's last logits (vocabulary {V}):")
+    for name, p in params:
+        rows = [(Sequence(prompts[0], p, None, p.seed + i), []) for i in range(len(prompts))]
+        b = sampler.sampling_batch(rows, V, [], logits.device)
+        ways = {"kernel": lambda b=b: fused(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps),
+                "PyTorch": lambda b=b: sampler.sample_with_probs(logits, b)[0]}
+        same = torch.equal(ways["kernel"](), ways["PyTorch"]())
+        times: dict[str, list[float]] = {w: [] for w in ways}
+        for _ in range(max(5, rounds)):
+            for w, fn in ways.items():
+                t = time.perf_counter()
+                for _ in range(10):
+                    fn()
+                times[w].append((time.perf_counter() - t) / 10)
+        k, ref = (statistics.median(times[w]) * 1e6 for w in ways)
+        print(f"    {name}: {k:.0f} us, PyTorch sampler {ref:.0f} us ({ref / k:.1f}x); same tokens: {same}")
 
 
 if __name__ == "__main__":
