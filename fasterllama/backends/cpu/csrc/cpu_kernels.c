@@ -215,33 +215,54 @@ static inline int64_t word_at(int64_t kk, const int bits, int b) { return LOW_BI
 /* The shift of column kk's rows j < 16 in the first plane's bytes (rows j + 16: 4 more). */
 static inline int low_shift(int64_t kk, const int bits) { return LOW_BITS(bits) == 2 ? 2 * (int)(kk & 1) : 0; }
 
+/* Rows lane0 .. lane0 + n - 1 (n 8 or 16, lane0 a multiple of n) of column kk's values as bytes:
+ * unsigned, or int8 for 8 bits and NL4. The planes are joined byte-wise in 128-bit registers (a bit
+ * plane's byte spread over 8 bytes by a shuffle), and only the whole values widen to 32-bit lanes:
+ * joined after widening, a 5- or 6-bit value took twice the instructions of a 4-bit one (and the
+ * AVX2 build's 256-bit integer ops are two micro-ops each on Zen 1). */
+static inline __attribute__((always_inline)) __m128i panel_bytes(const uint8_t *qg, int64_t kk, int lane0, const int bits, const int n) {
+#define LOAD_N(p) (n == 16 ? _mm_loadu_si128((const __m128i *)(p)) : _mm_loadl_epi64((const __m128i *)(p)))
+    const uint8_t *c = col_bytes(qg, kk, bits);
+    if (bits == 8) return LOAD_N(c + lane0);
+    const int low = LOW_BITS(bits);
+    const __m128i b = LOAD_N(c + lane0 % 16);
+    __m128i v;
+    if (low == 4)
+        v = _mm_and_si128(lane0 < 16 ? b : _mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    else
+        v = _mm_and_si128(_mm_srl_epi16(b, _mm_cvtsi32_si128(low_shift(kk, bits) + 4 * (lane0 / 16))), _mm_set1_epi8(3));
+    if (bits == NL4) return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)NL4_VALUES), v); /* the nibbles through the table */
+    if (bits == 6) { /* the top two bits: this column's crumbs of the pair */
+        const __m128i t = LOAD_N(c + top_at(kk) + lane0 % 16);
+        const __m128i top = _mm_and_si128(_mm_srl_epi16(t, _mm_cvtsi32_si128(2 * (int)(kk & 1) + 4 * (lane0 / 16))), _mm_set1_epi8(3));
+        return _mm_or_si128(v, _mm_slli_epi16(top, 4));
+    }
+    const __m128i sel = _mm_set1_epi64x(0x8040201008040201LL); /* byte j: bit j % 8 */
+    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) { /* plane bb: bit j % 8 of byte j / 8 */
+        const uint8_t *wp = c + word_at(kk, bits, bb) + lane0 / 8;
+        uint16_t word = wp[0];
+        if (n == 16) memcpy(&word, wp, 2);
+        const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128(word), spread), sel), sel);
+        v = _mm_or_si128(v, _mm_and_si128(set, _mm_set1_epi8((char)((1 << low) << bb))));
+    }
+    return v;
+#undef LOAD_N
+}
+
+/* 8 values (bytes) as floats. */
+static inline __m256 panel_bytes_ps(__m128i v, const int bits) { return bits == 8 || bits == NL4 ? i8x8_to_ps(v) : u8x8_to_ps(v); }
+
 /* Rows lane0 .. lane0 + 7 (lane0 a multiple of 8) of column kk's values, as floats. */
 static inline __attribute__((always_inline)) __m256 panel_q8(const uint8_t *qg, int64_t kk, int lane0, const int bits) {
-    const uint8_t *c = col_bytes(qg, kk, bits);
-    if (bits == 8) return i8x8_to_ps(_mm_loadl_epi64((const __m128i *)(c + lane0)));
-    const int low = LOW_BITS(bits);
-    const __m128i b = _mm_loadl_epi64((const __m128i *)(c + lane0 % 16));
-    __m256i v;
-    if (low == 4) {
-        v = _mm256_cvtepu8_epi32(lane0 < 16 ? _mm_and_si128(b, _mm_set1_epi8(0x0F)) : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)));
-    } else {
-        const __m128i sh = _mm_cvtsi32_si128(low_shift(kk, bits) + 4 * (lane0 / 16));
-        v = _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(b), sh), _mm256_set1_epi32(3));
-    }
-    const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    if (bits == 6) { /* the top two bits: this column's crumbs of the pair */
-        const __m256i t = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + top_at(kk) + lane0 % 16)));
-        v = _mm256_add_epi32(v, _mm256_slli_epi32(_mm256_and_si256(_mm256_srl_epi32(t, _mm_cvtsi32_si128(2 * (int)(kk & 1) + 4 * (lane0 / 16))), _mm256_set1_epi32(3)), 4));
-        return _mm256_cvtepi32_ps(v);
-    }
-    if (bits == NL4) /* the nibbles through the table, as int8 */
-        return i8x8_to_ps(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)NL4_VALUES), lane0 < 16 ? _mm_and_si128(b, _mm_set1_epi8(0x0F))
-                                                                                                     : _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F))));
-    for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) {
-        const __m256i t = _mm256_and_si256(_mm256_set1_epi32(c[word_at(kk, bits, bb) + lane0 / 8]), sel);
-        v = _mm256_add_epi32(v, _mm256_and_si256(_mm256_cmpeq_epi32(t, sel), _mm256_set1_epi32((1 << low) << bb)));
-    }
-    return _mm256_cvtepi32_ps(v);
+    return panel_bytes_ps(panel_bytes(qg, kk, lane0, bits, 8), bits);
+}
+
+/* Rows lane0 .. lane0 + 15 (lane0 0 or 16) of column kk's values, as floats: *a the first 8. */
+static inline __attribute__((always_inline)) void panel_q16(const uint8_t *qg, int64_t kk, int lane0, const int bits, __m256 *a, __m256 *b) {
+    const __m128i v = panel_bytes(qg, kk, lane0, bits, 16);
+    *a = panel_bytes_ps(v, bits);
+    *b = panel_bytes_ps(_mm_unpackhi_epi64(v, v), bits);
 }
 
 /* Row j's value in column kk (scalar: the embedding's rows). */
@@ -433,7 +454,8 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
         for (int64_t kk = 0; kk < g; kk += 2) {
             PREFETCH(qg + kk * COL_BYTES(bits));
             for (int u = 0; u < 2; u++) {
-                const __m256 qa = panel_q8(qg, kk + u, 16 * h, bits), qb = panel_q8(qg, kk + u, 16 * h + 8, bits);
+                __m256 qa, qb;
+                panel_q16(qg, kk + u, 16 * h, bits, &qa, &qb);
                 for (int r = 0; r < rows; r++) {
                     const __m256 xb = _mm256_broadcast_ss(xg + r * K + kk + u);
                     aq[r][0][u] = _mm256_fmadd_ps(qa, xb, aq[r][0][u]);
@@ -611,8 +633,11 @@ static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *
         }
         float *o = wb + (grp - grp0) * g * PANEL;
         for (int64_t kk = 0; kk < g; kk++)
-            for (int i = 0; i < 4; i++)
-                _mm256_store_ps(o + kk * PANEL + 8 * i, _mm256_fmadd_ps(panel_q8(qg, kk, 8 * i, bits), d[i], m[i]));
+            for (int h = 0; h < 2; h++) {
+                __m256 q[2];
+                panel_q16(qg, kk, 16 * h, bits, &q[0], &q[1]);
+                for (int i = 0; i < 2; i++) _mm256_store_ps(o + kk * PANEL + 16 * h + 8 * i, _mm256_fmadd_ps(q[i], d[2 * h + i], m[2 * h + i]));
+            }
     }
 }
 
