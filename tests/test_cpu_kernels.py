@@ -299,6 +299,22 @@ def test_w8a8_linear_is_exact(m, k):
     assert torch.equal(ck.w8a8_linear(xq, xs, q, ws), qops.dequantize_gemm(qops.int8_gemm(xq, q.t()), xs, ws, None, torch.float32))
 
 
+@pytest.mark.parametrize("m,k", [(17, 96), (40, 1024), (33, 2500)])  # 2500: two whole chunks of K and a part
+def test_int8_gemm_via_fp32_is_exact(m, k):
+    """The int8 GEMM of CPUs without VNNI (fp32 GEMMs over chunks of K) equals torch._int_mm to the
+    last bit, at the extremes too: every product -128 x -128 sums to exactly 2^24 in a chunk."""
+    xq = torch.randint(-128, 128, (m, k), dtype=torch.int8)
+    q = torch.randint(-128, 128, (24, k), dtype=torch.int8)
+    xq[0], q[0], q[1] = -128, -128, 127
+    got = ck.int8_gemm_via_fp32(xq, q.t())
+    assert got.dtype == torch.int32 and torch.equal(got, torch._int_mm(xq, q.t()))
+    assert got[0, 0].item() == 128 * 128 * k
+    from fasterllama.backends import get_backend
+
+    get_backend(torch.device("cpu")).register_ops()
+    assert (ops.get_op("int8_gemm", xq.device) is ck.int8_gemm_via_fp32) == (ck.load() is not None and not ck.has_vnni())
+
+
 @pytest.mark.parametrize("static,clip", [(False, False), (True, False), (True, True)])
 def test_quantize_rows_matches_reference(static, clip):
     x = torch.randn(5, 96) * torch.logspace(-2, 2, 5)[:, None]  # rows within and beyond the static range

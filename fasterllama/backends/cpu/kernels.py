@@ -153,6 +153,30 @@ def sgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     return F.linear(x, weight, bias)
 
 
+INT8_GEMM_CHUNK = 1024  # 128 * 128 * 1024 = 2^24: every partial sum of a chunk's int8 products is an exact fp32 integer
+
+
+def int8_gemm_via_fp32(xq: torch.Tensor, qweight_t: torch.Tensor) -> torch.Tensor:
+    """int8 [M, K] x int8 [K, N] -> exact int32 [M, N] by fp32 GEMMs over chunks of K. Where the CPU
+    has no VNNI, torch._int_mm runs a scalar loop: ~3.6 G multiply-adds a second on a Zen 1 EPYC,
+    0.25 s for one 512-row projection of the default model, against ~35 through oneDNN's fp32
+    GEMM. A chunk's products sum to at most 2^24 in magnitude, so its fp32 result is exact
+    whatever the summation order, and the chunks add in int32."""
+    acc = None
+    for k0 in range(0, xq.shape[1], INT8_GEMM_CHUNK):
+        k1 = k0 + INT8_GEMM_CHUNK
+        part = sgemm(xq[:, k0:k1].float(), qweight_t[k0:k1].t().float()).to(torch.int32)
+        acc = part if acc is None else acc.add_(part)
+    return acc
+
+
+def has_vnni() -> bool:
+    """Whether the CPU has 8-bit dot-product instructions (AVX-512 VNNI or AVX-VNNI), which
+    torch._int_mm's oneDNN kernels use."""
+    flags = _cpu_signature().split()
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
 def _usable(x: torch.Tensor, k: int) -> bool:
     return _lib is not None and x.dtype == torch.float32 and k % 32 == 0 and not x.requires_grad
 
@@ -374,4 +398,6 @@ def register(register_op) -> bool:
         return False
     for name, fn in OPS.items():
         register_op("cpu", name, fn)
+    if not has_vnni():
+        register_op("cpu", "int8_gemm", int8_gemm_via_fp32)
     return True
