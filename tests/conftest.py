@@ -9,7 +9,7 @@ import torch
 
 torch.manual_seed(0)
 
-REAL_MODEL_FIXTURES = {"default_llm", "fp32_llm", "hf_default"}
+REAL_MODEL_FIXTURES = {"default_llm", "fp32_llm", "hf_default", "hf_tokenizer"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -46,14 +46,24 @@ def fp32_llm():
 
 
 @pytest.fixture(scope="session")
-def hf_default():
-    """(model, tokenizer) of HF transformers loading the default GGUF in fp32: the reference."""
+def hf_tokenizer():
+    """HF transformers' tokenizer of the default GGUF (without its model: loading that dequantizes
+    every tensor in Python, ~40 s on a slow machine)."""
     path = default_model_path()
     if path is None:
         pytest.skip("default model not installed")
     transformers = pytest.importorskip("transformers")
     folder, name = os.path.split(path)
-    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def hf_default(hf_tokenizer):
+    """(model, tokenizer) of HF transformers loading the default GGUF in fp32: the reference."""
+    path = default_model_path()
+    transformers = pytest.importorskip("transformers")
+    folder, name = os.path.split(path)
+    tok = hf_tokenizer
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.eval()
     return model, tok

@@ -36,8 +36,8 @@ CHAT_PROMPTS = [
 
 
 @pytest.mark.parametrize("text", TRICKY_STRINGS)
-def test_tokenizer_matches_hf(default_llm, hf_default, text):
-    _, hf_tok = hf_default
+def test_tokenizer_matches_hf(default_llm, hf_tokenizer, text):
+    hf_tok = hf_tokenizer
     ours = default_llm.tokenizer
     hf_ids = hf_tok(text)["input_ids"]
     assert ours.encode(text) == hf_ids
@@ -45,8 +45,8 @@ def test_tokenizer_matches_hf(default_llm, hf_default, text):
     assert ours.decode(hf_ids, skip_special_tokens=True) == hf_tok.decode(hf_ids, skip_special_tokens=True)
 
 
-def test_chat_template_matches_hf(default_llm, hf_default):
-    _, hf_tok = hf_default
+def test_chat_template_matches_hf(default_llm, hf_tokenizer):
+    hf_tok = hf_tokenizer
     for messages in CHAT_PROMPTS + [CHAT_PROMPTS[0] + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]]:
         for gen in (True, False):
             expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)

@@ -103,9 +103,9 @@ def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
 
-def test_tokenizer_json_folder(default_llm, hf_default, tmp_path):
+def test_tokenizer_json_folder(default_llm, hf_tokenizer, tmp_path):
     """The default model's tokenizer saved as a HF folder (tokenizer.json + config) loads identically."""
-    _, hf_tok = hf_default
+    hf_tok = hf_tokenizer
     hf_tok.save_pretrained(str(tmp_path))
     assert os.path.isfile(tmp_path / "tokenizer.json")
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
