@@ -28,33 +28,55 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = t
 
 
 def search_scale_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1, nstep: int = 20,
-                     use_mad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     use_mad: bool = False, groups_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scale, min, levels) per group (rows of x [n, g]) for x ~ scale * L + min, L in [0, nmax]:
     llama.cpp's make_qkx2_quants, shared by w4 and the K-quant writer (kquants; Q4_K's settings are
     the defaults). Start from the min..max grid; for each of nstep + 1 candidate inverse scales
     (nmax + rmin + rdelta i) / (max - min) round the group, refit scale and min by weighted least
     squares and keep the least weighted error (squared, or absolute with use_mad). The min never
     goes above 0 (a positive group keeps 0 representable). In torch, on x's device: a 7B model's
-    groups take seconds on a GPU."""
+    groups take seconds on a GPU. Groups go groups_per_chunk at a time, so the temporaries stay in
+    cache (4,096 groups: 1.6x faster than 65,536 on the CPU)."""
+    parts = [_search_chunk(x[lo : lo + groups_per_chunk], weights[lo : lo + groups_per_chunk], nmax, rmin, rdelta, nstep, use_mad)
+             for lo in range(0, x.shape[0], groups_per_chunk)]
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(t) for t in zip(*parts))  # type: ignore[return-value]
+
+
+def _search_chunk(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
+                  use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     xmin = x.amin(dim=1).clamp(max=0)
     rng = x.amax(dim=1) - xmin
     live = rng > 0
     inv_rng = torch.where(live, 1 / torch.where(live, rng, 1.0), 0.0)
     shifted = x - xmin[:, None]
-    sum_w, sum_x = weights.sum(1), (weights * x).sum(1)
+    sum_w, sum_x, sum_x2 = weights.sum(1), (weights * x).sum(1), (weights * x * x).sum(1)
 
-    def err(scale: torch.Tensor, mn: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-        diff = scale[:, None] * levels + mn[:, None] - x
-        return (weights * (diff.abs() if use_mad else diff * diff)).sum(1)
+    def levels_at(factor: torch.Tensor | float) -> torch.Tensor:
+        return torch.round((factor if isinstance(factor, float) else factor[:, None]) * inv_rng[:, None] * shifted).clamp_(0, nmax)
+
+    def level_sums(levels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        wl = weights * levels
+        return wl.sum(1), (wl * levels).sum(1), (wl * x).sum(1)
+
+    def err(scale: torch.Tensor, mn: torch.Tensor, levels: torch.Tensor, sums: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The weighted error of x ~ scale * levels + min. Squared errors come from the sums
+        (sum w (s l + m - x)^2 expanded): no pass over the groups."""
+        if use_mad:
+            return (weights * (scale[:, None] * levels + mn[:, None] - x).abs()).sum(1)
+        sum_l, sum_l2, sum_xl = sums
+        return (scale * (scale * sum_l2 + 2 * (mn * sum_l - sum_xl)) + mn * (mn * sum_w - 2 * sum_x) + sum_x2).clamp_(min=0)
 
     scale = torch.where(live, rng / nmax, 0.0)
     mn = xmin.clone()
-    levels = torch.round(nmax * inv_rng[:, None] * shifted).clamp_(0, nmax)
-    best = err(scale, mn, levels)
+    factor = torch.full_like(scale, float(nmax))
+    first = levels_at(float(nmax))
+    best = err(scale, mn, first, level_sums(first))
     for step in range(nstep + 1):
-        cand = torch.round((nmax + rmin + rdelta * step) * inv_rng[:, None] * shifted).clamp_(0, nmax)
-        wl = weights * cand
-        sum_l, sum_l2, sum_xl = wl.sum(1), (wl * cand).sum(1), (wl * x).sum(1)
+        c = nmax + rmin + rdelta * step
+        cand = levels_at(c)
+        sum_l, sum_l2, sum_xl = sums = level_sums(cand)
         det = sum_w * sum_l2 - sum_l * sum_l
         ok = det > 0
         safe = torch.where(ok, det, 1.0)
@@ -62,11 +84,11 @@ def search_scale_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: fl
         positive = c_min > 0  # the min may only go down: refit the scale through zero
         c_scale = torch.where(positive, sum_xl / torch.where(sum_l2 > 0, sum_l2, 1.0), c_scale)
         c_min = torch.where(positive, 0.0, c_min)
-        c_err = err(c_scale, c_min, cand)
+        c_err = err(c_scale, c_min, cand, sums)
         take = live & ok & (c_err < best)
         best, scale, mn = torch.where(take, c_err, best), torch.where(take, c_scale, scale), torch.where(take, c_min, mn)
-        levels = torch.where(take[:, None], cand, levels)
-    return scale, mn, levels
+        factor = torch.where(take, c, factor)
+    return scale, mn, levels_at(factor)  # the winning candidate's levels, rounded as they were
 
 
 def quantize_int4(w: torch.Tensor, group_size: int, importance: torch.Tensor | None = None,
