@@ -58,12 +58,32 @@ def hf_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def hf_default(hf_tokenizer):
-    """(model, tokenizer) of HF transformers loading the default GGUF in fp32: the reference."""
+def hf_default(hf_tokenizer, tmp_path_factory):
+    """(model, tokenizer) of HF transformers loading the default GGUF in fp32: the reference.
+    HF dequantizes the GGUF in Python (~40 s on a slow machine), so under pytest-xdist the first
+    worker saves what it loaded (safetensors, the same fp32 values) for the others to read back."""
     path = default_model_path()
     transformers = pytest.importorskip("transformers")
     folder, name = os.path.split(path)
-    tok = hf_tokenizer
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+
+    def from_gguf():
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        model = from_gguf()
+    else:
+        from filelock import FileLock
+
+        shared = tmp_path_factory.getbasetemp().parent / "hf_default.pt"  # this run's, shared by its workers
+        with FileLock(f"{shared}.lock"):
+            if shared.is_file():
+                saved = torch.load(shared, weights_only=True)
+                config = transformers.AutoConfig.for_model(**saved["config"])
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                model.load_state_dict(saved["state"])
+            else:
+                model = from_gguf()
+                config = {k: v for k, v in model.config.to_dict().items() if k != "quantization_config"}  # (HF's GGUF marker)
+                torch.save({"config": config, "state": model.state_dict()}, shared)
     model.eval()
-    return model, tok
+    return model, hf_tokenizer
