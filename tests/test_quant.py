@@ -272,3 +272,22 @@ def test_quant_config_parse():
     for bad in ("w3", "w4-g48", "w8-static", "w8a8-g32", "w8a8-bogus", "w8-noimatrix"):
         with pytest.raises(FasterLlamaError):
             QuantConfig.parse(bad)
+
+
+def test_calibration_passes_leave_no_float_kv_in_the_prefix_cache(tmp_path):
+    """Quantizing with calibration runs the float model over the calibration text (every position
+    computed, as compute_logits does); none of those K/V stay findable in the prefix cache after."""
+    import tiny_models as tm
+
+    from fasterllama import LLM, SamplingParams
+
+    folder = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "hf"))
+    text = " ".join(f"word{i % 37}" for i in range(300))
+    llm = LLM(folder, quantization="none", progress=False)
+    ids = llm.tokenizer.encode(text)[:200]
+    llm.engine.quantize("w8a8-static", calibration_text=text)
+    assert not llm.engine.blocks.cached
+    fresh = LLM(folder, quantization="w8a8-static", calibration_text=text, progress=False)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    assert llm.generate([ids], params)[0].token_ids == fresh.generate([ids], params)[0].token_ids
+    assert llm.engine.blocks.cached  # the prompt's own blocks are cached as usual

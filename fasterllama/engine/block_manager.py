@@ -57,8 +57,8 @@ class BlockManager:
     def reuse_prefix(self, seq: Sequence) -> None:
         """Give a sequence with no blocks the cached blocks its tokens start with (never all of its
         tokens: the last one is computed, its logits sample the next). A sequence that asked for
-        prompt logprobs computes its whole prompt."""
-        if not self.prefix_caching or seq.needs_prompt_rows:
+        prompt logprobs or logits (or runs a calibration pass: uncached_prompt) computes its whole prompt."""
+        if not self.prefix_caching or seq.needs_prompt_rows or seq.uncached_prompt:
             return
         parent, hits, hashes = None, [], []
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -304,7 +304,8 @@ class LLMEngine:
                 raise FasterLlamaError("the calibration text is too short (need at least 16 tokens)")
             step = min(512, self.max_model_len)
             chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
-        quantize_model(self.model, qcfg, self.compute_logits, chunks)
+        quantize_model(self.model, qcfg, self.run_prompt, chunks)
+        self.blocks.reset_prefix_cache()  # the calibration passes' K/V came from the float weights
         self.runner.refresh_decode_plan()
         self.quant_config = qcfg
 
@@ -584,19 +585,31 @@ class LLMEngine:
     # -- research / tests -------------------------------------------------------------------
     def compute_logits(self, token_ids: Seq[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] of every position of one sequence (no sampling)."""
+        seq = self._run_alone(token_ids, keep_logits=True)
+        return torch.cat(seq.prompt_logits)
+
+    def run_prompt(self, token_ids: Seq[int]) -> None:
+        """Run one sequence's tokens through the model, every position computed (nothing from the
+        prefix cache), with the lm_head on the last row only: calibration's passes, whose hooks
+        read what enters each linear (all rows' logits were ~20% of a pass of the default model)."""
+        self._run_alone(token_ids, keep_logits=False)
+
+    def _run_alone(self, token_ids: Seq[int], keep_logits: bool) -> Sequence:
         ids = self.check_token_ids(token_ids)
         if not ids:
-            raise FasterLlamaError("compute_logits needs at least one token")
+            raise FasterLlamaError("a sequence needs at least one token")
         if len(ids) > self.max_model_len:
             raise ContextLengthError(f"{len(ids)} tokens exceed the context of {self.max_model_len}")
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         self._check_fits(ids, params)
         seq = Sequence(ids, params, self.tokenizer, 0)
-        seq.prompt_logits = []  # the steps keep every prompt row's logits (and take nothing from the prefix cache)
+        seq.uncached_prompt = True
+        if keep_logits:
+            seq.prompt_logits = []  # the steps keep every prompt row's logits
         self.scheduler.add(seq)
         try:
             while not seq.is_finished:  # a request like any other: chunked, scheduled beside running ones
                 self.step()
         finally:
             self.abort(seq)
-        return torch.cat(seq.prompt_logits)
+        return seq
