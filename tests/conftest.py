@@ -60,8 +60,9 @@ def hf_tokenizer():
 @pytest.fixture(scope="session")
 def hf_default(hf_tokenizer, tmp_path_factory):
     """(model, tokenizer) of HF transformers loading the default GGUF in fp32: the reference.
-    HF dequantizes the GGUF in Python (~40 s on a slow machine), so under pytest-xdist the first
-    worker saves what it loaded (safetensors, the same fp32 values) for the others to read back."""
+    HF's GGUF load parses the file's metadata in Python, twice (~36 s on a slow machine), so under
+    pytest-xdist the first worker saves what it loaded (its config and state dict, the same fp32
+    values) for the others to read back (~3 s)."""
     path = default_model_path()
     transformers = pytest.importorskip("transformers")
     folder, name = os.path.split(path)
