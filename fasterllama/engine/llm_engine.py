@@ -196,7 +196,7 @@ class LLMEngine:
             self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
                         enable_prefix_caching, tensor_parallel=group is not None)
             if quantization not in FILE_MODES:
-                self.quantize(quantization, calibration_text, calibration_tokens)
+                self.quantize(quantization, calibration_text, calibration_tokens, progress)
             if group is not None:
                 self.join_tensor_parallel(group, workers)
             if spec is not None and (group is None or group.is_first):
@@ -289,7 +289,7 @@ class LLMEngine:
         if self._workers is not None:
             self._stop()  # once: a finalizer that has run is dead
 
-    def quantize(self, spec: str | QuantConfig, calibration_text: str | None = None, calibration_tokens: int = 2048) -> None:
+    def quantize(self, spec: str | QuantConfig, calibration_text: str | None = None, calibration_tokens: int = 2048, progress: bool = False) -> None:
         """Quantize the loaded float model in place (calibrating on a text when the mode needs it)."""
         qcfg = QuantConfig.parse(spec)
         if self.tp_group is not None:
@@ -304,7 +304,7 @@ class LLMEngine:
                 raise FasterLlamaError("the calibration text is too short (need at least 16 tokens)")
             step = min(512, self.max_model_len)
             chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
-        quantize_model(self.model, qcfg, self.run_prompt, chunks)
+        quantize_model(self.model, qcfg, self.run_prompt, chunks, progress=progress)
         self.blocks.reset_prefix_cache()  # the calibration passes' K/V came from the float weights
         self.runner.refresh_decode_plan()
         self.quant_config = qcfg

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,9 +66,20 @@ def quantize_model(
     run: Callable[[list[int]], object] | None = None,
     calibration_chunks: list[list[int]] | None = None,
     placeholders: bool = False,
+    progress: bool = False,
 ) -> None:
     """Quantize in place. `run(token_ids)` runs the float model (for calibration and smoothing).
-    placeholders: only build the quantized structure (static scales = 1), to load saved tensors into."""
+    placeholders: only build the quantized structure (static scales = 1), to load saved tensors into.
+    progress: bars on stderr for the calibration passes and the layers (w4's scale search takes
+    ~15 s for the default model on a slow CPU)."""
+
+    def bar(items: Iterable[Any], desc: str, unit: str) -> Iterable[Any]:
+        if not progress:
+            return items
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
     smooth_alpha = None if placeholders else cfg.smoothquant_alpha  # saved weights are smoothed already
     calibrate_static = cfg.static_activations and not placeholders
     if (smooth_alpha is not None or calibrate_static) and (run is None or not calibration_chunks):
@@ -77,7 +90,7 @@ def quantize_model(
     skip_sinks = cfg.static_activations and not cfg.clip
     if smooth_alpha is not None:
         targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
-        stats = calibrate.collect_stats(model, run, calibration_chunks, targets, skip_sinks)
+        stats = calibrate.collect_stats(model, run, bar(calibration_chunks, "Calibrating", "chunk"), targets, skip_sinks)
         for i, layer in enumerate(layers):
             smooth_layer(layer, model.config, {n: stats[f"{i}.{n}"].channel_amax for n in LINEARS}, smooth_alpha)
     importance: dict[str, torch.Tensor] = {}
@@ -85,17 +98,17 @@ def quantize_model(
         if run is None or not calibration_chunks:
             raise ValueError("w4's importance matrix needs calibration tokens")
         targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
-        importance = {k: s.importance for k, s in calibrate.collect_stats(model, run, calibration_chunks, targets).items()}
+        importance = {k: s.importance for k, s in calibrate.collect_stats(model, run, bar(calibration_chunks, "Calibrating", "chunk"), targets).items()}
     scales: dict[str, torch.Tensor] = {}
     device = model.embed_tokens.weight.device  # the statistics are gathered on the CPU
     if calibrate_static:
         targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
-        stats = calibrate.collect_stats(model, run, calibration_chunks, targets, skip_sinks)
+        stats = calibrate.collect_stats(model, run, bar(calibration_chunks, "Calibrating", "chunk"), targets, skip_sinks)
         scales = {k: torch.tensor(calibrate.threshold(s, cfg.calibrator, cfg.percentile) / 127, device=device) for k, s in stats.items()}
     elif cfg.static_activations:  # placeholders, overwritten by the saved scales
         scales = {f"{i}.{n}": torch.tensor(1.0, device=device) for i in range(len(layers)) for n in LINEARS}
 
-    for i, layer in enumerate(layers):
+    for i, layer in enumerate(bar(layers, f"Quantizing ({cfg})", "layer")):
         for name in LINEARS:
             parent_name, attr = name.split(".")
             parent = getattr(layer, parent_name)
