@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -29,7 +30,11 @@ class Workers:
 
     processes: list[Any] = field(default_factory=list)
 
-    def describe_failures(self) -> str:
+    def describe_failures(self, grace: float = 2.0) -> str:
+        """Which workers exited. A closed connection can fail rank 0's send before the killed
+        worker is reaped, so wait up to `grace` seconds for one to exit (a hung one never does)."""
+        if self.processes and all(p.exitcode is None for p in self.processes):
+            multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=grace)
         dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.processes) if p.exitcode is not None]
         return "; ".join(dead)
 
