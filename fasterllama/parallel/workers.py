@@ -13,6 +13,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import time
 import traceback
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,9 @@ class Workers:
     def describe_failures(self, grace: float = 2.0) -> str:
         """Which workers exited. A closed connection can fail rank 0's send before the killed
         worker is reaped, so wait up to `grace` seconds for one to exit (a hung one never does)."""
-        if self.processes and all(p.exitcode is None for p in self.processes):
-            multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=grace)
+        deadline = time.monotonic() + grace
+        while self.processes and all(p.exitcode is None for p in self.processes) and time.monotonic() < deadline:
+            multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout=min(0.1, max(0.0, deadline - time.monotonic())))
         dead = [f"rank {i + 1} exited with code {p.exitcode}" for i, p in enumerate(self.processes) if p.exitcode is not None]
         return "; ".join(dead)
 
