@@ -46,8 +46,8 @@ def _gemv_ops(gemv, triton_linear) -> dict:
         N, K = packed.shape[0], packed.shape[1] * 2
         if rows(x) <= gemv.MAX_ROWS and gemv.supports("int4", K, group_size):
             kernel, cfg = gemv.choice("int4", N, K, group_size, x.dtype)
-            if kernel == "gemv":
-                return gemv.int4_gemv(x, packed, scales, mins, group_size, bias, cfg)
+            if kernel in ("gemv", "gemv-words"):
+                return gemv.int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words")
         return triton_linear.int4_weight_linear(x, packed, scales, mins, group_size, bias)
 
     return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear}

@@ -36,6 +36,10 @@ class Config(NamedTuple):
 # on an H200 a 576 x 576 GEMV took 2.3 us unsplit against 3.5 us split)
 CONFIGS = (Config(32, 512, 8, 2), Config(16, 512, 4, 4), Config(64, 256, 8, 2), Config(8, 1024, 4, 8), Config(8, 1024, 4, 0), Config(16, 512, 4, 0))
 DEFAULT_CONFIG = CONFIGS[0]
+# The word-wise 4-bit GEMV: a thread owns block_n / warps rows of one group per tile (1,024 bytes a
+# row: 32 groups of 32) and reuses each activation over them; 64 rows: 255 registers (two rows spill
+# there, so those take 32).
+WORD_CONFIGS = (Config(64, 1024, 4, 2), Config(32, 1024, 4, 2), Config(32, 1024, 4, 0))
 
 
 @triton.jit
@@ -159,6 +163,67 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
 
 
+@triton.jit
+def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
+                             GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr):
+    """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
+    holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
+    ops and one FMA a weight, into an accumulator per word. Per group, sum w x = 16 scale * S +
+    (min - 16 scale) * X, with S = sum (1 + q/16) x and X = sum x. Word i of a group holds values
+    4i..4i+3 (low nibbles) and GS/2 + 4i.. (high), as pack_int4 lays them out."""
+    H: tl.constexpr = GS // 2
+    WPG: tl.constexpr = GS // 8  # 32-bit words a group
+    WB: tl.constexpr = GPB * WPG  # words of a row a tile
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    KW = tl.multiple_of(K // 8, WPG)  # K % GS == 0: 16-byte aligned rows of whole groups
+    G = K // GS
+    rows = offs_n.to(tl.int64) * KW
+    offs_f = tl.arange(0, WB)
+    acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    words = p_ptr.to(tl.pointer_type(tl.int32))
+    for b0 in range(pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, K // 2), GPB * H):
+        f = b0 // 4 + offs_f  # word index along the row
+        f_ok = f < KW
+        w = tl.load(words + rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
+        kb = (f // WPG) * GS + 4 * (f % WPG)  # the first (low-nibble) value of each word
+        s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+        s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+        for s in tl.static_range(4):
+            if s == 0:
+                v = ((w << 3) & 0x00780078) | 0x3F803F80
+            else:
+                v = ((w >> (4 * s - 3)) & 0x00780078) | 0x3F803F80
+            lo = (v << 16).to(tl.float32, bitcast=True)
+            hi = (v & -65536).to(tl.float32, bitcast=True)
+            c = (s // 2) + (s % 2) * H  # bits 4s.. hold value c of the word; bits 16 + 4s.. value c + 2
+            xa = tl.load(x_ptr + kb + c, mask=f_ok, other=0.0).to(tl.float32)
+            xb = tl.load(x_ptr + kb + c + 2, mask=f_ok, other=0.0).to(tl.float32)
+            s0 = tl.fma(hi, xb[None, :], tl.fma(lo, xa[None, :], s0))
+            if TWO:
+                ya = tl.load(x_ptr + stride_xm + kb + c, mask=f_ok, other=0.0).to(tl.float32)
+                yb = tl.load(x_ptr + stride_xm + kb + c + 2, mask=f_ok, other=0.0).to(tl.float32)
+                s1 = tl.fma(hi, yb[None, :], tl.fma(lo, ya[None, :], s1))
+        g = b0 // H + tl.arange(0, GPB)
+        g_ok = g < G
+        gs_off = offs_n[:, None] * G + g[None, :]
+        gs_ok = n_ok[:, None] & g_ok[None, :]
+        sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) * 16.0
+        mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) - sc
+        k = g[:, None] * GS + tl.arange(0, GS)[None, :]
+        x0 = tl.sum(tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)
+        acc0 += tl.sum(tl.reshape(s0, [BLOCK_N, GPB, WPG]), axis=2) * sc + mn * x0[None, :]
+        if TWO:
+            x1 = tl.sum(tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)
+            acc1 += tl.sum(tl.reshape(s1, [BLOCK_N, GPB, WPG]), axis=2) * sc + mn * x1[None, :]
+    base = out_ptr + pid_k * M * N
+    tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+    if TWO:
+        tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple, **meta) -> torch.Tensor:
     """Grid over row blocks and slices of the `span` a program walks in `step`s (K, or K/2 bytes of
     4-bit weights): split-K when the row blocks alone do not fill the chip."""
@@ -202,13 +267,18 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG) -> torch.Tensor:
+              bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG, words: bool = False) -> torch.Tensor:
+    """words: the kernel reading 32-bit words (two nibbles an integer op), else byte-wise."""
     N = packed.shape[0]
     K = packed.shape[1] * 2
     x2 = _rows(x)
     gpb = max(1, cfg.tile_bytes // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
     args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
-    out = _launch(_int4_gemv_kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb)
+    kernel = _int4_gemv_kernel
+    if words and packed.data_ptr() % 4 == 0:  # (read as int32)
+        kernel = _int4_words_gemv_kernel
+        cfg = cfg._replace(block_n=min(cfg.block_n, 32)) if x2.shape[0] == 2 else cfg
+    out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb)
     return out.view(*x.shape[:-1], N)
 
 
@@ -222,7 +292,7 @@ def supports(kind: str, K: int, group: int) -> bool:
 
 
 # -- the choice ----------------------------------------------------------------------------------------
-_CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> ("gemv" | "tiled" | "cublas", config)
+_CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> ("gemv" | "gemv-words" | "tiled" | "cublas", config)
 DEFAULT = {"float": "cublas", "int8": "gemv", "int4": "gemv"}
 
 
@@ -273,6 +343,7 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
     if isinstance(module, Int4Linear) and not module.panels:
         args = (module.qweight, module.scales, module.mins, module.group_size)
         fns = {("gemv", c): (lambda c=c: int4_gemv(x, *args, cfg=c)) for c in CONFIGS}
+        fns.update({("gemv-words", c): (lambda c=c: int4_gemv(x, *args, cfg=c, words=True)) for c in WORD_CONFIGS})
         return ("int4", module.out_features, module.in_features, module.group_size, x.dtype), {
             ("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(x, *args), **fns}
     return (), {}
@@ -294,5 +365,5 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
                 continue
             ms = {name: _time(fn) for name, fn in fns.items()}
             _CHOICE[key] = min(ms, key=ms.get)
-            timings[key] = {f"{name}{tuple(cfg) if name == 'gemv' else ''}": t for (name, cfg), t in ms.items()}
+            timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
     return timings
