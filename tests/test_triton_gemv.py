@@ -46,26 +46,30 @@ def test_triton_float_gemv(shape, dtype, rows, cfg) -> None:
     assert _rel(gemv.float_gemv(x, w, b, cfg), ref) < _tol(dtype)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS)
+INT8_WORD_CONFIGS = gemv.INT8_WORD_CONFIGS[::2] if DEVICE == "cpu" else gemv.INT8_WORD_CONFIGS[:1]
+
+
+@pytest.mark.parametrize(("words", "cfg"), [(False, c) for c in CONFIGS] + [(True, c) for c in INT8_WORD_CONFIGS])
 @pytest.mark.parametrize("group", [None, 32, 64])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_int8_gemv(shape, dtype, rows, group, cfg) -> None:
+def test_triton_int8_gemv(shape, dtype, rows, group, words, cfg) -> None:
+    """words: the kernel reading 32-bit words (exact values: the same sums as the byte-wise one)."""
     N, K = shape
     if group is not None and K % group:
         pytest.skip("group does not divide K")
     q, s = quantize_int8(torch.randn(N, K, device=DEVICE), group)
     x = torch.randn(1, rows, K, device=DEVICE).to(dtype)  # 3-D input: rows of a batch
     ref = quantized.int8_weight_linear(x.float(), q, s).to(dtype)  # fp32 sums, as the kernel's
-    assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg), ref) < _tol(dtype)
+    assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg, words=words), ref) < _tol(dtype)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[:2])
+@pytest.mark.parametrize(("words", "cfg"), [(False, c) for c in CONFIGS[:2]] + [(True, INT8_WORD_CONFIGS[0])])
 @pytest.mark.parametrize("group", [16, 32])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_int8_gemv_with_mins(shape, rows, group, cfg) -> None:
+def test_triton_int8_gemv_with_mins(shape, rows, group, words, cfg) -> None:
     """w = q * scale + min per group (Q5_1 / Q5_K / Q2_K off the CPU): the min term is min * sum(x)."""
     N, K = shape
     if K % group:
@@ -75,7 +79,7 @@ def test_triton_int8_gemv_with_mins(shape, rows, group, cfg) -> None:
     m = -torch.rand(N, K // group, device=DEVICE) * 0.3
     x = torch.randn(rows, K, device=DEVICE).to(torch.bfloat16)
     ref = quantized.int8_weight_linear(x.float(), q, s, None, m).to(torch.bfloat16)
-    assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg, mins=m), ref) < _tol(torch.bfloat16)
+    assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg, mins=m, words=words), ref) < _tol(torch.bfloat16)
 
 
 WORD_CONFIGS = gemv.WORD_CONFIGS[::2] if DEVICE == "cpu" else gemv.WORD_CONFIGS[:1]  # (CPU: split-K and not; 64 rows and 32)

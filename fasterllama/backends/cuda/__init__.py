@@ -38,8 +38,8 @@ def _gemv_ops(gemv, triton_linear) -> dict:
         group = K // scale.shape[1] if scale.dim() == 2 else 0
         if rows(x) <= gemv.MAX_ROWS and gemv.supports("int8", K, group or 32):
             kernel, cfg = gemv.choice("int8", N, K, group, x.dtype, mins is not None)
-            if kernel == "gemv":
-                return gemv.int8_gemv(x, qweight, scale, bias, cfg, mins)
+            if kernel in ("gemv", "gemv-words"):
+                return gemv.int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words")
         return triton_linear.int8_weight_linear(x, qweight, scale, bias, mins)
 
     def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):

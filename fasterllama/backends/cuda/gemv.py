@@ -40,6 +40,7 @@ DEFAULT_CONFIG = CONFIGS[0]
 # row: 32 groups of 32) and reuses each activation over them; 64 rows: 255 registers (two rows spill
 # there, so those take 32).
 WORD_CONFIGS = (Config(64, 1024, 4, 2), Config(32, 1024, 4, 2), Config(32, 1024, 4, 0))
+INT8_WORD_CONFIGS = (Config(64, 512, 4, 2), Config(32, 512, 4, 2), Config(32, 512, 4, 0))  # (the int8 words kernel: 168 and 96 registers)
 
 
 @triton.jit
@@ -224,6 +225,70 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
         tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@triton.jit
+def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
+                            GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
+                            HAS_MINS: tl.constexpr):
+    """int8 GEMV over 32-bit words: a byte of (w ^ 0x80808080) placed under the exponent of 2^23
+    is 2^23 + 128 + q, so q is one byte move and one FADD away, and each activation (4 loads a
+    word) serves every row a thread owns. Accumulators per word; per group (PER_GROUP) their sums
+    are scaled, else the channel's scale comes at the end."""
+    WPG: tl.constexpr = GS // 4  # words a group (per channel: a chunk of GS columns)
+    WB: tl.constexpr = GPB * WPG
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    KW = tl.multiple_of(K // 4, WPG)  # K % GS == 0
+    rows = offs_n.to(tl.int64) * KW
+    offs_f = tl.arange(0, WB)
+    acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    words = w_ptr.to(tl.pointer_type(tl.int32))
+    for k0 in range(pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K), GPB * GS):
+        f = k0 // 4 + offs_f
+        f_ok = f < KW
+        w = tl.load(words + rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0) ^ -2139062144  # 0x80808080
+        s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+        s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+        for b in tl.static_range(4):
+            q = (((w >> (8 * b)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+            xb = tl.load(x_ptr + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32)
+            s0 = tl.fma(q, xb[None, :], s0)
+            if TWO:
+                yb = tl.load(x_ptr + stride_xm + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32)
+                s1 = tl.fma(q, yb[None, :], s1)
+        r0 = tl.sum(tl.reshape(s0, [BLOCK_N, GPB, WPG]), axis=2)
+        if TWO:
+            r1 = tl.sum(tl.reshape(s1, [BLOCK_N, GPB, WPG]), axis=2)
+        if PER_GROUP:
+            g = k0 // GS + tl.arange(0, GPB)
+            g_ok = g < G
+            gs_off = offs_n[:, None] * G + g[None, :]
+            gs_ok = n_ok[:, None] & g_ok[None, :]
+            sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+            acc0 += r0 * sc
+            if TWO:
+                acc1 += r1 * sc
+            if HAS_MINS:
+                mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+                k = g[:, None] * GS + tl.arange(0, GS)[None, :]
+                acc0 += mn * tl.sum(tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
+                if TWO:
+                    acc1 += mn * tl.sum(tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
+        else:
+            acc0 += r0
+            if TWO:
+                acc1 += r1
+    if not PER_GROUP:
+        sc = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        acc0 *= sc
+        acc1 *= sc
+    base = out_ptr + pid_k * M * N
+    tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+    if TWO:
+        tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple, **meta) -> torch.Tensor:
     """Grid over row blocks and slices of the `span` a program walks in `step`s (K, or K/2 bytes of
     4-bit weights): split-K when the row blocks alone do not fill the chip."""
@@ -253,15 +318,18 @@ def float_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-              cfg: Config = DEFAULT_CONFIG, mins: torch.Tensor | None = None) -> torch.Tensor:
+              cfg: Config = DEFAULT_CONFIG, mins: torch.Tensor | None = None, words: bool = False) -> torch.Tensor:
+    """words: the kernel reading 32-bit words (a byte to fp32 in two ops), else byte-wise."""
     N, K = qweight.shape
     s = scale.reshape(N, -1)
     G = s.shape[1]
     gs = K // G if G > 1 else 32
     x2 = _rows(x)
     gpb = max(1, cfg.tile_bytes // gs)
-    args = (qweight.contiguous(), s.contiguous(), s if mins is None else mins.contiguous())
-    out = _launch(_int8_gemv_kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1,
+    qweight = qweight.contiguous()
+    args = (qweight, s.contiguous(), s if mins is None else mins.contiguous())
+    kernel = _int8_words_gemv_kernel if words and gs >= 4 and qweight.data_ptr() % 4 == 0 else _int8_gemv_kernel  # (read as int32)
+    out = _launch(kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1,
                   HAS_MINS=mins is not None)
     return out.view(*x.shape[:-1], N)
 
@@ -338,6 +406,7 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
         if not supports("int8", q.shape[1], module.group_size or 32):
             return (), {}
         fns = {("gemv", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m)) for c in CONFIGS}
+        fns.update({("gemv-words", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m, words=True)) for c in INT8_WORD_CONFIGS})
         key = ("int8", *q.shape, module.group_size or 0, x.dtype) + (("mins",) if m is not None else ())
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s, mins=m), **fns}
     if isinstance(module, Int4Linear) and not module.panels:
