@@ -165,13 +165,14 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
 
 
 @triton.jit
-def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
+def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT, ONES,
                              GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word. Per group, sum w x = 16 scale * S +
     (min - 16 scale) * X, with S = sum (1 + q/16) x and X = sum x. Word i of a group holds values
-    4i..4i+3 (low nibbles) and GS/2 + 4i.. (high), as pack_int4 lays them out."""
+    4i..4i+3 (low nibbles) and GS/2 + 4i.. (high), as pack_int4 lays them out. ONES = 0x3F803F80
+    comes as an argument: in a register, the mask-and-or is one LOP3 (two immediates take two)."""
     H: tl.constexpr = GS // 2
     WPG: tl.constexpr = GS // 8  # 32-bit words a group
     WB: tl.constexpr = GPB * WPG  # words of a row a tile
@@ -194,9 +195,9 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
         s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
         for s in tl.static_range(4):
             if s == 0:
-                v = ((w << 3) & 0x00780078) | 0x3F803F80
+                v = ((w << 3) & 0x00780078) | ONES
             else:
-                v = ((w >> (4 * s - 3)) & 0x00780078) | 0x3F803F80
+                v = ((w >> (4 * s - 3)) & 0x00780078) | ONES
             lo = (v << 16).to(tl.float32, bitcast=True)
             hi = (v & -65536).to(tl.float32, bitcast=True)
             c = (s // 2) + (s % 2) * H  # bits 4s.. hold value c of the word; bits 16 + 4s.. value c + 2
@@ -342,11 +343,11 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
     x2 = _rows(x)
     gpb = max(1, cfg.tile_bytes // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
     args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
-    kernel = _int4_gemv_kernel
+    kernel, extra = _int4_gemv_kernel, {}
     if words and packed.data_ptr() % 4 == 0:  # (read as int32)
-        kernel = _int4_words_gemv_kernel
+        kernel, extra = _int4_words_gemv_kernel, {"ONES": 0x3F803F80}
         cfg = cfg._replace(block_n=min(cfg.block_n, 32)) if x2.shape[0] == 2 else cfg
-    out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb)
+    out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb, **extra)
     return out.view(*x.shape[:-1], N)
 
 

@@ -1,0 +1,84 @@
+"""Instructions a weight in the decode GEMVs' K loops, from sm_90 SASS compiled on this machine
+(no GPU needed: Triton's own ptxas and cuobjdump). A proxy for the GEMVs' speed between GPU
+sessions: a batch-1 GEMV streaming 4 TB/s of 4-bit weights on an H100/H200 has room for about 3.5
+instructions a weight, of int8 weights about 7 (docs/gpu.md).
+
+    python benchmarks/gpu_sass.py [--dtype bf16] [--group 32]
+
+Prints, per kernel and config: the loop's instructions, the weights a thread handles per
+iteration, their ratio, and the registers and spill stack cuobjdump reports."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fasterllama.backends.cuda import gemv
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+ALIGNED = ("x_ptr", "p_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "N", "K", "stride_xm", "K_SPLIT", "KB_SPLIT", "G")  # as launches specialize them
+
+
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[str, str]:
+    """(SASS, resource usage) of one specialization."""
+    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in signature}
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return sass, usage
+
+
+def loop_length(sass: str) -> int:
+    """Instructions of the longest backward-branch loop (the K loop)."""
+    addr_re = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/")
+    addrs = [int(m.group(1), 16) for m in map(addr_re.match, sass.splitlines()) if m]
+    best = 0
+    for line in sass.splitlines():
+        m = addr_re.match(line)
+        target = re.search(r"BRA\s+.*?0x([0-9a-f]+)", line)
+        if m and target and int(target.group(1), 16) < int(m.group(1), 16):
+            best = max(best, sum(int(target.group(1), 16) <= a <= int(m.group(1), 16) for a in addrs))
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="activations")
+    ap.add_argument("--group", type=int, default=32)
+    args = ap.parse_args()
+    x = f"*{args.dtype}"
+    common = {"x_ptr": x, "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": x, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}
+    int4 = dict(common, p_ptr="*u8", KB_SPLIT="i32", GS="constexpr", GPB="constexpr", BLOCK_N="constexpr", TWO="constexpr")
+    int8 = dict(common, w_ptr="*i8", K_SPLIT="i32", G="i32", GS="constexpr", GPB="constexpr", PER_GROUP="constexpr", BLOCK_N="constexpr",
+                TWO="constexpr", HAS_MINS="constexpr")
+    g = args.group
+    cases = [("int4 bytes", gemv._int4_gemv_kernel, int4, c) for c in gemv.CONFIGS[:3]]
+    cases += [("int4 words", gemv._int4_words_gemv_kernel, dict(int4, ONES="i32"), c) for c in gemv.WORD_CONFIGS[:2]]
+    cases += [("int8 bytes", gemv._int8_gemv_kernel, int8, c) for c in gemv.CONFIGS[:3]]
+    cases += [("int8 words", gemv._int8_words_gemv_kernel, int8, c) for c in gemv.INT8_WORD_CONFIGS[:2]]
+    print("| kernel | rows, tile bytes, warps | loop instructions | weights a thread | a weight | registers, stack |\n|---|---|---:|---:|---:|---|")
+    for name, fn, sig, cfg in cases:
+        gpb = cfg.tile_bytes // g if "int8" in name else cfg.tile_bytes // 2 // (g // 2)  # as int8_gemv / int4_gemv launch
+        consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False}
+        if "int8" in name:
+            consts.update(PER_GROUP=True, HAS_MINS=False)
+        weights = cfg.block_n * gpb * g / (32 * cfg.warps)
+        sass, usage = compile_sm90(fn, sig, consts, cfg.warps)
+        n = loop_length(sass)
+        res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        print(f"| {name} | {cfg.block_n}, {cfg.tile_bytes}, {cfg.warps} | {n} | {weights:.0f} | {n / weights:.2f} | {res.group(1)}, {res.group(2)} |")
+
+
+if __name__ == "__main__":
+    main()
