@@ -16,6 +16,7 @@ import torch
 from ..backends import Backend, get_backend
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
+from ..host_memory import release_freed_memory
 from ..loading.model_loader import GGUF_NATIVE, LoadedModel, load_model
 from ..loading.registry import resolve_model_path
 from ..model import LlamaForCausalLM
@@ -33,6 +34,9 @@ from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
 from .structured import StructuredOutput
 
+# a step of this many tokens (a prefill) returns its freed temporaries to the OS after it runs:
+# malloc_trim's 0.3-3 ms against ~0.2 s of compute; decode steps keep their reused heap
+TRIM_AFTER_TOKENS = 64
 FILE_MODES = (None, *GGUF_NATIVE, "none")  # quantization values that load a checkpoint as it is (no quantize step)
 
 _DTYPES = {
@@ -438,6 +442,8 @@ class LLMEngine:
             self.failure = f"{e}; {detail}" if detail else str(e)
             self.shutdown()
             raise WorkerFailure(self.failure) from None
+        if offset >= TRIM_AFTER_TOKENS:
+            release_freed_memory()  # a long prefill's temporaries would otherwise stay in the heap
         self.scheduler.advance(batch)
         for item, first in prompt_rows:
             rows_logits = all_logits[first : first + item.num_tokens]
