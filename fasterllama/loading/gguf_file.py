@@ -110,10 +110,10 @@ class GGUFCheckpoint:
 def _dequantize(data: np.ndarray, qtype: Any, rows_per_chunk: int = 2048) -> np.ndarray:
     """float32 copy of a GGUF tensor, expanded a block of rows at a time so the only large
     allocation is the result (dequantizing a whole embedding at once needs several copies)."""
-    from gguf import GGMLQuantizationType, quants
-
-    if qtype == GGMLQuantizationType.F32:
+    if qtype.name == "F32":
         return np.array(data, dtype=np.float32)  # a writable copy of the memory map
+    from gguf import quants
+
     if data.ndim == 1:
         return np.asarray(quants.dequantize(data, qtype), dtype=np.float32)
     first = quants.dequantize(data[:1], qtype)

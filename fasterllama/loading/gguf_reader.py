@@ -9,13 +9,38 @@ same interface the loader uses from GGUFReader — `fields[key].contents()`, `te
 
 from __future__ import annotations
 
+import importlib.util
 import mmap
+import os
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+
+def _gguf_constants() -> Any:
+    """gguf-py's `constants` module (the type tables), without running the package's __init__,
+    which imports its writer, vocab and sentencepiece (4 MB resident, 0.15 s) that reading a
+    file never uses; the package itself where it is already imported or the file will not load."""
+    if "gguf" in sys.modules:
+        return sys.modules["gguf"]
+    try:
+        spec = importlib.util.find_spec("gguf")
+        path = os.path.join(os.path.dirname(spec.origin), "constants.py")
+        constants_spec = importlib.util.spec_from_file_location("fasterllama._gguf_constants", path)
+        module = importlib.util.module_from_spec(constants_spec)
+        constants_spec.loader.exec_module(module)
+        return module
+    except Exception:  # a gguf-py whose constants need the package
+        import gguf
+
+        return gguf
+
+
+_constants = _gguf_constants()
+GGML_QUANT_SIZES, GGMLQuantizationType = _constants.GGML_QUANT_SIZES, _constants.GGMLQuantizationType
 
 # value type id -> (struct format, numpy dtype) for the fixed-size ones
 _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16), 4: ("<I", np.uint32), 5: ("<i", np.int32),
