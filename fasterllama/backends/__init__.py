@@ -52,6 +52,9 @@ class Backend:
     def begin_step(self) -> None:
         """Called by the model runner before each step, in the thread that runs it."""
 
+    def after_forward(self, num_tokens: int) -> None:
+        """Called by the model runner after a step's model forward (not the whole-step decode)."""
+
 
 def get_backend(device: torch.device) -> Backend:
     if device.type == "cpu":

@@ -16,7 +16,6 @@ import torch
 from ..backends import Backend, get_backend
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
-from ..host_memory import release_freed_memory
 from ..loading.model_loader import GGUF_NATIVE, LoadedModel, load_model
 from ..loading.registry import resolve_model_path
 from ..model import LlamaForCausalLM
@@ -442,8 +441,6 @@ class LLMEngine:
             self.failure = f"{e}; {detail}" if detail else str(e)
             self.shutdown()
             raise WorkerFailure(self.failure) from None
-        if offset >= TRIM_AFTER_TOKENS:
-            release_freed_memory()  # a long prefill's temporaries would otherwise stay in the heap
         self.scheduler.advance(batch)
         for item, first in prompt_rows:
             rows_logits = all_logits[first : first + item.num_tokens]

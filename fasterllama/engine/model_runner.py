@@ -118,6 +118,7 @@ class ModelRunner:
         if rows is not None:
             hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]
         logits = self.model.compute_logits(hidden)
+        self.backend.after_forward(input_ids.numel())
         return None if logits is None else logits.float()
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
