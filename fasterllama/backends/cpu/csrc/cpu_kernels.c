@@ -431,8 +431,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
     else panel_many(x, K, w, G, g, y, ldy, bits, rows);
 }
 #else
-/* AVX2 (16 ymm registers): a panel is walked in halves (1-2 rows) or quarters (3-8 rows), so the
- * accumulators, scales and weights fit. */
+/* AVX2 (16 ymm registers): a panel is walked in halves, so the accumulators, scales and weights
+ * fit; 1-2 rows only: panel_parts_linear gives 3 or more to the GEMM kernel (GEMM_FROM_ROWS). */
 
 /* The scales and mins of 8 rows from element i. */
 static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m256 *m) {
@@ -478,40 +478,9 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
         for (int i = 0; i < 2; i++) _mm256_storeu_ps(y + r * ldy + 16 * h + 8 * i, tot[r][i]);
 }
 
-/* 3-8 activation rows: a panel walked as four quarters of 8 rows (one vector), all rows at once:
- * each column's 8 weights dequantized (fma(s, q, m)) once, then one FMA a row. */
-static inline __attribute__((always_inline)) void panel_quarter_many(const float *x, int64_t K, const panel_w_t *w,
-    int64_t G, int64_t g, int c, float *y, int64_t ldy, const int bits, const int rows) {
-    const int has_min = w->mins != NULL || w->centre != 0.f;
-    __m256 acc[MT];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    const int lane0 = 8 * c; /* rows 8c .. 8c + 7 of the panel */
-    for (int64_t grp = 0; grp < G; grp++) {
-        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
-        const float *xg = x + grp * g;
-        const int64_t si = grp * PANEL + lane0;
-        if (c == 0) {
-            PANEL_PF((const char *)w->scales + si * w->sbytes);
-            if (w->mins) PANEL_PF((const char *)w->mins + si * w->sbytes);
-        }
-        __m256 d, m;
-        panel_scales8(w, si, &d, &m);
-        for (int64_t kk = 0; kk < g; kk++) {
-            if (c == 0 && kk % PF_COLS(bits) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
-            const __m256 q = panel_q8(qg, kk, lane0, bits);
-            const __m256 wv = has_min ? _mm256_fmadd_ps(q, d, m) : _mm256_mul_ps(q, d);
-            for (int r = 0; r < rows; r++) acc[r] = _mm256_fmadd_ps(wv, _mm256_broadcast_ss(xg + r * K + kk), acc[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) _mm256_storeu_ps(y + r * ldy + lane0, acc[r]);
-}
-
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const panel_w_t *w,
     int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
-    if (rows <= 2)
-        for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, w, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2);
-    else
-        for (int c = 0; c < 4; c++) panel_quarter_many(x, K, w, G, g, c, y, ldy, bits, rows);
+    for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, w, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2); /* (3+: the GEMM) */
 }
 #endif
 
@@ -557,12 +526,12 @@ PANEL_WIDTH(NL4)
 typedef struct {
     panel_w_t w;
     panel_block_fn block;
-    int64_t N, g, offset; /* outputs [offset, offset + N) of the projection's rows */
+    int64_t N, g, offset, bits; /* outputs [offset, offset + N) of the projection's rows */
     float *xsum;          /* per-group sums of x: the mins' term with 1-2 rows (NULL without mins) */
 } panel_part_t;
 
 static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
-    panel_part_t part = {w, bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, NULL};
+    panel_part_t part = {w, bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, bits, NULL};
     const int64_t G = K / g;
     if (w.mins != NULL || w.centre != 0.f) {
         part.xsum = malloc(sizeof(float) * M * G);
@@ -579,7 +548,24 @@ static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w
 /* y [M, ldo] (columns of each part at its offset) = x [M, K] @ the parts' W^T, every part's panels
  * shared out among the threads in one parallel loop: a projection fused from matrices of different
  * widths (q/k in 5 bits, v in int8) costs one fork/join, as one matrix does. */
+static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_part_t *parts, int nparts, float *y, int64_t ldo);
+
+/* 3 or more rows on AVX2 go to the GEMM kernel: its 6 x 16 register tile broadcasts x once per two
+ * FMAs, where the GEMVs' quarter-panel walk (since removed) broadcast once per FMA. The GEMM ran
+ * 1.0-1.37x faster at 3-8 rows and 1.3-1.7x at 16 (Zen 1, SmolLM2's shapes, 30 cold copies
+ * alternating, the same sums); decode steps 1.21x at batch 8 on a Q4_K_M file, 1.31x at 16. */
+#if defined(__AVX512F__)
+#define GEMM_FROM_ROWS INT64_MAX /* (AVX-512: the GEMVs, 32 registers of 16 lanes, as measured there) */
+#else
+#define GEMM_FROM_ROWS 3
+#endif
+
 static void panel_parts_linear(const float *x, int64_t M, int64_t K, panel_part_t *parts, int nparts, float *y, int64_t ldo) {
+    if (M >= GEMM_FROM_ROWS) {
+        panel_parts_gemm(x, M, K, parts, nparts, y, ldo);
+        for (int i = 0; i < nparts; i++) free(parts[i].xsum);
+        return;
+    }
     int64_t first[8], P = 0; /* the first global panel of each part (nparts <= 8) */
     for (int i = 0; i < nparts; i++) first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
@@ -683,7 +669,7 @@ static void gemm_tile_any(const float *x, int64_t ldx, const float *wb, int64_t 
 /* Panel p's outputs of y for mc <= GEMM_MC rows. wb: GEMM_KC rounded up to a group, times 32
  * floats; t: GEMM_MC x 32 floats. */
 static inline __attribute__((always_inline)) void gemm_panel(const float *x, int64_t mc, int64_t K, const panel_w_t *w, int64_t N,
-                                                             int64_t g, float *y, int64_t p, float *wb, float *t, const int bits) {
+                                                             int64_t g, float *y, int64_t ldy, int64_t p, float *wb, float *t, const int bits) {
     const int64_t G = K / g, gpb = g >= GEMM_KC ? 1 : GEMM_KC / g;
     const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
     const panel_w_t wp = panel_at(w, p, G, g, bits);
@@ -694,14 +680,15 @@ static inline __attribute__((always_inline)) void gemm_panel(const float *x, int
             for (int v0 = 0; v0 < PANEL / GEMM_LANES; v0 += GEMM_V)
                 gemm_tile_any(x + r0 * K + grp0 * g, K, wb, kc, t + r0 * PANEL, v0, grp0 == 0, (int)(mc - r0 < GEMM_R ? mc - r0 : GEMM_R));
     }
-    for (int64_t r = 0; r < mc; r++) memcpy(y + r * N + p * PANEL, t + r * PANEL, sizeof(float) * valid);
+    for (int64_t r = 0; r < mc; r++) memcpy(y + r * ldy + p * PANEL, t + r * PANEL, sizeof(float) * valid);
 }
 
-typedef void (*gemm_panel_fn)(const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t, float *, float *);
+typedef void (*gemm_panel_fn)(const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t, int64_t, float *,
+                              float *);
 #define GEMM_WIDTH(B)                                                                                                           \
     static void gemm_panel_##B(const float *x, int64_t M, int64_t K, const panel_w_t *w, int64_t N, int64_t g, float *y,       \
-                               int64_t p, float *wb, float *t) {                                                              \
-        gemm_panel(x, M, K, w, N, g, y, p, wb, t, B);                                                                           \
+                               int64_t ldy, int64_t p, float *wb, float *t) {                                                 \
+        gemm_panel(x, M, K, w, N, g, y, ldy, p, wb, t, B);                                                                      \
     }
 GEMM_WIDTH(2)
 GEMM_WIDTH(3)
@@ -711,19 +698,51 @@ GEMM_WIDTH(6)
 GEMM_WIDTH(8)
 GEMM_WIDTH(NL4)
 
-/* y [M, N] = x [M, K] @ W^T for W in panels (as fl_panel_linear), for many rows (prefill). */
-void fl_panel_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
-                   const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
-    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
-    const gemm_panel_fn panel = bits == NL4 ? gemm_panel_NL4 : bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
-    const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g);
+static gemm_panel_fn gemm_panel_for(int64_t bits) {
+    return bits == NL4 ? gemm_panel_NL4 : bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
+}
+
+static int64_t gemm_kc(int64_t g) { return g >= GEMM_KC ? g : GEMM_KC / g * g; }
+
+/* The parts of a (fused) projection through the GEMM kernel, every part's panels shared out among
+ * the threads in one parallel loop (as panel_parts_linear does for the GEMVs). */
+static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_part_t *parts, int nparts, float *y, int64_t ldo) {
+    int64_t first[8], P = 0, kc = 0;
+    for (int i = 0; i < nparts; i++) {
+        first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL;
+        kc = gemm_kc(parts[i].g) > kc ? gemm_kc(parts[i].g) : kc;
+    }
 #pragma omp parallel
     {
         float *wb = aligned_alloc(64, sizeof(float) * kc * PANEL), *t = aligned_alloc(64, sizeof(float) * GEMM_MC * PANEL);
         for (int64_t m0 = 0; m0 < M; m0 += GEMM_MC) { /* all panels over one block of rows: it stays in L2 */
             const int64_t mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
 #pragma omp for schedule(static)
-            for (int64_t p = 0; p < P; p++) panel(x + m0 * K, mc, K, &w, N, g, y + m0 * N, p, wb, t);
+            for (int64_t gp = 0; gp < P; gp++) {
+                int i = 0;
+                while (i + 1 < nparts && gp >= first[i + 1]) i++;
+                const panel_part_t *pt = &parts[i];
+                gemm_panel_for(pt->bits)(x + m0 * K, mc, K, &pt->w, pt->N, pt->g, y + m0 * ldo + pt->offset, ldo, gp - first[i], wb, t);
+            }
+        }
+        free(wb);
+        free(t);
+    }
+}
+
+/* y [M, N] = x [M, K] @ W^T for W in panels (as fl_panel_linear), for many rows (prefill). */
+void fl_panel_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
+                   const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
+    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
+    const gemm_panel_fn panel = gemm_panel_for(bits);
+    const int64_t P = (N + PANEL - 1) / PANEL, kc = gemm_kc(g);
+#pragma omp parallel
+    {
+        float *wb = aligned_alloc(64, sizeof(float) * kc * PANEL), *t = aligned_alloc(64, sizeof(float) * GEMM_MC * PANEL);
+        for (int64_t m0 = 0; m0 < M; m0 += GEMM_MC) { /* all panels over one block of rows: it stays in L2 */
+            const int64_t mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < P; p++) panel(x + m0 * K, mc, K, &w, N, g, y + m0 * N, N, p, wb, t);
         }
         free(wb);
         free(t);
