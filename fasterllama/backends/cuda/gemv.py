@@ -64,6 +64,41 @@ def _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO: tl.constexp
 
 
 @triton.jit
+def _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G,
+                     GS: tl.constexpr, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr):
+    """acc += the groups' sums r [rows, groups] times their scales (+ min * sum(x) per group), or
+    r as they are (per channel: the scale comes at the end)."""
+    if PER_GROUP:
+        gs_off = offs_n[:, None] * G + g[None, :]
+        gs_ok = n_ok[:, None] & g_ok[None, :]
+        s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+        acc0 += r0 * s
+        if TWO:
+            acc1 += r1 * s
+        if HAS_MINS:
+            mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+            k = g[:, None] * GS + tl.arange(0, GS)[None, :]
+            acc0 += mn * tl.sum(tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
+            if TWO:
+                acc1 += mn * tl.sum(tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
+    else:
+        acc0 += r0
+        if TWO:
+            acc1 += r1
+    return acc0, acc1
+
+
+@triton.jit
+def _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP: tl.constexpr, TWO: tl.constexpr):
+    """The row sums (per channel: times the channel's scale) -> out."""
+    if not PER_GROUP:
+        s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
+        acc0 *= s
+        acc1 *= s
+    _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+
+
+@triton.jit
 def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -103,28 +138,13 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
         w = _to_f32_s8(q)
         x0 = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
         r0 = tl.sum(w * x0[None, :, :], axis=2)
+        r1 = r0
         if TWO:
             x1 = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
             r1 = tl.sum(w * x1[None, :, :], axis=2)
-        if PER_GROUP:
-            s = tl.load(s_ptr + offs_n[:, None] * G + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0.0)
-            acc0 += r0 * s
-            if TWO:
-                acc1 += r1 * s
-            if HAS_MINS:
-                mn = tl.load(mn_ptr + offs_n[:, None] * G + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0.0)
-                acc0 += mn * tl.sum(x0, axis=1)[None, :]
-                if TWO:
-                    acc1 += mn * tl.sum(x1, axis=1)[None, :]
-        else:
-            acc0 += r0
-            if TWO:
-                acc1 += r1
-    if not PER_GROUP:
-        s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-        acc0 *= s
-        acc1 *= s
-    _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+        acc0, acc1 = _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G,
+                                      GS, PER_GROUP, TWO, HAS_MINS)
+    _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
 
 
 @triton.jit
@@ -259,35 +279,12 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
                 yb = tl.load(x_ptr + stride_xm + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32)
                 s1 = tl.fma(q, yb[None, :], s1)
         r0 = tl.sum(tl.reshape(s0, [BLOCK_N, GPB, WPG]), axis=2)
+        r1 = r0
         if TWO:
             r1 = tl.sum(tl.reshape(s1, [BLOCK_N, GPB, WPG]), axis=2)
-        if PER_GROUP:
-            g = k0 // GS + tl.arange(0, GPB)
-            g_ok = g < G
-            gs_off = offs_n[:, None] * G + g[None, :]
-            gs_ok = n_ok[:, None] & g_ok[None, :]
-            sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-            acc0 += r0 * sc
-            if TWO:
-                acc1 += r1 * sc
-            if HAS_MINS:
-                mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-                k = g[:, None] * GS + tl.arange(0, GS)[None, :]
-                acc0 += mn * tl.sum(tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
-                if TWO:
-                    acc1 += mn * tl.sum(tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
-        else:
-            acc0 += r0
-            if TWO:
-                acc1 += r1
-    if not PER_GROUP:
-        sc = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
-        acc0 *= sc
-        acc1 *= sc
-    base = out_ptr + pid_k * M * N
-    tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
-    if TWO:
-        tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+        g = k0 // GS + tl.arange(0, GPB)
+        acc0, acc1 = _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g < G, G, GS, PER_GROUP, TWO, HAS_MINS)
+    _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
 
 
 def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple, **meta) -> torch.Tensor:
