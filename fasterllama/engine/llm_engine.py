@@ -33,9 +33,6 @@ from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
 from .structured import StructuredOutput
 
-# a step of this many tokens (a prefill) returns its freed temporaries to the OS after it runs:
-# malloc_trim's 0.3-3 ms against ~0.2 s of compute; decode steps keep their reused heap
-TRIM_AFTER_TOKENS = 64
 FILE_MODES = (None, *GGUF_NATIVE, "none")  # quantization values that load a checkpoint as it is (no quantize step)
 
 _DTYPES = {
