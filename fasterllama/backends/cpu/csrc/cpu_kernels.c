@@ -545,9 +545,6 @@ static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w
     return part;
 }
 
-/* y [M, ldo] (columns of each part at its offset) = x [M, K] @ the parts' W^T, every part's panels
- * shared out among the threads in one parallel loop: a projection fused from matrices of different
- * widths (q/k in 5 bits, v in int8) costs one fork/join, as one matrix does. */
 static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_part_t *parts, int nparts, float *y, int64_t ldo);
 
 /* 3 or more rows on AVX2 go to the GEMM kernel: its 6 x 16 register tile broadcasts x once per two
@@ -560,6 +557,9 @@ static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_p
 #define GEMM_FROM_ROWS 3
 #endif
 
+/* y [M, ldo] (columns of each part at its offset) = x [M, K] @ the parts' W^T, every part's panels
+ * shared out among the threads in one parallel loop: a projection fused from matrices of different
+ * widths (q/k in 5 bits, v in int8) costs one fork/join, as one matrix does. */
 static void panel_parts_linear(const float *x, int64_t M, int64_t K, panel_part_t *parts, int nparts, float *y, int64_t ldo) {
     if (M >= GEMM_FROM_ROWS) {
         panel_parts_gemm(x, M, K, parts, nparts, y, ldo);
@@ -733,20 +733,8 @@ static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_p
 /* y [M, N] = x [M, K] @ W^T for W in panels (as fl_panel_linear), for many rows (prefill). */
 void fl_panel_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
                    const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
-    const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
-    const gemm_panel_fn panel = gemm_panel_for(bits);
-    const int64_t P = (N + PANEL - 1) / PANEL, kc = gemm_kc(g);
-#pragma omp parallel
-    {
-        float *wb = aligned_alloc(64, sizeof(float) * kc * PANEL), *t = aligned_alloc(64, sizeof(float) * GEMM_MC * PANEL);
-        for (int64_t m0 = 0; m0 < M; m0 += GEMM_MC) { /* all panels over one block of rows: it stays in L2 */
-            const int64_t mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
-#pragma omp for schedule(static)
-            for (int64_t p = 0; p < P; p++) panel(x + m0 * K, mc, K, &w, N, g, y + m0 * N, N, p, wb, t);
-        }
-        free(wb);
-        free(t);
-    }
+    const panel_part_t part = {panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps), NULL, N, g, 0, bits, NULL};
+    panel_parts_gemm(x, M, K, &part, 1, y, N);
 }
 
 /* ---- fp32 weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 -------------------
