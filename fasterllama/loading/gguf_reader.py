@@ -31,6 +31,7 @@ def _gguf_constants() -> Any:
         path = os.path.join(os.path.dirname(spec.origin), "constants.py")
         constants_spec = importlib.util.spec_from_file_location("fasterllama._gguf_constants", path)
         module = importlib.util.module_from_spec(constants_spec)
+        sys.modules[constants_spec.name] = module  # (its enums pickle by module name)
         constants_spec.loader.exec_module(module)
         return module
     except Exception:  # a gguf-py whose constants need the package
