@@ -80,6 +80,11 @@ def quantize_model(
 
         return tqdm(items, desc=desc, unit=unit, file=sys.stderr, leave=False)
 
+    def activation_stats(skip_sinks: bool) -> dict[str, calibrate.ActivationStats]:
+        """One calibration pass over the chunks, recording what enters every layer's linears."""
+        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
+        return calibrate.collect_stats(model, run, bar(calibration_chunks, "Calibrating", "chunk"), targets, skip_sinks)
+
     smooth_alpha = None if placeholders else cfg.smoothquant_alpha  # saved weights are smoothed already
     calibrate_static = cfg.static_activations and not placeholders
     if (smooth_alpha is not None or calibrate_static) and (run is None or not calibration_chunks):
@@ -89,21 +94,18 @@ def quantize_model(
     # statistics: beyond any static range, they take their own scales at run time (unless -clip).
     skip_sinks = cfg.static_activations and not cfg.clip
     if smooth_alpha is not None:
-        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
-        stats = calibrate.collect_stats(model, run, bar(calibration_chunks, "Calibrating", "chunk"), targets, skip_sinks)
+        stats = activation_stats(skip_sinks)
         for i, layer in enumerate(layers):
             smooth_layer(layer, model.config, {n: stats[f"{i}.{n}"].channel_amax for n in LINEARS}, smooth_alpha)
     importance: dict[str, torch.Tensor] = {}
     if cfg.imatrix and not placeholders:
         if run is None or not calibration_chunks:
             raise ValueError("w4's importance matrix needs calibration tokens")
-        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
-        importance = {k: s.importance for k, s in calibrate.collect_stats(model, run, bar(calibration_chunks, "Calibrating", "chunk"), targets).items()}
+        importance = {k: s.importance for k, s in activation_stats(False).items()}
     scales: dict[str, torch.Tensor] = {}
     device = model.embed_tokens.weight.device  # the statistics are gathered on the CPU
     if calibrate_static:
-        targets = {f"{i}.{n}": layer.get_submodule(n) for i, layer in enumerate(layers) for n in LINEARS}
-        stats = calibrate.collect_stats(model, run, bar(calibration_chunks, "Calibrating", "chunk"), targets, skip_sinks)
+        stats = activation_stats(skip_sinks)
         scales = {k: torch.tensor(calibrate.threshold(s, cfg.calibrator, cfg.percentile) / 127, device=device) for k, s in stats.items()}
     elif cfg.static_activations:  # placeholders, overwritten by the saved scales
         scales = {f"{i}.{n}": torch.tensor(1.0, device=device) for i in range(len(layers)) for n in LINEARS}
