@@ -522,18 +522,28 @@ PANEL_WIDTH(6)
 PANEL_WIDTH(8)
 PANEL_WIDTH(NL4)
 
+/* 3 or more rows on AVX2 go to the GEMM kernel: its 6 x 16 register tile broadcasts x once per two
+ * FMAs, where the GEMVs' quarter-panel walk (since removed) broadcast once per FMA. The GEMM ran
+ * 1.0-1.37x faster at 3-8 rows and 1.3-1.7x at 16 (Zen 1, SmolLM2's shapes, 30 cold copies
+ * alternating, the same sums); decode steps 1.21x at batch 8 on a Q4_K_M file, 1.31x at 16. */
+#if defined(__AVX512F__)
+#define GEMM_FROM_ROWS INT64_MAX /* (AVX-512: the GEMVs, 32 registers of 16 lanes, as measured there) */
+#else
+#define GEMM_FROM_ROWS 3
+#endif
+
 /* One matrix of a (fused) projection: its panels, width and group, and where its outputs go. */
 typedef struct {
     panel_w_t w;
     panel_block_fn block;
     int64_t N, g, offset, bits; /* outputs [offset, offset + N) of the projection's rows */
-    float *xsum;          /* per-group sums of x: the mins' term with 1-2 rows (NULL without mins) */
+    float *xsum;          /* per-group sums of x: the mins' term with 1-2 rows (NULL without mins or for the GEMM) */
 } panel_part_t;
 
 static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
     panel_part_t part = {w, bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, bits, NULL};
     const int64_t G = K / g;
-    if (w.mins != NULL || w.centre != 0.f) {
+    if ((w.mins != NULL || w.centre != 0.f) && M < GEMM_FROM_ROWS) { /* (the GEMM dequantizes whole weights) */
         part.xsum = malloc(sizeof(float) * M * G);
         for (int64_t i = 0; i < M * G; i++) {
             const float *xg = x + (i / G) * K + (i % G) * g;
@@ -547,23 +557,12 @@ static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w
 
 static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_part_t *parts, int nparts, float *y, int64_t ldo);
 
-/* 3 or more rows on AVX2 go to the GEMM kernel: its 6 x 16 register tile broadcasts x once per two
- * FMAs, where the GEMVs' quarter-panel walk (since removed) broadcast once per FMA. The GEMM ran
- * 1.0-1.37x faster at 3-8 rows and 1.3-1.7x at 16 (Zen 1, SmolLM2's shapes, 30 cold copies
- * alternating, the same sums); decode steps 1.21x at batch 8 on a Q4_K_M file, 1.31x at 16. */
-#if defined(__AVX512F__)
-#define GEMM_FROM_ROWS INT64_MAX /* (AVX-512: the GEMVs, 32 registers of 16 lanes, as measured there) */
-#else
-#define GEMM_FROM_ROWS 3
-#endif
-
 /* y [M, ldo] (columns of each part at its offset) = x [M, K] @ the parts' W^T, every part's panels
  * shared out among the threads in one parallel loop: a projection fused from matrices of different
  * widths (q/k in 5 bits, v in int8) costs one fork/join, as one matrix does. */
 static void panel_parts_linear(const float *x, int64_t M, int64_t K, panel_part_t *parts, int nparts, float *y, int64_t ldo) {
     if (M >= GEMM_FROM_ROWS) {
         panel_parts_gemm(x, M, K, parts, nparts, y, ldo);
-        for (int i = 0; i < nparts; i++) free(parts[i].xsum);
         return;
     }
     int64_t first[8], P = 0; /* the first global panel of each part (nparts <= 8) */
