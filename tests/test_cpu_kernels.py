@@ -35,7 +35,7 @@ def test_int4_linear(m, n, k, g):
     scales, mins = (torch.rand(n, k // g) * 0.1).half(), (-torch.rand(n, k // g) * 0.1).half()
     bias = torch.randn(n)
     panels = qops.to_panels(packed, scales, mins, g)
-    _close(ck.panel_linear(x, *panels, n, 4, bias), qops.int4_weight_linear(x, packed, scales, mins, g, bias))
+    _close(ck.panel_linear(x, *panels, n, 4, bias), qops.int4_weight_linear(ck.gemv_x(x, g), packed, scales, mins, g, bias))
 
 
 @pytest.mark.parametrize("n,g", [(96, 32), (33, 64), (5, 128)])
@@ -89,7 +89,7 @@ def test_panel_linear_every_format(bits, n, k, g, mins, scale_dtype):
     assert torch.equal(lin.dequantize_rows(rows, torch.float32), w[rows])
     for m_rows in ROWS:
         x = torch.randn(m_rows, k)
-        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits), x @ w.t())
+        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits), ck.gemv_x(x, g) @ w.t())
     x = torch.randn(3, k)
     _close(qops.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits), x @ w.t())
 
@@ -120,7 +120,7 @@ def test_factored_scales(bits, g, gps, mins):
     assert scale_bytes * 8 / (padded * k) == (2 if mins else 1) * (8 + 16 / gps) / g  # int8 + fp16 / gps a group: not fp32's 32
     for m_rows in ROWS:
         x = torch.randn(m_rows, k)
-        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, None, lin.sups), x @ w.t())
+        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, None, lin.sups), ck.gemv_x(x, g) @ w.t())
     x = torch.randn(3, k)
     _close(qops.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, None, lin.sups), x @ w.t())
 
@@ -147,7 +147,7 @@ def test_nl4_values_through_the_table(n, k, factored):
     assert torch.equal(lin.dequantize_rows(torch.tensor([n - 1, 0]), torch.float32), w[[n - 1, 0]])
     for m_rows in ROWS + [200]:
         x = torch.randn(m_rows, k)
-        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, qops.NL4, None, lin.sups), x @ w.t())
+        _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, qops.NL4, None, lin.sups), ck.gemv_x(x, g) @ w.t())
 
 
 @pytest.mark.parametrize("n,g", [(96, 32), (33, 64)])
@@ -176,7 +176,7 @@ def test_int8_linear(m, n, k, g, per_channel):
     x = torch.randn(m, k)
     q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
     scale = torch.rand(n) if per_channel else torch.rand(n, k // g)
-    _close(ck.panel_linear(x, *qops.int8_to_panels(q, scale), None, n, 8), qops.int8_weight_linear(x, q, scale))
+    _close(ck.panel_linear(x, *qops.int8_to_panels(q, scale), None, n, 8), qops.int8_weight_linear(ck.gemv_x(x, k if per_channel else g), q, scale))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 5, 6, 8])

@@ -109,6 +109,7 @@ def open_library(source: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.fl_vector_lanes.argtypes, lib.fl_vector_lanes.restype = [], ctypes.c_int64
+    lib.fl_gemv_x_block.argtypes, lib.fl_gemv_x_block.restype = [_I, _I, _I], ctypes.c_int64
     return lib
 
 
@@ -213,6 +214,21 @@ def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.
     kernel(x2.data_ptr(), x2.shape[0], k, *args, n, g, bits, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
+
+
+def gemv_x(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x as panel_linear computes with it for weights in groups of g: on AVX2 builds 1-2 rows are
+    rounded to int16 per block of 8 columns, scaled by the block's largest |x| (cpu_kernels.c's
+    x_to_i16: integer dot products run twice as fast there as float ones); otherwise x itself. The
+    reference the kernel tests hold the GEMVs to."""
+    x2 = x.reshape(-1, x.shape[-1])
+    block = _lib.fl_gemv_x_block(x2.shape[0], x2.shape[1], g)
+    if not block:
+        return x
+    xb = x2.view(x2.shape[0], -1, block)
+    top = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))  # fp32 throughout, as the kernel
+    return (torch.round(xb * inv) * (top / 32767.0)).view_as(x)
 
 
 def panel_linear_a8(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,

@@ -144,6 +144,16 @@ typedef __m256 vf;
  * constant in every always_inline kernel below (each width gets its own straight-line code); the
  * scale width and the min are tested once a group. */
 #define PANEL 32
+#ifndef XB
+#define XB 8 /* columns a block of int16 x (x_to_i16): 16 cost decode logprobs 1.5e-3 against HF, 8 0.85e-3 */
+#endif
+#ifndef X_INT16 /* (-DX_INT16=0: the AVX2 GEMVs on fp32 x, as AVX-512's) */
+#if defined(__AVX512F__)
+#define X_INT16 0
+#else
+#define X_INT16 1
+#endif
+#endif
 #define PANEL_PF(p) _mm_prefetch((const char *)(p) + PF_BYTES / 4, WEIGHT_HINT) /* scales: 1/8 the bytes */
 #define NL4 9 /* width code: 4-bit indices into IQ4_NL's 16 values (NL4_VALUES) */
 #define VALUE_BITS(bits) ((bits) == NL4 ? 4 : (bits))
@@ -425,8 +435,9 @@ static inline __attribute__((always_inline)) void panel_many(const float *x, int
     for (int r = 0; r < rows; r++) { _mm512_storeu_ps(y + r * ldy, acc[r][0]); _mm512_storeu_ps(y + r * ldy + 16, acc[r][1]); }
 }
 
-static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const panel_w_t *w,
-    int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, const int16_t *xq, const float *xs,
+    int64_t K, const panel_w_t *w, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+    (void)xq, (void)xs; /* (AVX2 only) */
     if (rows <= 2) panel_few(x, xsum, K, w, G, g, y, ldy, bits, rows <= 1 ? 1 : 2);
     else panel_many(x, K, w, G, g, y, ldy, bits, rows);
 }
@@ -438,6 +449,69 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
 static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m256 *m) {
     *d = load8s(w, w->scales, w->sup_s, i);
     *m = w->mins ? load8s(w, w->mins, w->sup_m, i) : _mm256_mul_ps(*d, _mm256_set1_ps(-w->centre));
+}
+
+/* 1-2 activation rows with x rounded to int16 (x_to_i16): two columns' values of a row as a pair of
+ * int16 in each 32-bit lane, so one vpmaddwd multiplies and adds 16 weights by two x values, and
+ * only a block's sums (16 columns) become floats. Zen 1 runs the float route (widen, convert, FMA)
+ * at half this speed: a C harness on one core with the weights in L1 gave 6.4 G weights/s against
+ * 12.8 (4-bit), the conversions being what limits it. The rounding error is 1/65534 of the block's
+ * largest |x| (llama.cpp's int8 rows: 1/254); the weights stay the file's values. Panel rows
+ * 16 * c0 .. 16 * (c0 + nc) - 1: nc 2 (the whole panel) for one x row, 1 for two. */
+static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, const float *xs, const float *xsum, int64_t K,
+    const panel_w_t *w, int64_t G, int64_t g, int c0, float *y, int64_t ldy, const int bits, const int rows, const int nc) {
+    const int has_min = w->mins != NULL || w->centre != 0.f;
+    const int is_signed = bits == 8 || bits == NL4;
+    const int64_t C = K / XB;
+    __m256 tot[2][4];
+    __m256i acc[2][4];
+    float dv[32] __attribute__((aligned(32))), mv[32] __attribute__((aligned(32)));
+    for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) tot[r][v] = _mm256_setzero_ps();
+    for (int64_t grp = 0; grp < G; grp++) {
+        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
+        const int64_t si = grp * PANEL + 16 * c0;
+        PANEL_PF((const char *)w->scales + si * w->sbytes);
+        if (w->mins) PANEL_PF((const char *)w->mins + si * w->sbytes);
+        for (int v = 0; v < 2 * nc; v++) {
+            __m256 d, m;
+            panel_scales8(w, si + 8 * v, &d, &m);
+            _mm256_store_ps(dv + 8 * v, d);
+            _mm256_store_ps(mv + 8 * v, m);
+        }
+        for (int64_t b = 0; b < g / XB; b++) {
+            for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) acc[r][v] = _mm256_setzero_si256();
+            for (int64_t kk = b * XB; kk < (b + 1) * XB; kk += 2) {
+                if (kk % PF_COLS(bits) < 2) PREFETCH(qg + kk * COL_BYTES(bits));
+                __m256i xp[2];
+                for (int r = 0; r < rows; r++) {
+                    int32_t pair;
+                    memcpy(&pair, xq + r * K + grp * g + kk, sizeof pair);
+                    xp[r] = _mm256_set1_epi32(pair);
+                }
+                for (int c = 0; c < nc; c++) {
+                    const __m128i v0 = panel_bytes(qg, kk, 16 * (c0 + c), bits, 16), v1 = panel_bytes(qg, kk + 1, 16 * (c0 + c), bits, 16);
+                    const __m128i lo = _mm_unpacklo_epi8(v0, v1), hi = _mm_unpackhi_epi8(v0, v1);
+                    const __m256i wl = is_signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+                    const __m256i wh = is_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+                    for (int r = 0; r < rows; r++) {
+                        acc[r][2 * c] = _mm256_add_epi32(acc[r][2 * c], _mm256_madd_epi16(wl, xp[r]));
+                        acc[r][2 * c + 1] = _mm256_add_epi32(acc[r][2 * c + 1], _mm256_madd_epi16(wh, xp[r]));
+                    }
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                const __m256 s = _mm256_set1_ps(xs[r * C + grp * (g / XB) + b]);
+                for (int v = 0; v < 2 * nc; v++)
+                    tot[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(dv + 8 * v), s), _mm256_cvtepi32_ps(acc[r][v]), tot[r][v]);
+            }
+        }
+        if (has_min)
+            for (int r = 0; r < rows; r++)
+                for (int v = 0; v < 2 * nc; v++)
+                    tot[r][v] = _mm256_fmadd_ps(_mm256_load_ps(mv + 8 * v), _mm256_set1_ps(xsum[r * G + grp]), tot[r][v]);
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 2 * nc; v++) _mm256_storeu_ps(y + r * ldy + 16 * c0 + 8 * v, tot[r][v]);
 }
 
 /* 1-2 activation rows: a group's q . x in 2 chains a vector, scaled once a group (as on AVX-512). */
@@ -478,15 +552,17 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
         for (int i = 0; i < 2; i++) _mm256_storeu_ps(y + r * ldy + 16 * h + 8 * i, tot[r][i]);
 }
 
-static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, int64_t K, const panel_w_t *w,
-    int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
-    for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, w, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2); /* (3+: the GEMM) */
+static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, const int16_t *xq, const float *xs,
+    int64_t K, const panel_w_t *w, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+    if (xq && rows <= 1) panel_i16(xq, xs, xsum, K, w, G, g, 0, y, ldy, bits, 1, 2);
+    else if (xq) for (int c0 = 0; c0 < 2; c0++) panel_i16(xq, xs, xsum, K, w, G, g, c0, y, ldy, bits, 2, 1); /* (3+: the GEMM) */
+    else for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, w, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2);
 }
 #endif
 
 /* Panel p's rows of y [M, N] = x [M, K] @ W^T. */
-static inline __attribute__((always_inline)) void panel_block(const float *x, const float *xsum, int64_t M, int64_t K, const panel_w_t *w,
-    int64_t N, int64_t g, float *y, int64_t ldo, int64_t p, const int bits) {
+static inline __attribute__((always_inline)) void panel_block(const float *x, const float *xsum, const int16_t *xq, const float *xs,
+    int64_t M, int64_t K, const panel_w_t *w, int64_t N, int64_t g, float *y, int64_t ldo, int64_t p, const int bits) {
     const int64_t G = K / g;
     const panel_w_t wp = panel_at(w, p, G, g, bits);
     const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
@@ -495,7 +571,7 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, co
         const int64_t rows = M - m0 >= MT ? MT : M - m0;
         float *yo = valid == PANEL ? y + m0 * ldo + p * PANEL : tail;
         const int64_t ldy = valid == PANEL ? ldo : PANEL;
-#define PANEL_CALL(R) panel_rows(x + m0 * K, xsum ? xsum + m0 * G : NULL, K, &wp, G, g, yo, ldy, bits, R)
+#define PANEL_CALL(R) panel_rows(x + m0 * K, xsum ? xsum + m0 * G : NULL, xq ? xq + m0 * K : NULL, xs ? xs + m0 * (K / XB) : NULL, K, &wp, G, g, yo, ldy, bits, R)
         DISPATCH_ROWS(rows, PANEL_CALL)
 #undef PANEL_CALL
         if (valid < PANEL)
@@ -507,12 +583,12 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, co
 /* One copy of the panel code per width. OpenMP outlines a parallel loop's body before inlining,
  * so a width passed into the loop would be a run-time value there (measured: the 1-2 row kernels
  * ran 1.7x slower); the loops below call these instead. */
-typedef void (*panel_block_fn)(const float *, const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t,
-                               int64_t);
+typedef void (*panel_block_fn)(const float *, const float *, const int16_t *, const float *, int64_t, int64_t, const panel_w_t *,
+                               int64_t, int64_t, float *, int64_t, int64_t);
 #define PANEL_WIDTH(B)                                                                                                        \
-    static void panel_block_##B(const float *x, const float *xsum, int64_t M, int64_t K, const panel_w_t *w, int64_t N,      \
-                                int64_t g, float *y, int64_t ldo, int64_t p) {                                               \
-        panel_block(x, xsum, M, K, w, N, g, y, ldo, p, B);                                                                    \
+    static void panel_block_##B(const float *x, const float *xsum, const int16_t *xq, const float *xs, int64_t M, int64_t K, \
+                                const panel_w_t *w, int64_t N, int64_t g, float *y, int64_t ldo, int64_t p) {                \
+        panel_block(x, xsum, xq, xs, M, K, w, N, g, y, ldo, p, B);                                                            \
     }
 PANEL_WIDTH(2)
 PANEL_WIDTH(3)
@@ -532,27 +608,61 @@ PANEL_WIDTH(NL4)
 #define GEMM_FROM_ROWS 3
 #endif
 
+/* Row x [K] -> xq: x rounded to int16 per block of XB columns, each block scaled by its largest |x|
+ * (xs: the step, largest / 32767). The AVX2 GEMVs' input (panel_i16); AVX-512 keeps fp32 x. */
+static void x_to_i16(const float *x, int64_t K, int16_t *xq, float *xs) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t c = 0; c < K / XB; c++) {
+        const float *xc = x + c * XB;
+        __m256 m = _mm256_setzero_ps();
+        for (int k = 0; k < XB; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xc + k), absmask));
+        const float mx = hmax8(m);
+        const __m256 inv = _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+        for (int k = 0; k < XB; k += 8) {
+            const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + k), inv));
+            _mm_storeu_si128((__m128i *)(xq + c * XB + k), _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
+        }
+        xs[c] = mx / 32767.f;
+    }
+}
+
 /* One matrix of a (fused) projection: its panels, width and group, and where its outputs go. */
 typedef struct {
     panel_w_t w;
     panel_block_fn block;
     int64_t N, g, offset, bits; /* outputs [offset, offset + N) of the projection's rows */
-    float *xsum;          /* per-group sums of x: the mins' term with 1-2 rows (NULL without mins or for the GEMM) */
+    float *xsum;          /* per-group sums of x: the mins' term with 1-2 rows (panel_parts_linear; NULL without mins) */
 } panel_part_t;
 
-static panel_part_t panel_part(const float *x, int64_t M, int64_t K, panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
+static panel_part_t panel_part(panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
     panel_part_t part = {w, bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, bits, NULL};
-    const int64_t G = K / g;
-    if ((w.mins != NULL || w.centre != 0.f) && M < GEMM_FROM_ROWS) { /* (the GEMM dequantizes whole weights) */
-        part.xsum = malloc(sizeof(float) * M * G);
-        for (int64_t i = 0; i < M * G; i++) {
-            const float *xg = x + (i / G) * K + (i % G) * g;
-            float s = 0.f;
-            for (int64_t j = 0; j < g; j++) s += xg[j];
-            part.xsum[i] = s;
-        }
-    }
     return part;
+}
+
+/* Per-group sums of x rows [M, K] (of x as rounded to int16, given xq): the mins' term with 1-2 rows. */
+static float *group_sums(const float *x, const int16_t *xq, const float *xs, int64_t M, int64_t K, int64_t g) {
+    const int64_t G = K / g;
+    float *sums = malloc(sizeof(float) * M * G);
+    for (int64_t i = 0; i < M * G; i++) {
+        const int64_t k0 = (i / G) * K + (i % G) * g;
+        float t = 0.f;
+        for (int64_t j = k0; j < k0 + g; j++) t += xq ? (float)xq[j] * xs[j / XB] : x[j];
+        sums[i] = t;
+    }
+    return sums;
+}
+
+/* Whether the GEMVs take x rounded to int16 (x_to_i16): 1-2 rows on AVX2, K and the groups whole blocks. */
+static int gemv_x_int16(int64_t M, int64_t K, const panel_part_t *parts, int nparts) {
+    int ok = X_INT16 && M < GEMM_FROM_ROWS && K % XB == 0;
+    for (int i = 0; i < nparts; i++) ok &= parts[i].g % XB == 0;
+    return ok;
+}
+
+/* For the tests' references: the block x is rounded by (0: fp32 x) for an M x K input of one matrix of group g. */
+int64_t fl_gemv_x_block(int64_t M, int64_t K, int64_t g) {
+    panel_part_t part = {.g = g};
+    return gemv_x_int16(M, K, &part, 1) ? XB : 0;
 }
 
 static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_part_t *parts, int nparts, float *y, int64_t ldo);
@@ -567,21 +677,31 @@ static void panel_parts_linear(const float *x, int64_t M, int64_t K, panel_part_
     }
     int64_t first[8], P = 0; /* the first global panel of each part (nparts <= 8) */
     for (int i = 0; i < nparts; i++) first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL;
+    int16_t *xq = NULL;
+    float *xs = NULL;
+    if (gemv_x_int16(M, K, parts, nparts)) {
+        xq = malloc(sizeof(int16_t) * M * K), xs = malloc(sizeof(float) * M * (K / XB));
+        for (int64_t m = 0; m < M; m++) x_to_i16(x + m * K, K, xq + m * K, xs + m * (K / XB));
+    }
+    for (int i = 0; i < nparts; i++)
+        if (parts[i].w.mins != NULL || parts[i].w.centre != 0.f) parts[i].xsum = group_sums(x, xq, xs, M, K, parts[i].g);
 #pragma omp parallel for schedule(static)
     for (int64_t gp = 0; gp < P; gp++) {
         int i = 0;
         while (i + 1 < nparts && gp >= first[i + 1]) i++;
         const panel_part_t *pt = &parts[i];
-        pt->block(x, pt->xsum, M, K, &pt->w, pt->N, pt->g, y + pt->offset, ldo, gp - first[i]);
+        pt->block(x, pt->xsum, xq, xs, M, K, &pt->w, pt->N, pt->g, y + pt->offset, ldo, gp - first[i]);
     }
     for (int i = 0; i < nparts; i++) free(parts[i].xsum);
+    free(xq);
+    free(xs);
 }
 
 /* y [M, N] = x [M, K] @ W^T for W in panels (qp, sp, mp; mp NULL: mins implied by bits; sbytes:
  * 2 for fp16 scales and mins, 4 for fp32, 1 for factored ones). Meant for small M (decode); fl_panel_gemm for large M. */
 void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
                      const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
-    panel_part_t part = panel_part(x, M, K, panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps), N, g, bits, 0);
+    panel_part_t part = panel_part(panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps), N, g, bits, 0);
     panel_parts_linear(x, M, K, &part, 1, y, N);
 }
 
@@ -2003,7 +2123,7 @@ static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y
         const int n = L->kind == 4 ? (int)L->nparts : 1;
         panel_part_t parts[8];
         for (int i = 0, off = 0; i < n; off += (int)ps[i].n, i++)
-            parts[i] = panel_part(x, M, L->k, panel_w(ps[i].w, ps[i].scales, ps[i].mins, ps[i].sbytes, (int)ps[i].bits, ps[i].sup_s, ps[i].sup_m, ps[i].gps),
+            parts[i] = panel_part(panel_w(ps[i].w, ps[i].scales, ps[i].mins, ps[i].sbytes, (int)ps[i].bits, ps[i].sup_s, ps[i].sup_m, ps[i].gps),
                                   ps[i].n, ps[i].g, ps[i].bits, off);
         panel_parts_linear(x, M, L->k, parts, n, y, L->n);
     }
