@@ -480,6 +480,7 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
         }
         for (int64_t b = 0; b < g / XB; b++) {
             for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) acc[r][v] = _mm256_setzero_si256();
+#pragma GCC unroll 8
             for (int64_t kk = b * XB; kk < (b + 1) * XB; kk += 2) {
                 if (kk % PF_COLS(bits) < 2) PREFETCH(qg + kk * COL_BYTES(bits));
                 __m256i xp[2];
