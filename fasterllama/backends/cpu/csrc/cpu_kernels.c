@@ -145,7 +145,7 @@ typedef __m256 vf;
  * scale width and the min are tested once a group. */
 #define PANEL 32
 #ifndef XB
-#define XB 8 /* columns a block of int16 x (x_to_i16): 16 cost decode logprobs 1.5e-3 against HF, 8 0.85e-3 */
+#define XB 8 /* columns a block of int16 x (x_to_i16; a multiple of 8): decode logprobs 6e-4 from HF (16 columns: 1.5e-3) */
 #endif
 #ifndef X_INT16 /* (-DX_INT16=0: the AVX2 GEMVs on fp32 x, as AVX-512's) */
 #if defined(__AVX512F__)
@@ -453,7 +453,7 @@ static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m25
 
 /* 1-2 activation rows with x rounded to int16 (x_to_i16): two columns' values of a row as a pair of
  * int16 in each 32-bit lane, so one vpmaddwd multiplies and adds 16 weights by two x values, and
- * only a block's sums (16 columns) become floats. Zen 1 runs the float route (widen, convert, FMA)
+ * only a block's int32 sums (XB columns: at most 8 * 128 * 32767, far from overflow) become floats. Zen 1 runs the float route (widen, convert, FMA)
  * at half this speed: a C harness on one core with the weights in L1 gave 6.4 G weights/s against
  * 12.8 (4-bit), the conversions being what limits it. The rounding error is 1/65534 of the block's
  * largest |x| (llama.cpp's int8 rows: 1/254); the weights stay the file's values. Panel rows
@@ -660,7 +660,8 @@ static int gemv_x_int16(int64_t M, int64_t K, const panel_part_t *parts, int npa
     return ok;
 }
 
-/* For the tests' references: the block x is rounded by (0: fp32 x) for an M x K input of one matrix of group g. */
+/* The columns a block of x is rounded by in fl_panel_linear for M x K inputs and groups of g (0: x
+ * stays fp32): what the tests' reference (kernels.gemv_x) rounds by. */
 int64_t fl_gemv_x_block(int64_t M, int64_t K, int64_t g) {
     panel_part_t part = {.g = g};
     return gemv_x_int16(M, K, &part, 1) ? XB : 0;
