@@ -26,6 +26,15 @@ def default_model_path() -> str | None:
     return KNOWN_MODELS[DEFAULT_MODEL].path()
 
 
+def decode_tolerance() -> float:
+    """How far decode steps' log-probabilities may sit from a float forward's (compute_logits, the
+    fp32 model): summation order (1e-4) where the GEMVs take fp32 x; 1e-3 where they round x to
+    int16 per 8 columns (AVX2 builds, kernels.gemv_x: 6e-4 measured against HF transformers)."""
+    from fasterllama.backends.cpu import kernels as ck
+
+    return 1e-3 if ck.gemv_x_block() else 1e-4
+
+
 @pytest.fixture(scope="session")
 def default_llm():
     from fasterllama import LLM

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import tiny_models as tm
 import torch
+from conftest import decode_tolerance
 
 from fasterllama import LLM, SamplingParams
 
@@ -72,15 +73,15 @@ def test_logprobs_equal_log_softmax_of_logits(default_llm):
     out = default_llm.generate([ids], SamplingParams(temperature=0.9, max_tokens=6, logprobs=3, prompt_logprobs=2, seed=3, ignore_eos=True))[0]
     ref = torch.log_softmax(default_llm.compute_logits(ids + out.token_ids), dim=-1)
     assert len(out.logprobs) == len(out.token_ids)
-    total = 0.0
+    total, tol = 0.0, decode_tolerance()  # decode steps against the prompt's forward
     for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         row = ref[len(ids) - 1 + i]
-        assert abs(lp[tok] - row[tok].item()) < 1e-4
+        assert abs(lp[tok] - row[tok].item()) < tol
         top = row.topk(3)
         for v, t in zip(top.values.tolist(), top.indices.tolist()):
-            assert abs(lp[t] - v) < 1e-4
+            assert abs(lp[t] - v) < tol
         total += row[tok].item()
-    assert abs(out.cumulative_logprob - total) < 1e-3
+    assert abs(out.cumulative_logprob - total) < len(out.token_ids) * tol
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
     for i in range(1, len(ids)):
         assert abs(out.prompt_logprobs[i][ids[i]] - ref[i - 1, ids[i]].item()) < 1e-4
