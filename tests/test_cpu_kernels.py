@@ -38,6 +38,33 @@ def test_int4_linear(m, n, k, g):
     _close(ck.panel_linear(x, *panels, n, 4, bias), qops.int4_weight_linear(ck.gemv_x(x, g), packed, scales, mins, g, bias))
 
 
+def test_gemv_x_rounding_edges():
+    """The GEMVs' x (kernels.gemv_x): on AVX2 builds within half a step (1/65534 of the block's largest
+    |x|) of x; blocks of tiny values count as zeros instead of overflowing; a NaN reaches the output
+    rows it is in, as with fp32 x; other rows stay finite."""
+    n, k, g = 64, 256, 32
+    q, s, m = _panel_weights(n, k, g, 4, True, torch.float16)
+    from fasterllama.quant.linear import PackedLinear
+
+    lin = PackedLinear(q, s, m, 4)
+    w = lin.dequantize()
+    x = torch.randn(2, k) * torch.logspace(-3, 3, k)  # blocks of very different sizes
+    x[1, 40:48] = 1e-38  # a block of tiny values
+    xr = ck.gemv_x(x, g)
+    block = ck.gemv_x_block()
+    if block:
+        top = x.view(2, -1, block).abs().amax(-1, keepdim=True)
+        err = (xr - x).view(2, -1, block).abs()
+        assert ((err <= top / 65534 + top * 1e-6) | (top < 1e-30)).all()  # half a step, and fp32 rounding
+        assert (xr[1, 40:48] == 0).all()
+    else:
+        assert torch.equal(xr, x)
+    _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, 4), xr @ w.t())
+    x[0, 100] = float("nan")
+    y = ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, 4)
+    assert torch.isnan(y[0]).all() and torch.isfinite(y[1]).all()
+
+
 @pytest.mark.parametrize("n,g", [(96, 32), (33, 64), (5, 128)])
 def test_panels_are_a_permutation(n, g):
     """to_panels / from_panels invert each other, and panel_rows (int8_panel_rows) read any rows back."""

@@ -233,8 +233,9 @@ def gemv_x(x: torch.Tensor, g: int) -> torch.Tensor:
         return x
     xb = x2.view(x2.shape[0], -1, block)
     top = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, 32767.0 / top, torch.zeros_like(top))  # fp32 throughout, as the kernel
-    return (torch.round(xb * inv) * (top / 32767.0)).view_as(x)
+    whole = top >= 1e-30  # (a tinier block counts as zeros: cpu_kernels.c's X_I16_TINY)
+    inv = torch.where(whole, 32767.0 / top, torch.zeros_like(top))  # fp32 throughout, as the kernel
+    return (torch.round(xb * inv) * torch.where(whole, top / 32767.0, torch.zeros_like(top))).view_as(x)
 
 
 def panel_linear_a8(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,

@@ -610,20 +610,28 @@ PANEL_WIDTH(NL4)
 #endif
 
 /* Row x [K] -> xq: x rounded to int16 per block of XB columns, each block scaled by its largest |x|
- * (xs: the step, largest / 32767). The AVX2 GEMVs' input (panel_i16); AVX-512 keeps fp32 x. */
+ * (xs: the step, largest / 32767). The AVX2 GEMVs' input (panel_i16); AVX-512 keeps fp32 x. A block
+ * under X_I16_TINY counts as zeros (its inverse would overflow); one holding a NaN gets a NaN step,
+ * so the NaN reaches the outputs as with fp32 x. */
+#define X_I16_TINY 1e-30f
 static void x_to_i16(const float *x, int64_t K, int16_t *xq, float *xs) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t c = 0; c < K / XB; c++) {
         const float *xc = x + c * XB;
-        __m256 m = _mm256_setzero_ps();
-        for (int k = 0; k < XB; k += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xc + k), absmask));
+        __m256 m = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+        for (int k = 0; k < XB; k += 8) {
+            const __m256 v = _mm256_loadu_ps(xc + k);
+            m = _mm256_max_ps(m, _mm256_and_ps(v, absmask));
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
         const float mx = hmax8(m);
-        const __m256 inv = _mm256_set1_ps(mx > 0.f ? 32767.f / mx : 0.f);
+        const int tiny = !(mx >= X_I16_TINY);
+        const __m256 inv = _mm256_set1_ps(tiny ? 0.f : 32767.f / mx);
         for (int k = 0; k < XB; k += 8) {
             const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xc + k), inv));
             _mm_storeu_si128((__m128i *)(xq + c * XB + k), _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1)));
         }
-        xs[c] = mx / 32767.f;
+        xs[c] = _mm256_movemask_ps(nan) ? NAN : tiny ? 0.f : mx / 32767.f;
     }
 }
 
