@@ -661,19 +661,12 @@ static float *group_sums(const float *x, const int16_t *xq, const float *xs, int
     return sums;
 }
 
-/* Whether the GEMVs take x rounded to int16 (x_to_i16): 1-2 rows on AVX2, K and the groups whole blocks. */
-static int gemv_x_int16(int64_t M, int64_t K, const panel_part_t *parts, int nparts) {
-    int ok = X_INT16 && M < GEMM_FROM_ROWS && K % XB == 0;
-    for (int i = 0; i < nparts; i++) ok &= parts[i].g % XB == 0;
-    return ok;
-}
+/* Whether the GEMVs take x rounded to int16 (x_to_i16) for groups of g: 1-2 rows on AVX2, K and g whole blocks. */
+static int gemv_x_int16(int64_t M, int64_t K, int64_t g) { return X_INT16 && M < GEMM_FROM_ROWS && K % XB == 0 && g % XB == 0; }
 
 /* The columns a block of x is rounded by in fl_panel_linear for M x K inputs and groups of g (0: x
  * stays fp32): what the tests' reference (kernels.gemv_x) rounds by. */
-int64_t fl_gemv_x_block(int64_t M, int64_t K, int64_t g) {
-    panel_part_t part = {.g = g};
-    return gemv_x_int16(M, K, &part, 1) ? XB : 0;
-}
+int64_t fl_gemv_x_block(int64_t M, int64_t K, int64_t g) { return gemv_x_int16(M, K, g) ? XB : 0; }
 
 static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_part_t *parts, int nparts, float *y, int64_t ldo);
 
@@ -686,10 +679,11 @@ static void panel_parts_linear(const float *x, int64_t M, int64_t K, panel_part_
         return;
     }
     int64_t first[8], P = 0; /* the first global panel of each part (nparts <= 8) */
-    for (int i = 0; i < nparts; i++) first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL;
+    int rounded = 1; /* x to int16 once for all the parts */
+    for (int i = 0; i < nparts; i++) first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL, rounded &= gemv_x_int16(M, K, parts[i].g);
     int16_t *xq = NULL;
     float *xs = NULL;
-    if (gemv_x_int16(M, K, parts, nparts)) {
+    if (rounded) {
         xq = malloc(sizeof(int16_t) * M * K), xs = malloc(sizeof(float) * M * (K / XB));
         for (int64_t m = 0; m < M; m++) x_to_i16(x + m * K, K, xq + m * K, xs + m * (K / XB));
     }
