@@ -94,8 +94,14 @@ def value_bits(bits: int) -> int:
 
 def low_bits(bits: int) -> int:
     """Bits of a panel column's first plane: nibbles for 4-6 bits, 2-bit crumbs for 2-3 (each
-    further bit is a 32-bit word; 6 bits' top two are crumbs, see pack_panels)."""
+    further bit a plane of its own; 6 bits' top two are crumbs, see pack_panels)."""
     return 4 if bits >= 4 else 2
+
+
+def bit_planes(bits: int) -> int:
+    """The one-bit planes after a panel column's first plane: 3 and 5 bits' top bit."""
+    bits = value_bits(bits)
+    return 0 if bits in (6, 8) else bits - low_bits(bits)
 
 
 def _first_plane(v: np.ndarray, low: int) -> np.ndarray:
@@ -110,12 +116,13 @@ def _first_plane(v: np.ndarray, low: int) -> np.ndarray:
 
 def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     """Values [N, K] (2-6 bits: 0 .. 2^bits - 1; 8 bits: int8) -> the CPU kernels' panels, uint8
-    [P, G, g, 4 * bits]: a column of 4-5 bits is 16 bytes of nibbles (byte j: row j low, row j + 16
-    high), then for a fifth bit one little-endian 32-bit word (bit j: that bit of row j); columns
-    of 2-3 bits go in pairs, 16 bytes of crumbs (byte j: row j of the first, of the second, row j +
-    16 of the first, of the second, from bit 0 up) then per further bit the first's word and the
-    second's; columns of 6 bits too, each one's nibbles then the pair's top two bits as crumbs; a
-    column of int8 is 32 bytes, row j at byte j (NL4: 4-bit panels of the indices).
+    [P, G, g, 4 * bits]: a column of 4 bits is 16 bytes of nibbles (byte j: row j low, row j + 16
+    high); columns of 2 bits go in pairs, 16 bytes of crumbs (byte j: row j of the first, of the
+    second, row j + 16 of the first, of the second, from bit 0 up); columns of 6 bits too, each
+    one's nibbles then the pair's top two bits as crumbs; a column of int8 is 32 bytes, row j at
+    byte j (NL4: 4-bit panels of the indices). 3 and 5 bits go by eight columns (g a multiple of
+    8): their first planes as 2 and 4 bits', then the top bits as a plane of 32 bytes (byte j: bit
+    c is row j's of column c), which the kernels move into place with one shift for any column.
     Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed 64 panels at a time: the
     temporaries stay small beside a vocabulary-sized matrix. In numpy (the panels are CPU memory):
     torch's uint8 kernels would map ~5 MB more of its code into every process that loads a model."""
@@ -126,7 +133,9 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     src = q.cpu().numpy()
     packed = torch.empty(P, G, group_size, 4 * bits, dtype=torch.uint8)  # torch's allocation: 64-byte aligned, as the kernels' loads want
     out = packed.numpy()
-    low = low_bits(bits)
+    low, planes = low_bits(bits), bit_planes(bits)
+    if planes and group_size % 8:
+        raise ValueError(f"{bits}-bit panels take groups of a multiple of 8 columns, not {group_size}")
     for p0 in range(0, P, 64):
         p1 = min(P, p0 + 64)
         rows = src[p0 * PANEL : p1 * PANEL]
@@ -143,16 +152,20 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
             pair[..., :32] = nib
             pair[..., 32:] = _first_plane(v >> 4, 2)
             continue
-        dst = out[p0:p1] if low == 4 else out[p0:p1].reshape(p1 - p0, G, group_size // 2, 8 * bits)  # a column, or a pair
-        dst[..., :16] = _first_plane(v, low)
-        for b in range(bits - low):  # the word's 4 bytes: rows 0-7, 8-15, 16-23, 24-31
-            plane = ((v >> (low + b)) & 1).reshape(*v.shape[:-1], 4, 8)
-            word = plane[..., 0].copy()
-            for j in range(1, 8):
-                word |= plane[..., j] << j
-            at = 16 + (4 if low == 4 else 8) * b
-            dst[..., at : at + (4 if low == 4 else 8)] = word.reshape(*dst.shape[:-1], -1)
+        if not planes:
+            dst = out[p0:p1] if low == 4 else out[p0:p1].reshape(p1 - p0, G, group_size // 2, 16)  # a column, or a pair
+            dst[...] = _first_plane(v, low)
+            continue
+        v8 = v.reshape(p1 - p0, G, group_size // 8, 8, PANEL)  # eight columns
+        dst = out[p0:p1].reshape(p1 - p0, G, group_size // 8, 32 * bits)
+        first = 16 * low * 2  # 8 columns' nibbles, or 4 pairs' crumbs
+        dst[..., :first] = _first_plane(v8, low).reshape(*dst.shape[:-1], first)
+        for b in range(planes):  # byte j: bit c is column c's bit low + b of row j
+            dst[..., first + 32 * b : first + 32 * (b + 1)] = np.bitwise_or.reduce(((v8 >> (low + b)) & 1) << _COLUMN_BITS, axis=-2)
     return packed.to(q.device)
+
+
+_COLUMN_BITS = np.arange(8, dtype=np.uint8)[:, None]  # column c of eight -> bit c of a plane's bytes
 
 
 def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int) -> torch.Tensor:
@@ -173,17 +186,20 @@ def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int
         top = pair[..., None, 32:].expand(R, G, g // 2, 2, 16).reshape(R, G, g, 16)
         at = lambda t, i: torch.gather(t, 3, i.expand(*t.shape[:3])[..., None])[..., 0]  # noqa: E731
         return ((at(nib, jj % 16) >> (4 * (jj // 16))) & 15) | (((at(top, jj % 16) >> (2 * odd + 4 * (jj // 16))) & 3) << 4)
-    if low == 2:  # pairs of columns: column kk's bytes are its pair's, its crumbs 2 bits up when kk is odd
-        R, G, g, nb = cols.shape
-        cols = cols.reshape(R, G, g // 2, 1, 2 * nb).expand(R, G, g // 2, 2, 2 * nb).reshape(R, G, g, 2 * nb)
-    c = cols.to(torch.int32)
-    odd = torch.arange(c.shape[2], device=qp.device)[None, None, :] % 2 if low == 2 else 0
-    byte = lambda i: torch.gather(c, 3, i.expand(*c.shape[:3])[..., None])[..., 0]  # noqa: E731
-    v = (byte(jj % 16) >> (2 * odd + 4 * (jj // 16))) & ((1 << low) - 1)
-    for b in range(bits - low):
-        at = 16 + 4 * b if low == 4 else 16 + 8 * b + 4 * odd
-        v = v | ((byte(at + jj // 8) >> (jj % 8)) & 1) << (low + b)
-    return v
+    R, G, g, _ = cols.shape
+    per = 8 if bit_planes(bits) else 2 if low == 2 else 1  # columns a unit of bytes holds: eight, a pair, one
+    unit = cols.reshape(R, G, g // per, per * 4 * bits).to(torch.int32)
+    jj = j[:, None, None, None]
+    c = torch.arange(per, device=qp.device)  # a column's place in its unit
+
+    def byte(i: torch.Tensor) -> torch.Tensor:  # i [R, 1, 1, n] -> the bytes [R, G, g / per, n]
+        return torch.gather(unit, 3, i.expand(R, G, g // per, i.shape[-1]))
+
+    first = byte(jj % 16 + 16 * (c // 2 if low == 2 else c))  # the first-plane byte of row j: the column's, or its pair's
+    v = (first >> (2 * (c % 2) * (low == 2) + 4 * (jj // 16))) & ((1 << low) - 1)
+    for b in range(bit_planes(bits)):
+        v = v | ((byte(jj + 32 * low + 32 * b) >> c) & 1) << (low + b)
+    return v.reshape(R, G, g)
 
 
 def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
@@ -204,18 +220,18 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
             c = pair[..., 32:]
             top = torch.stack((torch.cat((c & 3, (c >> 4) & 3), -1), torch.cat(((c >> 2) & 3, c >> 6), -1)), dim=-2).reshape(*cols.shape[:3], PANEL)
             v = torch.cat((nib & 15, nib >> 4), dim=-1) | (top << 4)
-        elif low == 4:
-            v = torch.cat((cols[..., :16] & 15, cols[..., :16] >> 4), dim=-1)  # [p, G, g, 32]: rows 0-15 low nibbles, 16-31 high
-            for b in range(bits - 4):  # word b: bit j of byte i is bit 4 + b of row 8 i + j
-                bit = (cols[..., 16 + 4 * b : 20 + 4 * b, None] >> shifts) & 1  # [p, G, g, 4, 8]
-                v = v | (bit.reshape(v.shape) << (4 + b))
-        else:  # pairs of columns: [p, G, g / 2, 8 * bits]
-            pair = cols.reshape(*cols.shape[:2], g // 2, 8 * bits)
-            c = pair[..., :16]
-            v = torch.stack((torch.cat((c & 3, (c >> 4) & 3), -1), torch.cat(((c >> 2) & 3, c >> 6), -1)), dim=-2)  # [p, G, g / 2, 2, 32]
-            for b in range(bits - 2):
-                bit = (pair[..., 16 + 8 * b : 24 + 8 * b, None] >> shifts) & 1  # [p, G, g / 2, 8, 8]: the two words
-                v = v | (bit.reshape(v.shape) << (2 + b))
+        else:  # by units of `per` columns: their first planes, then any bit planes
+            per = 8 if bit_planes(bits) else 2 if low == 2 else 1
+            unit = cols.reshape(*cols.shape[:2], g // per, 4 * bits * per)
+            if low == 4:
+                nib = unit[..., : 16 * per].reshape(*unit.shape[:3], per, 16)
+                v = torch.cat((nib & 15, nib >> 4), dim=-1)  # [p, G, g / per, per, 32]: rows 0-15 low nibbles, 16-31 high
+            else:  # pairs' crumbs
+                c = unit[..., : 8 * per].reshape(*unit.shape[:3], per // 2, 16)
+                v = torch.stack((torch.cat((c & 3, (c >> 4) & 3), -1), torch.cat(((c >> 2) & 3, c >> 6), -1)), dim=-2).reshape(*unit.shape[:3], per, 32)
+            for b in range(bit_planes(bits)):  # plane b: bit c of byte j is column c's bit low + b of row j
+                plane = unit[..., 32 * low + 32 * b : 32 * low + 32 * (b + 1)]
+                v = v | (((plane[..., None, :] >> shifts[:, None]) & 1) << (low + b))
             v = v.reshape(*cols.shape[:3], PANEL)
         out[p0 * PANEL : (p0 + cols.shape[0]) * PANEL] = v.permute(0, 3, 1, 2).reshape(-1, G * g)
     return out[:n]

@@ -132,13 +132,16 @@ typedef __m256 vf;
  * feeds two FMAs (the whole panel). In GGUF's row layout each weight needed its own x load and a
  * reduction per row; 4-bit panels ran 1.2-1.6x faster at 1-8 activation rows, cold (a C harness
  * at SmolLM2's shapes, AVX-512).
- *   q [P, G, g, 4 * bits] bytes. A column of 4-5 bits: 16 bytes of nibbles (byte j: row j in the
- *      low nibble, row j + 16 in the high one), then one 32-bit word for a fifth bit (bit j: bit
- *      4 of row j). Columns of 2-3 bits go in pairs (2 * 4 * bits bytes): 16 bytes of crumbs (byte
- *      j: bits 0-1 row j of the first, 2-3 row j of the second, 4-5 and 6-7 their rows j + 16),
- *      then per further bit the first's word and the second's (bit j: bit 2 + b of row j). Columns
- *      of 6 bits too: each one's 16 bytes of nibbles, then the pair's top two bits as 16 bytes of
- *      crumbs (as the 2-bit ones). A column of int8: 32 bytes, row j at byte j.
+ *   q [P, G, g, 4 * bits] bytes. A column of 4 bits: 16 bytes of nibbles (byte j: row j in the
+ *      low nibble, row j + 16 in the high one). Columns of 2 bits go in pairs: 16 bytes of crumbs
+ *      (byte j: bits 0-1 row j of the first, 2-3 row j of the second, 4-5 and 6-7 their rows j +
+ *      16). Columns of 6 bits too: each one's 16 bytes of nibbles, then the pair's top two bits as
+ *      16 bytes of crumbs (as the 2-bit ones). 3 and 5 bits go by eight columns (g a multiple of
+ *      8): their nibbles (crumbs) as 4 (2) bits', then the top bit as a plane of 32 bytes (byte j:
+ *      bit c is that bit of row j of column c), so any column's bits reach their place with one
+ *      shift of 16 rows and a mask (a 32-bit word per column took a shuffle, a compare and two
+ *      masks: 5-bit GEMVs ran 1.15x faster on Zen 1 after the change). A column of int8: 32 bytes,
+ *      row j at byte j.
  *   scales, mins [P, G, 32]. P = ceil(N / 32), the last panel padded with zero rows.
  * ops/quantized.py's pack_panels / unpack_panels define the same layout. `bits` is a compile-time
  * constant in every always_inline kernel below (each width gets its own straight-line code); the
@@ -210,24 +213,46 @@ static inline float load1s(const panel_w_t *w, const void *p, const uint16_t *su
 
 /* Column kk's bytes: its own, or (2-3 and 6 bits) from its pair's: two columns share 16 bytes of
  * crumbs, so one widening serves both and each vector of 16 rows needs one shift and one mask (6
- * bits: this column's nibbles within the pair). */
+ * bits: this column's nibbles within the pair). 3 and 5 bits: within its eight columns' bytes. */
 #define PAIRED(bits) (LOW_BITS(bits) == 2 || (bits) == 6) /* columns stored in pairs */
+/* Columns kk of a group of g in steps of `step` by whole eights: kk % 8 is then a compile-time
+ * constant in the unrolled body (plane_bit's shift). */
+#define FOR_COLUMNS(kk, g, step)                             \
+    for (int64_t kk##_8 = 0; kk##_8 < (g); kk##_8 += 8)      \
+        _Pragma("GCC unroll 8") for (int kk##_i = 0; kk##_i < 8; kk##_i += (step)) \
+            for (int64_t kk = kk##_8 + kk##_i; kk < (g); kk = (g))
+#define PLANES(bits) ((bits) == 3 || (bits) == 5)          /* a bit plane per eight columns */
+#define FIRST_BYTES(bits) (LOW_BITS(bits) == 4 ? 16 : 8)  /* a column's share of its first plane */
 static inline const uint8_t *col_bytes(const uint8_t *qg, int64_t kk, const int bits) {
+    if (PLANES(bits)) return qg + (kk & ~(int64_t)7) * COL_BYTES(bits) + (kk & (LOW_BITS(bits) == 2 ? 6 : 7)) * FIRST_BYTES(bits);
     return qg + (PAIRED(bits) ? kk & ~(int64_t)1 : kk) * COL_BYTES(bits) + (bits == 6 ? 16 * (kk & 1) : 0);
 }
 
 /* 6 bits: a pair's 16 bytes of crumbs of the top two bits (after both columns' nibbles), from col_bytes. */
 static inline int64_t top_at(int64_t kk) { return 32 - 16 * (kk & 1); }
 
-/* Where column kk's word of bit LOW_BITS + b starts, from col_bytes. */
-static inline int64_t word_at(int64_t kk, const int bits, int b) { return LOW_BITS(bits) == 2 ? 16 + 8 * b + 4 * (kk & 1) : 16 + 4 * b; }
+/* 3 and 5 bits: the 32 bytes (one a row) of plane b of column kk's eight; column kk's bit is bit kk % 8. */
+static inline const uint8_t *plane_at(const uint8_t *qg, int64_t kk, const int bits, int b) {
+    return qg + (kk & ~(int64_t)7) * COL_BYTES(bits) + 8 * FIRST_BYTES(bits) + 32 * b;
+}
+
+/* Bit c of every byte of p moved to bit `to`, the other bits cleared: one shift (an immediate where
+ * c is known at compile time: the GEMV loops go by whole eights of columns) and a mask. */
+static inline __attribute__((always_inline)) __m128i plane_bit(__m128i p, int c, int to) {
+    const __m128i s = c == to ? p : c < to ? _mm_sll_epi16(p, _mm_cvtsi32_si128(to - c)) : _mm_srl_epi16(p, _mm_cvtsi32_si128(c - to));
+    return _mm_and_si128(s, _mm_set1_epi8((char)(1 << to)));
+}
+static inline __attribute__((always_inline)) __m256i plane_bit256(__m256i p, int c, int to) {
+    const __m256i s = c == to ? p : c < to ? _mm256_sll_epi16(p, _mm_cvtsi32_si128(to - c)) : _mm256_srl_epi16(p, _mm_cvtsi32_si128(c - to));
+    return _mm256_and_si256(s, _mm256_set1_epi8((char)(1 << to)));
+}
 
 /* The shift of column kk's rows j < 16 in the first plane's bytes (rows j + 16: 4 more). */
 static inline int low_shift(int64_t kk, const int bits) { return LOW_BITS(bits) == 2 ? 2 * (int)(kk & 1) : 0; }
 
 /* Rows lane0 .. lane0 + n - 1 (n 8 or 16, lane0 a multiple of n) of column kk's values as bytes:
- * unsigned, or int8 for 8 bits and NL4. The planes are joined byte-wise in 128-bit registers (a bit
- * plane's byte spread over 8 bytes by a shuffle), and only the whole values widen to 32-bit lanes:
+ * unsigned, or int8 for 8 bits and NL4. The planes are joined byte-wise in 128-bit registers, and
+ * only the whole values widen to 32-bit lanes:
  * joined after widening, a 5- or 6-bit value took twice the instructions of a 4-bit one (and the
  * AVX2 build's 256-bit integer ops are two micro-ops each on Zen 1). */
 static inline __attribute__((always_inline)) __m128i panel_bytes(const uint8_t *qg, int64_t kk, int lane0, const int bits, const int n) {
@@ -247,15 +272,8 @@ static inline __attribute__((always_inline)) __m128i panel_bytes(const uint8_t *
         const __m128i top = _mm_and_si128(_mm_srl_epi16(t, _mm_cvtsi32_si128(2 * (int)(kk & 1) + 4 * (lane0 / 16))), _mm_set1_epi8(3));
         return _mm_or_si128(v, _mm_slli_epi16(top, 4));
     }
-    const __m128i sel = _mm_set1_epi64x(0x8040201008040201LL); /* byte j: bit j % 8 */
-    const __m128i spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) { /* plane bb: bit j % 8 of byte j / 8 */
-        const uint8_t *wp = c + word_at(kk, bits, bb) + lane0 / 8;
-        uint16_t word = wp[0];
-        if (n == 16) memcpy(&word, wp, 2);
-        const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(_mm_shuffle_epi8(_mm_cvtsi32_si128(word), spread), sel), sel);
-        v = _mm_or_si128(v, _mm_and_si128(set, _mm_set1_epi8((char)((1 << low) << bb))));
-    }
+    for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) /* plane bb: byte j holds row j's bit of 8 columns */
+        v = _mm_or_si128(v, plane_bit(LOAD_N(plane_at(qg, kk, bits, bb) + lane0), (int)(kk & 7), low + bb));
     return v;
 #undef LOAD_N
 }
@@ -282,11 +300,20 @@ static inline int panel_value(const uint8_t *qg, int64_t kk, int64_t j, int bits
     const int low = LOW_BITS(bits);
     int v = (c[j % 16] >> (low_shift(kk, bits) + 4 * (j / 16))) & ((1 << low) - 1);
     if (bits == 6) return v | ((c[top_at(kk) + j % 16] >> (2 * (int)(kk & 1) + 4 * (j / 16))) & 3) << 4;
-    for (int b = 0; b < VALUE_BITS(bits) - low; b++) v |= ((c[word_at(kk, bits, b) + j / 8] >> (j % 8)) & 1) << (low + b);
+    for (int b = 0; b < VALUE_BITS(bits) - low; b++) v |= ((plane_at(qg, kk, bits, b)[j] >> (kk & 7)) & 1) << (low + b);
     return bits == NL4 ? NL4_VALUES[v] : v;
 }
 
 #if defined(__AVX512F__)
+/* Bit c of 16 bytes of a plane (16 rows) as a mask. */
+static inline __attribute__((always_inline)) __mmask16 plane_mask16(const uint8_t *p, int c) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm_test_epi8_mask(_mm_loadu_si128((const __m128i *)p), _mm_set1_epi8((char)(1 << c)));
+#else
+    return (__mmask16)_mm_movemask_epi8(_mm_sll_epi16(_mm_loadu_si128((const __m128i *)p), _mm_cvtsi32_si128(7 - c)));
+#endif
+}
+
 /* Column kk's 32 values as floats (rows 0-15, 16-31), before scaling. */
 static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg, int64_t kk, const int bits, __m512 *qa, __m512 *qb) {
     const uint8_t *c = col_bytes(qg, kk, bits);
@@ -319,8 +346,8 @@ static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg
     }
     for (int b = 0; b < VALUE_BITS(bits) - low; b++) { /* bit low + b of each row: a mask-add */
         const __m512i add = _mm512_set1_epi32((1 << low) << b);
-        lo = _mm512_mask_add_epi32(lo, _load_mask16((__mmask16 *)(c + word_at(kk, bits, b))), lo, add);
-        hi = _mm512_mask_add_epi32(hi, _load_mask16((__mmask16 *)(c + word_at(kk, bits, b) + 2)), hi, add);
+        lo = _mm512_mask_add_epi32(lo, plane_mask16(plane_at(qg, kk, bits, b), (int)(kk & 7)), lo, add);
+        hi = _mm512_mask_add_epi32(hi, plane_mask16(plane_at(qg, kk, bits, b) + 16, (int)(kk & 7)), hi, add);
     }
     *qa = _mm512_cvtepi32_ps(lo), *qb = _mm512_cvtepi32_ps(hi);
 }
@@ -328,7 +355,7 @@ static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg
 /* Columns kk and kk + 1 (kk even) of 2-3 bits, one widening of their shared crumbs for both:
  * q[u][h] is column kk + u's rows 16 h .. 16 h + 15. */
 static inline __attribute__((always_inline)) void panel_pair(const uint8_t *qg, int64_t kk, const int bits, __m512 q[2][2]) {
-    const uint8_t *c = qg + kk * COL_BYTES(bits);
+    const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 6) { /* each column's nibbles, then one widening of the pair's top-bit crumbs */
         const __m512i t = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 32))), m = _mm512_set1_epi32(0x30);
         const __m512i top[2][2] = {{_mm512_and_si512(_mm512_slli_epi32(t, 4), m), _mm512_and_si512(t, m)},
@@ -346,7 +373,7 @@ static inline __attribute__((always_inline)) void panel_pair(const uint8_t *qg, 
     for (int b = 0; b < bits - 2; b++)
         for (int u = 0; u < 2; u++)
             for (int h = 0; h < 2; h++)
-                v[u][h] = _mm512_mask_add_epi32(v[u][h], _load_mask16((__mmask16 *)(c + 16 + 8 * b + 4 * u + 2 * h)), v[u][h], _mm512_set1_epi32(4 << b));
+                v[u][h] = _mm512_mask_add_epi32(v[u][h], plane_mask16(plane_at(qg, kk, bits, b) + 16 * h, (int)((kk + u) & 7)), v[u][h], _mm512_set1_epi32(4 << b));
     for (int u = 0; u < 2; u++) q[u][0] = _mm512_cvtepi32_ps(v[u][0]), q[u][1] = _mm512_cvtepi32_ps(v[u][1]);
 }
 
@@ -376,7 +403,7 @@ static inline __attribute__((always_inline)) void panel_few(const float *x, cons
         if (w->mins) PANEL_PF((const char *)w->mins + grp * PANEL * w->sbytes);
         __m512 aq[2][2][4];
         for (int r = 0; r < rows; r++) for (int h = 0; h < 2; h++) for (int u = 0; u < 4; u++) aq[r][h][u] = _mm512_setzero_ps();
-        for (int64_t kk = 0; kk < g; kk += 4) {
+        FOR_COLUMNS(kk, g, 4) {
             PREFETCH(qg + kk * COL_BYTES(bits));
             if (VALUE_BITS(bits) > 4) PREFETCH(qg + kk * COL_BYTES(bits) + 64);
             __m512 q[4][2];
@@ -419,7 +446,7 @@ static inline __attribute__((always_inline)) void panel_many(const float *x, int
         const __m512 d0 = load16s(w, w->scales, w->sup_s, grp * PANEL), d1 = load16s(w, w->scales, w->sup_s, grp * PANEL + 16);
         __m512 m0 = _mm512_setzero_ps(), m1 = m0;
         if (has_min) m0 = panel_mins16(w, grp * PANEL, d0), m1 = panel_mins16(w, grp * PANEL + 16, d1);
-        for (int64_t kk = 0; kk < g; kk++) {
+        FOR_COLUMNS(kk, g, 1) {
             if (kk % PF_COLS(bits) == 0) PREFETCH(qg + kk * COL_BYTES(bits));
             __m512 w0, w1;
             panel_column(qg, kk, bits, &w0, &w1);
@@ -481,13 +508,24 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
         for (int64_t b = 0; b < g / XB; b++) {
             for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) acc[r][v] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-            for (int64_t kk = b * XB; kk < (b + 1) * XB; kk += 2) {
+            for (int i = 0; i < XB; i += 2) { /* (i, not kk, steps: kk % 8 is then known to the compiler: plane_bit's shifts) */
+                const int64_t kk = b * XB + i;
                 if (kk % PF_COLS(bits) < 2) PREFETCH(qg + kk * COL_BYTES(bits));
                 __m256i xp[2];
                 for (int r = 0; r < rows; r++) {
                     int32_t pair;
                     memcpy(&pair, xq + r * K + grp * g + kk, sizeof pair);
                     xp[r] = _mm256_set1_epi32(pair);
+                }
+                if (bits == 4) { /* the two columns' bytes paired, widened, then split into nibbles in 16-bit lanes (1.1x) */
+                    const __m128i b0 = _mm_loadu_si128((const __m128i *)col_bytes(qg, kk, bits)), b1 = _mm_loadu_si128((const __m128i *)col_bytes(qg, kk + 1, bits));
+                    const __m256i wb[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b0, b1)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(b0, b1))};
+                    for (int c = 0; c < nc; c++)
+                        for (int h = 0; h < 2; h++) {
+                            const __m256i wv = c0 + c == 0 ? _mm256_and_si256(wb[h], _mm256_set1_epi16(15)) : _mm256_srli_epi16(wb[h], 4);
+                            for (int r = 0; r < rows; r++) acc[r][2 * c + h] = _mm256_add_epi32(acc[r][2 * c + h], _mm256_madd_epi16(wv, xp[r]));
+                        }
+                    continue;
                 }
                 for (int c = 0; c < nc; c++) {
                     const __m128i v0 = panel_bytes(qg, kk, 16 * (c0 + c), bits, 16), v1 = panel_bytes(qg, kk + 1, 16 * (c0 + c), bits, 16);
@@ -526,7 +564,7 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
         const float *xg = x + grp * g;
         __m256 aq[2][2][2];
         for (int r = 0; r < rows; r++) for (int i = 0; i < 2; i++) aq[r][i][0] = aq[r][i][1] = _mm256_setzero_ps();
-        for (int64_t kk = 0; kk < g; kk += 2) {
+        FOR_COLUMNS(kk, g, 2) {
             PREFETCH(qg + kk * COL_BYTES(bits));
             for (int u = 0; u < 2; u++) {
                 __m256 qa, qb;
@@ -741,7 +779,7 @@ static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *
             m[i] = w->mins ? load8s(w, w->mins, w->sup_m, si + 8 * i) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
         }
         float *o = wb + (grp - grp0) * g * PANEL;
-        for (int64_t kk = 0; kk < g; kk++)
+        FOR_COLUMNS(kk, g, 1)
             for (int h = 0; h < 2; h++) {
                 __m256 q[2];
                 panel_q16(qg, kk, 16 * h, bits, &q[0], &q[1]);
@@ -1845,14 +1883,8 @@ static inline __attribute__((always_inline)) __m256i panel_i8(const uint8_t *qg,
         const __m128i three = _mm_set1_epi8(3);
         v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(t, 4), three), _mm_and_si128(t, three)), 4));
     } else {
-        const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-        const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-        for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) { /* a plane's bit j (of 32) -> row j's byte */
-            int32_t word;
-            memcpy(&word, c + word_at(kk, bits, bb), 4);
-            const __m256i t = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(word), spread), sel);
-            v = _mm256_add_epi8(v, _mm256_and_si256(_mm256_cmpeq_epi8(t, sel), _mm256_set1_epi8((char)((1 << low) << bb))));
-        }
+        for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) /* a plane's 32 bytes: row j's bit of 8 columns */
+            v = _mm256_or_si256(v, plane_bit256(_mm256_loadu_si256((const __m256i *)plane_at(qg, kk, bits, bb)), (int)(kk & 7), low + bb));
     }
     return A8_UNSIGNED(bits) ? v : _mm256_sub_epi8(v, _mm256_set1_epi8((char)(1 << (VALUE_BITS(bits) - 1))));
 }
@@ -1883,7 +1915,7 @@ static inline __attribute__((always_inline)) void a8_prep(const panel_w_t *w, in
             if (w->mins) m[i] = _mm256_fmadd_ps(d[i], _mm256_set1_ps(off), load8s(w, w->mins, w->sup_m, si + 8 * i));
             else if (A8_UNSIGNED(bits)) m[i] = _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre)); /* the centre: a min */
         }
-        for (int64_t kk = 0; kk < g; kk += 4)
+        FOR_COLUMNS(kk, g, 4)
             a8_store4(wb + (k0 + kk) * PANEL, panel_i8(qg, kk, bits), panel_i8(qg, kk + 1, bits), panel_i8(qg, kk + 2, bits),
                       panel_i8(qg, kk + 3, bits));
         for (int64_t e0 = 0; e0 < g; e0 += E) {
