@@ -285,7 +285,9 @@ def test_panel_rows_lookup(bits, g, factored, mins):
 
 def test_round_activations():
     """int8 per chunk, scale absmax / 127: every value a multiple of its chunk's scale within half a
-    step of x, |q| <= 127, the absmax exact, zero chunks zero."""
+    step of x, |q| <= 127, the absmax kept to fp32 rounding (127 * (a / 127) is not always a: 3% of
+    random inputs), zero chunks zero."""
+    torch.manual_seed(15)  # (a seed whose absmax does not come back exactly)
     x = torch.randn(5, 64) * torch.tensor([1.0, 100.0]).repeat_interleave(32)
     x[2, :32] = 0
     r = qops.round_activations(x, 32)
@@ -293,7 +295,8 @@ def test_round_activations():
     steps = (r.view(5, 2, 32) / scale).round()
     assert torch.equal(steps * scale, r.view(5, 2, 32)) and steps.abs().max() <= 127
     assert ((r - x).view(5, 2, 32).abs() <= scale / 2 * (1 + 1e-5)).all()
-    assert torch.equal(r.abs().amax(-1), x.abs().amax(-1)) and torch.equal(r[2, :32], torch.zeros(32))
+    torch.testing.assert_close(r.abs().amax(-1), x.abs().amax(-1), rtol=2**-23, atol=0)
+    assert torch.equal(r[2, :32], torch.zeros(32))
 
 
 @pytest.mark.parametrize("m", ROWS)
