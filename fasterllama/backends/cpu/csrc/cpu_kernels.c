@@ -236,12 +236,15 @@ static inline const uint8_t *plane_at(const uint8_t *qg, int64_t kk, const int b
     return qg + (kk & ~(int64_t)7) * COL_BYTES(bits) + 8 * FIRST_BYTES(bits) + 32 * b;
 }
 
-/* Bit c of every byte of p moved to bit `to`, the other bits cleared: one shift (an immediate where
- * c is known at compile time: the GEMV loops go by whole eights of columns) and a mask. */
-static inline __attribute__((always_inline)) __m128i plane_bit(__m128i p, int c, int to) {
-    const __m128i s = c == to ? p : c < to ? _mm_sll_epi16(p, _mm_cvtsi32_si128(to - c)) : _mm_srl_epi16(p, _mm_cvtsi32_si128(c - to));
-    return _mm_and_si128(s, _mm_set1_epi8((char)(1 << to)));
+/* Bits from .. from + n - 1 of every byte of p moved to bits to .. to + n - 1, the other bits
+ * cleared: one shift (an immediate where `from` is known at compile time: the GEMV loops go by
+ * whole eights of columns) and a mask. */
+static inline __attribute__((always_inline)) __m128i bits_at(__m128i p, int from, int to, int n) {
+    const __m128i s = from == to ? p : from < to ? _mm_sll_epi16(p, _mm_cvtsi32_si128(to - from)) : _mm_srl_epi16(p, _mm_cvtsi32_si128(from - to));
+    return _mm_and_si128(s, _mm_set1_epi8((char)(((1 << n) - 1) << to)));
 }
+/* Bit c of every byte of p moved to bit `to` (a plane's bit of column c). */
+static inline __attribute__((always_inline)) __m128i plane_bit(__m128i p, int c, int to) { return bits_at(p, c, to, 1); }
 static inline __attribute__((always_inline)) __m256i plane_bit256(__m256i p, int c, int to) {
     const __m256i s = c == to ? p : c < to ? _mm256_sll_epi16(p, _mm_cvtsi32_si128(to - c)) : _mm256_srl_epi16(p, _mm_cvtsi32_si128(c - to));
     return _mm256_and_si256(s, _mm256_set1_epi8((char)(1 << to)));
@@ -268,9 +271,7 @@ static inline __attribute__((always_inline)) __m128i panel_bytes(const uint8_t *
         v = _mm_and_si128(_mm_srl_epi16(b, _mm_cvtsi32_si128(low_shift(kk, bits) + 4 * (lane0 / 16))), _mm_set1_epi8(3));
     if (bits == NL4) return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)NL4_VALUES), v); /* the nibbles through the table */
     if (bits == 6) { /* the top two bits: this column's crumbs of the pair */
-        const __m128i t = LOAD_N(c + top_at(kk) + lane0 % 16);
-        const __m128i top = _mm_and_si128(_mm_srl_epi16(t, _mm_cvtsi32_si128(2 * (int)(kk & 1) + 4 * (lane0 / 16))), _mm_set1_epi8(3));
-        return _mm_or_si128(v, _mm_slli_epi16(top, 4));
+        return _mm_or_si128(v, bits_at(LOAD_N(c + top_at(kk) + lane0 % 16), 2 * (int)(kk & 1) + 4 * (lane0 / 16), 4, 2));
     }
     for (int bb = 0; bb < VALUE_BITS(bits) - low; bb++) /* plane bb: byte j holds row j's bit of 8 columns */
         v = _mm_or_si128(v, plane_bit(LOAD_N(plane_at(qg, kk, bits, bb) + lane0), (int)(kk & 7), low + bb));
