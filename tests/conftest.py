@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
 
 torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request: pytest.FixtureRequest) -> None:
+    """Each test draws its random inputs from a seed of its own name: the same values whatever ran
+    before it in its worker (under xdist the order differs run to run, and a test whose claim held
+    for most draws but not all failed at random)."""
+    seed = zlib.crc32(request.node.nodeid.encode())
+    torch.manual_seed(seed)
 
 REAL_MODEL_FIXTURES = {"default_llm", "fp32_llm", "hf_default", "hf_tokenizer"}
 
