@@ -479,6 +479,12 @@ static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m25
     *m = w->mins ? load8s(w, w->mins, w->sup_m, i) : _mm256_mul_ps(*d, _mm256_set1_ps(-w->centre));
 }
 
+/* The int16 GEMVs' prefetches of weights and scales: into every cache level (T0), not with
+ * PREFETCH's non-temporal hint, which on Zen 1 lost lines before the GEMV reached them (8 KB
+ * ahead): decode steps 1.02-1.08x there (benchmarks/ab_kernels.py, Q4_K_M and Q4_1 files, more
+ * while a neighbour loads the memory), batch 2 1.01x. */
+#define I16_PF(p, ahead) _mm_prefetch((const char *)(p) + (ahead), _MM_HINT_T0)
+
 /* 1-2 activation rows with x rounded to int16 (x_to_i16): two columns' values of a row as a pair of
  * int16 in each 32-bit lane, so one vpmaddwd multiplies and adds 16 weights by two x values, and
  * only a block's int32 sums (XB columns: at most 8 * 128 * 32767, far from overflow) become floats. Zen 1 runs the float route (widen, convert, FMA)
@@ -498,8 +504,8 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
     for (int64_t grp = 0; grp < G; grp++) {
         const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const int64_t si = grp * PANEL + 16 * c0;
-        PANEL_PF((const char *)w->scales + si * w->sbytes);
-        if (w->mins) PANEL_PF((const char *)w->mins + si * w->sbytes);
+        I16_PF((const char *)w->scales + si * w->sbytes, PF_BYTES / 4);
+        if (w->mins) I16_PF((const char *)w->mins + si * w->sbytes, PF_BYTES / 4);
         for (int v = 0; v < 2 * nc; v++) {
             __m256 d, m;
             panel_scales8(w, si + 8 * v, &d, &m);
@@ -511,7 +517,7 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
 #pragma GCC unroll 8
             for (int i = 0; i < XB; i += 2) { /* (i, not kk, steps: kk % 8 is then known to the compiler: plane_bit's shifts) */
                 const int64_t kk = b * XB + i;
-                if (kk % PF_COLS(bits) < 2) PREFETCH(qg + kk * COL_BYTES(bits));
+                if (kk % PF_COLS(bits) < 2) I16_PF(qg + kk * COL_BYTES(bits), PF_BYTES);
                 __m256i xp[2];
                 for (int r = 0; r < rows; r++) {
                     int32_t pair;
