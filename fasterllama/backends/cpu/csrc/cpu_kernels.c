@@ -140,7 +140,7 @@ typedef __m256 vf;
  *      8): their nibbles (crumbs) as 4 (2) bits', then the top bit as a plane of 32 bytes (byte j:
  *      bit c is that bit of row j of column c), so any column's bits reach their place with one
  *      shift of 16 rows and a mask (a 32-bit word per column took a shuffle, a compare and two
- *      masks: 5-bit GEMVs ran 1.15x faster on Zen 1 after the change). A column of int8: 32 bytes,
+ *      masks: 5-bit GEMVs ran 1.1x faster on Zen 1 after the change). A column of int8: 32 bytes,
  *      row j at byte j.
  *   scales, mins [P, G, 32]. P = ceil(N / 32), the last panel padded with zero rows.
  * ops/quantized.py's pack_panels / unpack_panels define the same layout. `bits` is a compile-time
@@ -215,12 +215,6 @@ static inline float load1s(const panel_w_t *w, const void *p, const uint16_t *su
  * crumbs, so one widening serves both and each vector of 16 rows needs one shift and one mask (6
  * bits: this column's nibbles within the pair). 3 and 5 bits: within its eight columns' bytes. */
 #define PAIRED(bits) (LOW_BITS(bits) == 2 || (bits) == 6) /* columns stored in pairs */
-/* Columns kk of a group of g in steps of `step` by whole eights: kk % 8 is then a compile-time
- * constant in the unrolled body (plane_bit's shift). */
-#define FOR_COLUMNS(kk, g, step)                             \
-    for (int64_t kk##_8 = 0; kk##_8 < (g); kk##_8 += 8)      \
-        _Pragma("GCC unroll 8") for (int kk##_i = 0; kk##_i < 8; kk##_i += (step)) \
-            for (int64_t kk = kk##_8 + kk##_i; kk < (g); kk = (g))
 #define PLANES(bits) ((bits) == 3 || (bits) == 5)          /* a bit plane per eight columns */
 #define FIRST_BYTES(bits) (LOW_BITS(bits) == 4 ? 16 : 8)  /* a column's share of its first plane */
 static inline const uint8_t *col_bytes(const uint8_t *qg, int64_t kk, const int bits) {
@@ -249,6 +243,13 @@ static inline __attribute__((always_inline)) __m256i plane_bit256(__m256i p, int
     const __m256i s = c == to ? p : c < to ? _mm256_sll_epi16(p, _mm_cvtsi32_si128(to - c)) : _mm256_srl_epi16(p, _mm_cvtsi32_si128(c - to));
     return _mm256_and_si256(s, _mm256_set1_epi8((char)(1 << to)));
 }
+
+/* Columns kk of a group of g in steps of `step` by whole eights: kk % 8 is then a compile-time
+ * constant in the unrolled body (plane_bit's shift). */
+#define FOR_COLUMNS(kk, g, step)                                                       \
+    for (int64_t kk##_8 = 0; kk##_8 < (g); kk##_8 += 8)                                \
+        _Pragma("GCC unroll 8") for (int kk##_i = 0; kk##_i < 8; kk##_i += (step))     \
+            for (int64_t kk = kk##_8 + kk##_i; kk < (g); kk = (g)) /* (once: kk < g) */
 
 /* The shift of column kk's rows j < 16 in the first plane's bytes (rows j + 16: 4 more). */
 static inline int low_shift(int64_t kk, const int bits) { return LOW_BITS(bits) == 2 ? 2 * (int)(kk & 1) : 0; }
