@@ -104,6 +104,12 @@ def bit_planes(bits: int) -> int:
     return 0 if bits in (6, 8) else bits - low_bits(bits)
 
 
+def _unit_columns(bits: int) -> int:
+    """Columns whose bytes go together in a panel (2-5 bits): eight with a bit plane, a pair of 2-bit
+    ones sharing their crumbs, or one."""
+    return 8 if bit_planes(bits) else 2 if low_bits(bits) == 2 else 1
+
+
 def _first_plane(v: np.ndarray, low: int) -> np.ndarray:
     """Values [..., g, 32] -> the first plane's 16 bytes a column (nibbles) or a pair of columns
     (crumbs), [..., g or g / 2, 16]."""
@@ -187,7 +193,7 @@ def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int
         at = lambda t, i: torch.gather(t, 3, i.expand(*t.shape[:3])[..., None])[..., 0]  # noqa: E731
         return ((at(nib, jj % 16) >> (4 * (jj // 16))) & 15) | (((at(top, jj % 16) >> (2 * odd + 4 * (jj // 16))) & 3) << 4)
     R, G, g, _ = cols.shape
-    per = 8 if bit_planes(bits) else 2 if low == 2 else 1  # columns a unit of bytes holds: eight, a pair, one
+    per = _unit_columns(bits)
     unit = cols.reshape(R, G, g // per, per * 4 * bits).to(torch.int32)
     jj = j[:, None, None, None]
     c = torch.arange(per, device=qp.device)  # a column's place in its unit
@@ -221,7 +227,7 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
             top = torch.stack((torch.cat((c & 3, (c >> 4) & 3), -1), torch.cat(((c >> 2) & 3, c >> 6), -1)), dim=-2).reshape(*cols.shape[:3], PANEL)
             v = torch.cat((nib & 15, nib >> 4), dim=-1) | (top << 4)
         else:  # by units of `per` columns: their first planes, then any bit planes
-            per = 8 if bit_planes(bits) else 2 if low == 2 else 1
+            per = _unit_columns(bits)
             unit = cols.reshape(*cols.shape[:2], g // per, 4 * bits * per)
             if low == 4:
                 nib = unit[..., : 16 * per].reshape(*unit.shape[:3], per, 16)
