@@ -195,6 +195,33 @@ def test_prefix_cache_computes_only_the_new_tokens(tiny_folder):
     assert seq.output_token_ids == off.token_ids
 
 
+def test_prompts_arriving_together_compute_their_shared_prefix_once(tiny_folder):
+    """Requests sharing a prefix submitted at once: the first computes it, the others wait a step
+    and take it from the cache (and a long prompt's later chunks the same, a step behind); each
+    returns what it returns with caching off."""
+    llm = _llm(tiny_folder, max_num_batched_tokens=128)
+    engine = llm.engine
+    prefix = [(7 * i) % 300 + 10 for i in range(200)]  # 12 full blocks and 8 tokens
+    prompts = [prefix + [k, k + 1] for k in range(4)] + [[5, 6, 7] + prefix]  # the last shares nothing
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    computed: list[int] = []
+    real_execute = engine.runner.execute
+
+    def counting(batch, rows=None):
+        computed.append(sum(item.num_tokens - len(item.drafts) for item in batch))
+        return real_execute(batch, rows)
+
+    engine.runner.execute = counting
+    outs = llm.generate(prompts, params)
+    engine.runner.execute = real_execute
+    # the shared 192 tokens once, then each shared prompt's own 10 (the block after its last full
+    # one), the unrelated prompt whole, and 2 decode steps of 5 tokens
+    assert sum(computed) == 202 + 3 * 10 + 203 + 2 * 5, computed
+    off = _llm(tiny_folder, enable_prefix_caching=False).generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off]
+    assert engine.blocks.num_used == 0
+
+
 def test_preemption_gives_every_request_its_tokens(tiny_folder):
     """A cache too small for all running requests: the newest are preempted and recomputed, and
     each request still gets the tokens it gets alone."""

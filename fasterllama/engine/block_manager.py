@@ -54,11 +54,14 @@ class BlockManager:
         bs = self.block_size
         return parent, tuple(seq.token_ids(i * bs, (i + 1) * bs))
 
+    def reuses(self, seq: Sequence) -> bool:
+        return self.prefix_caching and not seq.needs_prompt_rows and not seq.uncached_prompt
+
     def reuse_prefix(self, seq: Sequence) -> None:
         """Give a sequence with no blocks the cached blocks its tokens start with (never all of its
         tokens: the last one is computed, its logits sample the next). A sequence that asked for
         prompt logprobs or logits (or runs a calibration pass: uncached_prompt) computes its whole prompt."""
-        if not self.prefix_caching or seq.needs_prompt_rows or seq.uncached_prompt:
+        if not self.reuses(seq):
             return
         parent, hits, hashes = None, [], []
         for i in range((seq.num_tokens - 1) // self.block_size):
@@ -76,6 +79,14 @@ class BlockManager:
             self.ref_counts[block] += 1
         seq.block_table, seq.block_hashes = hits, hashes
         seq.num_cached = len(hits) * self.block_size
+
+    def next_block_hash(self, seq: Sequence, upto: int) -> int | None:
+        """The key hash of seq's first block past its cached tokens, if its tokens before `upto`
+        fill that block (None otherwise, or without prefix caching)."""
+        i = seq.num_cached // self.block_size
+        if not self.prefix_caching or len(seq.block_hashes) != i or (i + 1) * self.block_size > upto:
+            return None
+        return hash(self._key(seq, i, seq.block_hashes[-1] if i else None))
 
     def commit(self, seq: Sequence) -> None:
         """After a step: key the blocks the step filled, so later sequences can find them."""

@@ -1,5 +1,8 @@
 """Scheduler: picks each step's work — one token for every decoding sequence plus prompt chunks
 of waiting sequences — within a token budget, max_num_seqs and the KV cache's free blocks.
+A waiting sequence whose next uncached block another sequence computes in this step waits one
+step and takes it from the prefix cache: prompts sharing a prefix that arrive together (a system
+prompt, n requests of one prompt) compute it once.
 
 When blocks run out the newest running sequence is preempted: its blocks are freed and it waits
 at the front of the queue to be recomputed (prompt and output so far; the prefix cache usually
@@ -61,14 +64,22 @@ class Scheduler:
         if self.num_preemptions != preempted:
             return batch  # short of blocks: admit nothing new
         seats = self.max_num_seqs - len(self.running)
+        computing = {self.blocks.next_block_hash(item.seq, item.seq.num_cached + item.num_tokens - len(item.drafts)) for item in batch}
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and seats >= 1 + len(self.waiting[0].forks):
             seq = self.waiting[0]
             self.blocks.reuse_prefix(seq)
+            upcoming = self.blocks.next_block_hash(seq, seq.num_tokens - 1) if self.blocks.reuses(seq) else None
+            if upcoming is not None and upcoming in computing:  # another computes it now: in the cache next step
+                self.blocks.free(seq)
+                deferred.append(self.waiting.popleft())
+                continue
             n = min(seq.num_tokens - seq.num_cached, budget)
             if not self.blocks.reserve(seq, seq.num_cached + n):
                 self.blocks.free(seq)
                 break
             self.waiting.popleft()
+            computing.add(self.blocks.next_block_hash(seq, seq.num_cached + n))
             if not seq.output_token_ids:  # (not a preempted sequence coming back)
                 seq.num_prefix_cached = seq.num_cached
             self.prefix_queried_tokens += seq.num_tokens
@@ -78,6 +89,7 @@ class Scheduler:
             seats -= 1 + len(seq.forks)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # first in the queue next step, in their order
         return batch
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
