@@ -1,11 +1,13 @@
 """The C kernels load even where their cache folder cannot be written (read-only home, permission
-denied): they are built in a temporary folder instead of leaving decode to the slow PyTorch ops."""
+denied): they are built in a temporary folder instead of leaving decode to the slow PyTorch ops.
+The mechanism is tested on a one-function source (the kernels' own file takes ~40 s to compile
+at -O3 on a busy CI machine; every other test loads that one from the cache)."""
 
 from __future__ import annotations
 
+import logging
 import os
-import subprocess
-import sys
+import tempfile
 
 import pytest
 
@@ -14,30 +16,52 @@ from fasterllama.backends.cpu import kernels
 pytestmark = pytest.mark.skipif(kernels.load() is None, reason="C kernels cannot be built here")
 
 
-def _loads_with_cache(cache) -> subprocess.CompletedProcess:
-    code = "from fasterllama.backends.cpu import kernels; assert kernels.load() is not None"
-    env = {**os.environ, "FASTERLLAMA_CACHE": str(cache)}
-    return subprocess.run([sys.executable, "-c", code], check=False, env=env, capture_output=True, text=True, timeout=600)
+@pytest.fixture
+def tiny_source(tmp_path, monkeypatch):
+    """A source with one function, and a private temporary folder (to see that nothing is left)."""
+    source = tmp_path / "tiny.c"
+    source.write_text("long fl_tiny(long a) { return 3 * a + 1; }\n")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    return source
 
 
-def test_read_only_cache(tmp_path):
+def _build_with_cache(cache, source, monkeypatch, caplog):
+    monkeypatch.setenv("FASTERLLAMA_CACHE", str(cache))
+    with caplog.at_level(logging.WARNING, logger=kernels.log.name):
+        lib = kernels._build_and_open(source)
+    assert lib.fl_tiny(14) == 43
+    assert not os.listdir(tempfile.tempdir)  # the temporary build is gone once loaded
+    return lib
+
+
+def test_cache_path_blocked_by_a_file(tmp_path, tiny_source, monkeypatch, caplog):
+    """A cache that cannot be created, whoever runs (also root): a file stands where a folder must."""
+    (tmp_path / "file").write_text("")
+    _build_with_cache(tmp_path / "file" / "cache", tiny_source, monkeypatch, caplog)
+    assert "not writable" in caplog.text
+
+
+def test_read_only_cache(tmp_path, tiny_source, monkeypatch, caplog):
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only folders")
     cache = tmp_path / "cache"
     cache.mkdir()
     cache.chmod(0o500)
     try:
-        proc = _loads_with_cache(cache)
-        assert proc.returncode == 0, proc.stderr
-        assert "not writable" in proc.stderr
+        _build_with_cache(cache, tiny_source, monkeypatch, caplog)
+        assert "not writable" in caplog.text
         assert not list(cache.iterdir())
     finally:
         cache.chmod(0o700)
 
 
-def test_cache_path_blocked_by_a_file(tmp_path):
-    """A cache that cannot be created, whoever runs (also root): a file stands where a folder must."""
-    (tmp_path / "file").write_text("")
-    proc = _loads_with_cache(tmp_path / "file" / "cache")
-    assert proc.returncode == 0, proc.stderr
-    assert "not writable" in proc.stderr
+def test_writable_cache_keeps_the_library(tmp_path, tiny_source, monkeypatch, caplog):
+    """Built once into the cache, then found there (the build key names the file)."""
+    cache = tmp_path / "cache"
+    _build_with_cache(cache, tiny_source, monkeypatch, caplog)
+    (built,) = cache.iterdir()
+    stamp = built.stat().st_mtime_ns
+    _build_with_cache(cache, tiny_source, monkeypatch, caplog)
+    assert list(cache.iterdir()) == [built] and built.stat().st_mtime_ns == stamp  # not built again
+    assert "not writable" not in caplog.text
