@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import zlib
 
@@ -64,38 +66,89 @@ def fp32_llm():
     return LLM(quantization="none", progress=False)
 
 
+_GGUF_READERS: dict[tuple, object] = {}  # (path, arguments) -> gguf.GGUFReader, for _gguf_read_once
+
+
+@contextlib.contextmanager
+def _gguf_read_once():
+    """HF's GGUF loading builds gguf's reader of the file twice per load (and once more for the
+    tokenizer) and gguf's tensor-name map once per module: on a slow machine ~11 s a reader and
+    ~12 s the maps of the default model. Within this, each is built once in the session and
+    reused (the same read-only objects; only for the installed default model's file)."""
+    import gguf
+
+    real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in _GGUF_READERS:
+            _GGUF_READERS[key] = real_reader(path, *args, **kwargs)
+        return _GGUF_READERS[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
+
+
+def _shared_by_workers(tmp_path_factory, name: str):
+    """A file lock and a path for what one pytest-xdist worker of this run loads and saves for the
+    others (None outside xdist)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return None
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent / name  # this run's, shared by its workers
+    return FileLock(f"{shared}.lock"), shared
+
+
 @pytest.fixture(scope="session")
-def hf_tokenizer():
+def hf_tokenizer(tmp_path_factory):
     """HF transformers' tokenizer of the default GGUF (without its model: loading that dequantizes
-    every tensor in Python, ~40 s on a slow machine)."""
+    every tensor in Python, ~40 s on a slow machine). Reading the GGUF's vocabulary takes HF ~10 s:
+    under pytest-xdist the first worker saves the tokenizer (save_pretrained) for the others (0.3 s)."""
     path = default_model_path()
     if path is None:
         pytest.skip("default model not installed")
     transformers = pytest.importorskip("transformers")
     folder, name = os.path.split(path)
-    return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    def from_gguf():
+        with _gguf_read_once():
+            return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+    lock_and_path = _shared_by_workers(tmp_path_factory, "hf_tokenizer")
+    if lock_and_path is None:
+        return from_gguf()
+    lock, saved = lock_and_path
+    with lock:
+        if saved.is_dir():
+            return transformers.AutoTokenizer.from_pretrained(saved)
+        tokenizer = from_gguf()
+        tokenizer.save_pretrained(saved)
+        return tokenizer
 
 
 @pytest.fixture(scope="session")
 def hf_default(hf_tokenizer, tmp_path_factory):
     """(model, tokenizer) of HF transformers loading the default GGUF in fp32: the reference.
-    HF's GGUF load parses the file's metadata in Python, twice (~36 s on a slow machine), so under
-    pytest-xdist the first worker saves what it loaded (its config and state dict, the same fp32
+    HF's GGUF load parses the file's metadata in Python (~4 s on a slow machine after
+    hf_tokenizer's, with _gguf_read_once: ~50 s without), so under pytest-xdist the first worker saves what it loaded (its config and state dict, the same fp32
     values) for the others to read back (~3 s)."""
     path = default_model_path()
     transformers = pytest.importorskip("transformers")
     folder, name = os.path.split(path)
 
     def from_gguf():
-        return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _gguf_read_once():
+            return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
 
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
+    lock_and_path = _shared_by_workers(tmp_path_factory, "hf_default.pt")
+    if lock_and_path is None:
         model = from_gguf()
     else:
-        from filelock import FileLock
-
-        shared = tmp_path_factory.getbasetemp().parent / "hf_default.pt"  # this run's, shared by its workers
-        with FileLock(f"{shared}.lock"):
+        lock, shared = lock_and_path
+        with lock:
             if shared.is_file():
                 saved = torch.load(shared, weights_only=True)
                 config = transformers.AutoConfig.for_model(**saved["config"])

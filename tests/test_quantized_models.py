@@ -52,6 +52,11 @@ def test_quantized_perplexity_and_memory(fp32_llm, eval_ids, fp32_ppl, mode, max
     assert ratio <= max_bytes, (mode, ratio)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))[0]
     assert "Paris" in out.text
+    if mode == "w8a8":  # on a GGUF the Q8_0 lm_head (the tied embedding) stays int8: the file's weights exactly
+        model = llm.engine.model
+        assert llm.engine.quant_config.int8_lm_head and isinstance(model.lm_head, Int8Linear)
+        assert model.embed_tokens.table is model.lm_head
+        assert torch.equal(model.lm_head.dequantize(), fp32_llm.engine.model.lm_head.weight)
 
 
 def test_gguf_quants_kept_natively_and_exact(default_llm, fp32_llm):
@@ -75,19 +80,13 @@ def test_gguf_quants_kept_natively_and_exact(default_llm, fp32_llm):
     assert max(abs(x[t] - y[t]) for x, y, t in zip(a.logprobs, b.logprobs, a.token_ids)) < decode_tolerance()
 
 
-def test_w8a8_keeps_the_gguf_lm_head_exactly(fp32_llm):
-    """w8a8 on a GGUF: the Q8_0 lm_head (tied embedding) stays int8, the file's weights exactly."""
-    llm = LLM(quantization="w8a8", progress=False)
-    model = llm.engine.model
-    assert llm.engine.quant_config.int8_lm_head and isinstance(model.lm_head, Int8Linear)
-    assert model.embed_tokens.table is model.lm_head
-    assert torch.equal(model.lm_head.dequantize(), fp32_llm.engine.model.lm_head.weight)
-
-
-@pytest.mark.parametrize("source,mode", [("tiny", "w4-g64"), pytest.param("smollm2-135m-instruct", "w8a8-static-mse", marks=pytest.mark.real_model)])
+@pytest.mark.parametrize("source,mode", [("tiny", "w4-g64"), ("tiny", "w8a8-static-mse"),
+                                         pytest.param("smollm2-135m-instruct", "w8a8", marks=pytest.mark.real_model)])
 def test_quantize_command_round_trip(tmp_path, source, mode):
     """`fasterllama quantize` writes a checkpoint that loads to the same logits and chat prompt as
-    quantizing at load time (the 4-bit mode on a tiny model: its search takes ~20 s on the real one)."""
+    quantizing at load time: static scales, searched 4-bit groups (on a tiny model: each takes ~20 s
+    of calibration or search on the real one, twice here), and the GGUF's chat template, tokenizer
+    and int8 head with SmoothQuant's calibration on the real model."""
     if source == "tiny":
         import tiny_models as tm
 
