@@ -223,14 +223,17 @@ def test_panel_gemm_blocks(bits, m, n, k, g):
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8, qops.NL4])
 @pytest.mark.parametrize("m,n,k,g,factored", [(17, 70, 256, 16, True), (300, 33, 1600, 32, False), (40, 96, 576, 576, False),
-                                              (29, 40, 512, 64, False), (60, 64, 1024, 32, True)])
+                                              (29, 40, 512, 64, False), (60, 64, 1024, 32, True),
+                                              (1, 70, 256, 16, True), (2, 33, 1600, 32, False), (1, 96, 576, 576, False),
+                                              (2, 40, 512, 64, False), (1, 64, 1024, 32, True)])
 @pytest.mark.parametrize("mins", [False, True])
 def test_panel_gemm_a8(bits, m, n, k, g, factored, mins):
-    """quantization "gguf-a8"'s GEMM: x rounded to int8 per chunk of min(g, 32) columns, integer dot
-    products against every width's values, the scales per chunk. Against its reference (the float
-    panel product of round_activations(x)): row blocks past A8_MC (256) and not a multiple of the
-    register tile, columns in several blocks with a short last one, groups of 16 / 32 / 64 / a whole
-    row, factored K-quant scales, stored and implied mins, a bias; an all-zero row, an outlier."""
+    """quantization "gguf-a8"'s GEMM, and its GEMVs (1-2 rows): x rounded to int8 per chunk of
+    min(g, 32) columns, integer dot products against every width's values, the scales per chunk.
+    Against its reference (the float panel product of round_activations(x)): row blocks past A8_MC
+    (256) and not a multiple of the register tile, columns in several blocks with a short last one,
+    groups of 16 / 32 / 64 / a whole row, factored K-quant scales, stored and implied mins, a bias,
+    a padded last panel; an all-zero row, an outlier."""
     from fasterllama.quant.linear import PackedLinear
 
     if mins and bits in (8, qops.NL4):
@@ -247,8 +250,8 @@ def test_panel_gemm_a8(bits, m, n, k, g, factored, mins):
         q_, s, mn = _panel_weights(n, k, g, 8, mins, torch.float32)
         lin = PackedLinear(q, s, mn, bits)
     x, bias = torch.randn(m, k), torch.randn(n)
-    x[0] = 0
-    x[-1, 3] = 50.0  # one chunk's scale 50 / 127: its other values round coarsely, other chunks not
+    x[0, : k if m > 1 else k // 2] = 0  # (one row: its first half)
+    x[-1, 3 + k // 2] = 50.0  # one chunk's scale 50 / 127: its other values round coarsely, other chunks not
     want = qops.panel_linear_a8(x, lin.qweight, lin.scales, lin.mins, n, bits, bias, lin.sups)
     _close(want, qops.round_activations(x, min(g, 32)) @ lin.dequantize().t() + bias)
     _close(ck.panel_linear_a8(x, lin.qweight, lin.scales, lin.mins, n, bits, bias, lin.sups), want)

@@ -386,15 +386,17 @@ def test_gguf_tensors_kept_in_blocks(tmp_path, name: str, weight_type: str) -> N
     assert greedy(llm, [BATCH_PROMPTS[0], PROMPT, BATCH_PROMPTS[2]])[1] == tokens  # batched decode steps: the fused parts' outputs interleave by row
 
 
-def test_gguf_a8_prefill(tmp_path, monkeypatch) -> None:
-    """quantization "gguf-a8": the same blocks as "gguf", and every linear of more than A8_MIN_ROWS
-    rows takes x rounded to int8 by chunk: each such product the model makes equals its reference
-    op on the same input (the whole model cannot: a last-bit difference upstream moves a rounding
-    by a step), the logits stay near the exact ones without equalling them, and short prompts and
-    decode steps are exact."""
+def test_gguf_a8(tmp_path, monkeypatch) -> None:
+    """quantization "gguf-a8": the same blocks as "gguf", and every linear takes x rounded to int8 by
+    chunk: each product a prompt makes equals its reference op on the same input (the whole model
+    cannot: a last-bit difference upstream moves a rounding by a step), the logits stay near the
+    exact ones without equalling them, and decode steps (the 1-2 row GEMVs) give the same tokens as
+    one C call, op by op and through the reference ops."""
+    from test_cpu_kernels import _three_ways
+
     from fasterllama import ops
     from fasterllama.ops import quantized as qops
-    from fasterllama.quant.linear import A8_MIN_ROWS, PackedLinear
+    from fasterllama.quant.linear import PackedLinear
 
     model = tm.quantize_roundtrip_(tm.build_hf_model(SMOL_MIX), "q4_k_m")
     path = tm.write_gguf(model, str(tmp_path / "smol_mix-q4_k_m.gguf"), weight_type="q4_k_m")
@@ -418,9 +420,15 @@ def test_gguf_a8_prefill(tmp_path, monkeypatch) -> None:
     rel = (got - want).abs().max().item() / want.abs().max().item()
     assert 1e-6 < rel < 0.15, rel  # 0.07: 4 random layers amplify the rounding more than a trained model does
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
-    short = LONG_PROMPT[:A8_MIN_ROWS]
-    assert torch.equal(a8.compute_logits(short), exact.compute_logits(short))
-    assert greedy(a8, [LONG_PROMPT], 4)[0][0] == int(got[-1].argmax())
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    (one_call, one_lp), (op_by_op, op_lp), (reference, _) = _three_ways(a8, [LONG_PROMPT, PROMPT], params)
+    assert one_call == op_by_op == reference and one_call[0][0] == int(got[-1].argmax())
+    # the same kernels called by the C step and by the model's ops, whose norms, SiLU and attention
+    # sum in another order: an ulp there can move an activation across a rounding, one int8 step,
+    # which these 4 random layers amplify (PROMPT's steps: 0.04 apart; "gguf": 2e-4; LONG_PROMPT's 1e-6)
+    for toks, a, b in zip(one_call, one_lp, op_lp):
+        for t, sa, sb in zip(toks, a, b):  # (the runner-up may differ where two tokens nearly tie)
+            assert abs(sa[t] - sb[t]) < 0.1
 
 
 @pytest.mark.parametrize("weight_type", ["q8_0", "q4_k_m"])

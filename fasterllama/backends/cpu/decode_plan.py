@@ -26,7 +26,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("bits", _I), ("sbytes", _I), ("w", _P), ("scales", _P), ("mins", _P),
-                ("sup_s", _P), ("sup_m", _P), ("gps", _I), ("parts", _P), ("nparts", _I), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I)]
+                ("sup_s", _P), ("sup_m", _P), ("gps", _I), ("parts", _P), ("nparts", _I), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I), ("a8", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -45,15 +45,20 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
         parts = [_linear(p, None, keep) for p in m.parts]
         if any(p is None or p.kind != 1 or p.bias for p in parts) or len(parts) > 8:
             return None
+        if len({p.a8 for p in parts}) > 1:
+            return None
         array = (_Linear * len(parts))(*parts)
         keep.append(array)
-        return _Linear(4, m.out_features, m.in_features, parts=ctypes.addressof(array), nparts=len(parts))
+        return _Linear(4, m.out_features, m.in_features, parts=ctypes.addressof(array), nparts=len(parts), a8=parts[0].a8)
     panels = _panels(m)
     if panels is not None and m.in_features % 32 == 0:
         q, scales, mins, bits, g = panels
+        a8 = getattr(m, "int8_activations", False)  # quantization "gguf-a8": x rounded to int8 (kernels.panel_linear_a8's)
+        if a8 and g != 16 and g % 32:
+            return None
         sup_s, sup_m, gps = cpu_kernels.super_scales(scales, getattr(m, "sups", None))
         return _Linear(1, m.out_features, m.in_features, g, bits, scales.element_size(), q.data_ptr(), scales.data_ptr(), cpu_kernels.ptr(mins),
-                       sup_s, sup_m, gps, bias=cpu_kernels.ptr(bias))
+                       sup_s, sup_m, gps, bias=cpu_kernels.ptr(bias), a8=int(a8))
     if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
         wsum = m.qweight.sum(dim=1, dtype=torch.int32)
         keep.append(wsum)

@@ -306,6 +306,18 @@ static inline int panel_value(const uint8_t *qg, int64_t kk, int64_t j, int bits
     return bits == NL4 ? NL4_VALUES[v] : v;
 }
 
+/* 8 rows' scales and mins of a panel from element i (mins implied by the centre where none are stored). */
+static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m256 *m) {
+    *d = load8s(w, w->scales, w->sup_s, i);
+    *m = w->mins ? load8s(w, w->mins, w->sup_m, i) : _mm256_mul_ps(*d, _mm256_set1_ps(-w->centre));
+}
+
+/* The int16 and int8 GEMVs' prefetches of weights and scales: into every cache level (T0), not with
+ * PREFETCH's non-temporal hint, which on Zen 1 lost lines before the GEMV reached them (8 KB
+ * ahead): decode steps 1.02-1.08x there (benchmarks/ab_kernels.py, Q4_K_M and Q4_1 files, more
+ * while a neighbour loads the memory), batch 2 1.01x. */
+#define I16_PF(p, ahead) _mm_prefetch((const char *)(p) + (ahead), _MM_HINT_T0)
+
 #if defined(__AVX512F__)
 /* Bit c of 16 bytes of a plane (16 rows) as a mask. */
 static inline __attribute__((always_inline)) __mmask16 plane_mask16(const uint8_t *p, int c) {
@@ -475,17 +487,6 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
  * fit; 1-2 rows only: panel_parts_linear gives 3 or more to the GEMM kernel (GEMM_FROM_ROWS). */
 
 /* The scales and mins of 8 rows from element i. */
-static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m256 *m) {
-    *d = load8s(w, w->scales, w->sup_s, i);
-    *m = w->mins ? load8s(w, w->mins, w->sup_m, i) : _mm256_mul_ps(*d, _mm256_set1_ps(-w->centre));
-}
-
-/* The int16 GEMVs' prefetches of weights and scales: into every cache level (T0), not with
- * PREFETCH's non-temporal hint, which on Zen 1 lost lines before the GEMV reached them (8 KB
- * ahead): decode steps 1.02-1.08x there (benchmarks/ab_kernels.py, Q4_K_M and Q4_1 files, more
- * while a neighbour loads the memory), batch 2 1.01x. */
-#define I16_PF(p, ahead) _mm_prefetch((const char *)(p) + (ahead), _MM_HINT_T0)
-
 /* 1-2 activation rows with x rounded to int16 (x_to_i16): two columns' values of a row as a pair of
  * int16 in each 32-bit lane, so one vpmaddwd multiplies and adds 16 weights by two x values, and
  * only a block's int32 sums (XB columns: at most 8 * 128 * 32767, far from overflow) become floats. Zen 1 runs the float route (widen, convert, FMA)
@@ -2088,11 +2089,161 @@ static inline void a8_quantize_row(const float *x, int64_t K, int E, uint8_t *xq
     }
 }
 
+/* ---- decode with int8 activations (quantization "gguf-a8"): 1-2 rows ----------------------------
+ * x rounded to int8 by chunk (a8_quantize_row), a column pair's bytes as (x_k, x_k+1) against the
+ * two columns' values paired by row: one maddubs multiplies 16 weights by 2 x values and adds them
+ * in int16 (unsigned 2-6 bit values times int8: at most 63 * 127 a product), a few pairs add in
+ * int16 before widening, and a chunk's int32 sums become floats once (d * xs). Per 64 weights of a
+ * 4-bit panel: ~22 micro-ops on Zen 1 against the int16 GEMV's ~40 (its widenings and per-8-column
+ * float flushes). Signed values (8 bits, IQ4_NL) multiply as |w| times x with w's sign. */
+#define A8G_PAIRS(bits) ((bits) == 8 || (bits) == NL4 ? 1 : (bits) <= 5 ? 4 : 2) /* column pairs an int16 lane adds: 4 * 2 * 31 * 127, 2 * 2 * 63 * 127, 2 * 128 * 127 < 32768 */
+static inline __attribute__((always_inline)) void panel_a8_gemv(const int8_t *xq, const float *xs, const float *xsum, int64_t K,
+    const panel_w_t *w, int64_t G, int64_t g, int64_t E, int c0, float *y, int64_t ldy, const int bits, const int rows, const int nc) {
+    const int has_min = w->mins != NULL || w->centre != 0.f;
+    const int64_t C = K / E, per_group = g / E;
+    __m256 tot[2][4];
+    __m256i acc[2][4];
+    __m128i a16[2][4];
+    float dv[32] __attribute__((aligned(32))), mv[32] __attribute__((aligned(32)));
+    for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) tot[r][v] = _mm256_setzero_ps();
+    for (int64_t grp = 0; grp < G; grp++) {
+        const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
+        const int64_t si = grp * PANEL + 16 * c0;
+        I16_PF((const char *)w->scales + si * w->sbytes, PF_BYTES / 4);
+        if (w->mins) I16_PF((const char *)w->mins + si * w->sbytes, PF_BYTES / 4);
+        for (int v = 0; v < 2 * nc; v++) {
+            __m256 d, m;
+            panel_scales8(w, si + 8 * v, &d, &m);
+            _mm256_store_ps(dv + 8 * v, d);
+            _mm256_store_ps(mv + 8 * v, m);
+        }
+        for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) acc[r][v] = _mm256_setzero_si256();
+        for (int64_t b = 0; b < g / 8; b++) {
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i += 2) { /* (i, not kk, steps: kk % 8 is known to the compiler, as in panel_i16) */
+                const int64_t kk = b * 8 + i;
+                if (kk % PF_COLS(bits) < 2) I16_PF(qg + kk * COL_BYTES(bits), PF_BYTES);
+                if (i % (2 * A8G_PAIRS(bits)) == 0)
+                    for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) a16[r][v] = _mm_setzero_si128();
+                __m128i xb[2];
+                for (int r = 0; r < rows; r++) {
+                    int16_t pair;
+                    memcpy(&pair, xq + r * K + grp * g + kk, sizeof pair);
+                    xb[r] = _mm_set1_epi16(pair);
+                }
+                for (int c = 0; c < nc; c++) {
+                    const __m128i v0 = panel_bytes(qg, kk, 16 * (c0 + c), bits, 16), v1 = panel_bytes(qg, kk + 1, 16 * (c0 + c), bits, 16);
+                    const __m128i lo = _mm_unpacklo_epi8(v0, v1), hi = _mm_unpackhi_epi8(v0, v1);
+                    const int sgn = bits == 8 || bits == NL4;
+                    for (int r = 0; r < rows; r++) {
+                        a16[r][2 * c] = _mm_add_epi16(a16[r][2 * c], sgn ? _mm_maddubs_epi16(_mm_abs_epi8(lo), _mm_sign_epi8(xb[r], lo)) : _mm_maddubs_epi16(lo, xb[r]));
+                        a16[r][2 * c + 1] = _mm_add_epi16(a16[r][2 * c + 1], sgn ? _mm_maddubs_epi16(_mm_abs_epi8(hi), _mm_sign_epi8(xb[r], hi)) : _mm_maddubs_epi16(hi, xb[r]));
+                    }
+                }
+                if ((i + 2) % (2 * A8G_PAIRS(bits)) == 0)
+                    for (int r = 0; r < rows; r++)
+                        for (int v = 0; v < 2 * nc; v++) acc[r][v] = _mm256_add_epi32(acc[r][v], _mm256_cvtepi16_epi32(a16[r][v]));
+            }
+            if ((b + 1) * 8 % E == 0) { /* a chunk's end: its int32 sums times d * its x scale */
+                const int64_t ch = grp * per_group + (b * 8) / E;
+                for (int r = 0; r < rows; r++) {
+                    const __m256 s = _mm256_set1_ps(xs[r * C + ch]);
+                    for (int v = 0; v < 2 * nc; v++) {
+                        tot[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(dv + 8 * v), s), _mm256_cvtepi32_ps(acc[r][v]), tot[r][v]);
+                        acc[r][v] = _mm256_setzero_si256();
+                    }
+                }
+            }
+        }
+        if (has_min)
+            for (int r = 0; r < rows; r++) {
+                float xg = 0.f; /* the group's sum of rounded x: its chunks' s * sum(xq) */
+                for (int64_t ch = grp * per_group; ch < (grp + 1) * per_group; ch++) xg += xsum[r * C + ch];
+                for (int v = 0; v < 2 * nc; v++) tot[r][v] = _mm256_fmadd_ps(_mm256_load_ps(mv + 8 * v), _mm256_set1_ps(xg), tot[r][v]);
+            }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < 2 * nc; v++) _mm256_storeu_ps(y + r * ldy + 16 * c0 + 8 * v, tot[r][v]);
+}
+
+/* Panel p's rows of y [M <= 2, ldo] (its valid outputs) from rounded x. */
+static inline __attribute__((always_inline)) void panel_a8_block(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K,
+    const panel_w_t *w, int64_t N, int64_t g, int64_t E, float *y, int64_t ldo, int64_t p, const int bits) {
+    const int64_t G = K / g, valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+    const panel_w_t wp = panel_at(w, p, G, g, bits);
+    float tail[2 * PANEL];
+    float *yo = valid == PANEL ? y + p * PANEL : tail;
+    const int64_t ldy = valid == PANEL ? ldo : PANEL;
+    if (M <= 1) panel_a8_gemv(xq, xs, xsum, K, &wp, G, g, E, 0, yo, ldy, bits, 1, 2);
+    else for (int c0 = 0; c0 < 2; c0++) panel_a8_gemv(xq, xs, xsum, K, &wp, G, g, E, c0, yo, ldy, bits, 2, 1);
+    if (valid < PANEL)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < valid; j++) y[r * ldo + p * PANEL + j] = tail[r * PANEL + j];
+}
+typedef void (*panel_a8_block_fn)(const int8_t *, const float *, const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t,
+                                  int64_t, float *, int64_t, int64_t);
+#define A8G_WIDTH(B)                                                                                                                \
+    static void panel_a8_block_##B(const int8_t *xq, const float *xs, const float *xsum, int64_t M, int64_t K, const panel_w_t *w,  \
+                                   int64_t N, int64_t g, int64_t E, float *y, int64_t ldo, int64_t p) {                            \
+        panel_a8_block(xq, xs, xsum, M, K, w, N, g, E, y, ldo, p, B);                                                               \
+    }
+A8G_WIDTH(2)
+A8G_WIDTH(3)
+A8G_WIDTH(4)
+A8G_WIDTH(5)
+A8G_WIDTH(6)
+A8G_WIDTH(8)
+A8G_WIDTH(NL4)
+
+/* y [M <= 2, ldo] (from column offset) = xhat @ W^T: the parts' panels in one parallel loop, x
+ * rounded once. Parts of 8 bits or IQ4_NL run the float GEMVs on xhat's floats. */
+static int64_t a8_chunk(int64_t g) { return g < 32 ? g : 32; }
+
+/* Rows of x rounded to int8 per chunk of E columns: xq signed, xs and xsum per chunk (a8_quantize_row). */
+static void a8_round_rows(const float *x, int64_t M, int64_t K, int64_t E, int8_t *xq, float *xs, float *xsum) {
+    for (int64_t m = 0; m < M; m++) {
+        a8_quantize_row(x + m * K, K, (int)E, (uint8_t *)xq + m * K, xs + m * (K / E), xsum + m * (K / E));
+        if (A8_VNNI) for (int64_t k = 0; k < K; k++) xq[m * K + k] ^= (int8_t)0x80; /* (stored + 128 for vpdpbusd) */
+    }
+}
+
+/* y [M <= 2, ldo] (from each part's column offset) = xhat @ the parts' W^T: their panels in one
+ * parallel loop, x rounded once (parts of different chunk sizes: one after another). */
+static void panel_parts_a8_gemv(const float *x, int64_t M, int64_t K, panel_part_t *parts, int nparts, float *y, int64_t ldo) {
+    const int64_t E = a8_chunk(parts[0].g);
+    for (int i = 1; i < nparts; i++)
+        if (a8_chunk(parts[i].g) != E) {
+            for (int j = 0; j < nparts; j++) panel_parts_a8_gemv(x, M, K, parts + j, 1, y, ldo);
+            return;
+        }
+    int8_t *xq = malloc(M * K);
+    float *xs = malloc(sizeof(float) * M * (K / E)), *xsum = malloc(sizeof(float) * M * (K / E));
+    a8_round_rows(x, M, K, E, xq, xs, xsum);
+    int64_t first[8], P = 0;
+    for (int i = 0; i < nparts; i++) first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL;
+#pragma omp parallel for schedule(static)
+    for (int64_t gp = 0; gp < P; gp++) {
+        int i = 0;
+        while (i + 1 < nparts && gp >= first[i + 1]) i++;
+        const panel_part_t *pt = &parts[i];
+        const int b = (int)pt->bits;
+        const panel_a8_block_fn fn = b == 2 ? panel_a8_block_2 : b == 3 ? panel_a8_block_3 : b == 5 ? panel_a8_block_5 : b == 6 ? panel_a8_block_6
+                                     : b == 8 ? panel_a8_block_8 : b == NL4 ? panel_a8_block_NL4 : panel_a8_block_4;
+        fn(xq, xs, xsum, M, K, &pt->w, pt->N, pt->g, E, y + pt->offset, ldo, gp - first[i]);
+    }
+    free(xq), free(xs), free(xsum);
+}
+
 /* y [M, N] = xhat [M, K] @ W^T for W in panels (as fl_panel_gemm), x rounded to int8 per row and
  * chunk of min(g, 32) columns (quantized.round_activations); g a multiple of 16 or 16 itself. */
 void fl_panel_gemm_a8(const float *x, int64_t M, int64_t K, const uint8_t *qp, const void *sp, const void *mp, int64_t sbytes,
                       const void *sup_s, const void *sup_m, int64_t gps, int64_t N, int64_t g, int64_t bits, float *y) {
     const panel_w_t w = panel_w(qp, sp, mp, sbytes, (int)bits, sup_s, sup_m, gps);
+    if (M <= 2) { /* decode: the GEMVs */
+        panel_part_t part = panel_part(w, N, g, bits, 0);
+        panel_parts_a8_gemv(x, M, K, &part, 1, y, N);
+        return;
+    }
     const a8_panel_fn panel = bits == NL4 ? a8_panel_NL4 : bits == 2 ? a8_panel_2 : bits == 3 ? a8_panel_3 : bits == 5 ? a8_panel_5 : bits == 6 ? a8_panel_6 : bits == 8 ? a8_panel_8 : a8_panel_4;
     const int E = g < 32 ? (int)g : 32;
     const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g), C = K / E;
@@ -2136,6 +2287,7 @@ typedef struct fl_linear {
     const int32_t *wsum;   /* w8a8: row sums of w */
     const float *in_scale; /* w8a8: the static activation scale, or NULL for per-token scales */
     int64_t clip;          /* w8a8, static: rows beyond the scale's range saturate (else: their own scale) */
+    int64_t a8;            /* kinds 1 and 4: x rounded to int8 by chunk (quantization "gguf-a8") */
 } fl_linear_t;
 
 typedef struct {
@@ -2169,7 +2321,18 @@ static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y
         for (int i = 0, off = 0; i < n; off += (int)ps[i].n, i++)
             parts[i] = panel_part(panel_w(ps[i].w, ps[i].scales, ps[i].mins, ps[i].sbytes, (int)ps[i].bits, ps[i].sup_s, ps[i].sup_m, ps[i].gps),
                                   ps[i].n, ps[i].g, ps[i].bits, off);
-        panel_parts_linear(x, M, L->k, parts, n, y, L->n);
+        if (!L->a8) panel_parts_linear(x, M, L->k, parts, n, y, L->n);
+        else if (M <= 2) panel_parts_a8_gemv(x, M, L->k, parts, n, y, L->n);
+        else /* the a8 GEMM, a part at a time */
+            for (int i = 0; i < n; i++) {
+                float *yi = n == 1 ? y : malloc(sizeof(float) * M * ps[i].n);
+                fl_panel_gemm_a8(x, M, L->k, ps[i].w, ps[i].scales, ps[i].mins, ps[i].sbytes, ps[i].sup_s, ps[i].sup_m, ps[i].gps, ps[i].n,
+                                 ps[i].g, ps[i].bits, yi);
+                if (n > 1) {
+                    for (int64_t m = 0; m < M; m++) memcpy(y + m * L->n + parts[i].offset, yi + m * ps[i].n, sizeof(float) * ps[i].n);
+                    free(yi);
+                }
+            }
     }
     if (L->bias)
         for (int64_t m = 0; m < M; m++)
