@@ -30,7 +30,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
     p.add_argument("--quantization", default=None, help="default: a GGUF file's Q4_0..Q8_0, Q2_K..Q6_K tensors stay so on the CPU (gguf: exact, the same weights as none); "
-                   "none (float weights), gguf, gguf-a8 (gguf, and prefill with int8 activations as llama.cpp's), "
+                   "none (float weights), gguf, gguf-a8 (gguf, with int8 activations as llama.cpp's), "
                    "w8, w8-g32, w4[-g32|-g64|-g128], w8a8, w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA]")
     p.add_argument("--calibration-file", default=None, help="text to calibrate static activation scales on (default: a built-in sample)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes such as 2GiB or 512MB, or a fraction of free memory "

@@ -177,9 +177,9 @@ class LLM:
         weights, dequantizing a GGUF file), "gguf", or a spec such as "w8", "w8-g32", "w4", "w4-g64",
         "w8a8", "w8a8-static-mse", "w8a8-static-percentile99.99-sq0.5" (see fasterllama.quant.config).
         "gguf" is exact: its kernels expand each block to the very floats "none" holds.
-        "gguf-a8" (CPU): "gguf", and prompts' GEMMs round activations to int8 per chunk of 32 as
-        llama.cpp's dot products do: 2.2-2.7x the multiplies a second (AVX-512 VNNI), logits ~1e-2
-        from exact; decode keeps fp32 activations.
+        "gguf-a8" (CPU): "gguf", and every product rounds activations to int8 per chunk of 32 as
+        llama.cpp's dot products do: prompts 2.2-2.7x the multiplies a second (AVX-512 VNNI),
+        decode steps ~1.2x (AVX2), logits ~1e-2 from exact.
         kv_cache_memory: the paged KV cache's size, bytes (an int, "2GiB") or a fraction of free
         memory (0.5); by default up to 2 GiB on the CPU and 0.8 of the free memory of a GPU.
         tensor_parallel_size: split the model over this many processes (spawned: a script that

@@ -176,7 +176,7 @@ class LLMEngine:
                 QuantConfig.parse(quantization)  # a bad spec fails before the model loads
             except FasterLlamaError as e:
                 raise FasterLlamaError(f"{e}; or none (float weights), gguf (a GGUF file's quantized tensors as they are) "
-                                       "or gguf-a8 (and int8 activations in prefill)") from None
+                                       "or gguf-a8 (and int8 activations)") from None
         dev = resolve_device(device)
         group = workers = None
         if tensor_parallel_size > 1 or tp_workers.torchrun_env() is not None:

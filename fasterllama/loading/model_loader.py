@@ -83,7 +83,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
             load_gguf_native(net, ckpt.source, dtype, device, bar, plan)
             if quantization == "gguf-a8":
                 if device.type != "cpu":
-                    raise FasterLlamaError("quantization 'gguf-a8' (int8 activations in prefill) runs on the CPU; use 'gguf' on this device")
+                    raise FasterLlamaError("quantization 'gguf-a8' (int8 activations) runs on the CPU; use 'gguf' on this device")
                 for m in net.modules():
                     if isinstance(m, PackedLinear):
                         m.int8_activations = True
