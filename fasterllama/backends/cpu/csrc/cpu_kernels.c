@@ -318,6 +318,19 @@ static inline void panel_scales8(const panel_w_t *w, int64_t i, __m256 *d, __m25
  * while a neighbour loads the memory), batch 2 1.01x. */
 #define I16_PF(p, ahead) _mm_prefetch((const char *)(p) + (ahead), _MM_HINT_T0)
 
+/* A group's scales and mins of 16 * nc panel rows from element si into dv, mv (the GEMVs' per-group
+ * step), the next groups' prefetched. */
+static inline __attribute__((always_inline)) void group_scales(const panel_w_t *w, int64_t si, int nc, float *dv, float *mv) {
+    I16_PF((const char *)w->scales + si * w->sbytes, PF_BYTES / 4);
+    if (w->mins) I16_PF((const char *)w->mins + si * w->sbytes, PF_BYTES / 4);
+    for (int v = 0; v < 2 * nc; v++) {
+        __m256 d, m;
+        panel_scales8(w, si + 8 * v, &d, &m);
+        _mm256_store_ps(dv + 8 * v, d);
+        _mm256_store_ps(mv + 8 * v, m);
+    }
+}
+
 #if defined(__AVX512F__)
 /* Bit c of 16 bytes of a plane (16 rows) as a mask. */
 static inline __attribute__((always_inline)) __mmask16 plane_mask16(const uint8_t *p, int c) {
@@ -506,14 +519,7 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
     for (int64_t grp = 0; grp < G; grp++) {
         const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const int64_t si = grp * PANEL + 16 * c0;
-        I16_PF((const char *)w->scales + si * w->sbytes, PF_BYTES / 4);
-        if (w->mins) I16_PF((const char *)w->mins + si * w->sbytes, PF_BYTES / 4);
-        for (int v = 0; v < 2 * nc; v++) {
-            __m256 d, m;
-            panel_scales8(w, si + 8 * v, &d, &m);
-            _mm256_store_ps(dv + 8 * v, d);
-            _mm256_store_ps(mv + 8 * v, m);
-        }
+        group_scales(w, si, nc, dv, mv);
         for (int64_t b = 0; b < g / XB; b++) {
             for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) acc[r][v] = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -2109,14 +2115,7 @@ static inline __attribute__((always_inline)) void panel_a8_gemv(const int8_t *xq
     for (int64_t grp = 0; grp < G; grp++) {
         const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const int64_t si = grp * PANEL + 16 * c0;
-        I16_PF((const char *)w->scales + si * w->sbytes, PF_BYTES / 4);
-        if (w->mins) I16_PF((const char *)w->mins + si * w->sbytes, PF_BYTES / 4);
-        for (int v = 0; v < 2 * nc; v++) {
-            __m256 d, m;
-            panel_scales8(w, si + 8 * v, &d, &m);
-            _mm256_store_ps(dv + 8 * v, d);
-            _mm256_store_ps(mv + 8 * v, m);
-        }
+        group_scales(w, si, nc, dv, mv);
         for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) acc[r][v] = _mm256_setzero_si256();
         for (int64_t b = 0; b < g / 8; b++) {
 #pragma GCC unroll 8
