@@ -2130,9 +2130,21 @@ static inline __attribute__((always_inline)) void panel_a8_gemv(const int8_t *xq
                     memcpy(&pair, xq + r * K + grp * g + kk, sizeof pair);
                     xb[r] = _mm_set1_epi16(pair);
                 }
+                __m128i b4[2]; /* 4 bits: the pair's bytes (row j's nibble and row j + 16's) paired before the nibbles split */
+                if (bits == 4) {
+                    const __m128i b0 = _mm_loadu_si128((const __m128i *)col_bytes(qg, kk, bits)), b1 = _mm_loadu_si128((const __m128i *)col_bytes(qg, kk + 1, bits));
+                    b4[0] = _mm_unpacklo_epi8(b0, b1), b4[1] = _mm_unpackhi_epi8(b0, b1);
+                }
                 for (int c = 0; c < nc; c++) {
-                    const __m128i v0 = panel_bytes(qg, kk, 16 * (c0 + c), bits, 16), v1 = panel_bytes(qg, kk + 1, 16 * (c0 + c), bits, 16);
-                    const __m128i lo = _mm_unpacklo_epi8(v0, v1), hi = _mm_unpackhi_epi8(v0, v1);
+                    __m128i lo, hi; /* rows 16 (c0 + c) + 0..7 and + 8..15, the two columns' values side by side */
+                    if (bits == 4) {
+                        const __m128i m = _mm_set1_epi8(0x0F);
+                        lo = c0 + c == 0 ? _mm_and_si128(b4[0], m) : _mm_and_si128(_mm_srli_epi16(b4[0], 4), m);
+                        hi = c0 + c == 0 ? _mm_and_si128(b4[1], m) : _mm_and_si128(_mm_srli_epi16(b4[1], 4), m);
+                    } else {
+                        const __m128i v0 = panel_bytes(qg, kk, 16 * (c0 + c), bits, 16), v1 = panel_bytes(qg, kk + 1, 16 * (c0 + c), bits, 16);
+                        lo = _mm_unpacklo_epi8(v0, v1), hi = _mm_unpackhi_epi8(v0, v1);
+                    }
                     const int sgn = bits == 8 || bits == NL4;
                     for (int r = 0; r < rows; r++) {
                         a16[r][2 * c] = _mm_add_epi16(a16[r][2 * c], sgn ? _mm_maddubs_epi16(_mm_abs_epi8(lo), _mm_sign_epi8(xb[r], lo)) : _mm_maddubs_epi16(lo, xb[r]));
