@@ -87,9 +87,50 @@ NL4 = 9
 NL4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
+# 5-bit panels in the lanes of the AVX2 int16 GEMV (the C kernels' width code L5, chosen by the CPU
+# backend: its pack_panels op): blocks of eight columns, vector v = 4 p + h of a block holding
+# column pair p's rows 8 h .. 8 h + 7, lane 2 r + e = column 2 p + e, row 8 h + r; vectors 0-14
+# three to a 16-bit lane (bits 0-4, 5-9, 10-14) of five 32-byte words, vector 15 as 16 bytes.
+# A panel matrix in this layout is [P, G, g, 22] (5.5 bits a value), in the bit planes [P, G, g, 20].
+L5 = 10
+L5_BLOCK = 176
+_L5_VECTOR = np.arange(16)[:, None]
+_L5_LANE = np.arange(16)[None, :]
+L5_COLUMN = 2 * (_L5_VECTOR // 4) + _L5_LANE % 2  # [vector, lane] -> column of the block's eight
+L5_ROW = 8 * (_L5_VECTOR % 4) + _L5_LANE // 2  # [vector, lane] -> row of the panel's 32
+
+
+def five_bit_lanes(qp: torch.Tensor, bits: int) -> bool:
+    """Whether a panel matrix of width `bits` is in the L5 layout (by its shape)."""
+    return value_bits(bits) == 5 and qp.shape[-1] == L5_BLOCK // 8
+
+
+def kernel_width(qp: torch.Tensor, bits: int) -> int:
+    """The C kernels' width code of a panel matrix: L5 for 5 bits in lanes, else `bits`."""
+    return L5 if five_bit_lanes(qp, bits) else bits
+
+
+def _pack_l5(v: np.ndarray) -> np.ndarray:
+    """Values [..., 8 columns, 32 rows] (< 32) -> L5 blocks [..., 176] (uint8)."""
+    vec = v[..., L5_COLUMN, L5_ROW].astype(np.uint16)  # [..., 16 vectors, 16 lanes]
+    words = vec[..., 0:15:3, :] | (vec[..., 1:15:3, :] << 5) | (vec[..., 2:15:3, :] << 10)
+    return np.concatenate((np.ascontiguousarray(words, dtype="<u2").view(np.uint8).reshape(*v.shape[:-2], 160), vec[..., 15, :].astype(np.uint8)), axis=-1)
+
+
+def _unpack_l5(blocks: torch.Tensor) -> torch.Tensor:
+    """L5 blocks [..., 176] (uint8) -> values [..., 8 columns, 32 rows] (int32)."""
+    words = blocks[..., :160].reshape(*blocks.shape[:-1], 80, 2).to(torch.int32)
+    words = (words[..., 0] | (words[..., 1] << 8)).reshape(*blocks.shape[:-1], 5, 16)
+    vec = torch.cat((torch.stack([(words >> (5 * s)) & 31 for s in range(3)], dim=-2).reshape(*blocks.shape[:-1], 15, 16),
+                     blocks[..., None, 160:].to(torch.int32)), dim=-2)  # [..., 16 vectors, 16 lanes]
+    out = torch.empty(*blocks.shape[:-1], 8, PANEL, dtype=torch.int32, device=blocks.device)
+    out[..., torch.from_numpy(L5_COLUMN).to(blocks.device), torch.from_numpy(L5_ROW).to(blocks.device)] = vec
+    return out
+
+
 def value_bits(bits: int) -> int:
-    """The bits a value of width code `bits` takes in a panel (NL4: 4)."""
-    return 4 if bits == NL4 else bits
+    """The bits a value of width code `bits` takes in a panel (NL4: 4, L5: 5)."""
+    return 4 if bits == NL4 else 5 if bits == L5 else bits
 
 
 def low_bits(bits: int) -> int:
@@ -120,7 +161,7 @@ def _first_plane(v: np.ndarray, low: int) -> np.ndarray:
     return a[..., :16] | (b[..., :16] << 2) | (a[..., 16:] << 4) | (b[..., 16:] << 6)
 
 
-def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
+def pack_panels(q: torch.Tensor, group_size: int, bits: int, lanes: bool = False) -> torch.Tensor:
     """Values [N, K] (2-6 bits: 0 .. 2^bits - 1; 8 bits: int8) -> the CPU kernels' panels, uint8
     [P, G, g, 4 * bits]: a column of 4 bits is 16 bytes of nibbles (byte j: row j low, row j + 16
     high); columns of 2 bits go in pairs, 16 bytes of crumbs (byte j: row j of the first, of the
@@ -131,16 +172,18 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
     c is row j's of column c), which the kernels move into place with one shift for any column.
     Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed 64 panels at a time: the
     temporaries stay small beside a vocabulary-sized matrix. In numpy (the panels are CPU memory):
-    torch's uint8 kernels would map ~5 MB more of its code into every process that loads a model."""
+    torch's uint8 kernels would map ~5 MB more of its code into every process that loads a model.
+    lanes: 5 bits in the L5 layout (above) instead of the planes: [P, G, g, 22]."""
     N, K = q.shape
     G = K // group_size
     P = -(-N // PANEL)
     bits = value_bits(bits)
+    lanes = lanes and bits == 5
     src = q.cpu().numpy()
-    packed = torch.empty(P, G, group_size, 4 * bits, dtype=torch.uint8)  # torch's allocation: 64-byte aligned, as the kernels' loads want
+    packed = torch.empty(P, G, group_size, L5_BLOCK // 8 if lanes else 4 * bits, dtype=torch.uint8)  # torch's allocation: 64-byte aligned, as the kernels' loads want
     out = packed.numpy()
     low, planes = low_bits(bits), bit_planes(bits)
-    if planes and group_size % 8:
+    if (planes or lanes) and group_size % 8:
         raise ValueError(f"{bits}-bit panels take groups of a multiple of 8 columns, not {group_size}")
     for p0 in range(0, P, 64):
         p1 = min(P, p0 + 64)
@@ -152,6 +195,9 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
             out[p0:p1] = v.astype(np.int8).view(np.uint8)
             continue
         v = v.astype(np.uint8)
+        if lanes:
+            out[p0:p1].reshape(p1 - p0, G, group_size // 8, L5_BLOCK)[...] = _pack_l5(v.reshape(p1 - p0, G, group_size // 8, 8, PANEL))
+            continue
         if bits == 6:  # pairs: each column's nibbles, then both columns' top two bits as crumbs
             pair = out[p0:p1].reshape(p1 - p0, G, group_size // 2, 48)
             nib = _first_plane(v, 4).reshape(*pair.shape[:-1], 32)
@@ -176,11 +222,16 @@ _COLUMN_BITS = np.arange(8, dtype=np.uint8)[:, None]  # column c of eight -> bit
 
 def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int) -> torch.Tensor:
     """The values of some rows of a panel matrix (pack_panels), int32 [R, G, g] (NL4: the indices)."""
+    lanes = five_bit_lanes(qp, bits)
     bits = value_bits(bits)
     idx = torch.arange(n, device=qp.device)[rows]
     p, j = idx // PANEL, idx % PANEL
     cols = qp[p]  # [R, G, g, 4 * bits]
     jj = j[:, None, None]
+    if lanes:
+        R, G, g, _ = cols.shape
+        v = _unpack_l5(cols.reshape(R, G, g // 8, L5_BLOCK)).reshape(R, G, g, PANEL)
+        return torch.gather(v, 3, jj.expand(R, G, g)[..., None])[..., 0]
     if bits == 8:
         return torch.gather(cols, 3, jj.expand(*cols.shape[:3])[..., None])[..., 0].view(torch.int8).to(torch.int32)
     low = low_bits(bits)
@@ -212,6 +263,7 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Every row's values [n, K] (uint8 for 2-6 bits, int8 for 8) back from pack_panels' layout,
     64 panels at a time (panel_values reads any rows, but holds each row's whole panel column)."""
     P, G, g, _ = qp.shape
+    lanes = five_bit_lanes(qp, bits)
     bits = value_bits(bits)
     out = torch.empty(P * PANEL, G * g, dtype=torch.int8 if bits == 8 else torch.uint8, device=qp.device)
     shifts = torch.arange(8, dtype=torch.uint8, device=qp.device)
@@ -220,6 +272,8 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         cols = qp[p0 : p0 + 64]  # [p, G, g, 4 * bits]
         if bits == 8:
             v = cols.view(torch.int8)
+        elif lanes:
+            v = _unpack_l5(cols.reshape(*cols.shape[:2], g // 8, L5_BLOCK)).reshape(*cols.shape[:3], PANEL).to(torch.uint8)
         elif bits == 6:  # pairs: each column's nibbles, then the pair's crumbs of the top two bits
             pair = cols.reshape(*cols.shape[:2], g // 2, 48)
             nib = pair[..., :32].reshape(*cols.shape[:3], 16)

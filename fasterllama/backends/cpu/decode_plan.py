@@ -16,7 +16,7 @@ import torch
 
 from ...engine.scheduler import ScheduledSeq
 from ...model.llama import Linear, LlamaForCausalLM, RMSNorm
-from ...ops import AttentionMetadata
+from ...ops import AttentionMetadata, quantized
 from ...quant.convert import QuantRMSNorm, SiluAndMulQuant
 from ...quant.linear import FusedLinear, Int4Linear, Int8Linear, PackedLinear, QuantizedEmbedding, W8A8Linear
 from . import kernels as cpu_kernels
@@ -57,7 +57,7 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
         if a8 and g != 16 and g % 32:
             return None
         sup_s, sup_m, gps = cpu_kernels.super_scales(scales, getattr(m, "sups", None))
-        return _Linear(1, m.out_features, m.in_features, g, bits, scales.element_size(), q.data_ptr(), scales.data_ptr(), cpu_kernels.ptr(mins),
+        return _Linear(1, m.out_features, m.in_features, g, quantized.kernel_width(q, bits), scales.element_size(), q.data_ptr(), scales.data_ptr(), cpu_kernels.ptr(mins),
                        sup_s, sup_m, gps, bias=cpu_kernels.ptr(bias), a8=int(a8))
     if isinstance(m, W8A8Linear) and m.in_features % 32 == 0 and m.weight_scale.dim() == 1 and m.dtype == torch.float32:
         wsum = m.qweight.sum(dim=1, dtype=torch.int32)

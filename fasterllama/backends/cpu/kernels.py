@@ -110,6 +110,7 @@ def open_library(source: Path) -> ctypes.CDLL:
         fn.argtypes, fn.restype = argtypes, None
     lib.fl_vector_lanes.argtypes, lib.fl_vector_lanes.restype = [], ctypes.c_int64
     lib.fl_gemv_x_block.argtypes, lib.fl_gemv_x_block.restype = [_I, _I, _I], ctypes.c_int64
+    lib.fl_five_bit_lanes.argtypes, lib.fl_five_bit_lanes.restype = [], ctypes.c_int64
     return lib
 
 
@@ -211,7 +212,7 @@ def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.
     args = (qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size(), *super_scales(sp, sups))
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     kernel = _lib.fl_panel_linear if x2.shape[0] <= GEMV_MAX_ROWS else _lib.fl_panel_gemm
-    kernel(x2.data_ptr(), x2.shape[0], k, *args, n, g, bits, y.data_ptr())
+    kernel(x2.data_ptr(), x2.shape[0], k, *args, n, g, quantized.kernel_width(qp, bits), y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
 
@@ -250,7 +251,7 @@ def panel_linear_a8(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: tor
     x2 = _rows(x, k)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
     _lib.fl_panel_gemm_a8(x2.data_ptr(), x2.shape[0], k, qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size(), *super_scales(sp, sups),
-                          n, g, bits, y.data_ptr())
+                          n, g, quantized.kernel_width(qp, bits), y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
 
@@ -269,7 +270,7 @@ def dequantize_panel_rows(qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor |
     k = qp.shape[1] * g
     ids = rows.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), k, dtype=torch.float32)
-    _lib.fl_panel_rows(qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size(), *super_scales(sp, sups), k, g, bits, ids.data_ptr(), ids.numel(),
+    _lib.fl_panel_rows(qp.data_ptr(), sp.data_ptr(), ptr(mp), sp.element_size(), *super_scales(sp, sups), k, g, quantized.kernel_width(qp, bits), ids.data_ptr(), ids.numel(),
                        out.data_ptr())
     return out
 
@@ -408,8 +409,14 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention, prefill=prefill)
 
 
+def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
+    """quantized.pack_panels in this build's layout: 5 bits in L5 lanes where the GEMVs take int16 x
+    (AVX2), which they feed without unpacking: 5-bit decode GEMVs 1.4-1.7x faster on Zen 1."""
+    return quantized.pack_panels(q, group_size, bits, lanes=bool(_lib.fl_five_bit_lanes()))
+
+
 OPS = {
-    "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8, "dequantize_panel_rows": dequantize_panel_rows,
+    "pack_panels": pack_panels, "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8, "dequantize_panel_rows": dequantize_panel_rows,
     "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "sample_rows": sample_rows,
     "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }

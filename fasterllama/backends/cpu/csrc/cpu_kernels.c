@@ -142,6 +142,13 @@ typedef __m256 vf;
  *      shift of 16 rows and a mask (a 32-bit word per column took a shuffle, a compare and two
  *      masks: 5-bit GEMVs ran 1.1x faster on Zen 1 after the change). A column of int8: 32 bytes,
  *      row j at byte j.
+ *   L5 (5 bits, groups of a multiple of 8; the AVX2 build's choice, fl_five_bit_lanes): blocks of
+ *      eight columns, the values already in the 16-bit lanes the int16 GEMV multiplies. Vector v =
+ *      4 p + h of a block (column pair p, rows 8 h .. 8 h + 7) is 16 lanes, lane 2 r + e = column
+ *      2 p + e, row 8 h + r; vectors 0-14 go three to a 32-byte word (lane bits 0-4, 5-9, 10-14),
+ *      vector 15 as 16 bytes: 176 bytes a block (5.5 bits a value). One AND or shift gives a
+ *      vector where the planes took two shifts, two masks, an OR and a widening: 5-bit GEMVs
+ *      1.4-1.7x faster on Zen 1 (C harness, 1 and 2 threads).
  *   scales, mins [P, G, 32]. P = ceil(N / 32), the last panel padded with zero rows.
  * ops/quantized.py's pack_panels / unpack_panels define the same layout. `bits` is a compile-time
  * constant in every always_inline kernel below (each width gets its own straight-line code); the
@@ -159,8 +166,10 @@ typedef __m256 vf;
 #endif
 #define PANEL_PF(p) _mm_prefetch((const char *)(p) + PF_BYTES / 4, WEIGHT_HINT) /* scales: 1/8 the bytes */
 #define NL4 9 /* width code: 4-bit indices into IQ4_NL's 16 values (NL4_VALUES) */
-#define VALUE_BITS(bits) ((bits) == NL4 ? 4 : (bits))
-#define COL_BYTES(bits) (VALUE_BITS(bits) * 4)
+#define L5 10 /* width code: 5-bit values in 16-bit lanes (the layout above) */
+#define L5_BLOCK 176 /* bytes of eight L5 columns */
+#define VALUE_BITS(bits) ((bits) == NL4 ? 4 : (bits) == L5 ? 5 : (bits))
+#define COL_BYTES(bits) ((bits) == L5 ? L5_BLOCK / 8 : VALUE_BITS(bits) * 4)
 #define LOW_BITS(bits) (VALUE_BITS(bits) >= 4 ? 4 : 2) /* the first plane: nibbles, or 2-bit crumbs */
 #define PF_COLS(bits) (VALUE_BITS(bits) == 4 ? 4 : VALUE_BITS(bits) < 4 ? 64 / COL_BYTES(bits) : 2) /* columns between prefetches */
 static const int8_t NL4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}; /* kvalues_iq4nl */
@@ -176,7 +185,7 @@ typedef struct {
 
 static inline panel_w_t panel_w(const uint8_t *q, const void *s, const void *m, int64_t sbytes, int bits, const void *sup_s,
                                 const void *sup_m, int64_t gps) {
-    panel_w_t w = {q, s, m, sbytes, m == NULL && bits < 8 ? (float)(1 << (bits - 1)) : 0.f, sup_s, sup_m, gps,
+    panel_w_t w = {q, s, m, sbytes, m == NULL && VALUE_BITS(bits) < 8 && bits != NL4 ? (float)(1 << (VALUE_BITS(bits) - 1)) : 0.f, sup_s, sup_m, gps,
                    gps > 0 ? __builtin_ctzll((unsigned long long)gps) : 0};
     return w;
 }
@@ -254,6 +263,39 @@ static inline __attribute__((always_inline)) __m256i plane_bit256(__m256i p, int
 /* The shift of column kk's rows j < 16 in the first plane's bytes (rows j + 16: 4 more). */
 static inline int low_shift(int64_t kk, const int bits) { return LOW_BITS(bits) == 2 ? 2 * (int)(kk & 1) : 0; }
 
+/* L5: a block of eight columns (see the layout above); its vector v, 16 lanes of int16. v is a
+ * compile-time constant in the unrolled GEMV loops: one AND, one shift or both. */
+static inline __attribute__((always_inline)) const uint8_t *l5_block(const uint8_t *qg, int64_t kk) { return qg + (kk >> 3) * L5_BLOCK; }
+static inline __attribute__((always_inline)) __m256i l5_vector(const uint8_t *blk, const int v) {
+    if (v == 15) return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 160)));
+    const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 32 * (v / 3)));
+    const int s = 5 * (v % 3);
+    if (s == 10) return _mm256_srli_epi16(w, 10); /* (bit 15 is zero) */
+    return _mm256_and_si256(s ? _mm256_srli_epi16(w, 5) : w, _mm256_set1_epi16(31));
+}
+
+/* L5: rows lane0 .. lane0 + n - 1 of column kk as bytes (the generic paths: GEMM, a8 GEMM). */
+static inline __m128i l5_bytes(const uint8_t *qg, int64_t kk, int lane0, const int n) {
+    const uint8_t *blk = l5_block(qg, kk);
+    const int p = (int)(kk & 7) >> 1;
+    const __m128i e = _mm_cvtsi32_si128(16 * (int)(kk & 1));
+    __m128i out = _mm_setzero_si128();
+    for (int i = 0; i < n / 8; i++) {
+        const int v = 4 * p + lane0 / 8 + i;
+        __m256i vec;
+        if (v == 15) vec = l5_vector(blk, 15);
+        else {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 32 * (v / 3)));
+            vec = _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(5 * (v % 3))), _mm256_set1_epi16(31));
+        }
+        const __m256i col = _mm256_and_si256(_mm256_srl_epi32(vec, e), _mm256_set1_epi32(0xFFFF)); /* this column's lanes */
+        const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(col), _mm256_extracti128_si256(col, 1));
+        const __m128i b = _mm_packus_epi16(w16, w16);
+        out = i ? _mm_unpacklo_epi64(out, b) : b;
+    }
+    return out;
+}
+
 /* Rows lane0 .. lane0 + n - 1 (n 8 or 16, lane0 a multiple of n) of column kk's values as bytes:
  * unsigned, or int8 for 8 bits and NL4. The planes are joined byte-wise in 128-bit registers, and
  * only the whole values widen to 32-bit lanes:
@@ -261,6 +303,7 @@ static inline int low_shift(int64_t kk, const int bits) { return LOW_BITS(bits) 
  * AVX2 build's 256-bit integer ops are two micro-ops each on Zen 1). */
 static inline __attribute__((always_inline)) __m128i panel_bytes(const uint8_t *qg, int64_t kk, int lane0, const int bits, const int n) {
 #define LOAD_N(p) (n == 16 ? _mm_loadu_si128((const __m128i *)(p)) : _mm_loadl_epi64((const __m128i *)(p)))
+    if (bits == L5) return l5_bytes(qg, kk, lane0, n);
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return LOAD_N(c + lane0);
     const int low = LOW_BITS(bits);
@@ -297,6 +340,14 @@ static inline __attribute__((always_inline)) void panel_q16(const uint8_t *qg, i
 
 /* Row j's value in column kk (scalar: the embedding's rows). */
 static inline int panel_value(const uint8_t *qg, int64_t kk, int64_t j, int bits) {
+    if (bits == L5) {
+        const uint8_t *blk = l5_block(qg, kk);
+        const int v = 4 * ((int)(kk & 7) >> 1) + (int)(j / 8), lane = 2 * (int)(j % 8) + (int)(kk & 1);
+        if (v == 15) return blk[160 + lane];
+        uint16_t w;
+        memcpy(&w, blk + 32 * (v / 3) + 2 * lane, sizeof w);
+        return (w >> (5 * (v % 3))) & 31;
+    }
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return (int8_t)c[j];
     const int low = LOW_BITS(bits);
@@ -343,6 +394,11 @@ static inline __attribute__((always_inline)) __mmask16 plane_mask16(const uint8_
 
 /* Column kk's 32 values as floats (rows 0-15, 16-31), before scaling. */
 static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg, int64_t kk, const int bits, __m512 *qa, __m512 *qb) {
+    if (bits == L5) { /* (not this build's choice: fl_five_bit_lanes) */
+        *qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l5_bytes(qg, kk, 0, 16)));
+        *qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l5_bytes(qg, kk, 16, 16)));
+        return;
+    }
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) {
         *qa = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
@@ -532,6 +588,15 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
                     memcpy(&pair, xq + r * K + grp * g + kk, sizeof pair);
                     xp[r] = _mm256_set1_epi32(pair);
                 }
+                if (bits == L5) { /* the pair's vectors as stored: one AND or shift each */
+                    const uint8_t *blk = l5_block(qg, kk);
+                    for (int c = 0; c < nc; c++)
+                        for (int h = 0; h < 2; h++) {
+                            const __m256i wv = l5_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c) + h);
+                            for (int r = 0; r < rows; r++) acc[r][2 * c + h] = _mm256_add_epi32(acc[r][2 * c + h], _mm256_madd_epi16(wv, xp[r]));
+                        }
+                    continue;
+                }
                 if (bits == 4) { /* the two columns' bytes paired, widened, then split into nibbles in 16-bit lanes (1.1x) */
                     const __m128i b0 = _mm_loadu_si128((const __m128i *)col_bytes(qg, kk, bits)), b1 = _mm_loadu_si128((const __m128i *)col_bytes(qg, kk + 1, bits));
                     const __m256i wb[2] = {_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(b0, b1)), _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(b0, b1))};
@@ -609,7 +674,10 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, const int16_t *xq, const float *xs,
     int64_t K, const panel_w_t *w, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
     if (xq && rows <= 1) panel_i16(xq, xs, xsum, K, w, G, g, 0, y, ldy, bits, 1, 2);
-    else if (xq) for (int c0 = 0; c0 < 2; c0++) panel_i16(xq, xs, xsum, K, w, G, g, c0, y, ldy, bits, 2, 1); /* (3+: the GEMM) */
+    else if (xq) { /* (3+: the GEMM) */
+        panel_i16(xq, xs, xsum, K, w, G, g, 0, y, ldy, bits, 2, 1);
+        panel_i16(xq, xs, xsum, K, w, G, g, 1, y, ldy, bits, 2, 1);
+    }
     else for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, w, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2);
 }
 #endif
@@ -651,6 +719,7 @@ PANEL_WIDTH(5)
 PANEL_WIDTH(6)
 PANEL_WIDTH(8)
 PANEL_WIDTH(NL4)
+PANEL_WIDTH(L5)
 
 /* 3 or more rows on AVX2 go to the GEMM kernel: its 6 x 16 register tile broadcasts x once per two
  * FMAs, where the GEMVs' quarter-panel walk (since removed) broadcast once per FMA. The GEMM ran
@@ -697,7 +766,7 @@ typedef struct {
 } panel_part_t;
 
 static panel_part_t panel_part(panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
-    panel_part_t part = {w, bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, bits, NULL};
+    panel_part_t part = {w, bits == L5 ? panel_block_L5 : bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, bits, NULL};
     return part;
 }
 
@@ -873,9 +942,10 @@ GEMM_WIDTH(5)
 GEMM_WIDTH(6)
 GEMM_WIDTH(8)
 GEMM_WIDTH(NL4)
+GEMM_WIDTH(L5)
 
 static gemm_panel_fn gemm_panel_for(int64_t bits) {
-    return bits == NL4 ? gemm_panel_NL4 : bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
+    return bits == L5 ? gemm_panel_L5 : bits == NL4 ? gemm_panel_NL4 : bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
 }
 
 static int64_t gemm_kc(int64_t g) { return g >= GEMM_KC ? g : GEMM_KC / g * g; }
@@ -1599,6 +1669,10 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
 
 int64_t fl_vector_lanes(void) { return VLANES; }
 
+/* Whether 5-bit weights go into L5 panels here: where the GEMVs take int16 x (AVX2), which L5's
+ * lanes feed directly; the AVX-512 GEMVs read any layout through panel_column. */
+int64_t fl_five_bit_lanes(void) { return X_INT16; }
+
 /* S[r][0, PF_BK) = sum_d Qt[r][d] Kt[d][.], rows r < PF_QR */
 static inline void pf_scores_tile(const float *Qt, int64_t D, const float *Kt, float *S) {
     vf acc[PF_QR][4];
@@ -1886,6 +1960,10 @@ typedef __m256 a8f;
 
 /* Column kk's 32 values as bytes (rows 0-31 in bytes 0-31), centred unless A8_UNSIGNED. */
 static inline __attribute__((always_inline)) __m256i panel_i8(const uint8_t *qg, int64_t kk, const int bits) {
+    if (bits == L5) {
+        const __m256i v = _mm256_set_m128i(l5_bytes(qg, kk, 16, 16), l5_bytes(qg, kk, 0, 16));
+        return A8_UNSIGNED(bits) ? v : _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    }
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)c);
     const int low = LOW_BITS(bits);
@@ -2069,6 +2147,7 @@ A8_WIDTH(5)
 A8_WIDTH(6)
 A8_WIDTH(8)
 A8_WIDTH(NL4)
+A8_WIDTH(L5)
 
 /* Row x [K] -> xq (int8; VNNI: + 128), and per chunk of E columns its scale and scale * sum(xq). */
 static inline void a8_quantize_row(const float *x, int64_t K, int E, uint8_t *xq, float *xs, float *xsum) {
@@ -2102,7 +2181,7 @@ static inline void a8_quantize_row(const float *x, int64_t K, int E, uint8_t *xq
  * int16 before widening, and a chunk's int32 sums become floats once (d * xs). Per 64 weights of a
  * 4-bit panel: ~22 micro-ops on Zen 1 against the int16 GEMV's ~40 (its widenings and per-8-column
  * float flushes). Signed values (8 bits, IQ4_NL) multiply as |w| times x with w's sign. */
-#define A8G_PAIRS(bits) ((bits) == 8 || (bits) == NL4 ? 1 : (bits) <= 5 ? 4 : 2) /* column pairs an int16 lane adds: 4 * 2 * 31 * 127, 2 * 2 * 63 * 127, 2 * 128 * 127 < 32768 */
+#define A8G_PAIRS(bits) ((bits) == 8 || (bits) == NL4 ? 1 : VALUE_BITS(bits) <= 5 ? 4 : 2) /* column pairs an int16 lane adds: 4 * 2 * 31 * 127, 2 * 2 * 63 * 127, 2 * 128 * 127 < 32768 */
 static inline __attribute__((always_inline)) void panel_a8_gemv(const int8_t *xq, const float *xs, const float *xsum, int64_t K,
     const panel_w_t *w, int64_t G, int64_t g, int64_t E, int c0, float *y, int64_t ldy, const int bits, const int rows, const int nc) {
     const int has_min = w->mins != NULL || w->centre != 0.f;
@@ -2141,6 +2220,11 @@ static inline __attribute__((always_inline)) void panel_a8_gemv(const int8_t *xq
                         const __m128i m = _mm_set1_epi8(0x0F);
                         lo = c0 + c == 0 ? _mm_and_si128(b4[0], m) : _mm_and_si128(_mm_srli_epi16(b4[0], 4), m);
                         hi = c0 + c == 0 ? _mm_and_si128(b4[1], m) : _mm_and_si128(_mm_srli_epi16(b4[1], 4), m);
+                    } else if (bits == L5) { /* the pair's vectors packed to bytes, lanes in order */
+                        const uint8_t *blk = l5_block(qg, kk);
+                        const __m256i v0 = l5_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c)), v1 = l5_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c) + 1);
+                        lo = _mm_packus_epi16(_mm256_castsi256_si128(v0), _mm256_extracti128_si256(v0, 1));
+                        hi = _mm_packus_epi16(_mm256_castsi256_si128(v1), _mm256_extracti128_si256(v1, 1));
                     } else {
                         const __m128i v0 = panel_bytes(qg, kk, 16 * (c0 + c), bits, 16), v1 = panel_bytes(qg, kk + 1, 16 * (c0 + c), bits, 16);
                         lo = _mm_unpacklo_epi8(v0, v1), hi = _mm_unpackhi_epi8(v0, v1);
@@ -2186,7 +2270,7 @@ static inline __attribute__((always_inline)) void panel_a8_block(const int8_t *x
     float *yo = valid == PANEL ? y + p * PANEL : tail;
     const int64_t ldy = valid == PANEL ? ldo : PANEL;
     if (M <= 1) panel_a8_gemv(xq, xs, xsum, K, &wp, G, g, E, 0, yo, ldy, bits, 1, 2);
-    else for (int c0 = 0; c0 < 2; c0++) panel_a8_gemv(xq, xs, xsum, K, &wp, G, g, E, c0, yo, ldy, bits, 2, 1);
+    else panel_a8_gemv(xq, xs, xsum, K, &wp, G, g, E, 0, yo, ldy, bits, 2, 1), panel_a8_gemv(xq, xs, xsum, K, &wp, G, g, E, 1, yo, ldy, bits, 2, 1);
     if (valid < PANEL)
         for (int64_t r = 0; r < M; r++)
             for (int64_t j = 0; j < valid; j++) y[r * ldo + p * PANEL + j] = tail[r * PANEL + j];
@@ -2205,6 +2289,7 @@ A8G_WIDTH(5)
 A8G_WIDTH(6)
 A8G_WIDTH(8)
 A8G_WIDTH(NL4)
+A8G_WIDTH(L5)
 
 /* y [M <= 2, ldo] (from column offset) = xhat @ W^T: the parts' panels in one parallel loop, x
  * rounded once. Parts of 8 bits or IQ4_NL run the float GEMVs on xhat's floats. */
@@ -2238,7 +2323,7 @@ static void panel_parts_a8_gemv(const float *x, int64_t M, int64_t K, panel_part
         while (i + 1 < nparts && gp >= first[i + 1]) i++;
         const panel_part_t *pt = &parts[i];
         const int b = (int)pt->bits;
-        const panel_a8_block_fn fn = b == 2 ? panel_a8_block_2 : b == 3 ? panel_a8_block_3 : b == 5 ? panel_a8_block_5 : b == 6 ? panel_a8_block_6
+        const panel_a8_block_fn fn = b == L5 ? panel_a8_block_L5 : b == 2 ? panel_a8_block_2 : b == 3 ? panel_a8_block_3 : b == 5 ? panel_a8_block_5 : b == 6 ? panel_a8_block_6
                                      : b == 8 ? panel_a8_block_8 : b == NL4 ? panel_a8_block_NL4 : panel_a8_block_4;
         fn(xq, xs, xsum, M, K, &pt->w, pt->N, pt->g, E, y + pt->offset, ldo, gp - first[i]);
     }
@@ -2255,7 +2340,7 @@ void fl_panel_gemm_a8(const float *x, int64_t M, int64_t K, const uint8_t *qp, c
         panel_parts_a8_gemv(x, M, K, &part, 1, y, N);
         return;
     }
-    const a8_panel_fn panel = bits == NL4 ? a8_panel_NL4 : bits == 2 ? a8_panel_2 : bits == 3 ? a8_panel_3 : bits == 5 ? a8_panel_5 : bits == 6 ? a8_panel_6 : bits == 8 ? a8_panel_8 : a8_panel_4;
+    const a8_panel_fn panel = bits == L5 ? a8_panel_L5 : bits == NL4 ? a8_panel_NL4 : bits == 2 ? a8_panel_2 : bits == 3 ? a8_panel_3 : bits == 5 ? a8_panel_5 : bits == 6 ? a8_panel_6 : bits == 8 ? a8_panel_8 : a8_panel_4;
     const int E = g < 32 ? (int)g : 32;
     const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g), C = K / E;
     uint8_t *xq = aligned_alloc(64, (M * K + 63) & ~(int64_t)63);
