@@ -275,7 +275,7 @@ static inline __attribute__((always_inline)) __m256i l5_vector(const uint8_t *bl
 }
 
 /* L5: rows lane0 .. lane0 + n - 1 of column kk as bytes (the generic paths: GEMM, a8 GEMM). */
-static inline __m128i l5_bytes(const uint8_t *qg, int64_t kk, int lane0, const int n) {
+static inline __attribute__((always_inline)) __m128i l5_bytes(const uint8_t *qg, int64_t kk, int lane0, const int n) {
     const uint8_t *blk = l5_block(qg, kk);
     const int p = (int)(kk & 7) >> 1;
     const __m128i e = _mm_cvtsi32_si128(16 * (int)(kk & 1));
@@ -863,6 +863,19 @@ static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *
             m[i] = w->mins ? load8s(w, w->mins, w->sup_m, si + 8 * i) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
         }
         float *o = wb + (grp - grp0) * g * PANEL;
+        if (bits == L5) { /* by vectors: a pair's even lanes are its first column, the odd ones its second */
+            for (int64_t b = 0; b < g / 8; b++)
+#pragma GCC unroll 16
+                for (int v = 0; v < 16; v++) {
+                    const __m256i vec = l5_vector(qg + b * L5_BLOCK, v);
+                    const int p = v / 4, h = v % 4;
+                    const __m256 first = _mm256_cvtepi32_ps(_mm256_and_si256(vec, _mm256_set1_epi32(0xFFFF)));
+                    const __m256 second = _mm256_cvtepi32_ps(_mm256_srli_epi32(vec, 16));
+                    _mm256_store_ps(o + (b * 8 + 2 * p) * PANEL + 8 * h, _mm256_fmadd_ps(first, d[h], m[h]));
+                    _mm256_store_ps(o + (b * 8 + 2 * p + 1) * PANEL + 8 * h, _mm256_fmadd_ps(second, d[h], m[h]));
+                }
+            continue;
+        }
         FOR_COLUMNS(kk, g, 1)
             for (int h = 0; h < 2; h++) {
                 __m256 q[2];
@@ -2008,9 +2021,23 @@ static inline __attribute__((always_inline)) void a8_prep(const panel_w_t *w, in
             if (w->mins) m[i] = _mm256_fmadd_ps(d[i], _mm256_set1_ps(off), load8s(w, w->mins, w->sup_m, si + 8 * i));
             else if (A8_UNSIGNED(bits)) m[i] = _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre)); /* the centre: a min */
         }
-        FOR_COLUMNS(kk, g, 4)
-            a8_store4(wb + (k0 + kk) * PANEL, panel_i8(qg, kk, bits), panel_i8(qg, kk + 1, bits), panel_i8(qg, kk + 2, bits),
-                      panel_i8(qg, kk + 3, bits));
+        if (bits == L5) { /* two pairs' vectors packed to bytes and interleaved: 8 rows x 4 columns each */
+            FOR_COLUMNS(kk, g, 4) {
+                const uint8_t *blk = l5_block(qg, kk);
+                const int p0 = (int)(kk & 7) >> 1;
+                for (int h = 0; h < 4; h++) {
+                    const __m256i va = l5_vector(blk, 4 * p0 + h), vb = l5_vector(blk, 4 * (p0 + 1) + h);
+                    const __m128i pa = _mm_packus_epi16(_mm256_castsi256_si128(va), _mm256_extracti128_si256(va, 1));
+                    const __m128i pb = _mm_packus_epi16(_mm256_castsi256_si128(vb), _mm256_extracti128_si256(vb, 1));
+                    __m256i rows8 = _mm256_set_m128i(_mm_unpackhi_epi16(pa, pb), _mm_unpacklo_epi16(pa, pb));
+                    if (!A8_UNSIGNED(bits)) rows8 = _mm256_sub_epi8(rows8, _mm256_set1_epi8(16));
+                    _mm256_storeu_si256((__m256i *)(wb + (k0 + kk) * PANEL + 32 * h), rows8);
+                }
+            }
+        } else
+            FOR_COLUMNS(kk, g, 4)
+                a8_store4(wb + (k0 + kk) * PANEL, panel_i8(qg, kk, bits), panel_i8(qg, kk + 1, bits), panel_i8(qg, kk + 2, bits),
+                          panel_i8(qg, kk + 3, bits));
         for (int64_t e0 = 0; e0 < g; e0 += E) {
             const int64_t ci = (k0 + e0) / E;
             for (int i = 0; i < 4; i++) {
