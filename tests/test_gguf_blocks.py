@@ -106,7 +106,8 @@ def test_cpu_module_is_about_the_file_size(type_name, most):
     """On the CPU a tensor takes about its bytes in the file: values in 2-6 bit planes or int8, and
     a K-quant's scales in its own form (int8 sub-block values, fp16 per 256 columns), not fp32 per
     group (which made Q4_K 6 bits a weight against the file's 4.5; Q2_K / Q3_K's values in 4-bit
-    planes took 5.1 bits against 2.6 / 3.4; Q2_K's 4-bit scales and mins as int8: 3.1)."""
+    planes took 5.1 bits against 2.6 / 3.4; Q2_K's 4-bit scales and mins as int8: 3.1). 5-bit values
+    in the AVX2 build's L5 lanes take half a bit more by design (1.09x a Q5_0 file)."""
     import torch
 
     from fasterllama.quant import gguf_native
@@ -114,8 +115,10 @@ def test_cpu_module_is_about_the_file_size(type_name, most):
     rows, k = 64, 1024
     raw = _random_blocks(type_name, rows, k, seed=3)
     module = gguf_native._module([gguf_blocks.decode(raw, type_name, rows)], torch.device("cpu"))
-    held = sum(t.numel() * t.element_size() for t in module.buffers())
-    assert held <= most * raw.size * raw.itemsize
+    held = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    if getattr(module, "bits", None) == 5 and module.qweight.shape[-1] == 22:  # L5 lanes (AVX2 builds): 5.5 bits a value, 0.5 above the planes
+        held -= module.qweight.numel() // 11
+    assert 0.9 * raw.size * raw.itemsize <= held <= most * raw.size * raw.itemsize
 
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_K", "Q4_K", "Q6_K")])
@@ -133,8 +136,9 @@ def test_mixed_parts_keep_their_own_width(types):
     module = gguf_native._module(parts, torch.device("cpu"))
     assert isinstance(module, FusedLinear) and [p.bits for p in module.parts] == [_BITS[types[0]], _BITS[types[2]]]
     assert np.array_equal(module.dequantize().numpy(), np.concatenate([p.values() for p in parts]))
-    held = sum(t.numel() * t.element_size() for t in module.buffers())
-    assert held <= 1.03 * sum(r.size * r.itemsize for r in raws)
+    held = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    held -= sum(p.qweight.numel() // 11 for p in module.parts if p.bits == 5 and p.qweight.shape[-1] == 22)  # (L5 lanes' half bit)
+    assert 0.9 * sum(r.size * r.itemsize for r in raws) <= held <= 1.03 * sum(r.size * r.itemsize for r in raws)
     from fasterllama.backends.cpu import kernels
 
     kernels.load()  # the C kernels where they build (the decode step's), else the reference ops

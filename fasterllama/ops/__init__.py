@@ -130,11 +130,7 @@ unpack_int4 = quantized.unpack_int4
 unpack_int4_rows = quantized.unpack_int4_rows
 to_panels, from_panels, panel_rows = quantized.to_panels, quantized.from_panels, quantized.panel_rows
 int8_to_panels, int8_panel_rows = quantized.int8_to_panels, quantized.int8_panel_rows
-
-
-def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
-    """Values [N, K] -> panels in the layout the CPU backend's kernels read best (quantized.pack_panels)."""
-    return get_op("pack_panels", q.device)(q, group_size, bits)
+pack_panels = quantized.pack_panels
 
 
 def dequantize_panel_rows(qp, sp, mp, bits, rows, n, dtype=torch.float32, sups=None):

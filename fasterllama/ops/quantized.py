@@ -100,14 +100,14 @@ L5_COLUMN = 2 * (_L5_VECTOR // 4) + _L5_LANE % 2  # [vector, lane] -> column of 
 L5_ROW = 8 * (_L5_VECTOR % 4) + _L5_LANE // 2  # [vector, lane] -> row of the panel's 32
 
 
-def five_bit_lanes(qp: torch.Tensor, bits: int) -> bool:
+def in_l5_lanes(qp: torch.Tensor, bits: int) -> bool:
     """Whether a panel matrix of width `bits` is in the L5 layout (by its shape)."""
     return value_bits(bits) == 5 and qp.shape[-1] == L5_BLOCK // 8
 
 
 def kernel_width(qp: torch.Tensor, bits: int) -> int:
     """The C kernels' width code of a panel matrix: L5 for 5 bits in lanes, else `bits`."""
-    return L5 if five_bit_lanes(qp, bits) else bits
+    return L5 if in_l5_lanes(qp, bits) else bits
 
 
 def _pack_l5(v: np.ndarray) -> np.ndarray:
@@ -222,7 +222,7 @@ _COLUMN_BITS = np.arange(8, dtype=np.uint8)[:, None]  # column c of eight -> bit
 
 def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int) -> torch.Tensor:
     """The values of some rows of a panel matrix (pack_panels), int32 [R, G, g] (NL4: the indices)."""
-    lanes = five_bit_lanes(qp, bits)
+    lanes = in_l5_lanes(qp, bits)
     bits = value_bits(bits)
     idx = torch.arange(n, device=qp.device)[rows]
     p, j = idx // PANEL, idx % PANEL
@@ -263,7 +263,7 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Every row's values [n, K] (uint8 for 2-6 bits, int8 for 8) back from pack_panels' layout,
     64 panels at a time (panel_values reads any rows, but holds each row's whole panel column)."""
     P, G, g, _ = qp.shape
-    lanes = five_bit_lanes(qp, bits)
+    lanes = in_l5_lanes(qp, bits)
     bits = value_bits(bits)
     out = torch.empty(P * PANEL, G * g, dtype=torch.int8 if bits == 8 else torch.uint8, device=qp.device)
     shifts = torch.arange(8, dtype=torch.uint8, device=qp.device)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..backends.cpu import kernels as cpu_kernels
 from .quantize import dequantize_int4, dequantize_int8
 
 
@@ -155,7 +156,8 @@ class PackedLinear(nn.Module):
             exact16 = all(t is None or torch.equal(t.float().half().float(), t.float()) for t in (scale, mins))
             sdtype = torch.float16 if exact16 else torch.float32
             self.scale_super = self.min_super = None
-        self.qweight = _buffer(ops.pack_panels(q, self.group_size, bits))
+        lanes = bits == 5 and self.group_size % 8 == 0 and cpu_kernels.five_bit_lanes()  # the layout the CPU kernels read best
+        self.qweight = _buffer(ops.pack_panels(q, self.group_size, bits, lanes))
         self.scales = _buffer(order(scale.to(sdtype)))
         self.mins = None if mins is None else _buffer(order(mins.to(sdtype)))
         self.bias = None if bias is None else _buffer(bias)

@@ -409,14 +409,14 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention, prefill=prefill)
 
 
-def pack_panels(q: torch.Tensor, group_size: int, bits: int) -> torch.Tensor:
-    """quantized.pack_panels in this build's layout: 5 bits in L5 lanes where the GEMVs take int16 x
-    (AVX2), which they feed without unpacking: 5-bit decode GEMVs 1.4-1.7x faster on Zen 1."""
-    return quantized.pack_panels(q, group_size, bits, lanes=bool(_lib.fl_five_bit_lanes()))
+def five_bit_lanes() -> bool:
+    """Whether 5-bit panels go in L5 lanes here (quantized.pack_panels(lanes=True)): where the GEMVs
+    take int16 x (AVX2 builds), which read them as stored: 5-bit decode GEMVs 1.4-1.7x faster on Zen 1."""
+    return load() is not None and bool(_lib.fl_five_bit_lanes())
 
 
 OPS = {
-    "pack_panels": pack_panels, "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8, "dequantize_panel_rows": dequantize_panel_rows,
+    "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8, "dequantize_panel_rows": dequantize_panel_rows,
     "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "sample_rows": sample_rows,
     "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
