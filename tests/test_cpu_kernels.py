@@ -188,43 +188,45 @@ def test_pack_panels_is_the_int4_and_int8_layout(n, g):
     assert torch.equal(qops.pack_panels(q8, g, 8).view(torch.int8), qops.int8_to_panels(q8, torch.randn(n, k // g))[0])
 
 
+@pytest.mark.parametrize("bits", [5, 6])
 @pytest.mark.parametrize("n,k,g,factored,mins", [(70, 256, 16, True, True), (33, 1600, 32, False, False), (40, 512, 64, False, True),
                                                 (64, 1024, 32, True, False), (96, 576, 32, False, True)])
-def test_five_bit_lanes_equal_planes(n, k, g, factored, mins):
-    """5-bit values in L5 lanes (the AVX2 build's layout: pack_panels(lanes=True)) give bit for bit
-    what the same values in bit planes give, through every kernel: the GEMV at each row count (its
-    int16 x reads the lanes as stored), the prefill GEMM, gguf-a8's GEMVs and GEMM, the embedding
-    lookup; with factored and fp32 scales, stored and implied mins, groups of 16-64, a padded last
-    panel. The reference reads the lanes back (unpack_panels, panel_values) to the values packed."""
+def test_value_lanes_equal_planes(bits, n, k, g, factored, mins):
+    """5 and 6-bit values in lanes (L5, L6: the AVX2 build's layout, pack_panels(lanes=True)) give
+    bit for bit what the same values in bit planes give, through every kernel: the GEMV at each row
+    count (its int16 x reads the lanes as stored), the prefill GEMM, gguf-a8's GEMVs and GEMM, the
+    embedding lookup; with factored and fp32 scales, stored and implied mins, groups of 16-64, a
+    padded last panel. The reference reads the lanes back (unpack_panels, panel_values)."""
     import copy
 
     from fasterllama.quant.linear import PackedLinear
 
     G = k // g
-    q = torch.randint(0, 32, (n, k), dtype=torch.uint8)
+    q = torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8)
     if factored:
         sups = (torch.rand(n, G // (256 // g)) * 0.01 + 1e-3).half(), (-torch.rand(n, G // (256 // g)) * 0.01).half() if mins else None
-        planes = PackedLinear(q, torch.randint(-32, 64, (n, G), dtype=torch.int8), torch.randint(0, 64, (n, G), dtype=torch.int8) if mins else None, 5,
+        planes = PackedLinear(q, torch.randint(-32, 64, (n, G), dtype=torch.int8), torch.randint(0, 64, (n, G), dtype=torch.int8) if mins else None, bits,
                               scale_super=sups[0], min_super=sups[1])
     else:
-        _, s, m = _panel_weights(n, k, g, 5, mins, torch.float32)
-        planes = PackedLinear(q, s, m, 5)
-    planes.qweight = torch.nn.Parameter(qops.pack_panels(q, g, 5, lanes=False), requires_grad=False)
+        _, s, m = _panel_weights(n, k, g, bits, mins, torch.float32)
+        planes = PackedLinear(q, s, m, bits)
+    planes.qweight = torch.nn.Parameter(qops.pack_panels(q, g, bits, lanes=False), requires_grad=False)
     lanes = copy.deepcopy(planes)
-    lanes.qweight = torch.nn.Parameter(qops.pack_panels(q, g, 5, lanes=True), requires_grad=False)
-    assert planes.qweight.shape[-1] == 20 and lanes.qweight.shape[-1] == 22 and lanes.qweight.data_ptr() % 64 == 0
-    assert torch.equal(qops.unpack_panels(lanes.qweight, 5, n), q)
+    lanes.qweight = torch.nn.Parameter(qops.pack_panels(q, g, bits, lanes=True), requires_grad=False)
+    assert planes.qweight.dtype == torch.uint8 and lanes.qweight.dtype == torch.int16 and lanes.qweight.data_ptr() % 64 == 0
+    assert lanes.qweight.numel() * 2 == -(-n // 32) * 32 * k * {5: 11, 6: 12}[bits] // 16  # 5.5 / 6 bits a value
+    assert torch.equal(qops.unpack_panels(lanes.qweight, bits, n), q)
     rows = torch.tensor([n - 1, 0, 31, 32])
-    assert torch.equal(qops.panel_values(lanes.qweight, 5, rows, n), q[rows].view(-1, G, g).int())
+    assert torch.equal(qops.panel_values(lanes.qweight, bits, rows, n), q[rows].view(-1, G, g).int())
     assert torch.equal(lanes.dequantize(), planes.dequantize())
-    both = [(lin.qweight, lin.scales, lin.mins, n, 5, None, lin.sups) for lin in (planes, lanes)]
+    both = [(lin.qweight, lin.scales, lin.mins, n, bits, None, lin.sups) for lin in (planes, lanes)]
     for m_rows in (1, 2, 3, 17, 200):
         x = torch.randn(m_rows, k)
         assert torch.equal(*(ck.panel_linear(x, *args) for args in both))
         if g == 16 or g % 32 == 0:
             assert torch.equal(*(ck.panel_linear_a8(x, *args) for args in both))
     ids = torch.tensor([0, n - 1, 31, 32, 5, 5])
-    assert torch.equal(*(ck.dequantize_panel_rows(lin.qweight, lin.scales, lin.mins, 5, ids, n, torch.float32, lin.sups) for lin in (planes, lanes)))
+    assert torch.equal(*(ck.dequantize_panel_rows(lin.qweight, lin.scales, lin.mins, bits, ids, n, torch.float32, lin.sups) for lin in (planes, lanes)))
 
 
 def test_packed_panels_are_cache_line_aligned():

@@ -116,8 +116,8 @@ def test_cpu_module_is_about_the_file_size(type_name, most):
     raw = _random_blocks(type_name, rows, k, seed=3)
     module = gguf_native._module([gguf_blocks.decode(raw, type_name, rows)], torch.device("cpu"))
     held = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-    if getattr(module, "bits", None) == 5 and module.qweight.shape[-1] == 22:  # L5 lanes (AVX2 builds): 5.5 bits a value, 0.5 above the planes
-        held -= module.qweight.numel() // 11
+    if getattr(module, "bits", None) == 5 and module.qweight.dtype == torch.int16:  # L5 lanes (AVX2 builds): 5.5 bits a value, 0.5 above the planes
+        held -= module.qweight.numel() * 2 // 11
     assert 0.9 * raw.size * raw.itemsize <= held <= most * raw.size * raw.itemsize
 
 
@@ -137,7 +137,7 @@ def test_mixed_parts_keep_their_own_width(types):
     assert isinstance(module, FusedLinear) and [p.bits for p in module.parts] == [_BITS[types[0]], _BITS[types[2]]]
     assert np.array_equal(module.dequantize().numpy(), np.concatenate([p.values() for p in parts]))
     held = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
-    held -= sum(p.qweight.numel() // 11 for p in module.parts if p.bits == 5 and p.qweight.shape[-1] == 22)  # (L5 lanes' half bit)
+    held -= sum(p.qweight.numel() * 2 // 11 for p in module.parts if p.bits == 5 and p.qweight.dtype == torch.int16)  # (L5 lanes' half bit)
     assert 0.9 * sum(r.size * r.itemsize for r in raws) <= held <= 1.03 * sum(r.size * r.itemsize for r in raws)
     from fasterllama.backends.cpu import kernels
 

@@ -87,50 +87,66 @@ NL4 = 9
 NL4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-# 5-bit panels in the lanes of the AVX2 int16 GEMV (the C kernels' width code L5, chosen by the CPU
-# backend: its pack_panels op): blocks of eight columns, vector v = 4 p + h of a block holding
-# column pair p's rows 8 h .. 8 h + 7, lane 2 r + e = column 2 p + e, row 8 h + r; vectors 0-14
-# three to a 16-bit lane (bits 0-4, 5-9, 10-14) of five 32-byte words, vector 15 as 16 bytes.
-# A panel matrix in this layout is [P, G, g, 22] (5.5 bits a value), in the bit planes [P, G, g, 20].
-L5 = 10
-L5_BLOCK = 176
-_L5_VECTOR = np.arange(16)[:, None]
-_L5_LANE = np.arange(16)[None, :]
-L5_COLUMN = 2 * (_L5_VECTOR // 4) + _L5_LANE % 2  # [vector, lane] -> column of the block's eight
-L5_ROW = 8 * (_L5_VECTOR % 4) + _L5_LANE // 2  # [vector, lane] -> row of the panel's 32
+# 5 and 6-bit panels in the lanes of the AVX2 int16 GEMV (the C kernels' width codes L5 and L6, the
+# CPU kernels' choice: kernels.value_lanes()): blocks of eight columns, vector v = 4 p + h of a
+# block holding column pair p's rows 8 h .. 8 h + 7, lane 2 r + e = column 2 p + e, row 8 h + r.
+# L5: vectors 0-14 three to a 16-bit lane (bits 0-4, 5-9, 10-14) of five 32-byte words, vector 15
+# as 16 bytes (176 bytes, 5.5 bits a value). L6: vectors 0-11 two to a lane (bits 0-5, 6-11) of six
+# words, 12-15 in the lanes' top four bits (cpu_kernels.c: 192 bytes, 6 bits a value). A panel
+# matrix in lanes is int16 [P, G, g, 11 or 12] (its bytes: the blocks); in planes uint8.
+L5, L6 = 10, 11
+_LANE_VECTOR = np.arange(16)[:, None]
+_LANE_LANE = np.arange(16)[None, :]
+LANE_COLUMN = 2 * (_LANE_VECTOR // 4) + _LANE_LANE % 2  # [vector, lane] -> column of the block's eight
+LANE_ROW = 8 * (_LANE_VECTOR % 4) + _LANE_LANE // 2  # [vector, lane] -> row of the panel's 32
+LANE_BLOCK = {5: 176, 6: 192}  # bytes of eight columns
 
 
-def in_l5_lanes(qp: torch.Tensor, bits: int) -> bool:
-    """Whether a panel matrix of width `bits` is in the L5 layout (by its shape)."""
-    return value_bits(bits) == 5 and qp.shape[-1] == L5_BLOCK // 8
+def in_lanes(qp: torch.Tensor) -> bool:
+    """Whether a panel matrix is in lanes (L5, L6): told by its dtype, int16."""
+    return qp.dtype == torch.int16
 
 
 def kernel_width(qp: torch.Tensor, bits: int) -> int:
-    """The C kernels' width code of a panel matrix: L5 for 5 bits in lanes, else `bits`."""
-    return L5 if in_l5_lanes(qp, bits) else bits
+    """The C kernels' width code of a panel matrix: L5 / L6 for 5 / 6 bits in lanes, else `bits`."""
+    return (L5 if value_bits(bits) == 5 else L6) if in_lanes(qp) else bits
 
 
-def _pack_l5(v: np.ndarray) -> np.ndarray:
-    """Values [..., 8 columns, 32 rows] (< 32) -> L5 blocks [..., 176] (uint8)."""
-    vec = v[..., L5_COLUMN, L5_ROW].astype(np.uint16)  # [..., 16 vectors, 16 lanes]
-    words = vec[..., 0:15:3, :] | (vec[..., 1:15:3, :] << 5) | (vec[..., 2:15:3, :] << 10)
-    return np.concatenate((np.ascontiguousarray(words, dtype="<u2").view(np.uint8).reshape(*v.shape[:-2], 160), vec[..., 15, :].astype(np.uint8)), axis=-1)
+def _pack_lanes(v: np.ndarray, bits: int) -> np.ndarray:
+    """Values [..., 8 columns, 32 rows] (< 2^bits) -> lane blocks [..., LANE_BLOCK[bits]] (uint8)."""
+    vec = v[..., LANE_COLUMN, LANE_ROW].astype(np.uint16)  # [..., 16 vectors, 16 lanes]
+    if bits == 5:
+        words = vec[..., 0:15:3, :] | (vec[..., 1:15:3, :] << 5) | (vec[..., 2:15:3, :] << 10)
+        tail = vec[..., 15, :].astype(np.uint8)
+    else:
+        v12, v13, v14, v15 = (vec[..., i, :] for i in range(12, 16))
+        spare = np.stack((v12 & 15, (v12 >> 4) | ((v13 & 3) << 2), v13 >> 2, v14 & 15, (v14 >> 4) | ((v15 & 3) << 2), v15 >> 2), axis=-2)
+        words = vec[..., 0:12:2, :] | (vec[..., 1:12:2, :] << 6) | (spare << 12)
+        tail = np.zeros((*v.shape[:-2], 0), np.uint8)
+    return np.concatenate((np.ascontiguousarray(words, dtype="<u2").view(np.uint8).reshape(*v.shape[:-2], -1), tail), axis=-1)
 
 
-def _unpack_l5(blocks: torch.Tensor) -> torch.Tensor:
-    """L5 blocks [..., 176] (uint8) -> values [..., 8 columns, 32 rows] (int32)."""
-    words = blocks[..., :160].reshape(*blocks.shape[:-1], 80, 2).to(torch.int32)
-    words = (words[..., 0] | (words[..., 1] << 8)).reshape(*blocks.shape[:-1], 5, 16)
-    vec = torch.cat((torch.stack([(words >> (5 * s)) & 31 for s in range(3)], dim=-2).reshape(*blocks.shape[:-1], 15, 16),
-                     blocks[..., None, 160:].to(torch.int32)), dim=-2)  # [..., 16 vectors, 16 lanes]
-    out = torch.empty(*blocks.shape[:-1], 8, PANEL, dtype=torch.int32, device=blocks.device)
-    out[..., torch.from_numpy(L5_COLUMN).to(blocks.device), torch.from_numpy(L5_ROW).to(blocks.device)] = vec
+def _unpack_lanes(blocks: torch.Tensor, bits: int) -> torch.Tensor:
+    """Lane blocks [..., LANE_BLOCK[bits]] (uint8) -> values [..., 8 columns, 32 rows] (int32)."""
+    lead = blocks.shape[:-1]
+    nw = 5 if bits == 5 else 6
+    w = blocks[..., : 32 * nw].reshape(*lead, 16 * nw, 2).to(torch.int32)
+    w = (w[..., 0] | (w[..., 1] << 8)).reshape(*lead, nw, 16)
+    if bits == 5:
+        vec = torch.cat((torch.stack([(w >> (5 * s)) & 31 for s in range(3)], dim=-2).reshape(*lead, 15, 16), blocks[..., None, 160:].to(torch.int32)), dim=-2)
+    else:
+        sp = w >> 12
+        top = torch.stack((sp[..., 0, :] | ((sp[..., 1, :] & 3) << 4), (sp[..., 1, :] >> 2) | (sp[..., 2, :] << 2),
+                           sp[..., 3, :] | ((sp[..., 4, :] & 3) << 4), (sp[..., 4, :] >> 2) | (sp[..., 5, :] << 2)), dim=-2)
+        vec = torch.cat((torch.stack((w & 63, (w >> 6) & 63), dim=-2).reshape(*lead, 12, 16), top), dim=-2)
+    out = torch.empty(*lead, 8, PANEL, dtype=torch.int32, device=blocks.device)
+    out[..., torch.from_numpy(LANE_COLUMN).to(blocks.device), torch.from_numpy(LANE_ROW).to(blocks.device)] = vec
     return out
 
 
 def value_bits(bits: int) -> int:
-    """The bits a value of width code `bits` takes in a panel (NL4: 4, L5: 5)."""
-    return 4 if bits == NL4 else 5 if bits == L5 else bits
+    """The bits a value of width code `bits` takes in a panel (NL4: 4, L5: 5, L6: 6)."""
+    return 4 if bits == NL4 else 5 if bits == L5 else 6 if bits == L6 else bits
 
 
 def low_bits(bits: int) -> int:
@@ -173,15 +189,19 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int, lanes: bool = False
     Int8 panels equal int8_to_panels', 4-bit panels to_panels'. Packed 64 panels at a time: the
     temporaries stay small beside a vocabulary-sized matrix. In numpy (the panels are CPU memory):
     torch's uint8 kernels would map ~5 MB more of its code into every process that loads a model.
-    lanes: 5 bits in the L5 layout (above) instead of the planes: [P, G, g, 22]."""
+    lanes: 5 and 6 bits in lanes (above) instead of the planes: int16 [P, G, g, 11 or 12]."""
     N, K = q.shape
     G = K // group_size
     P = -(-N // PANEL)
     bits = value_bits(bits)
-    lanes = lanes and bits == 5
+    lanes = lanes and bits in LANE_BLOCK
     src = q.cpu().numpy()
-    packed = torch.empty(P, G, group_size, L5_BLOCK // 8 if lanes else 4 * bits, dtype=torch.uint8)  # torch's allocation: 64-byte aligned, as the kernels' loads want
-    out = packed.numpy()
+    if lanes:
+        packed = torch.empty(P, G, group_size, LANE_BLOCK[bits] // 16, dtype=torch.int16)  # torch's allocation: 64-byte aligned, as the kernels' loads want
+        out = packed.view(torch.uint8).numpy()
+    else:
+        packed = torch.empty(P, G, group_size, 4 * bits, dtype=torch.uint8)
+        out = packed.numpy()
     low, planes = low_bits(bits), bit_planes(bits)
     if (planes or lanes) and group_size % 8:
         raise ValueError(f"{bits}-bit panels take groups of a multiple of 8 columns, not {group_size}")
@@ -196,7 +216,7 @@ def pack_panels(q: torch.Tensor, group_size: int, bits: int, lanes: bool = False
             continue
         v = v.astype(np.uint8)
         if lanes:
-            out[p0:p1].reshape(p1 - p0, G, group_size // 8, L5_BLOCK)[...] = _pack_l5(v.reshape(p1 - p0, G, group_size // 8, 8, PANEL))
+            out[p0:p1].reshape(p1 - p0, G, group_size // 8, LANE_BLOCK[bits])[...] = _pack_lanes(v.reshape(p1 - p0, G, group_size // 8, 8, PANEL), bits)
             continue
         if bits == 6:  # pairs: each column's nibbles, then both columns' top two bits as crumbs
             pair = out[p0:p1].reshape(p1 - p0, G, group_size // 2, 48)
@@ -222,7 +242,7 @@ _COLUMN_BITS = np.arange(8, dtype=np.uint8)[:, None]  # column c of eight -> bit
 
 def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int) -> torch.Tensor:
     """The values of some rows of a panel matrix (pack_panels), int32 [R, G, g] (NL4: the indices)."""
-    lanes = in_l5_lanes(qp, bits)
+    lanes = in_lanes(qp)
     bits = value_bits(bits)
     idx = torch.arange(n, device=qp.device)[rows]
     p, j = idx // PANEL, idx % PANEL
@@ -230,7 +250,7 @@ def panel_values(qp: torch.Tensor, bits: int, rows: torch.Tensor | slice, n: int
     jj = j[:, None, None]
     if lanes:
         R, G, g, _ = cols.shape
-        v = _unpack_l5(cols.reshape(R, G, g // 8, L5_BLOCK)).reshape(R, G, g, PANEL)
+        v = _unpack_lanes(cols.view(torch.uint8).reshape(R, G, g // 8, LANE_BLOCK[bits]), bits).reshape(R, G, g, PANEL)
         return torch.gather(v, 3, jj.expand(R, G, g)[..., None])[..., 0]
     if bits == 8:
         return torch.gather(cols, 3, jj.expand(*cols.shape[:3])[..., None])[..., 0].view(torch.int8).to(torch.int32)
@@ -263,7 +283,7 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Every row's values [n, K] (uint8 for 2-6 bits, int8 for 8) back from pack_panels' layout,
     64 panels at a time (panel_values reads any rows, but holds each row's whole panel column)."""
     P, G, g, _ = qp.shape
-    lanes = in_l5_lanes(qp, bits)
+    lanes = in_lanes(qp)
     bits = value_bits(bits)
     out = torch.empty(P * PANEL, G * g, dtype=torch.int8 if bits == 8 else torch.uint8, device=qp.device)
     shifts = torch.arange(8, dtype=torch.uint8, device=qp.device)
@@ -273,7 +293,7 @@ def unpack_panels(qp: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         if bits == 8:
             v = cols.view(torch.int8)
         elif lanes:
-            v = _unpack_l5(cols.reshape(*cols.shape[:2], g // 8, L5_BLOCK)).reshape(*cols.shape[:3], PANEL).to(torch.uint8)
+            v = _unpack_lanes(cols.view(torch.uint8).reshape(*cols.shape[:2], g // 8, LANE_BLOCK[bits]), bits).reshape(*cols.shape[:3], PANEL).to(torch.uint8)
         elif bits == 6:  # pairs: each column's nibbles, then the pair's crumbs of the top two bits
             pair = cols.reshape(*cols.shape[:2], g // 2, 48)
             nib = pair[..., :32].reshape(*cols.shape[:3], 16)

@@ -156,7 +156,7 @@ class PackedLinear(nn.Module):
             exact16 = all(t is None or torch.equal(t.float().half().float(), t.float()) for t in (scale, mins))
             sdtype = torch.float16 if exact16 else torch.float32
             self.scale_super = self.min_super = None
-        lanes = bits == 5 and self.group_size % 8 == 0 and cpu_kernels.five_bit_lanes()  # the layout the CPU kernels read best
+        lanes = bits in (5, 6) and self.group_size % 8 == 0 and cpu_kernels.value_lanes()  # the layout the CPU kernels read best
         self.qweight = _buffer(ops.pack_panels(q, self.group_size, bits, lanes))
         self.scales = _buffer(order(scale.to(sdtype)))
         self.mins = None if mins is None else _buffer(order(mins.to(sdtype)))

@@ -110,7 +110,7 @@ def open_library(source: Path) -> ctypes.CDLL:
         fn.argtypes, fn.restype = argtypes, None
     lib.fl_vector_lanes.argtypes, lib.fl_vector_lanes.restype = [], ctypes.c_int64
     lib.fl_gemv_x_block.argtypes, lib.fl_gemv_x_block.restype = [_I, _I, _I], ctypes.c_int64
-    lib.fl_five_bit_lanes.argtypes, lib.fl_five_bit_lanes.restype = [], ctypes.c_int64
+    lib.fl_value_lanes.argtypes, lib.fl_value_lanes.restype = [], ctypes.c_int64
     return lib
 
 
@@ -409,10 +409,11 @@ def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention, prefill=prefill)
 
 
-def five_bit_lanes() -> bool:
-    """Whether 5-bit panels go in L5 lanes here (quantized.pack_panels(lanes=True)): where the GEMVs
-    take int16 x (AVX2 builds), which read them as stored: 5-bit decode GEMVs 1.4-1.7x faster on Zen 1."""
-    return load() is not None and bool(_lib.fl_five_bit_lanes())
+def value_lanes() -> bool:
+    """Whether 5 and 6-bit panels go in lanes here (quantized.pack_panels(lanes=True)): where the
+    GEMVs take int16 x (AVX2 builds), which read them as stored: their decode GEMVs 1.4-1.7x faster
+    on Zen 1."""
+    return load() is not None and bool(_lib.fl_value_lanes())
 
 
 OPS = {

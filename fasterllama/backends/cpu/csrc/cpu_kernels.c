@@ -142,13 +142,16 @@ typedef __m256 vf;
  *      shift of 16 rows and a mask (a 32-bit word per column took a shuffle, a compare and two
  *      masks: 5-bit GEMVs ran 1.1x faster on Zen 1 after the change). A column of int8: 32 bytes,
  *      row j at byte j.
- *   L5 (5 bits, groups of a multiple of 8; the AVX2 build's choice, fl_five_bit_lanes): blocks of
- *      eight columns, the values already in the 16-bit lanes the int16 GEMV multiplies. Vector v =
- *      4 p + h of a block (column pair p, rows 8 h .. 8 h + 7) is 16 lanes, lane 2 r + e = column
- *      2 p + e, row 8 h + r; vectors 0-14 go three to a 32-byte word (lane bits 0-4, 5-9, 10-14),
- *      vector 15 as 16 bytes: 176 bytes a block (5.5 bits a value). One AND or shift gives a
- *      vector where the planes took two shifts, two masks, an OR and a widening: 5-bit GEMVs
- *      1.4-1.7x faster on Zen 1 (C harness, 1 and 2 threads).
+ *   Lanes (L5, L6: 5 and 6 bits, groups of a multiple of 8; the AVX2 build's choice, fl_value_lanes):
+ *      blocks of eight columns, the values already in the 16-bit lanes the int16 GEMV multiplies.
+ *      Vector v = 4 p + h of a block (column pair p, rows 8 h .. 8 h + 7) is 16 lanes, lane 2 r + e
+ *      = column 2 p + e, row 8 h + r. L5: vectors 0-14 three to a lane of five 32-byte words (bits
+ *      0-4, 5-9, 10-14), vector 15 as 16 bytes: 176 bytes a block (5.5 bits a value). L6: vectors
+ *      0-11 two to a lane of six words (bits 0-5, 6-11), vectors 12-15 from the words' top four
+ *      bits (12: word 0's and word 1's low two above them, 13: word 1's high two and word 2's; 14,
+ *      15: words 3-5 alike): 192 bytes, 6 bits a value. One AND or shift gives most vectors where
+ *      the planes took two shifts, two masks, an OR and a widening: 5- and 6-bit GEMVs 1.4-1.7x
+ *      faster on Zen 1 (C harness, 1 and 2 threads).
  *   scales, mins [P, G, 32]. P = ceil(N / 32), the last panel padded with zero rows.
  * ops/quantized.py's pack_panels / unpack_panels define the same layout. `bits` is a compile-time
  * constant in every always_inline kernel below (each width gets its own straight-line code); the
@@ -166,10 +169,12 @@ typedef __m256 vf;
 #endif
 #define PANEL_PF(p) _mm_prefetch((const char *)(p) + PF_BYTES / 4, WEIGHT_HINT) /* scales: 1/8 the bytes */
 #define NL4 9 /* width code: 4-bit indices into IQ4_NL's 16 values (NL4_VALUES) */
-#define L5 10 /* width code: 5-bit values in 16-bit lanes (the layout above) */
-#define L5_BLOCK 176 /* bytes of eight L5 columns */
-#define VALUE_BITS(bits) ((bits) == NL4 ? 4 : (bits) == L5 ? 5 : (bits))
-#define COL_BYTES(bits) ((bits) == L5 ? L5_BLOCK / 8 : VALUE_BITS(bits) * 4)
+#define L5 10 /* width codes: 5 and 6-bit values in 16-bit lanes (the layout above) */
+#define L6 11
+#define LANES(bits) ((bits) == L5 || (bits) == L6)
+#define LANE_BLOCK(bits) ((bits) == L5 ? 176 : 192) /* bytes of eight columns */
+#define VALUE_BITS(bits) ((bits) == NL4 ? 4 : (bits) == L5 ? 5 : (bits) == L6 ? 6 : (bits))
+#define COL_BYTES(bits) (LANES(bits) ? LANE_BLOCK(bits) / 8 : VALUE_BITS(bits) * 4)
 #define LOW_BITS(bits) (VALUE_BITS(bits) >= 4 ? 4 : 2) /* the first plane: nibbles, or 2-bit crumbs */
 #define PF_COLS(bits) (VALUE_BITS(bits) == 4 ? 4 : VALUE_BITS(bits) < 4 ? 64 / COL_BYTES(bits) : 2) /* columns between prefetches */
 static const int8_t NL4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}; /* kvalues_iq4nl */
@@ -263,31 +268,38 @@ static inline __attribute__((always_inline)) __m256i plane_bit256(__m256i p, int
 /* The shift of column kk's rows j < 16 in the first plane's bytes (rows j + 16: 4 more). */
 static inline int low_shift(int64_t kk, const int bits) { return LOW_BITS(bits) == 2 ? 2 * (int)(kk & 1) : 0; }
 
-/* L5: a block of eight columns (see the layout above); its vector v, 16 lanes of int16. v is a
- * compile-time constant in the unrolled GEMV loops: one AND, one shift or both. */
-static inline __attribute__((always_inline)) const uint8_t *l5_block(const uint8_t *qg, int64_t kk) { return qg + (kk >> 3) * L5_BLOCK; }
-static inline __attribute__((always_inline)) __m256i l5_vector(const uint8_t *blk, const int v) {
-    if (v == 15) return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 160)));
-    const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 32 * (v / 3)));
-    const int s = 5 * (v % 3);
-    if (s == 10) return _mm256_srli_epi16(w, 10); /* (bit 15 is zero) */
-    return _mm256_and_si256(s ? _mm256_srli_epi16(w, 5) : w, _mm256_set1_epi16(31));
+/* Lanes: a block of eight columns (see the layout above) and its vector v, 16 lanes of int16. v is
+ * a compile-time constant in the unrolled GEMV loops: one AND, one shift or both (L6's 12-15: two
+ * shifts, a mask and an OR). */
+static inline __attribute__((always_inline)) const uint8_t *lane_block(const uint8_t *qg, int64_t kk, const int bits) {
+    return qg + (kk >> 3) * LANE_BLOCK(bits);
+}
+static inline __attribute__((always_inline)) __m256i lane_word(const uint8_t *blk, int k) { return _mm256_loadu_si256((const __m256i *)(blk + 32 * k)); }
+static inline __attribute__((always_inline)) __m256i lane_vector(const uint8_t *blk, const int v, const int bits) {
+    if (bits == L5) {
+        if (v == 15) return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(blk + 160)));
+        const __m256i w = lane_word(blk, v / 3);
+        const int s = 5 * (v % 3);
+        if (s == 10) return _mm256_srli_epi16(w, 10); /* (bit 15 is zero) */
+        return _mm256_and_si256(s ? _mm256_srli_epi16(w, 5) : w, _mm256_set1_epi16(31));
+    }
+    if (v < 12) {
+        const __m256i w = lane_word(blk, v / 2);
+        return _mm256_and_si256(v % 2 ? _mm256_srli_epi16(w, 6) : w, _mm256_set1_epi16(63));
+    }
+    const int k = v < 14 ? v - 12 : v - 11; /* 12: words 0, 1; 13: 1, 2; 14: 3, 4; 15: 4, 5 */
+    if (v % 2 == 0) return _mm256_or_si256(_mm256_srli_epi16(lane_word(blk, k), 12), _mm256_and_si256(_mm256_srli_epi16(lane_word(blk, k + 1), 8), _mm256_set1_epi16(0x30)));
+    return _mm256_or_si256(_mm256_srli_epi16(lane_word(blk, k), 14), _mm256_and_si256(_mm256_srli_epi16(lane_word(blk, k + 1), 10), _mm256_set1_epi16(0x3C)));
 }
 
-/* L5: rows lane0 .. lane0 + n - 1 of column kk as bytes (the generic paths: GEMM, a8 GEMM). */
-static inline __attribute__((always_inline)) __m128i l5_bytes(const uint8_t *qg, int64_t kk, int lane0, const int n) {
-    const uint8_t *blk = l5_block(qg, kk);
+/* Lanes: rows lane0 .. lane0 + n - 1 of column kk as bytes (the generic paths). */
+static inline __attribute__((always_inline)) __m128i lane_bytes(const uint8_t *qg, int64_t kk, int lane0, const int n, const int bits) {
+    const uint8_t *blk = lane_block(qg, kk, bits);
     const int p = (int)(kk & 7) >> 1;
     const __m128i e = _mm_cvtsi32_si128(16 * (int)(kk & 1));
     __m128i out = _mm_setzero_si128();
     for (int i = 0; i < n / 8; i++) {
-        const int v = 4 * p + lane0 / 8 + i;
-        __m256i vec;
-        if (v == 15) vec = l5_vector(blk, 15);
-        else {
-            const __m256i w = _mm256_loadu_si256((const __m256i *)(blk + 32 * (v / 3)));
-            vec = _mm256_and_si256(_mm256_srl_epi16(w, _mm_cvtsi32_si128(5 * (v % 3))), _mm256_set1_epi16(31));
-        }
+        const __m256i vec = lane_vector(blk, 4 * p + lane0 / 8 + i, bits);
         const __m256i col = _mm256_and_si256(_mm256_srl_epi32(vec, e), _mm256_set1_epi32(0xFFFF)); /* this column's lanes */
         const __m128i w16 = _mm_packus_epi32(_mm256_castsi256_si128(col), _mm256_extracti128_si256(col, 1));
         const __m128i b = _mm_packus_epi16(w16, w16);
@@ -303,7 +315,7 @@ static inline __attribute__((always_inline)) __m128i l5_bytes(const uint8_t *qg,
  * AVX2 build's 256-bit integer ops are two micro-ops each on Zen 1). */
 static inline __attribute__((always_inline)) __m128i panel_bytes(const uint8_t *qg, int64_t kk, int lane0, const int bits, const int n) {
 #define LOAD_N(p) (n == 16 ? _mm_loadu_si128((const __m128i *)(p)) : _mm_loadl_epi64((const __m128i *)(p)))
-    if (bits == L5) return l5_bytes(qg, kk, lane0, n);
+    if (LANES(bits)) return lane_bytes(qg, kk, lane0, n, bits);
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return LOAD_N(c + lane0);
     const int low = LOW_BITS(bits);
@@ -340,13 +352,15 @@ static inline __attribute__((always_inline)) void panel_q16(const uint8_t *qg, i
 
 /* Row j's value in column kk (scalar: the embedding's rows). */
 static inline int panel_value(const uint8_t *qg, int64_t kk, int64_t j, int bits) {
-    if (bits == L5) {
-        const uint8_t *blk = l5_block(qg, kk);
+    if (LANES(bits)) {
+        const uint8_t *blk = lane_block(qg, kk, bits);
         const int v = 4 * ((int)(kk & 7) >> 1) + (int)(j / 8), lane = 2 * (int)(j % 8) + (int)(kk & 1);
-        if (v == 15) return blk[160 + lane];
-        uint16_t w;
-        memcpy(&w, blk + 32 * (v / 3) + 2 * lane, sizeof w);
-        return (w >> (5 * (v % 3))) & 31;
+        uint16_t w[6];
+        for (int k = 0; k < 6 && 32 * k < LANE_BLOCK(bits) - 16; k++) memcpy(&w[k], blk + 32 * k + 2 * lane, sizeof w[k]);
+        if (bits == L5) return v == 15 ? blk[160 + lane] : (w[v / 3] >> (5 * (v % 3))) & 31;
+        if (v < 12) return (w[v / 2] >> (6 * (v % 2))) & 63;
+        const int k = v < 14 ? v - 12 : v - 11;
+        return v % 2 == 0 ? (w[k] >> 12) | ((w[k + 1] >> 8) & 0x30) : (w[k] >> 14) | ((w[k + 1] >> 10) & 0x3C);
     }
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return (int8_t)c[j];
@@ -394,9 +408,9 @@ static inline __attribute__((always_inline)) __mmask16 plane_mask16(const uint8_
 
 /* Column kk's 32 values as floats (rows 0-15, 16-31), before scaling. */
 static inline __attribute__((always_inline)) void panel_column(const uint8_t *qg, int64_t kk, const int bits, __m512 *qa, __m512 *qb) {
-    if (bits == L5) { /* (not this build's choice: fl_five_bit_lanes) */
-        *qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l5_bytes(qg, kk, 0, 16)));
-        *qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(l5_bytes(qg, kk, 16, 16)));
+    if (LANES(bits)) { /* (not this build's choice: fl_value_lanes) */
+        *qa = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane_bytes(qg, kk, 0, 16, bits)));
+        *qb = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lane_bytes(qg, kk, 16, 16, bits)));
         return;
     }
     const uint8_t *c = col_bytes(qg, kk, bits);
@@ -588,11 +602,11 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
                     memcpy(&pair, xq + r * K + grp * g + kk, sizeof pair);
                     xp[r] = _mm256_set1_epi32(pair);
                 }
-                if (bits == L5) { /* the pair's vectors as stored: one AND or shift each */
-                    const uint8_t *blk = l5_block(qg, kk);
+                if (LANES(bits)) { /* the pair's vectors as stored: one AND or shift each */
+                    const uint8_t *blk = lane_block(qg, kk, bits);
                     for (int c = 0; c < nc; c++)
                         for (int h = 0; h < 2; h++) {
-                            const __m256i wv = l5_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c) + h);
+                            const __m256i wv = lane_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c) + h, bits);
                             for (int r = 0; r < rows; r++) acc[r][2 * c + h] = _mm256_add_epi32(acc[r][2 * c + h], _mm256_madd_epi16(wv, xp[r]));
                         }
                     continue;
@@ -720,6 +734,7 @@ PANEL_WIDTH(6)
 PANEL_WIDTH(8)
 PANEL_WIDTH(NL4)
 PANEL_WIDTH(L5)
+PANEL_WIDTH(L6)
 
 /* 3 or more rows on AVX2 go to the GEMM kernel: its 6 x 16 register tile broadcasts x once per two
  * FMAs, where the GEMVs' quarter-panel walk (since removed) broadcast once per FMA. The GEMM ran
@@ -766,7 +781,7 @@ typedef struct {
 } panel_part_t;
 
 static panel_part_t panel_part(panel_w_t w, int64_t N, int64_t g, int64_t bits, int64_t offset) {
-    panel_part_t part = {w, bits == L5 ? panel_block_L5 : bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, bits, NULL};
+    panel_part_t part = {w, bits == L5 ? panel_block_L5 : bits == L6 ? panel_block_L6 : bits == NL4 ? panel_block_NL4 : bits == 2 ? panel_block_2 : bits == 3 ? panel_block_3 : bits == 5 ? panel_block_5 : bits == 6 ? panel_block_6 : bits == 8 ? panel_block_8 : panel_block_4, N, g, offset, bits, NULL};
     return part;
 }
 
@@ -863,11 +878,11 @@ static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *
             m[i] = w->mins ? load8s(w, w->mins, w->sup_m, si + 8 * i) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
         }
         float *o = wb + (grp - grp0) * g * PANEL;
-        if (bits == L5) { /* by vectors: a pair's even lanes are its first column, the odd ones its second */
+        if (LANES(bits)) { /* by vectors: a pair's even lanes are its first column, the odd ones its second */
             for (int64_t b = 0; b < g / 8; b++)
 #pragma GCC unroll 16
                 for (int v = 0; v < 16; v++) {
-                    const __m256i vec = l5_vector(qg + b * L5_BLOCK, v);
+                    const __m256i vec = lane_vector(qg + b * LANE_BLOCK(bits), v, bits);
                     const int p = v / 4, h = v % 4;
                     const __m256 first = _mm256_cvtepi32_ps(_mm256_and_si256(vec, _mm256_set1_epi32(0xFFFF)));
                     const __m256 second = _mm256_cvtepi32_ps(_mm256_srli_epi32(vec, 16));
@@ -956,9 +971,10 @@ GEMM_WIDTH(6)
 GEMM_WIDTH(8)
 GEMM_WIDTH(NL4)
 GEMM_WIDTH(L5)
+GEMM_WIDTH(L6)
 
 static gemm_panel_fn gemm_panel_for(int64_t bits) {
-    return bits == L5 ? gemm_panel_L5 : bits == NL4 ? gemm_panel_NL4 : bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
+    return bits == L5 ? gemm_panel_L5 : bits == L6 ? gemm_panel_L6 : bits == NL4 ? gemm_panel_NL4 : bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
 }
 
 static int64_t gemm_kc(int64_t g) { return g >= GEMM_KC ? g : GEMM_KC / g * g; }
@@ -1682,9 +1698,9 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
 
 int64_t fl_vector_lanes(void) { return VLANES; }
 
-/* Whether 5-bit weights go into L5 panels here: where the GEMVs take int16 x (AVX2), which L5's
- * lanes feed directly; the AVX-512 GEMVs read any layout through panel_column. */
-int64_t fl_five_bit_lanes(void) { return X_INT16; }
+/* Whether 5 and 6-bit weights go into lanes (L5, L6) here: where the GEMVs take int16 x (AVX2),
+ * which the lanes feed directly; the AVX-512 GEMVs read any layout through panel_column. */
+int64_t fl_value_lanes(void) { return X_INT16; }
 
 /* S[r][0, PF_BK) = sum_d Qt[r][d] Kt[d][.], rows r < PF_QR */
 static inline void pf_scores_tile(const float *Qt, int64_t D, const float *Kt, float *S) {
@@ -1973,9 +1989,9 @@ typedef __m256 a8f;
 
 /* Column kk's 32 values as bytes (rows 0-31 in bytes 0-31), centred unless A8_UNSIGNED. */
 static inline __attribute__((always_inline)) __m256i panel_i8(const uint8_t *qg, int64_t kk, const int bits) {
-    if (bits == L5) {
-        const __m256i v = _mm256_set_m128i(l5_bytes(qg, kk, 16, 16), l5_bytes(qg, kk, 0, 16));
-        return A8_UNSIGNED(bits) ? v : _mm256_sub_epi8(v, _mm256_set1_epi8(16));
+    if (LANES(bits)) {
+        const __m256i v = _mm256_set_m128i(lane_bytes(qg, kk, 16, 16, bits), lane_bytes(qg, kk, 0, 16, bits));
+        return A8_UNSIGNED(bits) ? v : _mm256_sub_epi8(v, _mm256_set1_epi8((char)(1 << (VALUE_BITS(bits) - 1))));
     }
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return _mm256_loadu_si256((const __m256i *)c);
@@ -2021,16 +2037,16 @@ static inline __attribute__((always_inline)) void a8_prep(const panel_w_t *w, in
             if (w->mins) m[i] = _mm256_fmadd_ps(d[i], _mm256_set1_ps(off), load8s(w, w->mins, w->sup_m, si + 8 * i));
             else if (A8_UNSIGNED(bits)) m[i] = _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre)); /* the centre: a min */
         }
-        if (bits == L5) { /* two pairs' vectors packed to bytes and interleaved: 8 rows x 4 columns each */
+        if (LANES(bits)) { /* two pairs' vectors packed to bytes and interleaved: 8 rows x 4 columns each */
             FOR_COLUMNS(kk, g, 4) {
-                const uint8_t *blk = l5_block(qg, kk);
+                const uint8_t *blk = lane_block(qg, kk, bits);
                 const int p0 = (int)(kk & 7) >> 1;
                 for (int h = 0; h < 4; h++) {
-                    const __m256i va = l5_vector(blk, 4 * p0 + h), vb = l5_vector(blk, 4 * (p0 + 1) + h);
+                    const __m256i va = lane_vector(blk, 4 * p0 + h, bits), vb = lane_vector(blk, 4 * (p0 + 1) + h, bits);
                     const __m128i pa = _mm_packus_epi16(_mm256_castsi256_si128(va), _mm256_extracti128_si256(va, 1));
                     const __m128i pb = _mm_packus_epi16(_mm256_castsi256_si128(vb), _mm256_extracti128_si256(vb, 1));
                     __m256i rows8 = _mm256_set_m128i(_mm_unpackhi_epi16(pa, pb), _mm_unpacklo_epi16(pa, pb));
-                    if (!A8_UNSIGNED(bits)) rows8 = _mm256_sub_epi8(rows8, _mm256_set1_epi8(16));
+                    if (!A8_UNSIGNED(bits)) rows8 = _mm256_sub_epi8(rows8, _mm256_set1_epi8((char)(1 << (VALUE_BITS(bits) - 1))));
                     _mm256_storeu_si256((__m256i *)(wb + (k0 + kk) * PANEL + 32 * h), rows8);
                 }
             }
@@ -2175,6 +2191,7 @@ A8_WIDTH(6)
 A8_WIDTH(8)
 A8_WIDTH(NL4)
 A8_WIDTH(L5)
+A8_WIDTH(L6)
 
 /* Row x [K] -> xq (int8; VNNI: + 128), and per chunk of E columns its scale and scale * sum(xq). */
 static inline void a8_quantize_row(const float *x, int64_t K, int E, uint8_t *xq, float *xs, float *xsum) {
@@ -2247,9 +2264,9 @@ static inline __attribute__((always_inline)) void panel_a8_gemv(const int8_t *xq
                         const __m128i m = _mm_set1_epi8(0x0F);
                         lo = c0 + c == 0 ? _mm_and_si128(b4[0], m) : _mm_and_si128(_mm_srli_epi16(b4[0], 4), m);
                         hi = c0 + c == 0 ? _mm_and_si128(b4[1], m) : _mm_and_si128(_mm_srli_epi16(b4[1], 4), m);
-                    } else if (bits == L5) { /* the pair's vectors packed to bytes, lanes in order */
-                        const uint8_t *blk = l5_block(qg, kk);
-                        const __m256i v0 = l5_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c)), v1 = l5_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c) + 1);
+                    } else if (LANES(bits)) { /* the pair's vectors packed to bytes, lanes in order */
+                        const uint8_t *blk = lane_block(qg, kk, bits);
+                        const __m256i v0 = lane_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c), bits), v1 = lane_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c) + 1, bits);
                         lo = _mm_packus_epi16(_mm256_castsi256_si128(v0), _mm256_extracti128_si256(v0, 1));
                         hi = _mm_packus_epi16(_mm256_castsi256_si128(v1), _mm256_extracti128_si256(v1, 1));
                     } else {
@@ -2317,6 +2334,7 @@ A8G_WIDTH(6)
 A8G_WIDTH(8)
 A8G_WIDTH(NL4)
 A8G_WIDTH(L5)
+A8G_WIDTH(L6)
 
 /* y [M <= 2, ldo] (from column offset) = xhat @ W^T: the parts' panels in one parallel loop, x
  * rounded once. Parts of 8 bits or IQ4_NL run the float GEMVs on xhat's floats. */
@@ -2350,7 +2368,7 @@ static void panel_parts_a8_gemv(const float *x, int64_t M, int64_t K, panel_part
         while (i + 1 < nparts && gp >= first[i + 1]) i++;
         const panel_part_t *pt = &parts[i];
         const int b = (int)pt->bits;
-        const panel_a8_block_fn fn = b == L5 ? panel_a8_block_L5 : b == 2 ? panel_a8_block_2 : b == 3 ? panel_a8_block_3 : b == 5 ? panel_a8_block_5 : b == 6 ? panel_a8_block_6
+        const panel_a8_block_fn fn = b == L5 ? panel_a8_block_L5 : b == L6 ? panel_a8_block_L6 : b == 2 ? panel_a8_block_2 : b == 3 ? panel_a8_block_3 : b == 5 ? panel_a8_block_5 : b == 6 ? panel_a8_block_6
                                      : b == 8 ? panel_a8_block_8 : b == NL4 ? panel_a8_block_NL4 : panel_a8_block_4;
         fn(xq, xs, xsum, M, K, &pt->w, pt->N, pt->g, E, y + pt->offset, ldo, gp - first[i]);
     }
@@ -2367,7 +2385,7 @@ void fl_panel_gemm_a8(const float *x, int64_t M, int64_t K, const uint8_t *qp, c
         panel_parts_a8_gemv(x, M, K, &part, 1, y, N);
         return;
     }
-    const a8_panel_fn panel = bits == L5 ? a8_panel_L5 : bits == NL4 ? a8_panel_NL4 : bits == 2 ? a8_panel_2 : bits == 3 ? a8_panel_3 : bits == 5 ? a8_panel_5 : bits == 6 ? a8_panel_6 : bits == 8 ? a8_panel_8 : a8_panel_4;
+    const a8_panel_fn panel = bits == L5 ? a8_panel_L5 : bits == L6 ? a8_panel_L6 : bits == NL4 ? a8_panel_NL4 : bits == 2 ? a8_panel_2 : bits == 3 ? a8_panel_3 : bits == 5 ? a8_panel_5 : bits == 6 ? a8_panel_6 : bits == 8 ? a8_panel_8 : a8_panel_4;
     const int E = g < 32 ? (int)g : 32;
     const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g), C = K / E;
     uint8_t *xq = aligned_alloc(64, (M * K + 63) & ~(int64_t)63);
