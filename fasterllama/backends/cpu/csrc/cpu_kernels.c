@@ -688,10 +688,10 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, const int16_t *xq, const float *xs,
     int64_t K, const panel_w_t *w, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
     if (xq && rows <= 1) panel_i16(xq, xs, xsum, K, w, G, g, 0, y, ldy, bits, 1, 2);
-    else if (xq) { /* (3+: the GEMM) */
+    else if (xq && LANES(bits)) { /* (c0 a constant: the lanes' vector numbers are) */
         panel_i16(xq, xs, xsum, K, w, G, g, 0, y, ldy, bits, 2, 1);
         panel_i16(xq, xs, xsum, K, w, G, g, 1, y, ldy, bits, 2, 1);
-    }
+    } else if (xq) for (int c0 = 0; c0 < 2; c0++) panel_i16(xq, xs, xsum, K, w, G, g, c0, y, ldy, bits, 2, 1); /* (3+: the GEMM) */
     else for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, w, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2);
 }
 #endif
