@@ -355,12 +355,12 @@ static inline int panel_value(const uint8_t *qg, int64_t kk, int64_t j, int bits
     if (LANES(bits)) {
         const uint8_t *blk = lane_block(qg, kk, bits);
         const int v = 4 * ((int)(kk & 7) >> 1) + (int)(j / 8), lane = 2 * (int)(j % 8) + (int)(kk & 1);
-        uint16_t w[6];
-        for (int k = 0; k < 6 && 32 * k < LANE_BLOCK(bits) - 16; k++) memcpy(&w[k], blk + 32 * k + 2 * lane, sizeof w[k]);
-        if (bits == L5) return v == 15 ? blk[160 + lane] : (w[v / 3] >> (5 * (v % 3))) & 31;
-        if (v < 12) return (w[v / 2] >> (6 * (v % 2))) & 63;
+#define LANE_OF(k) (blk[32 * (k) + 2 * lane] | blk[32 * (k) + 2 * lane + 1] << 8) /* word k's 16 bits in this lane */
+        if (bits == L5) return v == 15 ? blk[160 + lane] : (LANE_OF(v / 3) >> (5 * (v % 3))) & 31;
+        if (v < 12) return (LANE_OF(v / 2) >> (6 * (v % 2))) & 63;
         const int k = v < 14 ? v - 12 : v - 11;
-        return v % 2 == 0 ? (w[k] >> 12) | ((w[k + 1] >> 8) & 0x30) : (w[k] >> 14) | ((w[k + 1] >> 10) & 0x3C);
+        return v % 2 == 0 ? (LANE_OF(k) >> 12) | ((LANE_OF(k + 1) >> 8) & 0x30) : (LANE_OF(k) >> 14) | ((LANE_OF(k + 1) >> 10) & 0x3C);
+#undef LANE_OF
     }
     const uint8_t *c = col_bytes(qg, kk, bits);
     if (bits == 8) return (int8_t)c[j];
