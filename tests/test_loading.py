@@ -186,3 +186,40 @@ def test_lean_gguf_reader_matches_gguf_py(tmp_path):
     for a, b in zip(ref.tensors, ours.tensors):
         assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape) and (a.n_bytes, a.data_offset) == (b.n_bytes, b.data_offset)
         assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
+
+
+def _mapped_pages(start: int, nbytes: int) -> int:
+    """Pages of [start, start + nbytes) of this process that are in memory (/proc/self/pagemap's
+    present bit; readable without privileges)."""
+    import struct
+
+    first, last = start // 4096, (start + nbytes - 1) // 4096
+    with open("/proc/self/pagemap", "rb") as fh:
+        fh.seek(first * 8)
+        return sum(entry >> 63 for (entry,) in struct.iter_unpack("<Q", fh.read((last - first + 1) * 8)))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pagemap is Linux's")
+def test_loading_drops_the_files_pages(tmp_path):
+    """Once a tensor is repacked its pages of the memory-mapped file leave the process (none of the
+    tensors' or the metadata's pages stay mapped: they would add the file to the peak), also the
+    ones the kernel's fault-around maps again while the next tensor is read."""
+    import tiny_models as tm
+    import torch
+
+    from fasterllama.model.llama import LlamaForCausalLM
+    from fasterllama.quant.gguf_native import load_gguf_native
+
+    spec = tm.SPECS["gqa"]
+    path = tm.write_gguf(tm.build_hf_model(spec), str(tmp_path / "m.gguf"), "q4_0")
+    ckpt = open_checkpoint(path)
+    reader = ckpt.source.reader
+    base = np.frombuffer(reader._mmap, dtype=np.uint8).__array_interface__["data"][0]
+    header = min(t.data_offset for t in reader.tensors)
+    assert _mapped_pages(base, header) == 0  # the vocabulary's pages went with the parsed metadata
+    tensors = sum(t.n_bytes for t in reader.tensors)
+    for t in reader.tensors:  # map them all, as reading would
+        np.asarray(t.data).sum()
+    assert _mapped_pages(base + header, tensors) > 0
+    load_gguf_native(LlamaForCausalLM(ckpt.config), ckpt.source, torch.float32, torch.device("cpu"))
+    assert _mapped_pages(base + header, tensors) == 0

@@ -69,6 +69,7 @@ class GGUFCheckpoint:
     config: ModelConfig
     metadata: dict[str, Any]
     reader: Any
+    released_from: int = 0  # where the last tensor whose pages were dropped starts (release_pages)
 
     def tensor_names(self) -> list[str]:
         return [t.name for t in self.reader.tensors if canonical_name(t.name)]
@@ -87,24 +88,38 @@ class GGUFCheckpoint:
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
             yield name, torch.from_numpy(arr)
-            self._release_pages(t.data_offset, t.n_bytes)
+            self.release_pages(t.data_offset, t.n_bytes)
+        self.release_all_pages()
 
-    def _release_pages(self, offset: int, length: int) -> None:
-        """Drop the file pages of a tensor already copied, so they do not add to peak memory."""
+    def release_pages(self, offset: int, length: int) -> None:
+        """Drop the file pages of a tensor already copied, so they do not add to peak memory, and
+        the previous tensor's again: reading this one mapped the pages around each fault (the
+        kernel's fault-around), the end of the previous one among them."""
         mm = getattr(self.reader, "_mmap", None)
         if mm is None or not hasattr(mm, "madvise"):
             return
-        start = offset - offset % mmap.PAGESIZE
+        start = min(offset, self.released_from)
+        start -= start % mmap.PAGESIZE
         try:
             mm.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
+            self.released_from = offset
         except (OSError, ValueError):
             pass
+
+    def release_all_pages(self) -> None:
+        """Drop every page of the file this process maps (loading is done: what fault-around mapped
+        past the last tensor released, tensors the model does not use)."""
+        mm = getattr(self.reader, "_mmap", None)
+        if mm is not None:
+            self.release_pages(0, len(mm))
 
     def drop_metadata(self) -> None:
         """Free the parsed metadata (the vocabulary alone is ~100 MB of small arrays) once the
         config and tokenizer are built."""
         self.reader.fields.clear()
         self.metadata = {}
+        if self.reader.tensors:  # and the pages they were read from
+            self.release_pages(0, min(t.data_offset for t in self.reader.tensors))
 
 
 def _dequantize(data: np.ndarray, qtype: Any, rows_per_chunk: int = 2048) -> np.ndarray:

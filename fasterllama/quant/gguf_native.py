@@ -104,17 +104,15 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
             elif name.endswith(("k_proj.weight", "k_proj.bias")):
                 arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
             floats.append((name, torch.from_numpy(arr) if plan is None else plan.cut_tensor(name, torch.from_numpy(arr))))
+            ckpt.release_pages(t.data_offset, t.n_bytes)
             continue
         rows = int(t.shape[1])
         blocks = gguf_blocks.decode(t.data, type_name, rows)
         if ".q_proj." in name or ".k_proj." in name:  # undo llama.cpp's row permutation, exactly
             heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
             blocks.map_rows(lambda a, h=heads: unpermute_rope_rows(a, h))
-        ckpt._release_pages(t.data_offset, t.n_bytes)
+        ckpt.release_pages(t.data_offset, t.n_bytes)
         untrimmed += t.n_bytes
-        if untrimmed >= TRIM_BYTES:  # the decoded-then-repacked temporaries would pile up on top of the weights
-            release_freed_memory()
-            untrimmed = 0
         fused = next((f for f, ps in _PARTS.items() if any(f".{p}." in name for p in ps)), None)
         target, src = name, ""
         if fused is not None:
@@ -131,11 +129,16 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
                 quantized[target] = module.to(device)
             else:
                 pending[target] = parts  # expanded to float below
+            del parts, module
+            if untrimmed >= TRIM_BYTES:  # the decoded-then-repacked temporaries would pile up on top of the weights
+                release_freed_memory()
+                untrimmed = 0
     for target, parts in pending.items():  # fused projections with float parts, or no exact module: float
         fused = next((f for f in _PARTS if f".{f}." in target), None)
         for p, blocks in parts.items():
             name = target.replace(f".{fused}.", f".{p}.") if fused else target
             floats.append((name, torch.from_numpy(blocks.values()) if plan is None else plan.cut_tensor(name, torch.from_numpy(blocks.values()))))
+    ckpt.release_all_pages()
     model.load_weights(floats, dtype, device, skip=set(quantized))
     for target, module in quantized.items():
         path = target.removeprefix("model.").removesuffix(".weight")
