@@ -402,6 +402,10 @@ def test_quantize_rows_matches_reference(static, clip):
 def test_rms_norm_and_silu():
     x, w = torch.randn(5, 3, 96) * 3, torch.randn(96)
     _close(ck.rms_norm(x, w, 1e-5), ref.rms_norm(x, w, 1e-5))
+    r = torch.randn(5, 3, 96)
+    (out, h), (out_ref, h_ref) = ck.add_rms_norm(x, r, w, 1e-5), ref.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(h, h_ref) and h.shape == x.shape  # the sum the residual stream carries on: exact
+    _close(out, out_ref)
     gate_up = torch.randn(7, 2 * 40) * 6
     _close(ck.silu_and_mul(gate_up), ref.silu_and_mul(gate_up))
     extreme = torch.tensor([[-100.0, -30, -1e-3, 0, 1e-3, 30, 100, 88] * 2])

@@ -42,6 +42,7 @@ _SIGNATURES = {
     "fl_f32_linear": [_P, _I, _I, _P, _I, _P],
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
+    "fl_add_rms_norm": [_P, _P, _P, ctypes.c_float, _I, _I, _P, _P],
     "fl_argmax_rows": [_P, _I, _I, _P],
     "fl_sample_rows": [_P, _I, _I, _P, _P, _P, _P, _P, _P, _P],
     "fl_rope_store_kv": [_P, _P, _P, _P, _I, _I, _I, _I, _P, _P, _I, _I, _I, _P],
@@ -324,8 +325,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    h = x + residual
-    return rms_norm(h, weight, eps), h
+    k = x.shape[-1]
+    if not _f32(x, residual, weight) or x.shape != residual.shape or k % 8 != 0:
+        return reference.add_rms_norm(x, residual, weight, eps)
+    h, out = torch.empty_like(x), torch.empty_like(x)
+    _lib.fl_add_rms_norm(x.data_ptr(), residual.data_ptr(), weight.data_ptr(), eps, x.numel() // k, k, h.data_ptr(), out.data_ptr())
+    return out, h
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

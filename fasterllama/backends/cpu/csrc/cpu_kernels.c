@@ -1152,6 +1152,17 @@ void fl_rms_norm(const float *x, const float *weight, float eps, int64_t M, int6
     FOR_ROWS(m, M, { rms_norm_row(x + m * K, weight, eps, K, out + m * K); })
 }
 
+static inline void add_rms_norm_row(const float *x, const float *r, const float *weight, float eps, int64_t K, float *h, float *o) {
+    for (int64_t k = 0; k < K; k += 8) _mm256_storeu_ps(h + k, _mm256_add_ps(_mm256_loadu_ps(x + k), _mm256_loadu_ps(r + k)));
+    rms_norm_row(h, weight, eps, K, o);
+}
+
+/* h [M, K] = x + residual, out = rms_norm(h) * weight: the residual add and the next norm in one
+ * pass over the hidden states (a torch add beside fl_rms_norm wrote and reread h). */
+void fl_add_rms_norm(const float *x, const float *residual, const float *weight, float eps, int64_t M, int64_t K, float *h, float *out) {
+    FOR_ROWS(m, M, { add_rms_norm_row(x + m * K, residual + m * K, weight, eps, K, h + m * K, out + m * K); })
+}
+
 static inline void silu_and_mul_row(const float *g, const float *u, int64_t I, float *o) {
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
     for (int64_t i = 0; i < I; i += 8) {
