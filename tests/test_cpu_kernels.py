@@ -518,6 +518,42 @@ def _three_ways(llm, prompts, params) -> list[tuple[list[list[int]], list]]:
     return results
 
 
+@pytest.mark.parametrize("weights", ["q4_0", "q4_k_m"])
+def test_prompts_in_one_call_equal_op_by_op(tmp_path, weights):
+    """Steps with prompts go through the one-call C step too where the linears are panels: prompts
+    chunked over several steps (attention over a cached prefix), prompt and decode rows in one
+    step, a lone token, and only the rows that need logits. The prompts' log-probabilities equal
+    the op-by-op forward's to the bit (the same kernels and RoPE tables), the tokens are the same."""
+    import tiny_models as tm
+
+    from fasterllama import LLM, SamplingParams
+
+    path = tm.write_gguf(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "m.gguf"), weights)
+    llm = LLM(path, progress=False, max_num_batched_tokens=24)
+    plan = llm.engine.runner.decode_plan
+    assert plan is not None and plan.prefill_rows > 0
+    steps = []
+    forward = plan.forward
+    plan.forward = lambda ids, meta, rows=None: steps.append((meta.all_decode, ids.numel(), rows)) or forward(ids, meta, rows)
+    prompts = [list(range(3, 60)), [5], [7, 8, 9] * 7]
+    with_prompt = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    params = [with_prompt, with_prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)]  # its last row's logits only
+    runs = []
+    for use_plan in (True, False):
+        llm.engine.runner.decode_plan = plan if use_plan else None
+        llm.engine.blocks.reset_prefix_cache()
+        runs.append(llm.generate(prompts, params))
+    llm.engine.runner.decode_plan = plan
+    prompt_steps = [s for s in steps if not s[0]]
+    assert len(prompt_steps) >= 3 and all(n <= 24 for _, n, _ in prompt_steps)  # chunks, each through the plan
+    assert any(rows is not None for _, _, rows in prompt_steps)
+    for a, b in zip(*runs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.prompt_logprobs == b.prompt_logprobs
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
+
+
 @pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32", "w8a8", "w8a8-static-max", "w8a8-static-percentile99-clip"])
 def test_model_same_with_and_without_kernels(tmp_path, quantization):
     """A tiny GQA model generates the same tokens and logits three ways: decode steps as one C call

@@ -22,8 +22,9 @@ class DecodePlan(Protocol):
 
     def covers(self, batch: list[ScheduledSeq]) -> bool: ...
 
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """fp32 logits [rows, vocab] of each sequence's new token (and drafts); advances nothing."""
+    def run(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of each sequence's new token (and drafts), or of the given
+        packed rows only; advances nothing."""
         ...
 
 

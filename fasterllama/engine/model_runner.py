@@ -100,8 +100,9 @@ class ModelRunner:
         caller advances the sequences (Scheduler.advance)."""
         self.backend.begin_step()
         if self.decode_plan is not None and self.decode_plan.covers(batch):
-            logits = self.decode_plan.run(batch)  # embedding to logits in one call
-            return logits if rows is None else logits[torch.tensor(rows, dtype=torch.int64, device=self.device)]
+            logits = self.decode_plan.run(batch, rows)  # embedding to logits in one call
+            self.backend.after_forward(sum(item.num_tokens for item in batch))
+            return logits
         inputs = step_inputs(batch, self.kv_cache.block_size)
         if self.group is None:
             return self._forward(inputs, rows)

@@ -148,14 +148,18 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for the packed tokens `input_ids` [T]."""
-        freqs = meta.positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
+        cos, sin = self.rope_tables(meta.positions)
         h, residual = self.embed_tokens(input_ids), None
         with ops.step(meta):
             for layer, kv in zip(self.layers, kv_caches):
                 h, residual = layer(h, residual, cos, sin, kv, meta)
         return self.norm(h, residual)[0]
+
+    def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] of each position's RoPE angles (rotate-half layout)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

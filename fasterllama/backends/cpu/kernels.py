@@ -50,7 +50,7 @@ _SIGNATURES = {
     "fl_prefill_attention": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
     "fl_quantize_rows": [_P, _I, _I, _P, _I, _P, _P],
-    "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P],
+    "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P],
 }
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -410,8 +410,14 @@ def prefill_attention(q, k_cache, v_cache, table: torch.Tensor, start: int, scal
 def attention(q, k_cache, v_cache, meta, scale: float) -> torch.Tensor:
     if not paged(k_cache, v_cache) or q.dtype != torch.float32 or q.shape[-1] % 8 != 0 or q.shape[-1] > 256:
         return reference.attention(q, k_cache, v_cache, meta, scale)
-    prefill = prefill_attention if q.shape[-1] % _lib.fl_vector_lanes() == 0 else None
+    prefill = prefill_attention if q.shape[-1] % vector_lanes() == 0 else None
     return reference.attention(q, k_cache, v_cache, meta, scale, decode=decode_attention, prefill=prefill)
+
+
+def vector_lanes() -> int:
+    """Floats a vector register holds in the C build (8 AVX2, 16 AVX-512): prefill attention takes
+    head sizes that are a multiple of it."""
+    return int(_lib.fl_vector_lanes())
 
 
 def value_lanes() -> bool:

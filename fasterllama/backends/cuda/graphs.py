@@ -85,7 +85,11 @@ class CUDAGraphDecode:
         self.pool = graph.pool()
         return graph, logits
 
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def run(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
+        logits = self._run(batch)
+        return logits if rows is None else logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
+
+    def _run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         from ...engine.model_runner import step_inputs
 
         step = step_inputs(batch, self.kv_cache.block_size)  # one row per token, each with its block table

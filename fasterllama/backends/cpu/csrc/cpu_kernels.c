@@ -2448,6 +2448,8 @@ typedef struct {
     float *k_cache, *v_cache;
 } fl_layer_t;
 
+#define GEMV_MAX_ROWS 16 /* rows up to which a step's panels go through the GEMVs, past it the GEMM (kernels.GEMV_MAX_ROWS) */
+
 /* xq, xs: room for M rows of int8 activations and their scales (w8a8) */
 static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y, int8_t *xq, float *xs) {
     if (L->kind == 3 && M > MT && L->k > 2 * KB) {
@@ -2473,7 +2475,8 @@ static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y
         for (int i = 0, off = 0; i < n; off += (int)ps[i].n, i++)
             parts[i] = panel_part(panel_w(ps[i].w, ps[i].scales, ps[i].mins, ps[i].sbytes, (int)ps[i].bits, ps[i].sup_s, ps[i].sup_m, ps[i].gps),
                                   ps[i].n, ps[i].g, ps[i].bits, off);
-        if (!L->a8) panel_parts_linear(x, M, L->k, parts, n, y, L->n);
+        if (!L->a8 && M > GEMV_MAX_ROWS) panel_parts_gemm(x, M, L->k, parts, n, y, L->n); /* (AVX-512's GEMVs would take any M) */
+        else if (!L->a8) panel_parts_linear(x, M, L->k, parts, n, y, L->n);
         else if (M <= 2) panel_parts_a8_gemv(x, M, L->k, parts, n, y, L->n);
         else /* the a8 GEMM, a part at a time */
             for (int i = 0; i < n; i++) {
@@ -2553,11 +2556,17 @@ static void rope_tables(const int64_t *positions, int64_t B, const float *inv_fr
  * profile: NULL, or 11 doubles that accumulate the seconds spent in each stage (order below). */
 enum { ST_NORM, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_GATE_UP, ST_SILU, ST_DOWN, ST_RESIDUAL, ST_EMBED, ST_LM_HEAD };
 #define STAGE(id, call) do { double t0_ = profile ? omp_get_wtime() : 0; call; if (profile) profile[id] += omp_get_wtime() - t0_; } while (0)
+/* seq_offsets NULL: B sequences decoding one token each (lengths: their lengths with it); else
+ * n_seqs packed sequences, rows seq_offsets[s] .. seq_offsets[s + 1] - 1 of sequence s at positions
+ * seq_starts[s] .. (a prompt or a chunk of one: prefill attention, causal, over its cached prefix).
+ * out_rows NULL: logits [B, vocab] of every row, else [n_out, vocab] of those rows. rope_cos,
+ * rope_sin [B, D]: the RoPE tables (the model's, to the bit), NULL: computed here from inv_freq. */
 void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t *tokens, const fl_linear_t *embed, int64_t B,
                        int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t bs, int64_t sb, int64_t sh, float eps,
                        const float *inv_freq, const int64_t *slot_mapping, const int64_t *positions, const int32_t *block_tables,
-                       int64_t bt_stride, const int64_t *lengths,
-                       const float *final_norm, const fl_linear_t *lm_head, float *logits, double *profile) {
+                       int64_t bt_stride, const int64_t *lengths, int64_t n_seqs, const int64_t *seq_offsets, const int64_t *seq_starts,
+                       int64_t n_out, const int64_t *out_rows, const float *rope_cos, const float *rope_sin, const float *final_norm,
+                       const fl_linear_t *lm_head, float *logits, double *profile) {
     const int64_t qkv_n = (H + 2 * KVH) * D;
     float *h = floats64(B * hidden), *out = floats64(B * hidden);
     float *x = floats64(B * hidden), *y = floats64(B * hidden), *qkv = floats64(B * qkv_n), *q = floats64(B * H * D);
@@ -2565,7 +2574,8 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
     const int64_t widest = inter > H * D ? (inter > hidden ? inter : hidden) : (H * D > hidden ? H * D : hidden);
     int8_t *xq = aligned_alloc(64, (B * widest + 63) & ~(int64_t)63);
     float *cos_t = floats64(B * D), *sin_t = floats64(B * D);
-    rope_tables(positions, B, inv_freq, D, cos_t, sin_t);
+    if (rope_cos) memcpy(cos_t, rope_cos, sizeof(float) * B * D), memcpy(sin_t, rope_sin, sizeof(float) * B * D);
+    else rope_tables(positions, B, inv_freq, D, cos_t, sin_t);
     STAGE(ST_EMBED, embed_rows(embed, tokens, B, h));
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < n_layers; i++) {
@@ -2573,7 +2583,14 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
         STAGE(ST_NORM, fl_rms_norm(h, L->attn_norm, eps, B, hidden, x));
         STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv, xq, xs));
         STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos_t, sin_t, slot_mapping, B, H, KVH, D, L->k_cache, L->v_cache, bs, sb, sh, q));
-        STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, block_tables, bt_stride, lengths, B, H, KVH, D, bs, sb, sh, scale, att));
+        if (!seq_offsets) STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, block_tables, bt_stride, lengths, B, H, KVH, D, bs, sb, sh, scale, att));
+        else
+            for (int64_t s = 0; s < n_seqs; s++) {
+                const int64_t lo = seq_offsets[s], n = seq_offsets[s + 1] - lo, seen = seq_starts[s] + 1;
+                const int32_t *table = block_tables + s * bt_stride;
+                if (n == 1) STAGE(ST_ATTN, fl_decode_attention(q + lo * H * D, L->k_cache, L->v_cache, table, bt_stride, &seen, 1, H, KVH, D, bs, sb, sh, scale, att + lo * H * D));
+                else if (n > 1) STAGE(ST_ATTN, fl_prefill_attention(q + lo * H * D, L->k_cache, L->v_cache, table, seq_starts[s], n, H, KVH, D, bs, sb, sh, scale, att + lo * H * D));
+            }
         STAGE(ST_O, run_linear(&L->o, att, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
         STAGE(ST_NORM, fl_rms_norm(h, L->mlp_norm, eps, B, hidden, x));
@@ -2582,7 +2599,13 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
         STAGE(ST_DOWN, run_linear(&L->down, act, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
     }
-    STAGE(ST_NORM, fl_rms_norm(h, final_norm, eps, B, hidden, out));
-    STAGE(ST_LM_HEAD, run_linear(lm_head, out, B, logits, xq, xs));
+    if (out_rows) { /* only these rows' logits: gather their hidden states first */
+        for (int64_t r = 0; r < n_out; r++) memcpy(y + r * hidden, h + out_rows[r] * hidden, sizeof(float) * hidden);
+        STAGE(ST_NORM, fl_rms_norm(y, final_norm, eps, n_out, hidden, out));
+        STAGE(ST_LM_HEAD, run_linear(lm_head, out, n_out, logits, xq, xs));
+    } else {
+        STAGE(ST_NORM, fl_rms_norm(h, final_norm, eps, B, hidden, out));
+        STAGE(ST_LM_HEAD, run_linear(lm_head, out, B, logits, xq, xs));
+    }
     free(h); free(out); free(x); free(y); free(qkv); free(q); free(att); free(gu); free(act); free(xs); free(xq); free(cos_t); free(sin_t);
 }
