@@ -26,7 +26,7 @@ from ...quant.linear import FusedLinear, Int4Linear, Int8Linear, PackedLinear, Q
 from . import kernels as cpu_kernels
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-PREFILL_MAX_ROWS = 256  # past it a prompt chunk goes op by op: the step's buffers grow with its rows, the Python saved does not
+PREFILL_MAX_ROWS = 512  # past it a prompt chunk goes op by op: the step's buffers grow with its rows (~36 KB a row), the Python saved does not
 
 
 class _Linear(ctypes.Structure):
