@@ -537,7 +537,8 @@ def test_prompts_in_one_call_equal_op_by_op(tmp_path, weights):
     plan.forward = lambda ids, meta, rows=None: steps.append((meta.all_decode, ids.numel(), rows)) or forward(ids, meta, rows)
     prompts = [list(range(3, 60)), [5], [7, 8, 9] * 7]
     with_prompt = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
-    params = [with_prompt, with_prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)]  # its last row's logits only
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)  # its last row's logits only
+    params = [plain, with_prompt, with_prompt]  # the first step: the long prompt's first chunk, no row sampling
     runs = []
     for use_plan in (True, False):
         llm.engine.runner.decode_plan = plan if use_plan else None
@@ -546,7 +547,7 @@ def test_prompts_in_one_call_equal_op_by_op(tmp_path, weights):
     llm.engine.runner.decode_plan = plan
     prompt_steps = [s for s in steps if not s[0]]
     assert len(prompt_steps) >= 3 and all(n <= 24 for _, n, _ in prompt_steps)  # chunks, each through the plan
-    assert any(rows is not None for _, _, rows in prompt_steps)
+    assert any(rows == [] for _, _, rows in prompt_steps) and any(rows for _, _, rows in prompt_steps)
     for a, b in zip(*runs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.prompt_logprobs == b.prompt_logprobs

@@ -2558,8 +2558,9 @@ enum { ST_NORM, ST_QKV, ST_ROPE, ST_ATTN, ST_O, ST_GATE_UP, ST_SILU, ST_DOWN, ST
 #define STAGE(id, call) do { double t0_ = profile ? omp_get_wtime() : 0; call; if (profile) profile[id] += omp_get_wtime() - t0_; } while (0)
 /* seq_offsets NULL: B sequences decoding one token each (lengths: their lengths with it); else
  * n_seqs packed sequences, rows seq_offsets[s] .. seq_offsets[s + 1] - 1 of sequence s at positions
- * seq_starts[s] .. (a prompt or a chunk of one: prefill attention, causal, over its cached prefix).
- * out_rows NULL: logits [B, vocab] of every row, else [n_out, vocab] of those rows. rope_cos,
+ * seq_starts[s] .. (a prompt or a chunk of one: prefill attention, causal, over its cached prefix;
+ * lengths then holds those of the one-token sequences, in order).
+ * out_rows NULL: logits [B, vocab] of every row, else [n_out, vocab] of those rows (n_out 0: none). rope_cos,
  * rope_sin [B, D]: the RoPE tables (the model's, to the bit), NULL: computed here from inv_freq. */
 void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t *tokens, const fl_linear_t *embed, int64_t B,
                        int64_t hidden, int64_t H, int64_t KVH, int64_t D, int64_t inter, int64_t bs, int64_t sb, int64_t sh, float eps,
@@ -2584,12 +2585,13 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
         STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv, xq, xs));
         STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos_t, sin_t, slot_mapping, B, H, KVH, D, L->k_cache, L->v_cache, bs, sb, sh, q));
         if (!seq_offsets) STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, block_tables, bt_stride, lengths, B, H, KVH, D, bs, sb, sh, scale, att));
-        else
-            for (int64_t s = 0; s < n_seqs; s++) {
-                const int64_t lo = seq_offsets[s], n = seq_offsets[s + 1] - lo, seen = seq_starts[s] + 1;
-                const int32_t *table = block_tables + s * bt_stride;
-                if (n == 1) STAGE(ST_ATTN, fl_decode_attention(q + lo * H * D, L->k_cache, L->v_cache, table, bt_stride, &seen, 1, H, KVH, D, bs, sb, sh, scale, att + lo * H * D));
-                else if (n > 1) STAGE(ST_ATTN, fl_prefill_attention(q + lo * H * D, L->k_cache, L->v_cache, table, seq_starts[s], n, H, KVH, D, bs, sb, sh, scale, att + lo * H * D));
+        else /* a run of one-token sequences in one decode call (lengths: theirs, in order), a prompt's rows in a prefill call */
+            for (int64_t s = 0, d = 0, e; s < n_seqs; s = e) {
+                const int64_t lo = seq_offsets[s], n = seq_offsets[s + 1] - lo;
+                for (e = s + 1; n == 1 && e < n_seqs && seq_offsets[e + 1] - seq_offsets[e] == 1; e++) {}
+                if (n == 1) STAGE(ST_ATTN, fl_decode_attention(q + lo * H * D, L->k_cache, L->v_cache, block_tables + s * bt_stride, bt_stride, lengths + d, e - s, H, KVH, D, bs, sb, sh, scale, att + lo * H * D));
+                else if (n > 1) STAGE(ST_ATTN, fl_prefill_attention(q + lo * H * D, L->k_cache, L->v_cache, block_tables + s * bt_stride, seq_starts[s], n, H, KVH, D, bs, sb, sh, scale, att + lo * H * D));
+                if (n == 1) d += e - s;
             }
         STAGE(ST_O, run_linear(&L->o, att, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
@@ -2599,7 +2601,8 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
         STAGE(ST_DOWN, run_linear(&L->down, act, B, y, xq, xs));
         STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
     }
-    if (out_rows) { /* only these rows' logits: gather their hidden states first */
+    if (n_out == 0) { /* no row samples: a prompt's middle chunk, its K/V all the step is for */
+    } else if (out_rows) { /* only these rows' logits: gather their hidden states first */
         for (int64_t r = 0; r < n_out; r++) memcpy(y + r * hidden, h + out_rows[r] * hidden, sizeof(float) * hidden);
         STAGE(ST_NORM, fl_rms_norm(y, final_norm, eps, n_out, hidden, out));
         STAGE(ST_LM_HEAD, run_linear(lm_head, out, n_out, logits, xq, xs));
