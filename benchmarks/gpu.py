@@ -374,6 +374,10 @@ def main() -> None:
             "default shapes bf16 decode b1 tok/s (>= 1000)": res.get("small", {}).get("bf16", {}).get("decode_b1_tok_s"),
         }
     res["decode_gemv_choice_ms"] = TUNED
+    if device.type == "cuda":
+        from fasterllama.backends.cuda import gemv
+
+        res["decode_gemv_rejected"] = gemv.REJECTED  # candidates that failed to compile or disagreed with cuBLAS / tiled
     res["seconds"] = time.perf_counter() - clock.start
     save()
     print(json.dumps(res, indent=1))

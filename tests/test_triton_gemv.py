@@ -142,3 +142,17 @@ def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
         kernel, cfg = gemv.choice(*key)
         assert timings[key][f"{kernel}{tuple(cfg) if kernel.startswith('gemv') else ''}"] == 0.5
     assert not any(isinstance(m, Linear) for m in net.layers.modules())
+
+
+def test_triton_gemv_tune_leaves_out_wrong_candidates(monkeypatch) -> None:
+    """A candidate that fails to compile or disagrees with the first (cuBLAS / tiled) is never timed."""
+    monkeypatch.setattr(gemv, "REJECTED", [])
+    ref = torch.randn(1, 64)
+
+    def broken() -> torch.Tensor:
+        raise RuntimeError("no such instruction")
+
+    fns = {"ref": lambda: ref, "wrong": lambda: ref * 1.5, "nan": lambda: ref * float("nan"), "broken": broken,
+           "rounded": lambda: ref.bfloat16()}
+    assert list(gemv._checked(("float", 64, 64), fns)) == ["ref", "rounded"]
+    assert [r.split(": ")[0].split()[-1] for r in gemv.REJECTED] == ["wrong", "nan", "broken"]

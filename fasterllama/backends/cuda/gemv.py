@@ -416,6 +416,28 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
     return (), {}
 
 
+REJECTED: list[str] = []  # candidates tune() left out: "shape kernel(config): why"
+
+
+def _checked(key: tuple, fns: dict) -> dict:
+    """The candidates that compile and agree with the first one (cuBLAS or the tiled kernel, the
+    established path) to within bf16 rounding: a kernel new to a chip must not win by being wrong."""
+    kept, ref = {}, None
+    for name, fn in fns.items():
+        try:
+            out = fn().float()
+        except Exception as e:  # noqa: BLE001 -- a compile or launch failure drops this candidate only
+            REJECTED.append(f"{key} {name}: {type(e).__name__}: {e}"[:300])
+            continue
+        if ref is None:
+            ref = out
+        elif not torch.isfinite(out).all() or (out - ref).norm() > 1e-2 * ref.norm():
+            REJECTED.append(f"{key} {name}: relative error {((out - ref).norm() / ref.norm()).item():.3g}")
+            continue
+        kept[name] = fn
+    return kept
+
+
 def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, float]]:
     """Time each candidate kernel and config for every distinct linear shape of the model at one
     activation row and remember the fastest; returns {shape: {kernel/config: ms}} (CUDA only)."""
@@ -430,7 +452,9 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
             key, fns = _candidates(module, x)
             if not fns or key in timings or key in _CHOICE:
                 continue
-            ms = {name: _time(fn) for name, fn in fns.items()}
+            ms = {name: _time(fn) for name, fn in _checked(key, fns).items()}
+            if not ms:
+                continue
             _CHOICE[key] = min(ms, key=ms.get)
             timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
     return timings
