@@ -318,6 +318,11 @@ def main() -> None:
             torch.cuda.empty_cache()
         save()
 
+    res["decode_gemv_choice_ms"] = TUNED  # (filled as the models are prepared; saved after every section)
+    if device.type == "cuda":
+        from fasterllama.backends.cuda import gemv
+
+        res["decode_gemv_rejected"] = gemv.REJECTED  # candidates that failed to compile or disagreed with cuBLAS / tiled
     section("ceilings", lambda: res.update(ceilings(device, args.quick)))
     bw = res.get("copy_bandwidth_GBps", 1.0)
     peak = res.get("bf16_matmul_TFLOPs", 1.0)
@@ -373,11 +378,6 @@ def main() -> None:
             "bf16 decode b64 / b1 (>= 25)": (bf16["decode_b64_tok_s"] / bf16["decode_b1_tok_s"]) if "decode_b64_tok_s" in bf16 else None,
             "default shapes bf16 decode b1 tok/s (>= 1000)": res.get("small", {}).get("bf16", {}).get("decode_b1_tok_s"),
         }
-    res["decode_gemv_choice_ms"] = TUNED
-    if device.type == "cuda":
-        from fasterllama.backends.cuda import gemv
-
-        res["decode_gemv_rejected"] = gemv.REJECTED  # candidates that failed to compile or disagreed with cuBLAS / tiled
     res["seconds"] = time.perf_counter() - clock.start
     save()
     print(json.dumps(res, indent=1))
