@@ -124,7 +124,7 @@ def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     from fasterllama.quant import QuantConfig, quantize_model
 
     path = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["mha"]), str(tmp_path))
-    net = load_model(path, torch.float32, torch.device("cpu"), None, True, progress=False).model
+    net = load_model(path, torch.float32, torch.device(DEVICE), None, True, progress=False).model  # (candidates run: on the GPU there)
     quantize_model(net, QuantConfig.parse("w4-g32-head4-noimatrix"))  # every linear int4, the head too (no calibration run)
     seen = []
 
