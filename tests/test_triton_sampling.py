@@ -10,6 +10,9 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
 
@@ -22,14 +25,14 @@ DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 V, ROWS = (2500, 24) if DEVICE == "cpu" else (49152, 96)  # V: not a multiple of the kernel's block
 
 
-def test_triton_sample_rows_draws_the_reference_samplers_tokens() -> None:
-    """Rows of every kind: greedy, temperatures, top-k (1, some, past the vocabulary), top-p with a
-    peaked and a flat distribution, min-p, mixes, masked (-inf) logits. Equal tokens except where
-    the reference's two best scores tie to 1e-5."""
-    g = torch.Generator().manual_seed(4)
+def _rows(n: int, seed: int) -> tuple[torch.Tensor, sampler.SamplingBatch]:
+    """Rows of every kind: greedy, temperatures, top-k (1, some, more than the kernel's copy holds,
+    past the vocabulary), top-p with a peaked and a flat distribution, min-p, mixes, masked (-inf)
+    logits, logits in few distinct values (ties at the top-k boundary)."""
+    g = torch.Generator().manual_seed(seed)
     rows, logits = [], []
-    for i in range(ROWS):
-        params = SamplingParams(temperature=[0.0, 0.3, 0.8, 1.5][i % 4], top_k=[0, 1, 7, 50, V + 10][i % 5], top_p=[1.0, 0.9, 0.5, 0.99][i // 3 % 4],
+    for i in range(n):
+        params = SamplingParams(temperature=[0.0, 0.3, 0.8, 1.5][i % 4], top_k=[0, 1, 7, 50, 300, V + 10][i % 6], top_p=[1.0, 0.9, 0.5, 0.99][i // 3 % 4],
                                 min_p=[0.0, 0.05, 0.3][i // 5 % 3], seed=int(torch.randint(0, 2**62, (1,), generator=g)))
         seq = Sequence([1, 2, 3], params, None, params.seed)
         seq.output_token_ids = list(range(i % 5))
@@ -37,9 +40,16 @@ def test_triton_sample_rows_draws_the_reference_samplers_tokens() -> None:
         row = torch.randn(V, generator=g) * (0.01 if i % 6 == 5 else 4.0)  # every sixth flat: the nucleus is most of the vocabulary
         if i % 7 == 3:
             row[: V // 3] = float("-inf")  # banned tokens (penalties, min_tokens)
+        if i % 11 == 4:
+            row = row.round()  # hundreds of tokens tie at the top-k boundary: more than the copy holds
         logits.append(row)
     logits = torch.stack(logits).to(DEVICE)
-    b = sampler.sampling_batch(rows, V, [2], logits.device)
+    return logits, sampler.sampling_batch(rows, V, [2], logits.device)
+
+
+def test_triton_sample_rows_draws_the_reference_samplers_tokens() -> None:
+    """Equal tokens except where the reference's two best scores tie to 1e-5."""
+    logits, b = _rows(ROWS, 4)
     want = sampler.sample_with_probs(logits, b)[0]
     got = triton_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
     scores = (sampler.probabilities(logits, b) / -torch.log(sampler.hashed_uniform(b.seeds, b.steps, V)).float()).topk(2, dim=-1).values
@@ -47,3 +57,71 @@ def test_triton_sample_rows_draws_the_reference_samplers_tokens() -> None:
     assert ((got == want) | near_tie).all(), (got, want)
     assert (got == want).float().mean() > 0.95
     assert len(set(want.tolist())) > ROWS // 2  # rows draw different tokens
+
+
+def test_triton_sample_rows_candidate_copy_draws_what_the_row_draws(monkeypatch) -> None:
+    """The passes after top-k read a copy of the tokens it keeps; with no room for a copy (CAP 1)
+    they read the whole row: the same tokens either way (sums in another order: near ties aside)."""
+    logits, b = _rows(ROWS // 2, 5)
+    args = (logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
+    copied = triton_sampling.sample_rows(*args)
+    monkeypatch.setattr(triton_sampling, "CAP", 1)
+    whole = triton_sampling.sample_rows(*args)
+    assert (copied == whole).float().mean() > 0.95, (copied, whole)
+
+
+@triton.jit
+def _kth_key_kernel(x_ptr, k_ptr, out_ptr, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    k = tl.load(k_ptr + row)
+    key = triton_sampling._kth_largest_key(x_ptr + row * V, V, 1.0, k, tl.arange(0, BLOCK), BLOCK)
+    tl.store(out_ptr + row, key)
+
+
+def test_triton_kth_largest_key_is_the_sorted_rows_kth() -> None:
+    """The radix select's key is the k-th largest of the row, ties, negatives and -inf included."""
+    g = torch.Generator().manual_seed(6)
+    n = 300
+    x = torch.randn(6, n, generator=g) * 3
+    x[1] = x[1].round()  # ties
+    x[2, : n // 2] = float("-inf")
+    x[3] = -x[3].abs()  # all negative
+    x[4] = 0.0  # one value
+    x[5, :10] = torch.tensor([-0.0, 0.0] * 5)  # signed zeros
+    k = torch.tensor([1, 37, 200, n, 5, 150])
+    out = torch.empty(6, dtype=torch.int64)
+    x, k, out = x.to(DEVICE), k.to(DEVICE), out.to(DEVICE)
+    _kth_key_kernel[(6,)](x, k, out, n, BLOCK=128)
+    bits = x.view(torch.int32).long()
+    keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    want = keys.sort(dim=1, descending=True).values.gather(1, (k - 1)[:, None]).squeeze(1)
+    assert torch.equal(out, want), (out, want)
+
+
+def test_triton_sample_kernel_compiles_for_sm90() -> None:
+    """The interpreter runs Python, not the compiler: build the kernel for Hopper too (Triton's own
+    ptxas, no GPU needed; in a process without TRITON_INTERPRET), so what only a compile rejects
+    shows up in CI."""
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    code = """
+import sys
+sys.path.insert(0, "benchmarks")
+from gpu_sass import compile_sm90
+from fasterllama.backends.cuda import triton_sampling as ts
+sig = {"x_ptr": "*bf16", "t_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "mp_ptr": "*fp32", "seed_ptr": "*i64", "step_ptr": "*i64",
+       "out_ptr": "*i64", "cx_ptr": "*bf16", "ci_ptr": "*i32", "V": "i32", "stride_x": "i32", "BLOCK": "constexpr", "CAP": "constexpr"}
+try:
+    sass, usage = compile_sm90(ts._sample_kernel, sig, {"BLOCK": ts.BLOCK, "CAP": ts.CAP}, 8)
+except FileNotFoundError as e:
+    sys.exit(f"SKIP no sm_90 toolchain: {e}")
+print("LOCAL:0" in usage, "ATOMS" in sass)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    if "SKIP" in run.stderr:
+        pytest.skip(run.stderr.strip())
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split() == ["True", "True"]  # nothing spilled; the radix select's digit counts (shared-memory atomics)
