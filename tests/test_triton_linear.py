@@ -196,3 +196,31 @@ def test_int8_weight_linear_with_mins(M: int, dtype: torch.dtype, group: int, le
     no_mins = ref.int8_weight_linear(x, q, scale, bias)
     assert (want.float() - no_mins.float()).abs().max() > 0.1  # the mins matter
     _check(tlin.int8_weight_linear(x, q, scale, bias, mins), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_dequantizes_once_then_cublas(monkeypatch, dtype: torch.dtype) -> None:
+    """From DEQUANT_MIN_M rows the weight is written out in float into the reused buffer, then
+    F.linear: every layout (int8 per channel, per group, with mins; 4-bit with fp16 and fp32
+    scales) against the reference op; the buffer is reused across shapes."""
+    monkeypatch.setattr(tlin, "DEQUANT_MIN_M", 8)
+    monkeypatch.setattr(tlin, "_FLOAT_WEIGHT", {})
+    N, K = SHAPES[-1]
+    M = 9 if DEVICE == "cpu" else 600
+    x, bias = _x(M, K, dtype), _bias(N, dtype, True)
+    for groups in (0, K // 32, K // 16):
+        q, scale = _int8_weight(N, K, groups)
+        _check(tlin.int8_weight_linear(x, q, scale, bias), ref.int8_weight_linear(x, q, scale, bias), dtype)
+    mins = -torch.rand(N, K // 32, device=DEVICE) * 0.01
+    q, scale = _int8_weight(N, K, K // 32)
+    q = q.abs()
+    _check(tlin.int8_weight_linear(x, q, scale, bias, mins), ref.int8_weight_linear(x, q, scale, bias, mins), dtype)
+    for group, q4_0 in ((32, True), (64, False)):
+        packed, scales, mins4 = _int4_weight(N, K, group, q4_0)
+        _check(tlin.int4_weight_linear(x, packed, scales, mins4, group, bias), ref.int4_weight_linear(x, packed, scales, mins4, group, bias), dtype)
+        _check(tlin.int4_weight_linear(x, packed, scales.float(), mins4.float(), group, None),
+               ref.int4_weight_linear(x, packed, scales.float(), mins4.float(), group, None), dtype)
+    small = _x(M, 64, dtype)  # a smaller weight after a larger one: a view of the same buffer
+    q, scale = _int8_weight(N // 2, 64, 2)
+    _check(tlin.int8_weight_linear(small, q, scale), ref.int8_weight_linear(small, q, scale), dtype)
+    assert len(tlin._FLOAT_WEIGHT) == 1 and next(iter(tlin._FLOAT_WEIGHT.values())).numel() == N * K
