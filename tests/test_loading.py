@@ -223,3 +223,41 @@ def test_loading_drops_the_files_pages(tmp_path):
     assert _mapped_pages(base + header, tensors) > 0
     load_gguf_native(LlamaForCausalLM(ckpt.config), ckpt.source, torch.float32, torch.device("cpu"))
     assert _mapped_pages(base + header, tensors) == 0
+
+
+CODE_PAGES = r"""
+import sys
+import torch
+from fasterllama import LLM, SamplingParams
+
+def code_kb():  # resident machine code of torch's libraries
+    total, code = 0, False
+    for line in open("/proc/self/smaps"):
+        parts = line.split()
+        if "-" in parts[0] and len(parts) >= 5:
+            code = parts[1] == "r-xp" and len(parts) >= 6 and "/libtorch" in parts[5]
+        elif code and parts[0] == "Rss:":
+            total += int(parts[1])
+    return total
+
+after_import = code_kb()
+llm = LLM(sys.argv[1], progress=False)
+after_load = code_kb()
+out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+print(after_import, after_load, code_kb(), len(out.token_ids))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
+def test_loading_leaves_torchs_import_code_out_of_memory(tmp_path):
+    """The CPU backend drops torch's machine code from the resident set (what importing it ran once):
+    what a generation runs afterwards comes back, far from all of it."""
+    import tiny_models as tm
+
+    path = tm.write_gguf(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "m.gguf"), "q4_0")
+    run = subprocess.run([sys.executable, "-c", CODE_PAGES, path], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    after_import, after_load, after_generate, tokens = map(int, run.stdout.split()[-4:])
+    assert tokens == 4
+    assert after_import > 20_000  # kB: torch's import runs tens of MB of it
+    assert after_load < after_import / 2 and after_generate < after_import / 2, (after_import, after_load, after_generate)

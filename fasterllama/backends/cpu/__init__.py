@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ... import ops
-from ...host_memory import release_freed_memory
+from ...host_memory import release_code_pages, release_freed_memory
 from .. import Backend, DecodePlan
 from . import kernels
 from .core_sharing import CoreSharing
@@ -33,6 +33,7 @@ class CPUBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.core_sharing = CoreSharing()
+        release_code_pages()  # torch's import-time code, before the weights arrive (the load's peak)
 
     # a forward of this many tokens (a prefill) hands its freed temporaries back to the OS, which
     # glibc would keep in the heap: malloc_trim's 0.3-3 ms against ~0.2 s of compute
@@ -58,6 +59,7 @@ class CPUBackend(Backend):
         if kernels.load() is not None:  # the C kernels read quantized weights in panels
             use_cpu_panels(model)
         huge_pages.pack_weights(model)
+        release_code_pages()  # and the loading's
 
     def decode_plan(self, model, kv_cache, max_num_seqs: int, max_model_len: int) -> DecodePlan | None:
         from .decode_plan import CPUDecodePlan
