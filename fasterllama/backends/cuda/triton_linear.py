@@ -165,7 +165,6 @@ def _splitk_reduce_kernel(part_ptr, out_ptr, b_ptr, xs_ptr, ws_ptr, M, N, SPLITS
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-
 # -- prefill: the weight written out in float once, then cuBLAS -----------------------------------------
 def _float_weight(N: int, K: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A [N, K] view of the reused buffer (kernels on one stream run in order: the next linear's

@@ -12,7 +12,8 @@ tokens (the max token always survives, so each stage's softmax is e over its kep
 the smallest key K whose tokens above it hold less than top_p of the mass (bisection), a token
 kept while the mass above it is < top_p; min-p; then the argmax of p / -log(u), u from splitmix64
 of (seed, step, token) exactly as sampler.hashed_uniform. The tokens equal the reference's except
-where two candidates' scores (or a token at a top-p boundary) tie to rounding. Temperature 0: the argmax of the logits."""
+where two candidates' scores (or a token at a top-p boundary) tie to rounding. Temperature 0: the
+argmax of the logits."""
 
 from __future__ import annotations
 
