@@ -251,7 +251,8 @@ print(after_import, after_load, code_kb(), len(out.token_ids))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps")
 def test_loading_leaves_torchs_import_code_out_of_memory(tmp_path):
     """The CPU backend drops torch's machine code from the resident set (what importing it ran once):
-    what a generation runs afterwards comes back, far from all of it."""
+    what a generation runs afterwards comes back, not all of it (how much depends on how the page
+    cache holds the library: 10 of 58 MB in one venv, 56 of 107 in a freshly installed one)."""
     import tiny_models as tm
 
     path = tm.write_gguf(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "m.gguf"), "q4_0")
@@ -260,4 +261,4 @@ def test_loading_leaves_torchs_import_code_out_of_memory(tmp_path):
     after_import, after_load, after_generate, tokens = map(int, run.stdout.split()[-4:])
     assert tokens == 4
     assert after_import > 20_000  # kB: torch's import runs tens of MB of it
-    assert after_load < after_import / 2 and after_generate < after_import / 2, (after_import, after_load, after_generate)
+    assert after_load < after_import / 2 and after_generate < 0.8 * after_import, (after_import, after_load, after_generate)
