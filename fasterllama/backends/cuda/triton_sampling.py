@@ -89,6 +89,24 @@ def _kth_largest_key(x_row, V, t, k, lanes, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """Copy the logits with key >= floor_key (and above -inf) and their ids, ids ascending, while
+    they fit in CAP; returns how many there are (more than CAP: the copy is incomplete)."""
+    n_cand = tl.full([], 0, tl.int32)
+    for start in range(0, V, BLOCK):
+        offs = start + lanes
+        v, ok = _scaled(x_row, offs, V, t)
+        kept = ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf"))
+        pos = n_cand + tl.cumsum(kept.to(tl.int32), axis=0) - 1
+        fits = kept & (pos < CAP)
+        tl.store(cx_row + pos, tl.load(x_row + offs, mask=fits), mask=fits)
+        tl.store(ci_row + pos, offs, mask=fits)
+        n_cand += tl.sum(kept.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the copies visible to every thread of the program
+    return n_cand
+
+
+@triton.jit
 def _tokens(ci_row, offs, ok, use_cand):
     """Token ids at positions offs: the candidate list's, or the positions themselves (the row)."""
     return tl.where(use_cand, tl.load(ci_row + offs, mask=ok & use_cand, other=0), offs)
@@ -115,32 +133,38 @@ def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_p
         mx = tl.maximum(mx, tl.max(_scaled(x_row, start + lanes, V, t)[0], axis=0))
     # top-k: the largest key K with >= k logits at or above it (keys of -inf and below count all),
     # and the tokens it keeps copied out (ids ascending) while they fit in CAP: then every later
-    # pass reads those few instead of the vocabulary
+    # pass reads those few instead of the vocabulary. Without top-k but with top-p, the CAP largest
+    # logits are copied: a superset of top-p's nucleus whenever they hold top_p of the mass
     k = tl.load(k_ptr + row)
+    top_p = tl.load(p_ptr + row)
     floor_key = tl.full([], -2147483648, tl.int64)
     cx_row, ci_row = cx_ptr + row.to(tl.int64) * CAP, ci_ptr + row.to(tl.int64) * CAP
-    n_cand = 0
+    n_cand = tl.full([], 0, tl.int32)
+    nucleus = tl.full([], 0, tl.int32)  # 1: the copy is the CAP largest, not all that top-k keeps
     if k > 0 and k < V:
         floor_key = _kth_largest_key(x_row, V, t, k, lanes, BLOCK)
-        for start in range(0, V, BLOCK):
-            offs = start + lanes
-            v, ok = _scaled(x_row, offs, V, t)
-            kept = ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf"))
-            pos = n_cand + tl.cumsum(kept.to(tl.int32), axis=0) - 1
-            fits = kept & (pos < CAP)
-            tl.store(cx_row + pos, tl.load(x_row + offs, mask=fits), mask=fits)
-            tl.store(ci_row + pos, offs, mask=fits)
-            n_cand += tl.sum(kept.to(tl.int32), axis=0)
-        tl.debug_barrier()  # the copies visible to every thread of the program
+        n_cand = _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, BLOCK, CAP)
+    elif top_p < 1.0 and CAP < V:
+        n_cand = _copy_kept(x_row, V, t, _kth_largest_key(x_row, V, t, tl.full([], CAP, tl.int64), lanes, BLOCK), cx_row, ci_row, lanes, BLOCK, CAP)
+        nucleus = 1
     use_cand = (n_cand > 0) & (n_cand <= CAP)
-    src = tl.where(use_cand, cx_row, x_row)
-    n = tl.where(use_cand, n_cand, V)
-    # top-p: the smallest key K of e whose tokens above it hold < top_p of the kept mass
+    # top-p: the smallest key K of e whose tokens above it hold < top_p of the kept mass (the kept
+    # mass over the row unless the copy holds all of it)
+    whole = (nucleus == 1) | (n_cand == 0) | (n_cand > CAP)
+    src = tl.where(whole, x_row, cx_row)
+    n = tl.where(whole, V, n_cand)
     total = 0.0
     for start in range(0, n, BLOCK):
         v, ok = _scaled(src, start + lanes, n, t)
         total += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
-    top_p = tl.load(p_ptr + row)
+    n_held = tl.where((nucleus == 1) & use_cand, n_cand, 0)
+    held = 0.0
+    for start in range(0, n_held, BLOCK):
+        v, ok = _scaled(cx_row, start + lanes, n_held, t)
+        held += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
+    use_cand = use_cand & ((nucleus == 0) | (held >= top_p * total))  # else a token past the copy can be in the nucleus
+    src = tl.where(use_cand, cx_row, x_row)
+    n = tl.where(use_cand, n_cand, V)
     e_floor = tl.full([], -1, tl.int64)  # keep e with key >= e_floor (e >= 0: every key >= 0)
     if top_p < 1.0:
         target = top_p * total
