@@ -7,7 +7,8 @@ sorted: temperature and the max; top-k as a threshold (the largest key K with at
 at or above it, K an ordered bit pattern of the float, so ties are kept as the reference keeps
 them), found by a radix select: four passes of 8-bit digit histograms; the tokens top-k keeps,
 when they fit in CAP, copied out so that every later pass reads those few, not the vocabulary
-(at the CLI's top-k 40: 6 passes over the row instead of ~70); e = exp(l - max) over the kept
+(at the CLI's top-k 40: 6 passes over the row instead of ~70; top-p alone: the CAP largest, used
+when they hold top_p of the mass); e = exp(l - max) over the kept
 tokens (the max token always survives, so each stage's softmax is e over its kept sum); top-p as
 the smallest key K whose tokens above it hold less than top_p of the mass (bisection), a token
 kept while the mass above it is < top_p; min-p; then the argmax of p / -log(u), u from splitmix64
