@@ -151,7 +151,7 @@ def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_p
     use_cand = (n_cand > 0) & (n_cand <= CAP)
     # top-p: the smallest key K of e whose tokens above it hold < top_p of the kept mass (the kept
     # mass over the row unless the copy holds all of it)
-    whole = (nucleus == 1) | (n_cand == 0) | (n_cand > CAP)
+    whole = (nucleus == 1) | (use_cand == 0)
     src = tl.where(whole, x_row, cx_row)
     n = tl.where(whole, V, n_cand)
     total = 0.0
