@@ -5,6 +5,9 @@ them alike (separate runs minutes apart differ by up to 30% here).
     cp fasterllama/backends/cpu/csrc/cpu_kernels.c /tmp/edit.c   # then edit /tmp/edit.c
     python benchmarks/ab_kernels.py fasterllama/backends/cpu/csrc/cpu_kernels.c /tmp/edit.c [--model GGUF] [--batch 8] [--quantization none] [--prompt-len 2000]
 
+--prefill times whole prompts of --prompt-len tokens instead (time to the first token, as
+benchmarks/compare_cpu.py's prefill).
+
 Each source must keep the exported functions' signatures (backends/cpu/kernels.py _SIGNATURES).
 """
 
@@ -18,6 +21,7 @@ from huge_pages import step_ms  # same timing loop
 
 from fasterllama import LLM
 from fasterllama.backends.cpu import kernels as cpu_kernels
+from fasterllama.bench import _prefill_seconds, fixed_prompt_ids
 
 
 def main() -> None:
@@ -29,18 +33,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128, help="tokens in each sequence's cache when decoding starts")
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--prefill", action="store_true", help="time prompts of --prompt-len tokens, not decode steps")
     args = ap.parse_args()
     llm = LLM(args.model, progress=False, quantization=args.quantization)
+    ids = fixed_prompt_ids(args.prompt_len, llm.config.vocab_size)
     libs = {str(src): cpu_kernels.open_library(src) for src in args.sources}
     times: dict[str, list[float]] = {name: [] for name in libs}
     for _ in range(args.repeats):
         for name, lib in libs.items():
             cpu_kernels._lib = lib  # every C op and the one-call decode step go through this handle
-            times[name].append(step_ms(llm, args.batch, args.steps, args.prompt_len))
+            times[name].append(prefill_ms(llm, ids, args.steps) if args.prefill else step_ms(llm, args.batch, args.steps, args.prompt_len))
     base = statistics.median(times[str(args.sources[0])])
+    what = f"a prompt of {args.prompt_len}" if args.prefill else f"a step (batch {args.batch}, prompt {args.prompt_len})"
     for name, t in times.items():
         med = statistics.median(t)
-        print(f"{name}: {med:.2f} ms a step, {base / med:.3f}x the first (batch {args.batch}, prompt {args.prompt_len}; runs {' '.join(f'{x:.2f}' for x in t)})")
+        print(f"{name}: {med:.2f} ms {what}, {base / med:.3f}x the first (runs {' '.join(f'{x:.2f}' for x in t)})")
+
+
+def prefill_ms(llm: LLM, ids: list[int], calls: int) -> float:
+    """Median milliseconds of `calls` prefills of ids (each to its first token)."""
+    return statistics.median(_prefill_seconds(llm, ids) for _ in range(calls)) * 1e3
 
 
 if __name__ == "__main__":

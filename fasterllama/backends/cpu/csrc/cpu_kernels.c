@@ -872,12 +872,25 @@ static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *
     for (int64_t grp = grp0; grp < grp1; grp++) {
         const uint8_t *qg = w->q + grp * g * COL_BYTES(bits);
         const int64_t si = grp * PANEL;
+        float *o = wb + (grp - grp0) * g * PANEL;
+#if defined(__AVX512F__)
+        if (!LANES(bits)) { /* a column's 32 values in two vectors (the GEMVs' panel_column): half the ops of 8-wide */
+            const __m512 d0 = load16s(w, w->scales, w->sup_s, si), d1 = load16s(w, w->scales, w->sup_s, si + 16);
+            const __m512 m0 = panel_mins16(w, si, d0), m1 = panel_mins16(w, si + 16, d1);
+            FOR_COLUMNS(kk, g, 1) {
+                __m512 qa, qb;
+                panel_column(qg, kk, bits, &qa, &qb);
+                _mm512_store_ps(o + kk * PANEL, _mm512_fmadd_ps(qa, d0, m0));
+                _mm512_store_ps(o + kk * PANEL + 16, _mm512_fmadd_ps(qb, d1, m1));
+            }
+            continue;
+        }
+#endif
         __m256 d[4], m[4];
         for (int i = 0; i < 4; i++) {
             d[i] = load8s(w, w->scales, w->sup_s, si + 8 * i);
             m[i] = w->mins ? load8s(w, w->mins, w->sup_m, si + 8 * i) : _mm256_mul_ps(d[i], _mm256_set1_ps(-w->centre));
         }
-        float *o = wb + (grp - grp0) * g * PANEL;
         if (LANES(bits)) { /* by vectors: a pair's even lanes are its first column, the odd ones its second */
             for (int64_t b = 0; b < g / 8; b++)
 #pragma GCC unroll 16
@@ -900,12 +913,13 @@ static inline __attribute__((always_inline)) void gemm_dequant(const panel_w_t *
     }
 }
 
-/* acc tile t [rows, 32] (+)= x [rows, kc] (row stride ldx) @ wb [kc, 32]^T, outputs [v0, v0 + GEMM_V vectors). */
-static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *wb, int64_t kc, float *t, int v0,
-                                                            int first, const int rows) {
+/* out [rows, 32] (row stride ldo) = t [rows, 32] (t NULL: zeros) + x [rows, kc] (row stride ldx) @ wb [kc, 32]^T,
+ * outputs [v0, v0 + GEMM_V vectors). */
+static inline __attribute__((always_inline)) void gemm_tile(const float *x, int64_t ldx, const float *wb, int64_t kc, const float *t,
+                                                            float *out, int64_t ldo, int v0, const int rows) {
     vf acc[GEMM_R][GEMM_V];
     for (int r = 0; r < rows; r++)
-        for (int v = 0; v < GEMM_V; v++) acc[r][v] = first ? VZERO() : VLOAD(t + r * PANEL + (v0 + v) * GEMM_LANES);
+        for (int v = 0; v < GEMM_V; v++) acc[r][v] = t ? VLOAD(t + r * PANEL + (v0 + v) * GEMM_LANES) : VZERO();
     for (int64_t k = 0; k < kc; k++) {
         vf wv[GEMM_V];
         for (int v = 0; v < GEMM_V; v++) wv[v] = VLOAD(wb + k * PANEL + (v0 + v) * GEMM_LANES);
@@ -915,11 +929,11 @@ static inline __attribute__((always_inline)) void gemm_tile(const float *x, int6
         }
     }
     for (int r = 0; r < rows; r++)
-        for (int v = 0; v < GEMM_V; v++) VSTORE(t + r * PANEL + (v0 + v) * GEMM_LANES, acc[r][v]);
+        for (int v = 0; v < GEMM_V; v++) VSTORE(out + r * ldo + (v0 + v) * GEMM_LANES, acc[r][v]);
 }
 
-static void gemm_tile_any(const float *x, int64_t ldx, const float *wb, int64_t kc, float *t, int v0, int first, int rows) {
-#define TILE_CALL(R) gemm_tile(x, ldx, wb, kc, t, v0, first, R)
+static void gemm_tile_any(const float *x, int64_t ldx, const float *wb, int64_t kc, const float *t, float *out, int64_t ldo, int v0, int rows) {
+#define TILE_CALL(R) gemm_tile(x, ldx, wb, kc, t, out, ldo, v0, R)
     switch (rows) {
 #if GEMM_R > 6
         case 12: TILE_CALL(12); break;
@@ -949,11 +963,15 @@ static inline __attribute__((always_inline)) void gemm_panel(const float *x, int
     for (int64_t grp0 = 0; grp0 < G; grp0 += gpb) {
         const int64_t grp1 = grp0 + gpb < G ? grp0 + gpb : G, kc = (grp1 - grp0) * g;
         gemm_dequant(&wp, g, grp0, grp1, wb, bits);
+        /* the last columns' sums go straight to y (a whole panel), the others to the tile t */
+        const int to_y = grp1 == G && valid == PANEL;
         for (int64_t r0 = 0; r0 < mc; r0 += GEMM_R)
             for (int v0 = 0; v0 < PANEL / GEMM_LANES; v0 += GEMM_V)
-                gemm_tile_any(x + r0 * K + grp0 * g, K, wb, kc, t + r0 * PANEL, v0, grp0 == 0, (int)(mc - r0 < GEMM_R ? mc - r0 : GEMM_R));
+                gemm_tile_any(x + r0 * K + grp0 * g, K, wb, kc, grp0 == 0 ? NULL : t + r0 * PANEL, to_y ? y + r0 * ldy + p * PANEL : t + r0 * PANEL,
+                              to_y ? ldy : PANEL, v0, (int)(mc - r0 < GEMM_R ? mc - r0 : GEMM_R));
     }
-    for (int64_t r = 0; r < mc; r++) memcpy(y + r * ldy + p * PANEL, t + r * PANEL, sizeof(float) * valid);
+    if (valid < PANEL)
+        for (int64_t r = 0; r < mc; r++) memcpy(y + r * ldy + p * PANEL, t + r * PANEL, sizeof(float) * valid);
 }
 
 typedef void (*gemm_panel_fn)(const float *, int64_t, int64_t, const panel_w_t *, int64_t, int64_t, float *, int64_t, int64_t, float *,
