@@ -1141,6 +1141,25 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+#if defined(__AVX512F__)
+/* exp8's polynomial on 16 floats (the same float operations in each lane). */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.3762f));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
 /* out [M, K] = x * rsqrt(mean(x^2) + eps) * weight, in fp32 (K a multiple of 8). */
 /* Row-wise ops go parallel from this many rows (below it a fork/join costs more than the work). */
 #define PAR_ROWS 4
@@ -1183,7 +1202,15 @@ void fl_add_rms_norm(const float *x, const float *residual, const float *weight,
 
 static inline void silu_and_mul_row(const float *g, const float *u, int64_t I, float *o) {
     const __m256 one = _mm256_set1_ps(1.f), zero = _mm256_setzero_ps();
-    for (int64_t i = 0; i < I; i += 8) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= I; i += 16) { /* the same arithmetic, 16 lanes */
+        const __m512 x = _mm512_loadu_ps(g + i);
+        const __m512 s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; i += 8) {
         __m256 x = _mm256_loadu_ps(g + i);
         __m256 s = _mm256_div_ps(x, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x))));
         _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
@@ -2599,7 +2626,9 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
     const float scale = 1.f / sqrtf((float)D);
     for (int64_t i = 0; i < n_layers; i++) {
         const fl_layer_t *L = layers + i;
-        STAGE(ST_NORM, fl_rms_norm(h, L->attn_norm, eps, B, hidden, x));
+        /* the previous layer's residual add (its down projection in y) with this layer's first norm */
+        if (i == 0) STAGE(ST_NORM, fl_rms_norm(h, L->attn_norm, eps, B, hidden, x));
+        else STAGE(ST_NORM, fl_add_rms_norm(y, h, L->attn_norm, eps, B, hidden, h, x));
         STAGE(ST_QKV, run_linear(&L->qkv, x, B, qkv, xq, xs));
         STAGE(ST_ROPE, fl_rope_store_kv(qkv, cos_t, sin_t, slot_mapping, B, H, KVH, D, L->k_cache, L->v_cache, bs, sb, sh, q));
         if (!seq_offsets) STAGE(ST_ATTN, fl_decode_attention(q, L->k_cache, L->v_cache, block_tables, bt_stride, lengths, B, H, KVH, D, bs, sb, sh, scale, att));
@@ -2612,13 +2641,12 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
                 if (n == 1) d += e - s;
             }
         STAGE(ST_O, run_linear(&L->o, att, B, y, xq, xs));
-        STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
-        STAGE(ST_NORM, fl_rms_norm(h, L->mlp_norm, eps, B, hidden, x));
+        STAGE(ST_NORM, fl_add_rms_norm(y, h, L->mlp_norm, eps, B, hidden, h, x));
         STAGE(ST_GATE_UP, run_linear(&L->gate_up, x, B, gu, xq, xs));
         STAGE(ST_SILU, fl_silu_and_mul(gu, B, inter, act));
         STAGE(ST_DOWN, run_linear(&L->down, act, B, y, xq, xs));
-        STAGE(ST_RESIDUAL, add_into(h, y, B * hidden));
     }
+    STAGE(ST_RESIDUAL, add_into(h, y, B * hidden)); /* the last layer's (the others' went with the next norm) */
     if (n_out == 0) { /* no row samples: a prompt's middle chunk, its K/V all the step is for */
     } else if (out_rows) { /* only these rows' logits: gather their hidden states first */
         for (int64_t r = 0; r < n_out; r++) memcpy(y + r * hidden, h + out_rows[r] * hidden, sizeof(float) * hidden);
