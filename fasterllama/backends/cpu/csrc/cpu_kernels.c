@@ -1124,40 +1124,29 @@ void fl_f32_linear(const float *x, int64_t M, int64_t K, const float *weight, in
 
 /* ---- the small ops of a decode step: one call each instead of a handful of torch ops ---------- */
 
-/* exp(x) for 8 floats (Cephes' polynomial; within 2 ulp of expf over the float range). */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365f)), _mm256_set1_ps(88.3762f));
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
+/* exp(x) for a vector of W bits (Cephes' polynomial; within 2 ulp of expf over the float range):
+ * exp8 (256) and, on AVX-512, exp16 (512), the same float operations in every lane. n = round(x
+ * log2(e)) to nearest even (cvtps_epi32 under the default rounding mode). */
+#define DEFINE_EXP(NAME, W)                                                                                        \
+    static inline __m##W NAME(__m##W x) {                                                                         \
+        x = _mm##W##_min_ps(_mm##W##_max_ps(x, _mm##W##_set1_ps(-87.3365f)), _mm##W##_set1_ps(88.3762f));          \
+        const __m##W##i n = _mm##W##_cvtps_epi32(_mm##W##_mul_ps(x, _mm##W##_set1_ps(1.44269504088896341f)));      \
+        const __m##W fx = _mm##W##_cvtepi32_ps(n);                                                                 \
+        x = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(0.693359375f), x);                                            \
+        x = _mm##W##_fnmadd_ps(fx, _mm##W##_set1_ps(-2.12194440e-4f), x);                                         \
+        __m##W y = _mm##W##_set1_ps(1.9875691500e-4f);                                                            \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.3981999507e-3f));                                          \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(8.3334519073e-3f));                                          \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(4.1665795894e-2f));                                          \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(1.6666665459e-1f));                                          \
+        y = _mm##W##_fmadd_ps(y, x, _mm##W##_set1_ps(5.0000001201e-1f));                                          \
+        y = _mm##W##_fmadd_ps(y, _mm##W##_mul_ps(x, x), _mm##W##_add_ps(x, _mm##W##_set1_ps(1.f)));               \
+        const __m##W##i e = _mm##W##_slli_epi32(_mm##W##_add_epi32(n, _mm##W##_set1_epi32(127)), 23);             \
+        return _mm##W##_mul_ps(y, _mm##W##_castsi##W##_ps(e));                                                     \
+    }
+DEFINE_EXP(exp8, 256)
 #if defined(__AVX512F__)
-/* exp8's polynomial on 16 floats (the same float operations in each lane). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365f)), _mm512_set1_ps(88.3762f));
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
+DEFINE_EXP(exp16, 512)
 #endif
 
 /* out [M, K] = x * rsqrt(mean(x^2) + eps) * weight, in fp32 (K a multiple of 8). */
