@@ -1481,6 +1481,17 @@ void fl_rope_store_kv(const float *qkv, const float *cos, const float *sin, cons
 
 /* exp(p - mx) in place over p[0, L), returning the sum (the softmax's denominator). */
 static inline float exp_shifted(float *p, int64_t L, float mx) {
+#if defined(__AVX512F__)
+    const __m512 wmx = _mm512_set1_ps(mx);
+    __m512 wsum = _mm512_setzero_ps();
+    for (int64_t l = 0; l < L; l += 16) { /* 16 lanes, the last 1-15 masked */
+        const __mmask16 live = L - l >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - l)) - 1);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, p + l), wmx)));
+        _mm512_mask_storeu_ps(p + l, live, e);
+        wsum = _mm512_add_ps(wsum, e);
+    }
+    return _mm512_reduce_add_ps(wsum);
+#endif
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
     int64_t l = 0;
@@ -1789,6 +1800,14 @@ static inline void pf_pv_tile(const float *P, const float *const *V, int64_t jn,
 /* One row's scores s[0, PF_BK) of which keys [0, lim) are visible: s becomes exp(s - m_new) (0
  * past lim); returns alpha = exp(m_old - m_new) and updates the running max m and sum l. */
 static inline float pf_softmax_row(float *s, int64_t lim, float *m, float *l) {
+#if defined(__AVX512F__)
+    __m512 wmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < PF_BK; j += 16) {
+        const int64_t n = lim - j < 0 ? 0 : lim - j > 16 ? 16 : lim - j;
+        wmax = _mm512_mask_max_ps(wmax, (__mmask16)((1u << n) - 1), wmax, _mm512_loadu_ps(s + j));
+    }
+    const float m_new = fmaxf(*m, _mm512_reduce_max_ps(wmax));
+#else
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     for (int64_t j = 0; j < PF_BK; j += 8) {
@@ -1796,6 +1815,7 @@ static inline float pf_softmax_row(float *s, int64_t lim, float *m, float *l) {
         vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + j), live));
     }
     const float m_new = fmaxf(*m, hmax8(vmax));
+#endif
     if (m_new == -INFINITY) { /* nothing visible yet */
         for (int64_t j = 0; j < PF_BK; j++) s[j] = 0.f;
         return 1.f;
