@@ -1749,7 +1749,7 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
 #define VLANES 8
 #define PF_QR 2 /* 2 x 4 accumulators of the 16 registers */
 #endif
-#define PF_BK (4 * VLANES) /* keys a block */
+#define PF_BK (8 * VLANES) /* keys a block: scored 4 vectors at a time (2000-token prompts 1.05x faster than 4 vectors a block) */
 #define PF_BQ 12           /* query positions a block, a multiple of PF_QR */
 
 int64_t fl_vector_lanes(void) { return VLANES; }
@@ -1779,7 +1779,7 @@ static inline void pf_scores_tile(const float *Qt, int64_t D, const float *Kt, f
 }
 
 /* O[r][d0, d0 + nv lanes) = O * alpha[r] + sum_{j < jn} P[r][j] V[j][.], rows r < PF_QR; V[j]: a cache row */
-static inline void pf_pv_tile(const float *P, const float *const *V, int64_t jn, int64_t D, int64_t d0, int nv, const float *alpha,
+static inline __attribute__((always_inline)) void pf_pv_tile(const float *P, const float *const *V, int64_t jn, int64_t D, int64_t d0, const int nv, const float *alpha,
                               float *O) {
     vf acc[PF_QR][4];
     for (int r = 0; r < PF_QR; r++)
@@ -1865,7 +1865,8 @@ void fl_prefill_attention(const float *q, const float *k_cache, const float *v_c
             for (int64_t j0 = 0; j0 < kend; j0 += PF_BK) {
                 const int64_t jn = kend - j0 < PF_BK ? kend - j0 : PF_BK;
                 const float *Kt = kt + (kh * nblk + j0 / PF_BK) * D * PF_BK;
-                for (int64_t r0 = 0; r0 < R; r0 += PF_QR) pf_scores_tile(Qt + r0 * D, D, Kt, S + r0 * PF_BK);
+                for (int64_t r0 = 0; r0 < R; r0 += PF_QR)
+                    for (int64_t c = 0; c < jn; c += 4 * VLANES) pf_scores_tile(Qt + r0 * D, D, Kt + c, S + r0 * PF_BK + c);
                 for (int64_t r = 0; r < R; r++) { /* position start + i0 + i sees keys up to itself */
                     const int64_t see = start + i0 + r % PF_BQ + 1 - j0;
                     alpha[r] = pf_softmax_row(S + r * PF_BK, see < jn ? see : jn, m + r, l + r);
@@ -1875,8 +1876,8 @@ void fl_prefill_attention(const float *q, const float *k_cache, const float *v_c
                 for (int64_t j = 0; j < jn; j++) V[j] = pg.v + page_row(&pg, j0 + j);
                 for (int64_t r0 = 0; r0 < R; r0 += PF_QR)
                     for (int64_t d0 = 0; d0 < D; d0 += 4 * VLANES)
-                        pf_pv_tile(S + r0 * PF_BK, V, jn, D, d0, (int)((D - d0 < 4 * VLANES ? D - d0 : 4 * VLANES) / VLANES),
-                                   alpha + r0, O + r0 * D);
+                        if (D - d0 >= 4 * VLANES) pf_pv_tile(S + r0 * PF_BK, V, jn, D, d0, 4, alpha + r0, O + r0 * D); /* (no lane tests in the loop) */
+                        else pf_pv_tile(S + r0 * PF_BK, V, jn, D, d0, (int)((D - d0) / VLANES), alpha + r0, O + r0 * D);
             }
             for (int64_t r = 0; r < R; r++) {
                 const int64_t g = r / PF_BQ, i = r % PF_BQ;
