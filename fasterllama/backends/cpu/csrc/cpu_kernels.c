@@ -2656,7 +2656,7 @@ void fl_decode_forward(const fl_layer_t *layers, int64_t n_layers, const int64_t
         STAGE(ST_SILU, fl_silu_and_mul(gu, B, inter, act));
         STAGE(ST_DOWN, run_linear(&L->down, act, B, y, xq, xs));
     }
-    STAGE(ST_RESIDUAL, add_into(h, y, B * hidden)); /* the last layer's (the others' went with the next norm) */
+    if (n_layers > 0) STAGE(ST_RESIDUAL, add_into(h, y, B * hidden)); /* the last layer's (the others' went with the next norm) */
     if (n_out == 0) { /* no row samples: a prompt's middle chunk, its K/V all the step is for */
     } else if (out_rows) { /* only these rows' logits: gather their hidden states first */
         for (int64_t r = 0; r < n_out; r++) memcpy(y + r * hidden, h + out_rows[r] * hidden, sizeof(float) * hidden);
