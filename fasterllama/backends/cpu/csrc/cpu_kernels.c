@@ -1491,7 +1491,7 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
         wsum = _mm512_add_ps(wsum, e);
     }
     return _mm512_reduce_add_ps(wsum);
-#endif
+#else
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
     int64_t l = 0;
@@ -1508,6 +1508,7 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
         vsum = _mm256_add_ps(vsum, e);
     }
     return hsum8(vsum);
+#endif
 }
 
 #define GROUP_MAX 8
