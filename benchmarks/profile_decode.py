@@ -47,7 +47,7 @@ def main() -> None:
             return out
         return wrapper
 
-    plan.forward = timed("forward", plan.forward)
+    plan.run = timed("forward", plan.run)
     plan.start_profile()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -58,7 +58,7 @@ def main() -> None:
     print(f"decode step, batch {args.batch}, {llm.engine.quant_config or 'float weights'}, threads={torch.get_num_threads()}: "
           f"{total * 1e3:.2f} ms ({args.batch / total:.1f} tok/s)")
     rows = [(f"  C: {k}", v) for k, v in stages.items()]
-    rows.append(("  Python around the C step (logits buffer, ctypes)", forward - sum(stages.values())))
+    rows.append(("  Python around the C step (inputs, logits buffer, ctypes)", forward - sum(stages.values())))
     rows.append(("scheduler, sampler, bookkeeping", total - forward))
     print(f"{'part':58s} {'ms/step':>8s} {'share':>6s}")
     for name, secs in rows:

@@ -584,6 +584,37 @@ def test_model_same_with_and_without_kernels(tmp_path, quantization):
                 assert abs(sa[tok] - sc[tok]) < tol and abs(sb[tok] - sc[tok]) < tol
 
 
+def test_decode_inputs_in_the_plans_buffers(tmp_path):
+    """Decode steps fill the plan's own input buffers (no tensors a step): block tables outgrowing
+    the buffers' width (set to 2 blocks here), sequences of different lengths
+    finishing at different steps (the batch shrinking from 3 to 1). Tokens and logprobs equal
+    the op-by-op forward's."""
+    import tiny_models as tm
+
+    from fasterllama import LLM, SamplingParams
+
+    path = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "hf"))
+    llm = LLM(path, progress=False, block_size=8)
+    plan = llm.engine.runner.decode_plan
+    plan.decode_inputs.grow(2)
+    fills = []
+    fill = plan.decode_inputs.fill
+    plan.decode_inputs.fill = lambda batch: fills.append(len(batch)) or fill(batch)
+    prompts = [list(range(3, 170)), [5, 9], [7] * 30]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (12, 5, 9)]
+    runs = []
+    for use_plan in (True, False):
+        llm.engine.runner.decode_plan = plan if use_plan else None
+        llm.engine.blocks.reset_prefix_cache()
+        runs.append(llm.generate(prompts, params))
+    llm.engine.runner.decode_plan = plan
+    assert plan.decode_inputs.width >= 23 and {1, 2, 3} <= set(fills)  # (179 tokens: 23 blocks)
+    for a, b in zip(*runs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)
+
+
 @pytest.mark.parametrize("quantization", ["w4-g32", "w8-g32"])
 def test_decode_step_past_eight_rows(tmp_path, quantization):
     """12 sequences decoding at once through a down projection of K = 1088 (past 2 x 512): the one

@@ -24,7 +24,8 @@ class DecodePlan(Protocol):
 
     def run(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         """fp32 logits [rows, vocab] of each sequence's new token (and drafts), or of the given
-        packed rows only; advances nothing."""
+        packed rows only; advances nothing. Called outside inference mode: a plan whose torch ops
+        need it enters it (the CPU's C step makes one tensor, and entering costs ~50 us a step)."""
         ...
 
 

@@ -94,13 +94,12 @@ class ModelRunner:
         if self.whole_step_decode:
             self.decode_plan = self.backend.decode_plan(self.model, self.kv_cache, self.max_num_seqs, self.max_model_len)
 
-    @torch.inference_mode()
     def execute(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         """Run one step; fp32 logits of the given packed-token rows (default: every row). The
         caller advances the sequences (Scheduler.advance)."""
         self.backend.begin_step()
         if self.decode_plan is not None and self.decode_plan.covers(batch):
-            logits = self.decode_plan.run(batch, rows)  # embedding to logits in one call
+            logits = self.decode_plan.run(batch, rows)  # embedding to logits in one call (a plan enters inference mode if it needs it)
             self.backend.after_forward(sum(item.num_tokens for item in batch))
             return logits
         inputs = step_inputs(batch, self.kv_cache.block_size)
@@ -112,6 +111,7 @@ class ModelRunner:
         self.in_step = False
         return logits
 
+    @torch.inference_mode()
     def _forward(self, inputs: StepInputs, rows: list[int] | None) -> torch.Tensor | None:
         """The logits of `rows` (None on tensor-parallel ranks other than the first)."""
         input_ids, meta = inputs.to_tensors(self.device)

@@ -85,6 +85,7 @@ class CUDAGraphDecode:
         self.pool = graph.pool()
         return graph, logits
 
+    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
         logits = self._run(batch)
         return logits if rows is None else logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
