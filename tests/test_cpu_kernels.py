@@ -428,6 +428,8 @@ def test_argmax_is_torch_argmax(n):
     x[5, : min(n, 3)] = float("inf")
     assert ck.argmax(x).tolist() == ref.argmax(x).tolist()
     assert ck.argmax(x[2:3]).tolist() == [0]
+    assert ck.argmax_tokens(x) == ref.argmax_tokens(x) == ref.argmax(x).tolist()  # the sampler's list form
+    assert ck.argmax_tokens(x[4:5]) == [n - 1]
 
 def _to_paged(dense: torch.Tensor, bs: int = 16, seed: int = 0, head_major: bool = True) -> tuple[torch.Tensor, list[list[int]]]:
     """A per-sequence cache [seqs, kv_heads, max_len, d] as a paged one [blocks, kv_heads, bs, d]

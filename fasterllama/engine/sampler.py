@@ -216,7 +216,7 @@ def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eo
     batch, whose seeds are xor-ed with seed_salt (another random stream: a draft model's).
     Returns the tokens, the batch (None on the argmax path) and, if asked, the distributions."""
     if all(s.params.greedy and plain_logits(s, len(extra)) for s, extra in rows):
-        return ops.argmax(logits).tolist(), None, None
+        return ops.argmax_tokens(logits), None, None
     b = sampling_batch(rows, logits.shape[-1], eos_token_ids, logits.device)
     if seed_salt:
         b.seeds = b.seeds ^ seed_salt

@@ -46,6 +46,11 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def argmax_tokens(x: torch.Tensor) -> list[int]:
+    """argmax of each row of x [B, V] as Python ints: the sampler's all-greedy step."""
+    return x.argmax(dim=-1).tolist()
+
+
 def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Write this step's K/V ([T, kv_heads, head_dim]) into the paged caches [blocks, kv_heads, block_size, head_dim]."""
     bs = k_cache.shape[2]

@@ -350,6 +350,16 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax_tokens(x: torch.Tensor) -> list[int]:
+    """argmax as Python ints through a ctypes array: no tensor made (torch.empty and tolist cost
+    ~80 us a decode step with the caches cold from the step's weights)."""
+    if not _f32(x) or x.dim() != 2 or x.shape[1] == 0:
+        return reference.argmax_tokens(x)
+    out = (ctypes.c_int64 * x.shape[0])()
+    _lib.fl_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], ctypes.addressof(out))
+    return out[:]
+
+
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                 seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """The next token of each row of fp32 logits [B, V] (penalties already applied): the reference
@@ -429,7 +439,7 @@ def value_lanes() -> bool:
 
 OPS = {
     "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8, "dequantize_panel_rows": dequantize_panel_rows,
-    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "sample_rows": sample_rows,
+    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "argmax_tokens": argmax_tokens, "sample_rows": sample_rows,
     "rope_and_store_kv": rope_and_store_kv, "attention": attention,
 }
 
