@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import decode_tolerance
 
 from fasterllama import ops
 from fasterllama.backends.cpu import kernels as ck
@@ -578,8 +579,9 @@ def test_model_same_with_and_without_kernels(tmp_path, quantization):
         assert one_call == [tm.hf_greedy(hf, p, 12) for p in prompts]
     # int8 activations: an ulp of difference before a quantizer (the C step's norm, SiLU and
     # attention sum in another order) can move one activation across a rounding boundary, one
-    # int8 step; the integer kernels themselves are exact (test_w8a8_linear_is_exact)
-    tol = 3e-2 if quantization and quantization.startswith("w8a8") else 1e-4
+    # int8 step; the integer kernels themselves are exact (test_w8a8_linear_is_exact). Weights in
+    # panels: the AVX2 GEMVs round x to int16 (these steps' 3 rows; decode_tolerance)
+    tol = 3e-2 if quantization and quantization.startswith("w8a8") else decode_tolerance() if quantization else 1e-4
     for a, b, c in zip(one_call_lp, op_by_op_lp, reference_lp):
         for sa, sb, sc in zip(a, b, c):
             for tok in sc:

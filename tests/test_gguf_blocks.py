@@ -141,7 +141,9 @@ def test_mixed_parts_keep_their_own_width(types):
     assert 0.9 * sum(r.size * r.itemsize for r in raws) <= held <= 1.03 * sum(r.size * r.itemsize for r in raws)
     from fasterllama.backends.cpu import kernels
 
-    kernels.load()  # the C kernels where they build (the decode step's), else the reference ops
     x = torch.randn(3, 512)
-    want = x @ module.dequantize().t()
-    assert (module(x) - want).abs().max() <= 1e-5 * want.abs().max()
+    # the C kernels where they build (the decode step's), else the reference ops. AVX2's GEMVs round
+    # x as gemv_x and sum unsigned 5-bit values before taking their centre off: ~2e-5 of the largest output
+    rounded = kernels.load() is not None and kernels.gemv_x_block()
+    want = (kernels.gemv_x(x, 16) if rounded else x) @ module.dequantize().t()
+    assert (module(x) - want).abs().max() <= (1e-4 if rounded else 1e-5) * want.abs().max()

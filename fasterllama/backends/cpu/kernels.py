@@ -219,13 +219,13 @@ def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.
 
 
 def gemv_x_block() -> int:
-    """The columns a block of x is rounded to int16 by in the 1-2 row GEMVs (gemv_x); 0 where they
+    """The columns a block of x is rounded to int16 by in the 1-4 row GEMVs (gemv_x); 0 where they
     compute with fp32 x (AVX-512 builds) or the C kernels do not run."""
     return int(_lib.fl_gemv_x_block(1, 4096, 32)) if load() is not None else 0
 
 
 def gemv_x(x: torch.Tensor, g: int) -> torch.Tensor:
-    """x as panel_linear computes with it for weights in groups of g: on AVX2 builds 1-2 rows are
+    """x as panel_linear computes with it for weights in groups of g: on AVX2 builds 1-4 rows are
     rounded to int16 per block of 8 columns, scaled by the block's largest |x| (cpu_kernels.c's
     x_to_i16: integer dot products run twice as fast there as float ones); otherwise x itself. The
     reference the kernel tests hold the GEMVs to."""

@@ -567,23 +567,23 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
 }
 #else
 /* AVX2 (16 ymm registers): a panel is walked in halves, so the accumulators, scales and weights
- * fit; 1-2 rows only: panel_parts_linear gives 3 or more to the GEMM kernel (GEMM_FROM_ROWS). */
+ * fit; 1-2 rows with fp32 x (panel_half_few), up to I16_MAX_ROWS with int16 x (panel_i16):
+ * panel_parts_linear gives more to the GEMM kernel (GEMM_FROM_ROWS). */
 
-/* The scales and mins of 8 rows from element i. */
-/* 1-2 activation rows with x rounded to int16 (x_to_i16): two columns' values of a row as a pair of
+/* 1-4 activation rows with x rounded to int16 (x_to_i16): two columns' values of a row as a pair of
  * int16 in each 32-bit lane, so one vpmaddwd multiplies and adds 16 weights by two x values, and
  * only a block's int32 sums (XB columns: at most 8 * 128 * 32767, far from overflow) become floats. Zen 1 runs the float route (widen, convert, FMA)
  * at half this speed: a C harness on one core with the weights in L1 gave 6.4 G weights/s against
  * 12.8 (4-bit), the conversions being what limits it. The rounding error is 1/65534 of the block's
  * largest |x| (llama.cpp's int8 rows: 1/254); the weights stay the file's values. Panel rows
- * 16 * c0 .. 16 * (c0 + nc) - 1: nc 2 (the whole panel) for one x row, 1 for two. */
+ * 16 * c0 .. 16 * (c0 + nc) - 1: nc 2 (the whole panel) for one x row, 1 for two to four. */
 static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, const float *xs, const float *xsum, int64_t K,
     const panel_w_t *w, int64_t G, int64_t g, int c0, float *y, int64_t ldy, const int bits, const int rows, const int nc) {
     const int has_min = w->mins != NULL || w->centre != 0.f;
     const int is_signed = bits == 8 || bits == NL4;
     const int64_t C = K / XB;
-    __m256 tot[2][4];
-    __m256i acc[2][4];
+    __m256 tot[4][4];
+    __m256i acc[4][4];
     float dv[32] __attribute__((aligned(32))), mv[32] __attribute__((aligned(32)));
     for (int r = 0; r < rows; r++) for (int v = 0; v < 2 * nc; v++) tot[r][v] = _mm256_setzero_ps();
     for (int64_t grp = 0; grp < G; grp++) {
@@ -596,7 +596,7 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
             for (int i = 0; i < XB; i += 2) { /* (i, not kk, steps: kk % 8 is then known to the compiler: plane_bit's shifts) */
                 const int64_t kk = b * XB + i;
                 if (kk % PF_COLS(bits) < 2) I16_PF(qg + kk * COL_BYTES(bits), PF_BYTES);
-                __m256i xp[2];
+                __m256i xp[4];
                 for (int r = 0; r < rows; r++) {
                     int32_t pair;
                     memcpy(&pair, xq + r * K + grp * g + kk, sizeof pair);
@@ -687,12 +687,14 @@ static inline __attribute__((always_inline)) void panel_half_few(const float *x,
 
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const float *xsum, const int16_t *xq, const float *xs,
     int64_t K, const panel_w_t *w, int64_t G, int64_t g, float *y, int64_t ldy, const int bits, const int rows) {
+#define I16_HALVES(R, r0) /* rows r0 .. r0 + R - 1, each half of the panel (c0 a constant: the lanes' vector numbers are) */            \
+    panel_i16(xq + (r0) * K, xs + (r0) * (K / XB), xsum ? xsum + (r0) * G : NULL, K, w, G, g, 0, y + (r0) * ldy, ldy, bits, R, 1); \
+    panel_i16(xq + (r0) * K, xs + (r0) * (K / XB), xsum ? xsum + (r0) * G : NULL, K, w, G, g, 1, y + (r0) * ldy, ldy, bits, R, 1)
     if (xq && rows <= 1) panel_i16(xq, xs, xsum, K, w, G, g, 0, y, ldy, bits, 1, 2);
-    else if (xq && LANES(bits)) { /* (c0 a constant: the lanes' vector numbers are) */
-        panel_i16(xq, xs, xsum, K, w, G, g, 0, y, ldy, bits, 2, 1);
-        panel_i16(xq, xs, xsum, K, w, G, g, 1, y, ldy, bits, 2, 1);
-    } else if (xq) for (int c0 = 0; c0 < 2; c0++) panel_i16(xq, xs, xsum, K, w, G, g, c0, y, ldy, bits, 2, 1); /* (3+: the GEMM) */
+    else if (xq && rows <= 4) { I16_HALVES(rows, 0); }
+    else if (xq) { I16_HALVES(4, 0); I16_HALVES(rows > 4 ? rows - 4 : 1, 4); }
     else for (int h = 0; h < 2; h++) panel_half_few(x, xsum, K, w, G, g, h, y, ldy, bits, rows <= 1 ? 1 : 2);
+#undef I16_HALVES
 }
 #endif
 
@@ -736,9 +738,9 @@ PANEL_WIDTH(NL4)
 PANEL_WIDTH(L5)
 PANEL_WIDTH(L6)
 
-/* 3 or more rows on AVX2 go to the GEMM kernel: its 6 x 16 register tile broadcasts x once per two
- * FMAs, where the GEMVs' quarter-panel walk (since removed) broadcast once per FMA. The GEMM ran
- * 1.0-1.37x faster at 3-8 rows and 1.3-1.7x at 16 (Zen 1, SmolLM2's shapes, 30 cold copies
+/* 3 or more rows of fp32 x on AVX2 go to the GEMM kernel: its 6 x 16 register tile broadcasts x
+ * once per two FMAs, where the GEMVs' quarter-panel walk (since removed) broadcast once per FMA. The
+ * GEMM ran 1.0-1.37x faster at 3-8 rows and 1.3-1.7x at 16 (Zen 1, SmolLM2's shapes, 30 cold copies
  * alternating, the same sums); decode steps 1.21x at batch 8 on a Q4_K_M file, 1.31x at 16. */
 #if defined(__AVX512F__)
 #define GEMM_FROM_ROWS INT64_MAX /* (AVX-512: the GEMVs, 32 registers of 16 lanes, as measured there) */
@@ -798,8 +800,15 @@ static float *group_sums(const float *x, const int16_t *xq, const float *xs, int
     return sums;
 }
 
-/* Whether the GEMVs take x rounded to int16 (x_to_i16) for groups of g: 1-2 rows on AVX2, K and g whole blocks. */
-static int gemv_x_int16(int64_t M, int64_t K, int64_t g) { return X_INT16 && M < GEMM_FROM_ROWS && K % XB == 0 && g % XB == 0; }
+#ifndef I16_MAX_ROWS /* (-D to tune, up to MT) */
+/* The most rows the int16-x GEMVs take (AVX2): the GEMM dequantizes every weight to fp32 whatever
+ * the rows, which at 3-4 rows costs more than its FMAs. Decode steps of a Q4_K_M file with the
+ * GEMVs to 4 rows instead of 2 (Zen 3, benchmarks/ab_kernels.py): batch 3 1.45x, batch 4 1.34x;
+ * to 8 rows, batch 8 ran 0.92x (the weights re-read for each 4 rows, tot spilled). */
+#define I16_MAX_ROWS 4
+#endif
+/* Whether the GEMVs take x rounded to int16 (x_to_i16) for groups of g: up to I16_MAX_ROWS rows on AVX2, K and g whole blocks. */
+static int gemv_x_int16(int64_t M, int64_t K, int64_t g) { return X_INT16 && M <= I16_MAX_ROWS && K % XB == 0 && g % XB == 0; }
 
 /* The columns a block of x is rounded by in fl_panel_linear for M x K inputs and groups of g (0: x
  * stays fp32): what the tests' reference (kernels.gemv_x) rounds by. */
@@ -811,13 +820,13 @@ static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_p
  * shared out among the threads in one parallel loop: a projection fused from matrices of different
  * widths (q/k in 5 bits, v in int8) costs one fork/join, as one matrix does. */
 static void panel_parts_linear(const float *x, int64_t M, int64_t K, panel_part_t *parts, int nparts, float *y, int64_t ldo) {
-    if (M >= GEMM_FROM_ROWS) {
-        panel_parts_gemm(x, M, K, parts, nparts, y, ldo);
-        return;
-    }
     int64_t first[8], P = 0; /* the first global panel of each part (nparts <= 8) */
     int rounded = 1; /* x to int16 once for all the parts */
     for (int i = 0; i < nparts; i++) first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL, rounded &= gemv_x_int16(M, K, parts[i].g);
+    if (M >= GEMM_FROM_ROWS && !rounded) {
+        panel_parts_gemm(x, M, K, parts, nparts, y, ldo);
+        return;
+    }
     int16_t *xq = NULL;
     float *xs = NULL;
     if (rounded) {
