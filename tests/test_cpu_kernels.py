@@ -521,6 +521,20 @@ def _three_ways(llm, prompts, params) -> list[tuple[list[list[int]], list]]:
     return results
 
 
+def _with_and_without_plan(llm, prompts, params) -> list[list]:
+    """llm.generate's outputs through the one-call C step, then op by op (the plan set aside)."""
+    runner = llm.engine.runner
+    plan, runs = runner.decode_plan, []
+    try:
+        for use_plan in (True, False):
+            runner.decode_plan = plan if use_plan else None
+            llm.engine.blocks.reset_prefix_cache()
+            runs.append(llm.generate(prompts, params))
+    finally:
+        runner.decode_plan = plan
+    return runs
+
+
 @pytest.mark.parametrize("weights", ["q4_0", "q4_k_m"])
 def test_prompts_in_one_call_equal_op_by_op(tmp_path, weights):
     """Steps with prompts go through the one-call C step too where the linears are panels: prompts
@@ -544,12 +558,7 @@ def test_prompts_in_one_call_equal_op_by_op(tmp_path, weights):
     with_prompt = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)  # its last row's logits only
     params = [plain, with_prompt, with_prompt]  # the first step: the long prompt's first chunk, no row sampling
-    runs = []
-    for use_plan in (True, False):
-        llm.engine.runner.decode_plan = plan if use_plan else None
-        llm.engine.blocks.reset_prefix_cache()
-        runs.append(llm.generate(prompts, params))
-    llm.engine.runner.decode_plan = plan
+    runs = _with_and_without_plan(llm, prompts, params)
     prompt_steps = [s for s in steps if not s[0]]
     assert len(prompt_steps) >= 3 and all(n <= 24 for _, n, _ in prompt_steps)  # chunks, each through the plan
     assert any(rows == [] for _, _, rows in prompt_steps) and any(rows for _, _, rows in prompt_steps)
@@ -606,12 +615,7 @@ def test_decode_inputs_in_the_plans_buffers(tmp_path):
     plan.decode_inputs.fill = lambda batch: fills.append(len(batch)) or fill(batch)
     prompts = [list(range(3, 170)), [5, 9], [7] * 30]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=2) for n in (12, 5, 9)]
-    runs = []
-    for use_plan in (True, False):
-        llm.engine.runner.decode_plan = plan if use_plan else None
-        llm.engine.blocks.reset_prefix_cache()
-        runs.append(llm.generate(prompts, params))
-    llm.engine.runner.decode_plan = plan
+    runs = _with_and_without_plan(llm, prompts, params)
     assert plan.decode_inputs.width >= 23 and {1, 2, 3} <= set(fills)  # (179 tokens: 23 blocks)
     for a, b in zip(*runs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
