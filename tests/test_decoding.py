@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import tiny_models as tm
 import torch
-from conftest import decode_tolerance
+from conftest import decode_tolerance, rows_tolerance
 
 from fasterllama import LLM, SamplingParams
 
@@ -83,8 +83,9 @@ def test_logprobs_equal_log_softmax_of_logits(default_llm):
         total += row[tok].item()
     assert abs(out.cumulative_logprob - total) < len(out.token_ids) * tol
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    prompt_tol = rows_tolerance(len(ids), default_llm.config.hidden_size)  # (a 4-token prompt: the GEMVs' rows)
     for i in range(1, len(ids)):
-        assert abs(out.prompt_logprobs[i][ids[i]] - ref[i - 1, ids[i]].item()) < 1e-4
+        assert abs(out.prompt_logprobs[i][ids[i]] - ref[i - 1, ids[i]].item()) < prompt_tol
 
 
 def test_min_tokens_and_stop_token_ids(default_llm):
