@@ -1553,39 +1553,50 @@ static inline float exp_shifted(float *p, int64_t L, float mx) {
             dots[g] = hsum8x8(r);                                                                                    \
         }                                                                                                            \
     }                                                                                                                \
-    /* out[g] = sum_j p[g][j] V[j] * inv[g], V rows k0 .. k0 + L - 1 of pg, a block's rows at a time */          \
+    /* out[g] columns d0 .. d0 + nv * LANES - 1 = sum_j p[g][j] V[j] * inv[g], V rows k0 .. k0 + L - 1 of pg, a  \
+     * block's rows at a time (the first pass, d0 = 0, fetching the next job's K rows) */                         \
+    static inline __attribute__((always_inline)) void group_v_pass_##SUFFIX(                                         \
+        const float *p, int64_t stride, const kv_pages_t *pg, int64_t k0, int64_t L, int64_t D, int64_t d0,          \
+        const float *inv, float *out, const int G, const int nv, const kv_pages_t *next, int64_t next_k0,            \
+        int64_t next_L) {                                                                                            \
+        const int64_t bs = 1LL << pg->shift;                                                                         \
+        const float *nk = next->k;                                                                                   \
+        VEC acc[GROUP_MAX][64 / LANES];                                                                              \
+        for (int g = 0; g < G; g++)                                                                                  \
+            for (int v = 0; v < 64 / LANES; v++) acc[g][v] = ZERO(); /* (all: nv <= 64 / LANES, unknown to GCC) */   \
+        for (int64_t j0 = 0; j0 < L;) {                                                                              \
+            const int64_t left = bs - ((k0 + j0) & (bs - 1)), run = L - j0 < left ? L - j0 : left;                   \
+            const float *vb = pg->v + page_row(pg, k0 + j0) + d0;                                                    \
+            for (int64_t r = 0; r < run; r++) {                                                                      \
+                const int64_t j = j0 + r;                                                                            \
+                const float *vr = vb + r * D;                                                                        \
+                if (d0 == 0 && j < next_L) { /* the next job's K row j: a table lookup at its blocks' starts */      \
+                    nk = j == 0 || ((next_k0 + j) & (bs - 1)) == 0 ? next->k + page_row(next, next_k0 + j) : nk + D; \
+                    for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(nk + i), _MM_HINT_T0);           \
+                }                                                                                                    \
+                VEC pj[GROUP_MAX];                                                                                   \
+                for (int g = 0; g < G; g++) pj[g] = SET1(p[g * stride + j]);                                         \
+                for (int v = 0; v < nv; v++) {                                                                       \
+                    const VEC vv = LOAD(vr + v * LANES);                                                             \
+                    for (int g = 0; g < G; g++) acc[g][v] = FMA(pj[g], vv, acc[g][v]);                               \
+                }                                                                                                    \
+            }                                                                                                        \
+            j0 += run;                                                                                               \
+        }                                                                                                            \
+        for (int g = 0; g < G; g++)                                                                                  \
+            for (int v = 0; v < nv; v++) STORE(out + g * D + d0 + v * LANES, MUL(acc[g][v], SET1(inv[g])));         \
+    }                                                                                                                \
+    /* out[g] = sum_j p[g][j] V[j] * inv[g] in passes of COLS(G) columns: a whole pass's vector count a constant   \
+     * (the accumulators in registers; as a run-time count GCC kept flags of which were written) */              \
     static inline __attribute__((always_inline)) void group_weighted_v_##SUFFIX(                                     \
         const float *p, int64_t stride, const kv_pages_t *pg, int64_t k0, int64_t L, int64_t D, const float *inv,    \
         float *out, const int G, const kv_pages_t *next, int64_t next_k0, int64_t next_L) {                          \
         const int dc = COLS(G);                                                                                      \
-        const int64_t bs = 1LL << pg->shift;                                                                         \
-        const float *nk = next->k;                                                                                   \
         for (int64_t d0 = 0; d0 < D; d0 += dc) {                                                                     \
-            const int nv = (int)((D - d0 < dc ? D - d0 : dc) / LANES);                                               \
-            VEC acc[GROUP_MAX][64 / LANES];                                                                          \
-            for (int g = 0; g < G; g++)                                                                              \
-                for (int v = 0; v < 64 / LANES; v++) acc[g][v] = ZERO();                                             \
-            for (int64_t j0 = 0; j0 < L;) {                                                                          \
-                const int64_t left = bs - ((k0 + j0) & (bs - 1)), run = L - j0 < left ? L - j0 : left;               \
-                const float *vb = pg->v + page_row(pg, k0 + j0) + d0;                                                \
-                for (int64_t r = 0; r < run; r++) {                                                                  \
-                    const int64_t j = j0 + r;                                                                        \
-                    const float *vr = vb + r * D;                                                                    \
-                    if (d0 == 0 && j < next_L) { /* the next job's K row j: a table lookup at its blocks' starts */  \
-                        nk = j == 0 || ((next_k0 + j) & (bs - 1)) == 0 ? next->k + page_row(next, next_k0 + j) : nk + D; \
-                        for (int64_t i = 0; i < D; i += 16) _mm_prefetch((const char *)(nk + i), _MM_HINT_T0);       \
-                    }                                                                                                \
-                    VEC pj[GROUP_MAX];                                                                               \
-                    for (int g = 0; g < G; g++) pj[g] = SET1(p[g * stride + j]);                                     \
-                    for (int v = 0; v < nv; v++) {                                                                   \
-                        const VEC vv = LOAD(vr + v * LANES);                                                         \
-                        for (int g = 0; g < G; g++) acc[g][v] = FMA(pj[g], vv, acc[g][v]);                           \
-                    }                                                                                                \
-                }                                                                                                    \
-                j0 += run;                                                                                           \
-            }                                                                                                        \
-            for (int g = 0; g < G; g++)                                                                              \
-                for (int v = 0; v < nv; v++) STORE(out + g * D + d0 + v * LANES, MUL(acc[g][v], SET1(inv[g])));     \
+            if (D - d0 >= dc)                                                                                        \
+                group_v_pass_##SUFFIX(p, stride, pg, k0, L, D, d0, inv, out, G, COLS(G) / LANES, next, next_k0, next_L); \
+            else                                                                                                     \
+                group_v_pass_##SUFFIX(p, stride, pg, k0, L, D, d0, inv, out, G, (int)((D - d0) / LANES), next, next_k0, next_L); \
         }                                                                                                            \
     }                                                                                                                \
     static inline __attribute__((always_inline)) void attend_group_##SUFFIX(                                         \
@@ -1644,9 +1655,25 @@ GROUP_KERNELS(512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu
               _mm512_mul_ps, FOLD512, KEYS512, COLS512)
 #endif
 
+/* One function per group size: all eight inlined into one function, GCC spilled the scores' K
+ * vectors to the stack */
+#define GROUP_FN_256(R)                                                                                                          \
+    static __attribute__((noinline)) void attend_group_256_##R(const float *q, const kv_pages_t *pg, int64_t k0, int64_t L,    \
+                                                               int64_t D, float scale, float *p, float *out, const kv_pages_t *next, \
+                                                               int64_t next_k0, int64_t next_L, float *partial) {            \
+        attend_group_256(q, pg, k0, L, D, scale, p, out, R, next, next_k0, next_L, partial);                                  \
+    }
+GROUP_FN_256(1)
+GROUP_FN_256(2)
+GROUP_FN_256(3)
+GROUP_FN_256(4)
+GROUP_FN_256(5)
+GROUP_FN_256(6)
+GROUP_FN_256(7)
+GROUP_FN_256(8)
 static void attend_group_any_256(const float *q, const kv_pages_t *pg, int64_t k0, int64_t L, int64_t D, float scale, float *p,
                                  float *out, int64_t G, const kv_pages_t *next, int64_t next_k0, int64_t next_L, float *partial) {
-#define GROUP_CALL(R) attend_group_256(q, pg, k0, L, D, scale, p, out, R, next, next_k0, next_L, partial)
+#define GROUP_CALL(R) attend_group_256_##R(q, pg, k0, L, D, scale, p, out, next, next_k0, next_L, partial)
     DISPATCH_ROWS(G, GROUP_CALL)
 #undef GROUP_CALL
 }
