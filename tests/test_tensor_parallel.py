@@ -4,6 +4,7 @@ files kept quantized; a dead or hung worker is a clear error within seconds and 
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -240,6 +241,10 @@ def test_tensor_parallel_cli_and_no_process_left(paths, tmp_path) -> None:
     assert launched.stdout == ref.stdout  # torchrun: every process runs the command; rank 0 prints
     bad = subprocess.run(cmd + ["--tensor-parallel-size", "3", prompt], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "tensor_parallel_size 3" in bad.stderr
+    before = set(multiprocessing.active_children())
+    with pytest.raises(FasterLlamaError, match="tensor_parallel_size 3 does not fit"):
+        LLM(paths["gqa"], progress=False, tensor_parallel_size=3)
+    assert set(multiprocessing.active_children()) == before  # refused before any worker started
     # a long generation interrupted: rank 0 and its worker both exit
     proc = subprocess.Popen(cmd[:-3] + ["-n", "100000", "--ignore-eos", "--tensor-parallel-size", "2", prompt], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)

@@ -16,12 +16,13 @@ import torch
 from ..backends import Backend, get_backend
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
+from ..loading import read_config
 from ..loading.model_loader import GGUF_NATIVE, LoadedModel, load_model
 from ..loading.registry import resolve_model_path
 from ..model import LlamaForCausalLM
 from ..parallel import workers as tp_workers
 from ..parallel.group import TPGroup, WorkerFailure
-from ..parallel.sharding import shard_model
+from ..parallel.sharding import ShardPlan, shard_model
 from ..quant import QuantConfig, quantize_model
 from ..sampling_params import SamplingParams, integer_value
 from ..tokenizer import Tokenizer
@@ -180,6 +181,8 @@ class LLMEngine:
         dev = resolve_device(device)
         group = workers = None
         if tensor_parallel_size > 1 or tp_workers.torchrun_env() is not None:
+            if tp_workers.torchrun_env() is None:  # a size that cannot split this model fails before any worker starts
+                ShardPlan.build(read_config(model), 0, tensor_parallel_size)
             same = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                         quantization=quantization, calibration_text=calibration_text, calibration_tokens=calibration_tokens)

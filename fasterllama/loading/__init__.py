@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,24 +32,32 @@ class Checkpoint:
 
 def open_checkpoint(model: str | None) -> Checkpoint:
     """Open a model by path or known name; tensors are read lazily by `iter_tensors()`."""
-    path = resolve_model_path(model)
-    if os.path.isdir(path):
-        ckpt = open_hf_folder(path)
+    path, fmt, ckpt = _open_format(model)
+    if fmt == "hf":
         tokenizer = Tokenizer.from_folder(path)
-        fmt = "hf"
-    elif path.endswith(".gguf") or _has_gguf_magic(path):
-        ckpt = open_gguf(path)
+    else:
         tokenizer = Tokenizer.from_gguf(ckpt.metadata)
         ckpt.drop_metadata()
-        fmt = "gguf"
-    else:
-        raise ModelLoadError(f"{path}: not a GGUF file or a HF checkpoint folder")
     cfg = ckpt.config
     if cfg.bos_token_id is None:
         cfg.bos_token_id = tokenizer.bos_token_id
     if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:  # the config's list wins, as in HF
         cfg.eos_token_ids.append(tokenizer.eos_token_id)
     return Checkpoint(path, fmt, cfg, tokenizer, ckpt.tensor_names(), ckpt.iter_tensors, ckpt)
+
+
+def read_config(model: str | None) -> ModelConfig:
+    """The model's config alone (no tokenizer, no tensors): for checks that must fail before any work starts."""
+    return _open_format(model)[2].config
+
+
+def _open_format(model: str | None) -> tuple[str, str, Any]:
+    path = resolve_model_path(model)
+    if os.path.isdir(path):
+        return path, "hf", open_hf_folder(path)
+    if path.endswith(".gguf") or _has_gguf_magic(path):
+        return path, "gguf", open_gguf(path)
+    raise ModelLoadError(f"{path}: not a GGUF file or a HF checkpoint folder")
 
 
 def _has_gguf_magic(path: str) -> bool:
@@ -59,4 +68,4 @@ def _has_gguf_magic(path: str) -> bool:
         raise ModelLoadError(f"{path}: cannot read ({e.strerror})") from None
 
 
-__all__ = ["Checkpoint", "open_checkpoint", "resolve_model_path", "KNOWN_MODELS", "DEFAULT_MODEL"]
+__all__ = ["Checkpoint", "open_checkpoint", "read_config", "resolve_model_path", "KNOWN_MODELS", "DEFAULT_MODEL"]
