@@ -741,6 +741,37 @@ def test_sample_rows_draws_the_reference_samplers_tokens():
     assert not torch.equal(want, logits.argmax(-1))
 
 
+@pytest.mark.parametrize("g,nmax,rmin,nstep,use_mad", [(32, 15, -1.0, 20, False), (32, 31, -0.5, 15, False), (16, 3, -0.5, 15, True), (256, 15, -1.0, 20, False)])
+def test_search_scale_min_is_the_reference(g, nmax, rmin, nstep, use_mad):
+    """The quantizers' scale/min search (w4, Q4_K, Q5_K, Q2_K settings) in C picks what the torch
+    steps pick: the same levels, scale and min for nearly every group (sums in another order move
+    only near-ties), a worse candidate in none by more than the sums' fp32 noise; groups past a
+    multiple of 8, dead, constant and all-positive groups included."""
+    from fasterllama.quant.quantize import search_scale_min
+
+    n = 2003
+    x = torch.randn(n, g) * torch.rand(n, 1) * 4
+    x[5] = 0.0
+    x[7] = x[7].abs() + 0.5  # all positive: the min never goes above 0
+    x[n - 1] = 1.0  # a constant group
+    w = x.abs() if use_mad else torch.sqrt(2 * (x * x).mean(1, keepdim=True) + x * x)
+    want = search_scale_min(x, w, nmax, rmin, 0.1, nstep, use_mad, groups_per_chunk=n)
+    got = ck.search_scale_min(x, w, nmax, rmin, 0.1, nstep, use_mad)
+    assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(got, want))
+    assert torch.equal(got[2], torch.round(got[2]).clamp(0, nmax)) and torch.all(got[1] <= 0)
+    same = (got[2] == want[2]).all(1)
+    assert same.float().mean() > 0.97 and bool(same[[5, n - 1]].all())
+    span = (want[0] * nmax - want[1])[same]  # refits divide differences of products: compare them to the group's range
+    assert ((got[0][same] - want[0][same]).abs() <= 5e-4 * span + 1e-9).all()
+    assert ((got[1][same] - want[1][same]).abs() <= 5e-4 * span + 1e-9).all()
+    err = lambda s, m, lv: (w * ((s[:, None] * lv + m[:, None] - x).abs() if use_mad else (s[:, None] * lv + m[:, None] - x) ** 2)).sum(1)  # noqa: E731
+    # both compare candidates by errors from sums that cancel (fp32 sums of g terms: noise up to ~g eps of the
+    # group's sum of w x^2, 0.3% of a typical error at 32 levels): near-ties go either way; over all groups the errors agree
+    noise = 4 * g * torch.finfo(torch.float32).eps * (w * x * x).sum(1)
+    assert torch.all(err(*got) <= err(*want) * (1 + 1e-2) + noise) and err(*got).sum() <= err(*want).sum() * (1 + 1e-5)
+    assert ops.registered("search_scale_min", "cpu") in (None, ck.search_scale_min)
+
+
 @pytest.mark.skipif(bool(os.environ.get("FASTERLLAMA_CFLAGS")), reason="already a custom build")
 @pytest.mark.skipif("avx512f" not in ck._cpu_signature().split(), reason="no AVX-512: the native build is the AVX2 build, tested by every test")
 def test_avx2_build_matches_reference():

@@ -182,6 +182,7 @@ def test_lean_gguf_reader_matches_gguf_py(tmp_path):
     for key, field in ref.fields.items():
         want, got = field.contents(), ours.fields[key].contents()
         assert (np.allclose(want, got) if key.endswith(("freq_base", "scores")) else want == got), key
+        assert [int(t) for t in field.types] == list(ours.fields[key].types) or key.startswith("GGUF."), key
     assert [t.name for t in ref.tensors] == [t.name for t in ours.tensors] == ["f32", "f16", "q8"]
     for a, b in zip(ref.tensors, ours.tensors):
         assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape) and (a.n_bytes, a.data_offset) == (b.n_bytes, b.data_offset)

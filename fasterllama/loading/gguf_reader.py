@@ -57,6 +57,7 @@ _NATIVE = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.fl
 class Field:
     name: str
     value: Any
+    types: tuple[int, ...] = ()  # GGUF value type ids, as GGUFReader's: (type,) or (ARRAY, item type)
 
     def contents(self) -> Any:
         return self.value
@@ -119,8 +120,9 @@ class GGUFFile:
         n_tensors, n_kv = c.unpack("<Q"), c.unpack("<Q")
         self.fields: dict[str, Field] = {k: Field(k, v) for k, v in (("GGUF.version", version), ("GGUF.tensor_count", n_tensors), ("GGUF.kv_count", n_kv))}
         for _ in range(n_kv):
-            key = c.string()
-            self.fields[key] = Field(key, c.value(c.unpack("<I")))
+            key, vtype = c.string(), c.unpack("<I")
+            types = (vtype, struct.unpack_from("<I", self._mmap, c.pos)[0]) if vtype == _ARRAY else (vtype,)
+            self.fields[key] = Field(key, c.value(vtype), types)
         infos = []
         for _ in range(n_tensors):
             name = c.string()

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import FasterLlamaError
+from ..loading.gguf_reader import GGUFFile
 from . import kquants
 
 # mode -> GGUF file type
@@ -29,18 +30,23 @@ def requantize(src: str, dst: str, mode: str, progress: Callable[[int], None] | 
     """Write `dst` from the GGUF file `src` with every 2-D weight in `mode`'s per-tensor type;
     returns how many tensors got each type. progress(1) after each tensor."""
     import gguf
+    import torch
+
+    from ..backends import get_backend
 
     if mode not in FILE_TYPES:
         raise FasterLlamaError(f"unknown GGUF mode {mode!r} (known: {', '.join(MODES)})")
-    reader = gguf.GGUFReader(src)
+    get_backend(torch.device("cpu")).register_ops()  # the C kernels' scale search, where they build
+    reader = GGUFFile(src)  # (gguf-py's GGUFReader takes seconds over a vocabulary's metadata)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
     writer = gguf.GGUFWriter(dst, arch)
     skip = {gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE}
     for field in reader.fields.values():  # the metadata as it is, but the file type
         if field.name in skip or field.name.startswith("GGUF."):
             continue
-        vtype = field.types[0]
-        writer.add_key_value(field.name, field.contents(), vtype, sub_type=field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+        vtype = gguf.GGUFValueType(field.types[0])
+        sub_type = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
     writer.add_file_type(getattr(gguf.LlamaFileType, FILE_TYPES[mode]))
     tied = "output.weight" not in {t.name for t in reader.tensors}
     n_layers = int(reader.fields[f"{arch}.block_count"].contents())

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
+
 
 def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8: scale = absmax/127 per output row (group_size None) or per group of
@@ -41,8 +43,12 @@ def search_scale_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: fl
     the defaults). Start from the min..max grid; for each of nstep + 1 candidate inverse scales
     (nmax + rmin + rdelta i) / (max - min) round the group, refit scale and min by weighted least
     squares and keep the least weighted error (squared, or absolute with use_mad). The min never
-    goes above 0 (a positive group keeps 0 representable). In torch, on x's device: a 7B model's
-    groups take seconds on a GPU. Groups go groups_per_chunk at a time (default: chunk_groups)."""
+    goes above 0 (a positive group keeps 0 representable). A backend's kernel where it has one (the
+    CPU's C kernel), else torch on x's device: a 7B model's groups take seconds on a GPU. The torch
+    steps take groups_per_chunk groups at a time (default: chunk_groups; given, they run anyway)."""
+    backend = ops.registered("search_scale_min", x.device)  # the CPU's C kernel: ~10x the torch steps below
+    if backend is not None and groups_per_chunk is None:  # (a chunk size asks for the reference's steps)
+        return backend(x, weights, nmax, rmin, rdelta, nstep, use_mad)
     groups_per_chunk = groups_per_chunk or chunk_groups(x.device)
     parts = [_search_chunk(x[lo : lo + groups_per_chunk], weights[lo : lo + groups_per_chunk], nmax, rmin, rdelta, nstep, use_mad)
              for lo in range(0, x.shape[0], groups_per_chunk)]

@@ -50,6 +50,7 @@ _SIGNATURES = {
     "fl_prefill_attention": [_P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P],
     "fl_w8a8_linear": [_P, _P, _I, _I, _P, _P, _P, _I, _P, _P],
     "fl_quantize_rows": [_P, _I, _I, _P, _I, _P, _P],
+    "fl_search_scale_min": [_P, _P, _I, _I, _I, ctypes.c_float, ctypes.c_float, _I, _I, _P, _P, _P],
     "fl_decode_forward": [_P, _I, _P, _P, _I, _I, _I, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _P, _I, _P, _I, _P, _P, _I, _P, _P, _P, _P, _P, _P, _P],
 }
 _lib: ctypes.CDLL | None = None
@@ -306,6 +307,17 @@ def quantize_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None, cli
     return q, s
 
 
+def search_scale_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float, rdelta: float, nstep: int,
+                     use_mad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quantizers' scale and min search (quant.quantize.search_scale_min), all groups in one call."""
+    x, weights = x.float().contiguous(), weights.float().contiguous()
+    n, g = x.shape
+    scale, mins, levels = torch.empty(n), torch.empty(n), torch.empty(n, g)
+    _lib.fl_search_scale_min(x.data_ptr(), weights.data_ptr(), n, g, nmax, rmin, rdelta, nstep, int(use_mad), scale.data_ptr(),
+                             mins.data_ptr(), levels.data_ptr())
+    return scale, mins, levels
+
+
 def ptr(t: torch.Tensor | None) -> int | None:
     """A tensor's address for a C pointer argument, NULL for None."""
     return None if t is None else t.data_ptr()
@@ -440,7 +452,7 @@ def value_lanes() -> bool:
 OPS = {
     "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8, "dequantize_panel_rows": dequantize_panel_rows,
     "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "argmax_tokens": argmax_tokens, "sample_rows": sample_rows,
-    "rope_and_store_kv": rope_and_store_kv, "attention": attention,
+    "rope_and_store_kv": rope_and_store_kv, "attention": attention, "search_scale_min": search_scale_min,
 }
 
 
