@@ -87,6 +87,13 @@ class ModelConfig:
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks {e.args[0]!r}") from None
 
+    def num_parameters(self) -> int:
+        """Weights of the whole model (an untied lm_head counted; a tied one is the embedding)."""
+        h, qkv = self.hidden_size, self.q_size + 2 * self.kv_size
+        attention = h * qkv + self.q_size * h + ((qkv + h) if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size + ((2 * self.intermediate_size + h) if self.mlp_bias else 0)
+        return self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * (attention + mlp + 2 * h) + h
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

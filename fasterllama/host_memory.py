@@ -1,4 +1,5 @@
-"""Host (CPU) memory the process holds but no longer uses. glibc keeps freed heap pages for
+"""Memory: how much is free (for the weights and the KV cache), and host (CPU) memory the process
+holds but no longer uses. glibc keeps freed heap pages for
 reuse, and after freeing one large block it raises its threshold for returning memory (up to 32 MB
 blocks stay in the heap): loading a model frees thousands of decoded-then-repacked temporaries,
 which would otherwise sit on top of the weights at the peak. And importing torch runs code all over
@@ -11,9 +12,32 @@ import ctypes
 import functools
 import re
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 MADV_DONTNEED = 4
 TORCH_LIBRARIES = re.compile(r"/libtorch[^/]*\.so")
+
+
+def free_memory(device: torch.device, with_swap: bool = False) -> int:
+    """Bytes free now: the GPU's free memory, or the host's MemAvailable (+ SwapFree with_swap)."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    fields = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                fields[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if "MemAvailable" not in fields:
+        return 8 << 30
+    return fields["MemAvailable"] + (fields.get("SwapFree", 0) if with_swap else 0)
 
 
 @functools.cache

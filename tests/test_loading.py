@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -263,3 +264,32 @@ def test_loading_leaves_torchs_import_code_out_of_memory(tmp_path):
     assert tokens == 4
     assert after_import > 20_000  # kB: torch's import runs tens of MB of it
     assert after_load < after_import / 2 and after_generate < 0.8 * after_import, (after_import, after_load, after_generate)
+
+
+def test_weights_that_cannot_fit_fail_before_loading(tmp_path, monkeypatch):
+    """A model whose weights need more memory than is free is a clear error before any tensor
+    loads (not the OOM killer minutes later): float weights count params x dtype bytes, a GGUF
+    file kept quantized its file's bytes; with the memory there it loads."""
+    import tiny_models as tm
+
+    import fasterllama.loading.model_loader as ml
+    from fasterllama import LLM
+    from fasterllama.errors import FasterLlamaError
+
+    hf = tm.build_hf_model(tm.SPECS["gqa"])
+    folder = tm.save_hf_checkpoint(hf, str(tmp_path / "gqa"))
+    gguf_path = tm.write_gguf(tm.quantize_roundtrip_(tm.build_hf_model(tm.SPECS["gqa"]), "q4_0"), str(tmp_path / "gqa.gguf"), weight_type="q4_0")
+    params = sum(p.numel() for p in hf.parameters())
+    loaded, load_weights = [], ml.LlamaForCausalLM.load_weights
+    monkeypatch.setattr(ml.LlamaForCausalLM, "load_weights", lambda *a, **k: loaded.append(1) or load_weights(*a, **k))
+    monkeypatch.setattr(ml, "free_memory", lambda device, with_swap=False: 4 * params - 1)  # one fp32 copy less a byte
+    with pytest.raises(FasterLlamaError, match=r"need about .* GiB and .* GiB of memory .*; --dtype bfloat16 halves that") as e:
+        LLM(folder, progress=False)
+    assert "by default" not in str(e.value) and not loaded
+    with pytest.raises(FasterLlamaError, match="a GGUF file's quantized tensors stay quantized"):
+        LLM(gguf_path, quantization="none", progress=False)
+    monkeypatch.setattr(ml, "free_memory", lambda device, with_swap=False: os.path.getsize(gguf_path) - 1)
+    with pytest.raises(FasterLlamaError, match="the weights need about"):
+        LLM(gguf_path, progress=False)  # kept quantized: the file's bytes
+    monkeypatch.setattr(ml, "free_memory", lambda device, with_swap=False: 4 * params)
+    assert LLM(folder, progress=False).generate([[1, 2, 3]])[0].token_ids and loaded

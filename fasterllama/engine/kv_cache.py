@@ -16,6 +16,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import FasterLlamaError
+from ..host_memory import free_memory
 
 DEFAULT_CPU_MEMORY = 2 << 30  # the CPU default cap (pages are touched only as blocks are used)
 DEFAULT_GPU_FRACTION = 0.8  # of the device memory free once the model is loaded
@@ -62,20 +63,6 @@ def parse_memory(value: float | str) -> int | float:
     if isinstance(value, int) and value <= 0:
         raise FasterLlamaError(f"kv_cache_memory must be positive, got {value}")
     return value
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes free for the cache now: the GPU's free memory, or the host's MemAvailable."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 def num_blocks_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, memory: float | str | None, block_size: int,

@@ -4,6 +4,7 @@ checkpoint written by `fasterllama quantize`. Quantizing a float model is the en
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import FasterLlamaError
+from ..host_memory import free_memory
 from ..model import LlamaForCausalLM
 from ..tokenizer import Tokenizer
 from . import open_checkpoint
@@ -57,17 +59,19 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
         from ..parallel.sharding import ShardPlan
 
         plan = ShardPlan.build(ckpt.config, *shard)
-    net = LlamaForCausalLM(ckpt.config if plan is None else plan.local_model_config())
+    saved_quant = getattr(ckpt.source, "quantization", None)
+    requested = quantization
+    if quantization is None:
+        quantization = "gguf" if ckpt.format == "gguf" and keep_gguf_quantized and saved_quant is None else "none"
+    local_config = ckpt.config if plan is None else plan.local_model_config()
+    _check_memory(ckpt, local_config, dtype, device, saved_quant is not None or quantization in GGUF_NATIVE, 1 if plan is None else plan.size)
+    net = LlamaForCausalLM(local_config)
     tensors = ckpt.iter_tensors() if plan is None else ((name, plan.cut_tensor(name, t)) for name, t in ckpt.iter_tensors())
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False)
-    saved_quant = getattr(ckpt.source, "quantization", None)
-    requested = quantization
-    if quantization is None:
-        quantization = "gguf" if ckpt.format == "gguf" and keep_gguf_quantized and saved_quant is None else "none"
     quant_config = None
     try:
         if saved_quant is not None:  # written by `fasterllama quantize`: load as saved
@@ -97,3 +101,26 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
         net.config, net.tp_plan = ckpt.config, plan  # a whole model's config over its parts (parallel.sharding.shard_model)
     net.eval()
     return LoadedModel(net, ckpt.config, ckpt.tokenizer, ckpt.path, quant_config, time.perf_counter() - t0)
+
+
+def _check_memory(ckpt, config: ModelConfig, dtype: torch.dtype, device: torch.device, kept_quantized: bool, ranks: int) -> None:
+    """A model whose weights cannot fit fails now, saying what it needs, rather than minutes into
+    the load at the OOM killer. Kept quantized, the weights take about the file's bytes; otherwise
+    every weight is a `dtype` float (the quantization modes quantize the loaded floats)."""
+    if kept_quantized:
+        files = [ckpt.path] if os.path.isfile(ckpt.path) else [os.path.join(ckpt.path, f) for f in os.listdir(ckpt.path) if f.endswith(".safetensors")]
+        need = sum(os.path.getsize(f) for f in files) // ranks
+    else:
+        need = config.num_parameters() * dtype.itemsize
+    free = free_memory(device, with_swap=True)
+    if need <= free:
+        return
+    hint = ""
+    if not kept_quantized:
+        hint = f"; every weight loads as {str(dtype).removeprefix('torch.')} (quantization modes quantize after loading)"
+        if dtype.itemsize > 2:
+            hint += "; --dtype bfloat16 halves that"
+        if ckpt.format == "gguf":
+            hint += "; by default (no --quantization) a GGUF file's quantized tensors stay quantized"
+    where = "GPU memory" if device.type == "cuda" else "memory (RAM and swap)"
+    raise FasterLlamaError(f"{ckpt.path}: the weights need about {need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB of {where} is free{hint}")
