@@ -311,6 +311,9 @@ def main() -> None:
             for name in (e.name for e in engines if e.name != peer and isinstance(e, FasterLlama)):
                 same = next((i for i, (a, b) in enumerate(zip(tokens[name], ref)) if a != b), len(ref))
                 print(f"{name}: greedy tokens identical to {peer}'s for {same} of {len(ref)} positions")
+            if peer == "llama.cpp":  # on this random-token prompt the top logits of step 1 sit 0.28 apart
+                print("(llama.cpp rounds activations to 8 bits and keeps K/V in f16: on a random-token prompt its greedy path leaves "
+                      "the exact one within a few steps; the exact reference is HF transformers, run without --skip hf)")
     for note in notes:
         print(note)
     result["batch_throughput_tok_s"] = batch_rates
