@@ -108,6 +108,8 @@ def open_library(source: Path) -> ctypes.CDLL:
     engine, an edited copy for benchmarks/ab_kernels.py."""
     lib = _build_and_open(source)
     for name, argtypes in _SIGNATURES.items():
+        if source != SOURCE and not hasattr(lib, name):  # an older source (an A/B baseline) lacks newer kernels
+            continue
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.fl_vector_lanes.argtypes, lib.fl_vector_lanes.restype = [], ctypes.c_int64
