@@ -46,7 +46,7 @@ def search_scale_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: fl
     goes above 0 (a positive group keeps 0 representable). A backend's kernel where it has one (the
     CPU's C kernel), else torch on x's device: a 7B model's groups take seconds on a GPU. The torch
     steps take groups_per_chunk groups at a time (default: chunk_groups; given, they run anyway)."""
-    backend = ops.registered("search_scale_min", x.device)  # the CPU's C kernel: ~10x the torch steps below
+    backend = ops.registered("search_scale_min", x.device)  # the CPU's C kernel: ~20x the torch steps below
     if backend is not None and groups_per_chunk is None:  # (a chunk size asks for the reference's steps)
         return backend(x, weights, nmax, rmin, rdelta, nstep, use_mad)
     groups_per_chunk = groups_per_chunk or chunk_groups(x.device)
