@@ -21,8 +21,9 @@ MADV_DONTNEED = 4
 TORCH_LIBRARIES = re.compile(r"/libtorch[^/]*\.so")
 
 
-def free_memory(device: torch.device, with_swap: bool = False) -> int:
-    """Bytes free now: the GPU's free memory, or the host's MemAvailable (+ SwapFree with_swap)."""
+def free_memory(device: torch.device, with_swap: bool = False, unknown: int | None = 8 << 30) -> int | None:
+    """Bytes free now: the GPU's free memory, or the host's MemAvailable (+ SwapFree with_swap);
+    `unknown` where the host does not say (no /proc/meminfo: not Linux)."""
     if device.type == "cuda":
         import torch
 
@@ -36,7 +37,7 @@ def free_memory(device: torch.device, with_swap: bool = False) -> int:
     except (OSError, ValueError, IndexError):
         pass
     if "MemAvailable" not in fields:
-        return 8 << 30
+        return unknown
     return fields["MemAvailable"] + (fields.get("SwapFree", 0) if with_swap else 0)
 
 
