@@ -70,8 +70,8 @@ def quantize_model(
 ) -> None:
     """Quantize in place. `run(token_ids)` runs the float model (for calibration and smoothing).
     placeholders: only build the quantized structure (static scales = 1), to load saved tensors into.
-    progress: bars on stderr for the calibration passes and the layers (w4's scale search takes
-    ~15 s for the default model on a slow CPU)."""
+    progress: bars on stderr for the calibration passes and the layers (the calibration passes and
+    w4's scale search take seconds for the default model, and grow with the model)."""
 
     def bar(items: Iterable[Any], desc: str, unit: str) -> Iterable[Any]:
         if not progress:
