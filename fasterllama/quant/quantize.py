@@ -37,18 +37,25 @@ def chunk_groups(device: torch.device) -> int:
 
 
 def search_scale_min(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1, nstep: int = 20,
-                     use_mad: bool = False, groups_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     use_mad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(scale, min, levels) per group (rows of x [n, g]) for x ~ scale * L + min, L in [0, nmax]:
     llama.cpp's make_qkx2_quants, shared by w4 and the K-quant writer (kquants; Q4_K's settings are
-    the defaults). Start from the min..max grid; for each of nstep + 1 candidate inverse scales
-    (nmax + rmin + rdelta i) / (max - min) round the group, refit scale and min by weighted least
-    squares and keep the least weighted error (squared, or absolute with use_mad). The min never
-    goes above 0 (a positive group keeps 0 representable). A backend's kernel where it has one (the
-    CPU's C kernel), else torch on x's device: a 7B model's groups take seconds on a GPU. The torch
-    steps take groups_per_chunk groups at a time (default: chunk_groups; given, they run anyway)."""
-    backend = ops.registered("search_scale_min", x.device)  # the CPU's C kernel: ~20x the torch steps below
-    if backend is not None and groups_per_chunk is None:  # (a chunk size asks for the reference's steps)
+    the defaults). A backend's kernel where it has one (the CPU's C kernel, ~20x the torch steps),
+    else search_scale_min_torch on x's device."""
+    backend = ops.registered("search_scale_min", x.device)
+    if backend is not None:
         return backend(x, weights, nmax, rmin, rdelta, nstep, use_mad)
+    return search_scale_min_torch(x, weights, nmax, rmin, rdelta, nstep, use_mad)
+
+
+def search_scale_min_torch(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: float = -1.0, rdelta: float = 0.1, nstep: int = 20,
+                           use_mad: bool = False, groups_per_chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """search_scale_min in torch (the reference of the backends' kernels): start from the min..max
+    grid; for each of nstep + 1 candidate inverse scales (nmax + rmin + rdelta i) / (max - min)
+    round the group, refit scale and min by weighted least squares and keep the least weighted error
+    (squared, or absolute with use_mad). The min never goes above 0 (a positive group keeps 0
+    representable). A 7B model's groups take seconds on a GPU. Groups go groups_per_chunk at a
+    time (default: chunk_groups)."""
     groups_per_chunk = groups_per_chunk or chunk_groups(x.device)
     parts = [_search_chunk(x[lo : lo + groups_per_chunk], weights[lo : lo + groups_per_chunk], nmax, rmin, rdelta, nstep, use_mad)
              for lo in range(0, x.shape[0], groups_per_chunk)]
