@@ -570,6 +570,14 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
  * fit; 1-2 rows with fp32 x (panel_half_few), up to I16_MAX_ROWS with int16 x (panel_i16):
  * panel_parts_linear gives more to the GEMM kernel (GEMM_FROM_ROWS). */
 
+/* acc += wv . xp (16-bit pairs), the sum kept in its register as it goes: left to itself GCC
+ * reassociates a block's products into a tree at its end and spills them to the stack
+ * (objdump), the accumulators of tot with them. */
+static inline __attribute__((always_inline)) void madd_into(__m256i *acc, __m256i wv, __m256i xp) {
+    *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(wv, xp));
+    __asm__("" : "+x"(*acc));
+}
+
 /* 1-4 activation rows with x rounded to int16 (x_to_i16): two columns' values of a row as a pair of
  * int16 in each 32-bit lane, so one vpmaddwd multiplies and adds 16 weights by two x values, and
  * only a block's int32 sums (XB columns: at most 8 * 128 * 32767, far from overflow) become floats. Zen 1 runs the float route (widen, convert, FMA)
@@ -603,11 +611,11 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
                     xp[r] = _mm256_set1_epi32(pair);
                 }
                 if (LANES(bits)) { /* the pair's vectors as stored: one AND or shift each */
-                    const uint8_t *blk = lane_block(qg, kk, bits);
+                    const uint8_t *blk = lane_block(qg, b * XB, bits) + (i >> 3) * LANE_BLOCK(bits); /* (b's block: one address a block) */
                     for (int c = 0; c < nc; c++)
                         for (int h = 0; h < 2; h++) {
                             const __m256i wv = lane_vector(blk, 4 * ((i & 7) >> 1) + 2 * (c0 + c) + h, bits);
-                            for (int r = 0; r < rows; r++) acc[r][2 * c + h] = _mm256_add_epi32(acc[r][2 * c + h], _mm256_madd_epi16(wv, xp[r]));
+                            for (int r = 0; r < rows; r++) madd_into(&acc[r][2 * c + h], wv, xp[r]);
                         }
                     continue;
                 }
@@ -617,7 +625,7 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
                     for (int c = 0; c < nc; c++)
                         for (int h = 0; h < 2; h++) {
                             const __m256i wv = c0 + c == 0 ? _mm256_and_si256(wb[h], _mm256_set1_epi16(15)) : _mm256_srli_epi16(wb[h], 4);
-                            for (int r = 0; r < rows; r++) acc[r][2 * c + h] = _mm256_add_epi32(acc[r][2 * c + h], _mm256_madd_epi16(wv, xp[r]));
+                            for (int r = 0; r < rows; r++) madd_into(&acc[r][2 * c + h], wv, xp[r]);
                         }
                     continue;
                 }
@@ -627,15 +635,17 @@ static inline __attribute__((always_inline)) void panel_i16(const int16_t *xq, c
                     const __m256i wl = is_signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
                     const __m256i wh = is_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
                     for (int r = 0; r < rows; r++) {
-                        acc[r][2 * c] = _mm256_add_epi32(acc[r][2 * c], _mm256_madd_epi16(wl, xp[r]));
-                        acc[r][2 * c + 1] = _mm256_add_epi32(acc[r][2 * c + 1], _mm256_madd_epi16(wh, xp[r]));
+                        madd_into(&acc[r][2 * c], wl, xp[r]);
+                        madd_into(&acc[r][2 * c + 1], wh, xp[r]);
                     }
                 }
             }
+            const float *dvb = dv;
+            __asm__("" : "+r"(dvb)); /* the scales read at each block: the registers go to the sums */
             for (int r = 0; r < rows; r++) {
                 const __m256 s = _mm256_set1_ps(xs[r * C + grp * (g / XB) + b]);
                 for (int v = 0; v < 2 * nc; v++)
-                    tot[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(dv + 8 * v), s), _mm256_cvtepi32_ps(acc[r][v]), tot[r][v]);
+                    tot[r][v] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_load_ps(dvb + 8 * v), s), _mm256_cvtepi32_ps(acc[r][v]), tot[r][v]);
             }
         }
         if (has_min)
@@ -794,7 +804,14 @@ static float *group_sums(const float *x, const int16_t *xq, const float *xs, int
     for (int64_t i = 0; i < M * G; i++) {
         const int64_t k0 = (i / G) * K + (i % G) * g;
         float t = 0.f;
-        for (int64_t j = k0; j < k0 + g; j++) t += xq ? (float)xq[j] * xs[j / XB] : x[j];
+        if (xq) /* a block's integers summed exactly, then scaled: no chain of float adds a column */
+            for (int64_t b = k0; b < k0 + g; b += XB) {
+                int32_t s = 0;
+                for (int j = 0; j < XB; j++) s += xq[b + j];
+                t += (float)s * xs[b / XB];
+            }
+        else
+            for (int64_t j = k0; j < k0 + g; j++) t += x[j];
         sums[i] = t;
     }
     return sums;
