@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from fasterllama.backends.cpu.kernels import CFLAGS
+from fasterllama.backends.cpu import kernels as cpu_kernels
 
 WIDTHS = {"2": 2, "3": 3, "4": 4, "5": 5, "6": 6, "8": 8, "nl4": 9, "l5": 10, "l6": 11}
 
@@ -61,8 +61,8 @@ def build(source: Path, folder: Path, name: str) -> Path:
     harness = folder / f"{name}.c"
     harness.write_text(f'#include "{source.resolve()}"\n' + HARNESS)
     exe = folder / name
-    flags = [f for f in CFLAGS if f not in ("-fPIC", "-shared")]
-    subprocess.run(["gcc", *flags, str(harness), "-o", str(exe), "-lm"], check=True)
+    cc, flags = cpu_kernels.compiler()  # the engine's build, $FASTERLLAMA_CFLAGS (e.g. -mno-avx512f) included
+    cpu_kernels._compile(cc, [f for f in flags if f not in ("-fPIC", "-shared")], harness, exe)
     return exe
 
 
@@ -74,6 +74,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="alternating runs of each build per case")
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
+    unknown = set(args.widths.split(",")) - set(WIDTHS)
+    if unknown:
+        ap.error(f"unknown widths {', '.join(sorted(unknown))}; choose from {','.join(WIDTHS)}")
     with tempfile.TemporaryDirectory() as tmp:
         exes = [build(src, Path(tmp), f"h{i}") for i, src in enumerate(args.sources)]
         print(f"{'width':>5s} {'rows':>4s} {'first us':>9s} {'second us':>9s} {'speed':>6s}  outputs")

@@ -76,14 +76,19 @@ def _compile(cc: str, flags: list[str], source: Path, out: Path) -> None:
         raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "compiler failed")
 
 
+def compiler() -> tuple[str, list[str]]:
+    """The C compiler ($CC, else gcc or cc) and the library's flags (CFLAGS + $FASTERLLAMA_CFLAGS)."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler found")
+    return cc, CFLAGS + os.environ.get("FASTERLLAMA_CFLAGS", "").split()
+
+
 def _build_and_open(source: Path) -> ctypes.CDLL:
     """The library of `source` from the cache, built into it first if missing. Where the cache
     cannot be written (read-only home, permission denied) it is built in a temporary folder,
     removed once loaded: a second of compiling per process beats the ~5x slower PyTorch ops."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler found")
-    flags = CFLAGS + os.environ.get("FASTERLLAMA_CFLAGS", "").split()
+    cc, flags = compiler()
     key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():

@@ -572,7 +572,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
 
 /* acc += wv . xp (16-bit pairs), the sum kept in its register as it goes: left to itself GCC
  * reassociates a block's products into a tree at its end and spills them to the stack
- * (objdump), the accumulators of tot with them. */
+ * (perf annotate), the accumulators of tot with them. */
 static inline __attribute__((always_inline)) void madd_into(__m256i *acc, __m256i wv, __m256i xp) {
     *acc = _mm256_add_epi32(*acc, _mm256_madd_epi16(wv, xp));
     __asm__("" : "+x"(*acc));
