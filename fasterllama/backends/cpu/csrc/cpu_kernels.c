@@ -991,10 +991,15 @@ static inline __attribute__((always_inline)) void gemm_panel(const float *x, int
         gemm_dequant(&wp, g, grp0, grp1, wb, bits);
         /* the last columns' sums go straight to y (a whole panel), the others to the tile t */
         const int to_y = grp1 == G && valid == PANEL;
-        for (int64_t r0 = 0; r0 < mc; r0 += GEMM_R)
+        /* the next column block's bytes (the next panel's first: panels are contiguous), fetched while the tiles run */
+        const char *pf = (const char *)(wp.q + grp1 * g * COL_BYTES(bits));
+        const int64_t pf_lines = (gpb * g * COL_BYTES(bits) + 63) / 64, ntiles = (mc + GEMM_R - 1) / GEMM_R, per = (pf_lines + ntiles - 1) / ntiles;
+        for (int64_t r0 = 0; r0 < mc; r0 += GEMM_R) {
+            for (int64_t l = r0 / GEMM_R * per, e = l + per < pf_lines ? l + per : pf_lines; l < e; l++) _mm_prefetch(pf + 64 * l, _MM_HINT_T0);
             for (int v0 = 0; v0 < PANEL / GEMM_LANES; v0 += GEMM_V)
                 gemm_tile_any(x + r0 * K + grp0 * g, K, wb, kc, grp0 == 0 ? NULL : t + r0 * PANEL, to_y ? y + r0 * ldy + p * PANEL : t + r0 * PANEL,
                               to_y ? ldy : PANEL, v0, (int)(mc - r0 < GEMM_R ? mc - r0 : GEMM_R));
+        }
     }
     if (valid < PANEL)
         for (int64_t r = 0; r < mc; r++) memcpy(y + r * ldy + p * PANEL, t + r * PANEL, sizeof(float) * valid);
