@@ -879,8 +879,12 @@ void fl_panel_linear(const float *x, int64_t M, int64_t K, const uint8_t *qp, co
  * accumulators, each weight vector loaded once for GEMM_R rows and each x[r, k] broadcast into
  * GEMM_V FMAs. Partial sums over the column blocks build up in a [GEMM_MC, 32] tile per thread. */
 #ifndef GEMM_KC /* (-D to tune) */
-#define GEMM_KC 256 /* columns dequantized at a time (rounded to whole groups): 32 KB of floats */
+#define GEMM_KC 768 /* at most this many columns dequantized at a time, in blocks of equal size (whole groups), for
+                       prompts: each register tile runs a longer loop between its prologue and epilogue (1.04x whole
+                       prompts on Zen 3 against 256, though 96 KB of floats no longer fit L1: docs/cpu.md) */
 #endif
+#define GEMM_KC_FEW 256 /* the same for at most GEMM_FEW rows (batched decode), whose few tiles reread the block from L1 */
+#define GEMM_FEW 16
 #ifndef GEMM_MC
 #define GEMM_MC 192 /* activation rows a pass over the panels: their x block stays in L2 */
 #endif
@@ -979,11 +983,18 @@ static void gemm_tile_any(const float *x, int64_t ldx, const float *wb, int64_t 
 #undef TILE_CALL
 }
 
-/* Panel p's outputs of y for mc <= GEMM_MC rows. wb: GEMM_KC rounded up to a group, times 32
- * floats; t: GEMM_MC x 32 floats. */
+/* Groups of g columns in each of a K = G g wide GEMM's column blocks over mc rows: as few blocks as
+ * GEMM_KC (GEMM_KC_FEW) allows, of equal size. */
+static int64_t gemm_groups_a_block(int64_t G, int64_t g, int64_t mc) {
+    const int64_t kc = mc > GEMM_FEW ? GEMM_KC : GEMM_KC_FEW, most = g >= kc ? 1 : kc / g, blocks = (G + most - 1) / most;
+    return (G + blocks - 1) / blocks;
+}
+
+/* Panel p's outputs of y for mc <= GEMM_MC rows. wb: gemm_groups_a_block(K / g, g, mc) g x 32 floats;
+ * t: GEMM_MC x 32 floats. */
 static inline __attribute__((always_inline)) void gemm_panel(const float *x, int64_t mc, int64_t K, const panel_w_t *w, int64_t N,
                                                              int64_t g, float *y, int64_t ldy, int64_t p, float *wb, float *t, const int bits) {
-    const int64_t G = K / g, gpb = g >= GEMM_KC ? 1 : GEMM_KC / g;
+    const int64_t G = K / g, gpb = gemm_groups_a_block(G, g, mc);
     const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
     const panel_w_t wp = panel_at(w, p, G, g, bits);
     for (int64_t grp0 = 0; grp0 < G; grp0 += gpb) {
@@ -1026,15 +1037,14 @@ static gemm_panel_fn gemm_panel_for(int64_t bits) {
     return bits == L5 ? gemm_panel_L5 : bits == L6 ? gemm_panel_L6 : bits == NL4 ? gemm_panel_NL4 : bits == 2 ? gemm_panel_2 : bits == 3 ? gemm_panel_3 : bits == 5 ? gemm_panel_5 : bits == 6 ? gemm_panel_6 : bits == 8 ? gemm_panel_8 : gemm_panel_4;
 }
 
-static int64_t gemm_kc(int64_t g) { return g >= GEMM_KC ? g : GEMM_KC / g * g; }
-
 /* The parts of a (fused) projection through the GEMM kernel, every part's panels shared out among
  * the threads in one parallel loop (as panel_parts_linear does for the GEMVs). */
 static void panel_parts_gemm(const float *x, int64_t M, int64_t K, const panel_part_t *parts, int nparts, float *y, int64_t ldo) {
     int64_t first[8], P = 0, kc = 0;
     for (int i = 0; i < nparts; i++) {
         first[i] = P, P += (parts[i].N + PANEL - 1) / PANEL;
-        kc = gemm_kc(parts[i].g) > kc ? gemm_kc(parts[i].g) : kc;
+        const int64_t kci = gemm_groups_a_block(K / parts[i].g, parts[i].g, M < GEMM_MC ? M : GEMM_MC) * parts[i].g;
+        kc = kci > kc ? kci : kc;
     }
 #pragma omp parallel
     {
@@ -1804,9 +1814,11 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
 #if defined(__AVX512F__)
 #define VLANES 16
 #define PF_QR 6 /* query rows a tile: 6 x 4 accumulators of the 32 registers */
+#define PF_QV 4
 #else
 #define VLANES 8
-#define PF_QR 2 /* 2 x 4 accumulators of the 16 registers */
+#define PF_QR 6 /* 6 x 2 accumulators of the 16 registers (2 x 4 left the FMA latency no slack: 0.88x) */
+#define PF_QV 2 /* vectors a tile row: keys of S, dimensions of O */
 #endif
 #define PF_BK (8 * VLANES) /* keys a block: scored 4 vectors at a time (2000-token prompts 1.05x faster than 4 vectors a block) */
 #define PF_BQ 12           /* query positions a block, a multiple of PF_QR */
@@ -1819,37 +1831,35 @@ int64_t fl_value_lanes(void) { return X_INT16; }
 
 /* S[r][0, PF_BK) = sum_d Qt[r][d] Kt[d][.], rows r < PF_QR */
 static inline void pf_scores_tile(const float *Qt, int64_t D, const float *Kt, float *S) {
-    vf acc[PF_QR][4];
+    vf acc[PF_QR][PF_QV];
     for (int r = 0; r < PF_QR; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = VZERO();
+        for (int v = 0; v < PF_QV; v++) acc[r][v] = VZERO();
     for (int64_t d = 0; d < D; d++) {
         const float *kd = Kt + d * PF_BK;
-        const vf k0 = VLOAD(kd), k1 = VLOAD(kd + VLANES), k2 = VLOAD(kd + 2 * VLANES), k3 = VLOAD(kd + 3 * VLANES);
+        vf kv[PF_QV];
+        for (int v = 0; v < PF_QV; v++) kv[v] = VLOAD(kd + v * VLANES);
         for (int r = 0; r < PF_QR; r++) {
             const vf qb = VSET1(Qt[r * D + d]);
-            acc[r][0] = VFMA(qb, k0, acc[r][0]);
-            acc[r][1] = VFMA(qb, k1, acc[r][1]);
-            acc[r][2] = VFMA(qb, k2, acc[r][2]);
-            acc[r][3] = VFMA(qb, k3, acc[r][3]);
+            for (int v = 0; v < PF_QV; v++) acc[r][v] = VFMA(qb, kv[v], acc[r][v]);
         }
     }
     for (int r = 0; r < PF_QR; r++)
-        for (int v = 0; v < 4; v++) VSTORE(S + r * PF_BK + v * VLANES, acc[r][v]);
+        for (int v = 0; v < PF_QV; v++) VSTORE(S + r * PF_BK + v * VLANES, acc[r][v]);
 }
 
 /* O[r][d0, d0 + nv lanes) = O * alpha[r] + sum_{j < jn} P[r][j] V[j][.], rows r < PF_QR; V[j]: a cache row */
 static inline __attribute__((always_inline)) void pf_pv_tile(const float *P, const float *const *V, int64_t jn, int64_t D, int64_t d0, const int nv, const float *alpha,
                               float *O) {
-    vf acc[PF_QR][4];
+    vf acc[PF_QR][PF_QV];
     for (int r = 0; r < PF_QR; r++)
-        for (int v = 0; v < 4; v++) acc[r][v] = v < nv ? VMUL(VLOAD(O + r * D + d0 + v * VLANES), VSET1(alpha[r])) : VZERO();
+        for (int v = 0; v < PF_QV; v++) acc[r][v] = v < nv ? VMUL(VLOAD(O + r * D + d0 + v * VLANES), VSET1(alpha[r])) : VZERO();
     for (int64_t j = 0; j < jn; j++) {
         const float *vj = V[j] + d0;
-        vf vv[4];
-        for (int v = 0; v < 4; v++) vv[v] = v < nv ? VLOAD(vj + v * VLANES) : VZERO();
+        vf vv[PF_QV];
+        for (int v = 0; v < PF_QV; v++) vv[v] = v < nv ? VLOAD(vj + v * VLANES) : VZERO();
         for (int r = 0; r < PF_QR; r++) {
             const vf pb = VSET1(P[r * PF_BK + j]);
-            for (int v = 0; v < 4; v++) acc[r][v] = VFMA(pb, vv[v], acc[r][v]);
+            for (int v = 0; v < PF_QV; v++) acc[r][v] = VFMA(pb, vv[v], acc[r][v]);
         }
     }
     for (int r = 0; r < PF_QR; r++)
@@ -1925,7 +1935,7 @@ void fl_prefill_attention(const float *q, const float *k_cache, const float *v_c
                 const int64_t jn = kend - j0 < PF_BK ? kend - j0 : PF_BK;
                 const float *Kt = kt + (kh * nblk + j0 / PF_BK) * D * PF_BK;
                 for (int64_t r0 = 0; r0 < R; r0 += PF_QR)
-                    for (int64_t c = 0; c < jn; c += 4 * VLANES) pf_scores_tile(Qt + r0 * D, D, Kt + c, S + r0 * PF_BK + c);
+                    for (int64_t c = 0; c < jn; c += PF_QV * VLANES) pf_scores_tile(Qt + r0 * D, D, Kt + c, S + r0 * PF_BK + c);
                 for (int64_t r = 0; r < R; r++) { /* position start + i0 + i sees keys up to itself */
                     const int64_t see = start + i0 + r % PF_BQ + 1 - j0;
                     alpha[r] = pf_softmax_row(S + r * PF_BK, see < jn ? see : jn, m + r, l + r);
@@ -1934,8 +1944,8 @@ void fl_prefill_attention(const float *q, const float *k_cache, const float *v_c
                 const kv_pages_t pg = {k_cache, v_cache + kh * sh, table, shift, sb, D};
                 for (int64_t j = 0; j < jn; j++) V[j] = pg.v + page_row(&pg, j0 + j);
                 for (int64_t r0 = 0; r0 < R; r0 += PF_QR)
-                    for (int64_t d0 = 0; d0 < D; d0 += 4 * VLANES)
-                        if (D - d0 >= 4 * VLANES) pf_pv_tile(S + r0 * PF_BK, V, jn, D, d0, 4, alpha + r0, O + r0 * D); /* (no lane tests in the loop) */
+                    for (int64_t d0 = 0; d0 < D; d0 += PF_QV * VLANES)
+                        if (D - d0 >= PF_QV * VLANES) pf_pv_tile(S + r0 * PF_BK, V, jn, D, d0, PF_QV, alpha + r0, O + r0 * D); /* (no lane tests in the loop) */
                         else pf_pv_tile(S + r0 * PF_BK, V, jn, D, d0, (int)((D - d0) / VLANES), alpha + r0, O + r0 * D);
             }
             for (int64_t r = 0; r < R; r++) {
@@ -2060,7 +2070,7 @@ void fl_quantize_rows(const float *x, int64_t M, int64_t K, const float *static_
  * they are; AVX2: see A8_UNSIGNED), and a chunk's sum over k of s * xq is exact in int32: one
  * integer dot product (AVX-512 VNNI: vpdpbusd, 64 multiply-adds against 16 for an fp32 FMA) then
  * one float multiply-add per chunk: d * xs * sum (+ m' * xs * sum_k xq where the type has mins).
- * A thread makes a panel's bytes a block of GEMM_KC columns at a time ([k / 4][32 outputs][4], the
+ * A thread makes a panel's bytes a block of A8_KC columns at a time ([k / 4][32 outputs][4], the
  * dot product's order) and runs a register tile of A8_R rows x 32 outputs over A8_MC rows. */
 static inline int32_t load_i32(const void *p) { /* four bytes of x, broadcast to every lane */
     int32_t v;
@@ -2110,6 +2120,7 @@ typedef __m256 a8f;
  * maddubs takes them as they are (no sign fix-up), and two k-quads' pairs add in int16 before one
  * madd widens them: 2 * 2 * 63 * 127 < 32768. int8 and IQ4 values are signed: the sign trick. */
 #define A8_UNSIGNED(bits) (!A8_VNNI && (bits) != 8 && (bits) != NL4)
+#define A8_KC 256 /* columns made bytes at a time (rounded to whole groups) */
 #define A8_MC 256 /* activation rows a pass over the panels: int8, 4x the rows fp32's GEMM_MC holds */
 
 /* Column kk's 32 values as bytes (rows 0-31 in bytes 0-31), centred unless A8_UNSIGNED. */
@@ -2286,7 +2297,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void a8_panel(const uint8_t *xq, const float *xs, const float *xsum, int64_t mc, int64_t K,
                                                            const panel_w_t *w, int64_t N, int64_t g, int E, float *y, int64_t p,
                                                            const a8_buf_t *b, float *t, const int bits) {
-    const int64_t G = K / g, gpb = g >= GEMM_KC ? 1 : GEMM_KC / g, C = K / E;
+    const int64_t G = K / g, gpb = g >= A8_KC ? 1 : A8_KC / g, C = K / E;
     const int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
     const panel_w_t wp = panel_at(w, p, G, g, bits);
     for (int64_t grp0 = 0; grp0 < G; grp0 += gpb) {
@@ -2512,7 +2523,7 @@ void fl_panel_gemm_a8(const float *x, int64_t M, int64_t K, const uint8_t *qp, c
     }
     const a8_panel_fn panel = bits == L5 ? a8_panel_L5 : bits == L6 ? a8_panel_L6 : bits == NL4 ? a8_panel_NL4 : bits == 2 ? a8_panel_2 : bits == 3 ? a8_panel_3 : bits == 5 ? a8_panel_5 : bits == 6 ? a8_panel_6 : bits == 8 ? a8_panel_8 : a8_panel_4;
     const int E = g < 32 ? (int)g : 32;
-    const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= GEMM_KC ? g : GEMM_KC / g * g), C = K / E;
+    const int64_t P = (N + PANEL - 1) / PANEL, kc = (g >= A8_KC ? g : A8_KC / g * g), C = K / E;
     uint8_t *xq = aligned_alloc(64, (M * K + 63) & ~(int64_t)63);
     float *xs = malloc(sizeof(float) * M * C), *xsum = malloc(sizeof(float) * M * C);
     FOR_ROWS(m, M, { a8_quantize_row(x + m * K, K, E, xq + m * K, xs + m * C, xsum + m * C); })
