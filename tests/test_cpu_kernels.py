@@ -252,9 +252,10 @@ def test_int8_linear(m, n, k, g, per_channel):
 @pytest.mark.parametrize("m,n,k,g", [(403, 70, 1600, 32), (200, 33, 512, 16), (29, 96, 576, 576)])
 def test_panel_gemm_blocks(bits, m, n, k, g):
     """The prefill GEMM (more than GEMV_MAX_ROWS rows) over its blocks: rows past one pass of
-    GEMM_MC (192) and not a multiple of the register tile, columns in several dequantized blocks
-    with a short last one (50 groups of 32), groups of 16, one group per row (per channel: a block
-    of its own), a padded last panel, a bias."""
+    GEMM_MC (192) and not a multiple of the register tile (the threads' shares of (rows, panel)
+    items, taken from each other's backs when done), columns in several dequantized blocks of
+    unequal size (50 groups of 32: 17 + 17 + 16), groups of 16, one group per row (per channel: a
+    block of its own), a padded last panel, a bias."""
     from fasterllama.quant.linear import PackedLinear
 
     q, s, mins = _panel_weights(n, k, g, bits, True, torch.float32)
