@@ -1853,7 +1853,7 @@ void fl_decode_attention(const float *q, const float *k_cache, const float *v_ca
 #define PF_QR 6 /* 6 x 2 accumulators of the 16 registers (2 x 4 left the FMA latency no slack: 0.88x) */
 #define PF_QV 2 /* vectors a tile row: keys of S, dimensions of O */
 #endif
-#define PF_BK (8 * VLANES) /* keys a block: scored 4 vectors at a time (2000-token prompts 1.05x faster than 4 vectors a block) */
+#define PF_BK (8 * VLANES) /* keys a block: scored PF_QV vectors at a time (2000-token prompts 1.05x faster than 4 vectors a block) */
 #define PF_BQ 12           /* query positions a block, a multiple of PF_QR */
 
 int64_t fl_vector_lanes(void) { return VLANES; }
