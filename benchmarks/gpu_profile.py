@@ -3,7 +3,8 @@
     python benchmarks/gpu_profile.py [--out profile.json] [--quick]
 
 For each case (model shapes, weights, batch), through the engine as benchmarks/gpu.py runs it:
-- step: the wall time of LLMEngine.step() (host work + graph replay + reading the sampled ids);
+- step: the wall time of LLMEngine.step() (host work + graph replay + reading the sampled ids),
+  with steps chained (the next launched before the last one's ids are read: the default) and not;
 - replay: the device time of back-to-back replays of the step's captured graph (no host work);
 - host: the wall time of LLMEngine.step() with the replay made a no-op (the host's work alone);
 - kernels: the kernels one replay runs (torch.profiler over replays), their summed device time
@@ -79,6 +80,9 @@ def profile_case(model, cfg, batch: int, ctx: int) -> dict:
     bucket = next(b for b in plan.buckets if b >= batch)
     graph, out = plan.graphs[bucket]
     res: dict = {"step_us": 1e6 * _median_wall(engine.step, steps)}
+    engine.chain_steps = False  # each step launched only once the last one's tokens are read
+    res["step_unchained_us"] = 1e6 * _median_wall(engine.step, steps)
+    engine.chain_steps = True
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -164,7 +168,7 @@ def main() -> None:
             res[name] = profile_case(models[key], cfg, batch, ctx)
             r = res[name]
             print(
-                f"[{time.perf_counter() - t0:5.1f}s] {name}: step {r['step_us']:.0f} us, replay {r['replay_us']:.0f} "
+                f"[{time.perf_counter() - t0:5.1f}s] {name}: step {r['step_us']:.0f} us (unchained {r['step_unchained_us']:.0f}), replay {r['replay_us']:.0f} "
                 f"(alone {r['replay_and_wait_us']:.0f}), host {r['host_us']:.0f}, "
                 f"graph {r['graph']['count']:.0f} kernels {r['graph']['us']:.0f} us, eager {r['eager']['count']:.0f} kernels {r['eager']['us']:.0f} us",
                 flush=True,

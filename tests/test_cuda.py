@@ -125,6 +125,28 @@ def test_cuda_graph_decode_same_as_eager(models, dtype: str, quantization) -> No
             assert all(abs(lg[t] - le[t]) < tol for t in le if t in lg)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_chained_steps_same_as_unchained(models, dtype: str) -> None:
+    """Decode steps launched before the last step's tokens are read (the default on CUDA: ids
+    gathered on the device, graph replays queued behind each other) give the tokens of steps
+    read one at a time, greedy and sampled, as sequences end at different steps."""
+    _, path = models["gqa"]
+    llm = LLM(model=path, device="cuda", dtype=dtype, progress=False)
+    engine = llm.engine
+    if not _kernel_backend(llm):
+        pytest.skip("Triton kernels unavailable")
+    assert engine.chain_steps
+    launched: list[int] = []
+    launch = engine.runner.execute_chained
+    engine.runner.execute_chained = lambda *args: (launched.append(len(args[2])), launch(*args))[1]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=5, max_tokens=16, ignore_eos=True)]
+    chained = [o.token_ids for o in llm.generate(BATCH, params)]
+    engine.chain_steps = False
+    assert chained == [o.token_ids for o in llm.generate(BATCH, params)]
+    assert launched[0] == 3 and launched[-1] == 1 and len(launched) >= 20
+
+
 def test_cuda_seeded_sampling_same_as_cpu(models) -> None:
     """Seeded sampling draws the same tokens on the GPU (graphs, kernels) as on the CPU."""
     _, path = models["gqa"]

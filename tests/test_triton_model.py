@@ -138,3 +138,31 @@ def test_gguf_off_cpu_layouts_with_mins(interpreted, monkeypatch, tmp_path, weig
     assert (engine.compute_logits(PROMPT) - tm.hf_logits(hf, PROMPT)).abs().max().item() < 1e-3
     if decode_steps:
         assert _greedy(engine, [PROMPT], decode_steps) == [tm.hf_greedy(hf, PROMPT, decode_steps)]
+
+
+def test_chained_steps_through_the_graph_plan(interpreted, gqa) -> None:
+    """Chained decode steps (on by default with these kernels) through the graph plan: the ids
+    gathered on the device from the last step's samples, rows dropped as sequences end; greedy
+    and Triton-sampled tokens as without chaining."""
+    _, path = gqa
+    engine = _engine(path, None)
+    plan = engine.runner.decode_plan
+    chained: list[list[int]] = []
+    run_chained = plan.run_chained
+    plan.run_chained = lambda inputs, tokens, rows: (chained.append(list(rows)), run_chained(inputs, tokens, rows))[1]
+    requests = [(BATCH[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
+                (BATCH[1], SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=2, max_tokens=6, ignore_eos=True)),
+                (BATCH[2], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))]
+
+    def run() -> list[list[int]]:
+        seqs = [engine.add_request(p, params) for p, params in requests]
+        while engine.has_unfinished():
+            engine.step()
+        return [s.output_token_ids for s in seqs]
+
+    got = run()
+    # (each launch's rows index the step before's: the first sequence's third token surely ends
+    # it, so the second launch leaves it out; then the third's fifth)
+    assert chained == [[0, 1, 2], [1, 2], [0, 1], [0]]
+    engine.chain_steps = False
+    assert run() == got and len(got[1]) == 6

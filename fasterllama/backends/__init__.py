@@ -5,12 +5,14 @@ Nothing outside `backends/` asks which device it runs on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from ..engine.kv_cache import KVCache
+    from ..engine.model_runner import StepInputs
     from ..engine.scheduler import ScheduledSeq
     from ..model import LlamaForCausalLM
 
@@ -19,6 +21,7 @@ class DecodePlan(Protocol):
     """A decode step in one call (the C step on the CPU, a CUDA graph replay on the GPU)."""
 
     max_rows: int  # the most token rows a step it covers may have (decoding sequences and their drafts)
+    chains: bool  # whether it runs chained steps (run_chained)
 
     def covers(self, batch: list[ScheduledSeq]) -> bool: ...
 
@@ -28,12 +31,20 @@ class DecodePlan(Protocol):
         need it enters it (the CPU's C step makes one tensor, and entering costs ~50 us a step)."""
         ...
 
+    def run_chained(self, inputs: StepInputs, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """fp32 logits of a decode step (one token a row, at most max_rows) whose input ids are
+        rows `rows` of the last step's sampled `tokens`, still on the device (LLMEngine: chained steps)."""
+        ...
+
 
 class Backend:
     """The base: the PyTorch reference ops, no preparation, no whole-step decode."""
 
     default_dtype = torch.float32
     kv_block_size = 16  # tokens a KV cache block holds by default (the granularity of sharing and prefix caching)
+    # whether the engine launches a decode step before reading the last one's tokens: it pays where
+    # kernels run queued behind the host (a GPU), which then prepares step n+1 while step n runs
+    chains_steps = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -50,6 +61,12 @@ class Backend:
 
     def decode_plan(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> DecodePlan | None:
         return None
+
+    def tokens_later(self, tokens: torch.Tensor) -> Callable[[], list[int]]:
+        """Start moving a step's sampled token ids to the host; the call returned waits for them.
+        Here they are read at once."""
+        values = tokens.tolist()
+        return lambda: values
 
     def begin_step(self) -> None:
         """Called by the model runner before each step, in the thread that runs it."""

@@ -1,12 +1,15 @@
 """LLMEngine: requests in, one scheduled step at a time, token updates out.
 
-request -> Sequence -> Scheduler -> ModelRunner -> Sampler -> detokenize -> finished check."""
+request -> Sequence -> Scheduler -> ModelRunner -> Sampler -> detokenize -> finished check.
+Where the device runs queued behind the host (a GPU), plain decode steps are chained: step n+1
+is launched with step n's samples as its input before the host reads them (docs/gpu.md)."""
 
 from __future__ import annotations
 
 import os
 import random
 import weakref
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -29,7 +32,7 @@ from ..tokenizer import Tokenizer
 from . import sampler, speculative
 from .block_manager import BlockManager
 from .kv_cache import KVCache, num_blocks_for
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, decode_inputs
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
 from .structured import StructuredOutput
@@ -136,6 +139,17 @@ class StepUpdate:
     text_delta: str
     logprobs: dict[int, float] | None = None  # this token's top logprobs, when asked
     finish_reason: str | None = None  # set on the token that finished the sequence
+
+
+@dataclass
+class _Launched:
+    """A decode step launched and not yet read: its sequences, the position each computes, and the
+    tokens it draws, on the device (`read` waits for them on the host)."""
+
+    seqs: list[Sequence]
+    positions: list[int]
+    tokens: torch.Tensor
+    read: Callable[[], list[int]]
 
 
 class LLMEngine:
@@ -259,6 +273,11 @@ class LLMEngine:
         self._workers: tp_workers.Workers | None = None
         self.failure: str | None = None  # why the engine cannot run steps any more (a tensor-parallel rank died)
         self._whole_step_decode = not tensor_parallel
+        # Chained decode steps (where the backend's kernels queue behind the host): step n+1 is
+        # launched with step n's sampled ids as its input, on the device, before the host reads
+        # them, so the device never idles while the host reads, detokenizes and schedules
+        self.chain_steps = backend.chains_steps and not tensor_parallel
+        self.launched: _Launched | None = None
         self.speculator: speculative.Speculator | None = None
         self._build_runtime(cfg)
 
@@ -406,6 +425,8 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[StepUpdate]:
+        if self.launched is not None:  # a chained step is under way: launch the one after, then read it
+            return self._read_chained(self.launched)
         if self.speculator is not None:
             self._propose()
         batch = self.scheduler.schedule()
@@ -450,6 +471,9 @@ class LLMEngine:
                 self._add_prompt_logprobs(item.seq, starts[id(item)], rows_logits)
         if not seqs:
             return []
+        if len(seqs) == len(batch) and self._chains(batch):
+            tokens = sampler.token_tensor(all_logits, seqs, self.eos_token_ids)
+            return self._read_chained(_Launched(seqs, [starts[id(item)] for item in batch], tokens, self.backend.tokens_later(tokens)))
         for i in range(len(seqs)):  # a request's other samples start once its prompt is in the cache
             parent = seqs[i]
             for child in parent.forks:
@@ -489,6 +513,58 @@ class LLMEngine:
                 self.speculator.record(seq, len(d), len(emitted) - 1)
             row += len(d) + 1
         return updates
+
+    # -- chained decode steps --------------------------------------------------------------
+    def _chains(self, batch: list[ScheduledSeq]) -> bool:
+        """Whether this step's successors may be launched before its tokens are read: a plain
+        decode step (a token a sequence, every one sampling; no drafts, no forks to start) of
+        sequences whose next tokens need nothing but the logits (no logprobs, penalties,
+        constraint or prompt rows)."""
+        if not self.chain_steps or self.speculator is not None:
+            return False
+        for item in batch:
+            seq, p = item.seq, item.seq.params
+            if item.num_tokens != 1 or item.drafts or seq.forks or seq.needs_prompt_rows or seq.matcher is not None:
+                return False
+            if p.logprobs is not None or p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+                return False
+        return True
+
+    def _read_chained(self, step: _Launched) -> list[StepUpdate]:
+        """Launch the step after `step` (chained), then read step's tokens: the device computes
+        one step while the host reads, detokenizes and checks the other."""
+        self.launched = self._launch_after(step)
+        if all(seq.is_finished for seq in step.seqs):  # (ended or aborted since it was launched)
+            return []
+        updates = []
+        for seq, position, tok in zip(step.seqs, step.positions, step.read()):
+            if seq.is_finished:  # its row was wasted: it ended at the step before
+                continue
+            seq.num_cached = position + 1
+            self.blocks.commit(seq)
+            updates.append(self._append_token(seq, tok))
+        return updates
+
+    def _launch_after(self, step: _Launched) -> _Launched | None:
+        """The next decode step of step's sequences, its ids step's samples (never read by the
+        host first); None where the scheduler must choose the next step instead: requests waiting
+        to start, a running sequence outside `step`, too few free blocks. A sequence whose token in
+        `step` surely ends it (its length limits) has no row; one that ends otherwise (an end
+        token, a stop string) wastes its row, which is then skipped when read."""
+        if self.scheduler.waiting:
+            return None
+        rows = [i for i, seq in enumerate(step.seqs) if not seq.is_finished]
+        if {id(seq) for seq in self.scheduler.running} - {id(step.seqs[i]) for i in rows}:
+            return None
+        # (step's token is the sequence's output token number len + 1, at position + 1 of the context)
+        rows = [i for i in rows if len(step.seqs[i].output_token_ids) + 1 < step.seqs[i].params.max_tokens
+                and step.positions[i] + 2 < self.max_model_len]
+        seqs, positions = [step.seqs[i] for i in rows], [step.positions[i] + 1 for i in rows]
+        if not rows or not all(self.blocks.reserve(seq, p + 1) for seq, p in zip(seqs, positions)):
+            return None
+        logits = self.runner.execute_chained(decode_inputs(seqs, positions, self.kv_cache.block_size), step.tokens, rows)
+        tokens = sampler.token_tensor(logits, seqs, self.eos_token_ids, ahead=1)
+        return _Launched(seqs, positions, tokens, self.backend.tokens_later(tokens))
 
     def _propose(self) -> None:
         """Drafts for the running sequences that decode next step: as many as the proposer's k,

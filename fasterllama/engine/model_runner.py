@@ -13,6 +13,7 @@ from ..model import LlamaForCausalLM
 from ..parallel.group import TPGroup
 from .kv_cache import KVCache
 from .scheduler import ScheduledSeq
+from .sequence import Sequence
 
 
 @dataclass
@@ -55,6 +56,14 @@ def step_inputs(batch: list[ScheduledSeq], block_size: int) -> StepInputs:
             inputs.start_positions.append(first)
             inputs.token_offsets.append(inputs.token_offsets[-1] + (1 if item.drafts else n))
     return inputs
+
+
+def decode_inputs(seqs: list[Sequence], positions: list[int], block_size: int) -> StepInputs:
+    """One new token a sequence at the given positions, its id not yet on the host (a chained
+    step's: LLMEngine); the ids are placeholders the step takes from the device instead."""
+    slots = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, positions)]
+    return StepInputs([0] * len(seqs), list(positions), slots, [seq.block_table for seq in seqs], list(positions),
+                      list(range(len(seqs) + 1)))
 
 
 def pack_batch(batch: list[ScheduledSeq], block_size: int, device: torch.device) -> tuple[torch.Tensor, ops.AttentionMetadata]:
@@ -111,10 +120,24 @@ class ModelRunner:
         self.in_step = False
         return logits
 
+    def execute_chained(self, inputs: StepInputs, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """A decode step (decode_inputs) whose input ids are rows `rows` of the last step's sampled
+        `tokens`, left on the device: the host never waits for them before launching it. Not
+        under tensor parallelism (the workers take their ids from rank 0's lists)."""
+        self.backend.begin_step()
+        plan = self.decode_plan
+        if plan is not None and plan.chains and len(rows) <= plan.max_rows:
+            logits = plan.run_chained(inputs, tokens, rows)
+            self.backend.after_forward(len(rows))
+            return logits
+        return self._forward(inputs, None, tokens[torch.tensor(rows, dtype=torch.int64, device=tokens.device)])
+
     @torch.inference_mode()
-    def _forward(self, inputs: StepInputs, rows: list[int] | None) -> torch.Tensor | None:
-        """The logits of `rows` (None on tensor-parallel ranks other than the first)."""
-        input_ids, meta = inputs.to_tensors(self.device)
+    def _forward(self, inputs: StepInputs, rows: list[int] | None, input_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The logits of `rows` (None on tensor-parallel ranks other than the first); input_ids
+        in place of inputs.tokens where given."""
+        ids, meta = inputs.to_tensors(self.device)
+        input_ids = ids if input_ids is None else input_ids
         hidden = self.model(input_ids, meta, self.kv_cache.layers)
         if rows is not None:
             hidden = hidden[torch.tensor(rows, dtype=torch.int64, device=self.device)]

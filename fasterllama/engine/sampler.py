@@ -68,8 +68,8 @@ def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token
     """The batch for rows that each draw a sequence's next token after its output so far and the
     row's extra tokens (the drafts before it in a speculative step; usually none)."""
 
-    def col(values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+    def col(values: list, dtype: torch.dtype) -> torch.Tensor:  # (a copy that never waits for the device's queue: chained steps)
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     def padded(token_rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in token_rows))
@@ -222,3 +222,12 @@ def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eo
         b.seeds = b.seeds ^ seed_salt
     tokens, probs = sample_with_probs(logits, b) if with_probs else (sample(logits, b), None)
     return tokens.tolist(), b, probs
+
+
+def token_tensor(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int], ahead: int = 0) -> torch.Tensor:
+    """The tokens next_tokens draws for these sequences, left on the device (a chained step's
+    input, LLMEngine), each `ahead` tokens past the output it has now (tokens drawn and not yet
+    read). Not for penalties, which count the tokens drawn before."""
+    if all(s.params.greedy and plain_logits(s, ahead) for s in seqs):
+        return ops.argmax(logits)
+    return sample(logits, sampling_batch([(s, [-1] * ahead) for s in seqs], logits.shape[-1], eos_token_ids, logits.device))

@@ -133,6 +133,7 @@ class _DecodeInputs:
 
 class CPUDecodePlan:
     max_rows = cpu_kernels.GEMV_MAX_ROWS
+    chains = False  # the C step runs on the host's cores: nothing to overlap (Backend.chains_steps)
 
     def __init__(self, model: LlamaForCausalLM, layers: ctypes.Array, embed: _Linear, lm_head: _Linear,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], made: list[torch.Tensor], prefill_rows: int = 0) -> None:

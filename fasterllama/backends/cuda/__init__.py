@@ -74,6 +74,7 @@ def kernel_ops() -> dict | None:
 
 class CUDABackend(Backend):
     default_dtype = torch.bfloat16
+    chains_steps = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
@@ -99,6 +100,21 @@ class CUDABackend(Backend):
                 self.gemv_timings = gemv.tune(model, model.norm.weight.dtype)
             except RuntimeError as e:  # an optimization only: the default kernels stay
                 log.warning("timing the decode GEMVs failed (%s); using the defaults", e)
+
+    def tokens_later(self, tokens: torch.Tensor):
+        """A copy into pinned memory queued behind the step, and an event to wait on: reading the
+        tokens directly would also wait for any step launched after them."""
+        if not tokens.is_cuda:  # (the kernels on CPU tensors, interpreted)
+            return super().tokens_later(tokens)
+        host = tokens.to("cpu", non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+
+        def read() -> list[int]:
+            copied.synchronize()
+            return host.tolist()
+
+        return read
 
     def decode_plan(self, model, kv_cache, max_num_seqs: int, max_model_len: int) -> DecodePlan | None:
         """CUDA graphs need every op of the step to be a kernel that reads its inputs from device

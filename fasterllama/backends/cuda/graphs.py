@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ...engine.kv_cache import KVCache
+from ...engine.model_runner import StepInputs, step_inputs
 from ...engine.scheduler import ScheduledSeq
 from ...model import LlamaForCausalLM
 from ...ops import AttentionMetadata
@@ -27,6 +28,8 @@ _IDS, _POS, _SLOT, _LEN = range(4)  # rows of the input buffer
 
 
 class CUDAGraphDecode:
+    chains = True  # run_chained: the ids gathered on the device from the last step's samples
+
     def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.device = kv_cache.layers[0][0].device
@@ -87,13 +90,16 @@ class CUDAGraphDecode:
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], rows: list[int] | None = None) -> torch.Tensor:
-        logits = self._run(batch)
+        logits = self._run(step_inputs(batch, self.kv_cache.block_size))  # one row per token, each with its block table
         return logits if rows is None else logits[torch.tensor(rows, dtype=torch.int64, device=logits.device)]
 
-    def _run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        from ...engine.model_runner import step_inputs
+    @torch.inference_mode()
+    def run_chained(self, inputs: StepInputs, tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        return self._run(inputs, (tokens, rows))
 
-        step = step_inputs(batch, self.kv_cache.block_size)  # one row per token, each with its block table
+    def _run(self, step: StepInputs, source: tuple[torch.Tensor, list[int]] | None = None) -> torch.Tensor:
+        """source: the ids are those rows of a device tensor (the input buffer's id row carries the
+        row numbers, then a gather on the device puts the ids in their place)."""
         B = len(step.tokens)
         n = next(b for b in self.buckets if b >= B)
         if n not in self.graphs:
@@ -102,7 +108,7 @@ class CUDAGraphDecode:
         if self.copied is not None:
             self.copied.synchronize()
         rows, tables = self.host_rows, self.host_table_rows
-        rows[_IDS, :B] = step.tokens
+        rows[_IDS, :B] = step.tokens if source is None else source[1]
         rows[_POS, :B] = step.positions
         rows[_SLOT, :B] = step.slot_mapping
         rows[_LEN, :B] = [p + 1 for p in step.start_positions]
@@ -114,6 +120,9 @@ class CUDAGraphDecode:
         tables[B:n, :width] = 0
         self.inputs[:, :n].copy_(self.host[:, :n], non_blocking=True)
         self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        if source is not None:
+            ids = self.inputs[_IDS, :B]
+            ids.copy_(source[0].index_select(0, ids))
         if graph is None:
             return self._forward(n, out)[:B]
         self.copied.record()
