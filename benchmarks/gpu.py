@@ -295,7 +295,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     clock = Clock(args.budget)
     res: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                 "torch": torch.__version__, "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:]), "errors": []}
+                 "torch": torch.__version__, "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:]), "errors": [],
+                 "pdl": os.environ.get("FASTERLLAMA_NO_PDL") != "1"}  # programmatic dependent launch (backends/cuda/pdl.py)
 
     def save() -> None:
         with open(args.out, "w") as fh:

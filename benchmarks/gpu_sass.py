@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=32)
     args = ap.parse_args()
     x = f"*{args.dtype}"
-    common = {"x_ptr": x, "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": x, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"}
+    common = {"x_ptr": x, "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": x, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "PDL": "constexpr"}
     int4 = dict(common, p_ptr="*u8", KB_SPLIT="i32", GS="constexpr", GPB="constexpr", BLOCK_N="constexpr", TWO="constexpr")
     int8 = dict(common, w_ptr="*i8", K_SPLIT="i32", G="i32", GS="constexpr", GPB="constexpr", PER_GROUP="constexpr", BLOCK_N="constexpr",
                 TWO="constexpr", HAS_MINS="constexpr")
@@ -70,7 +70,7 @@ def main() -> None:
     print("| kernel | rows, tile bytes, warps | loop instructions | weights a thread | a weight | registers, stack |\n|---|---|---:|---:|---:|---|")
     for name, fn, sig, cfg in cases:
         gpb = cfg.tile_bytes // g if "int8" in name else cfg.tile_bytes // 2 // (g // 2)  # as int8_gemv / int4_gemv launch
-        consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False}
+        consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False, "PDL": True}
         if "int8" in name:
             consts.update(PER_GROUP=True, HAS_MINS=False)
         weights = cfg.block_n * gpb * g / (32 * cfg.warps)

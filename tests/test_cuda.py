@@ -147,6 +147,26 @@ def test_cuda_chained_steps_same_as_unchained(models, dtype: str) -> None:
     assert launched[0] == 3 and launched[-1] == 1 and len(launched) >= 20
 
 
+def test_cuda_programmatic_dependent_launch_changes_nothing(models, monkeypatch) -> None:
+    """Kernels launched while the one before still runs (PDL, on Hopper: each waits for it before
+    touching memory) give the logprobs and tokens of kernels launched after it, in graphs and eagerly."""
+    from fasterllama.backends.cuda import pdl
+
+    if pdl.OFF or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("PDL off or before Hopper")
+    _, path = models["mistral"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    runs = []
+    for off in (False, True):
+        monkeypatch.setattr(pdl, "OFF", off)
+        llm = LLM(model=path, device="cuda", dtype="float32", quantization="w4-g32", progress=False)
+        if not _kernel_backend(llm):
+            pytest.skip("Triton kernels unavailable")
+        runs.append(llm.generate(BATCH, params))
+    for with_pdl, without in zip(*runs):
+        assert with_pdl.token_ids == without.token_ids and with_pdl.logprobs == without.logprobs
+
+
 def test_cuda_seeded_sampling_same_as_cpu(models) -> None:
     """Seeded sampling draws the same tokens on the GPU (graphs, kernels) as on the CPU."""
     _, path = models["gqa"]

@@ -1,7 +1,9 @@
 """Kernels compiled for Hopper (sm_90) without a GPU, by Triton's own ptxas. The interpreter runs a
 kernel's Python, not the compiler: what only a compile rejects (a constexpr reassigned, a type
 the code generator refuses) would otherwise first show on a lent GPU. Kernels new since the last
-GPU session go here; the compile runs in a process without TRITON_INTERPRET."""
+GPU session go here; the compile runs in a process without TRITON_INTERPRET. Every kernel is
+compiled with programmatic dependent launch on (PDL, as on Hopper): its wait for the kernel
+before must come before its first global memory access."""
 
 from __future__ import annotations
 
@@ -16,18 +18,26 @@ pytest.importorskip("triton")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SAMPLE = {"x_ptr": "*bf16", "t_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "mp_ptr": "*fp32", "seed_ptr": "*i64", "step_ptr": "*i64",
-          "out_ptr": "*i64", "cx_ptr": "*bf16", "ci_ptr": "*i32", "V": "i32", "stride_x": "i32", "BLOCK": "constexpr", "CAP": "constexpr"}
+          "out_ptr": "*i64", "cx_ptr": "*bf16", "ci_ptr": "*i32", "V": "i32", "stride_x": "i32", "BLOCK": "constexpr", "CAP": "constexpr", "PDL": "constexpr"}
 INT8_DEQUANT = {"w_ptr": "*i8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "G": "i32",
-                "PER_GROUP": "constexpr", "GS": "constexpr", "HAS_MINS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+                "PER_GROUP": "constexpr", "GS": "constexpr", "HAS_MINS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PDL": "constexpr"}
 INT4_DEQUANT = {"p_ptr": "*u8", "s_ptr": "*fp16", "mn_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "GS": "constexpr",
-                "BLOCK_N": "constexpr", "BLOCK_B": "constexpr"}
+                "BLOCK_N": "constexpr", "BLOCK_B": "constexpr", "PDL": "constexpr"}
+NORM = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32",
+        "static_ptr": "*fp32", "K": "i32", "eps": "fp32", "BLOCK": "constexpr", "HAS_RESIDUAL": "constexpr", "QUANT": "constexpr",
+        "HAS_STATIC": "constexpr", "CLIP": "constexpr", "PDL": "constexpr"}
+WORDS = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+         "KB_SPLIT": "i32", "ONES": "i32", "GS": "constexpr", "GPB": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "PDL": "constexpr"}
 CASES = {  # name: (module, kernel, signature, constexprs, warps)
-    "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 2048, "CAP": 256}, 8),
+    "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 2048, "CAP": 256, "PDL": True}, 8),
     "int8 dequant, groups with mins": ("triton_linear", "_int8_dequant_kernel", INT8_DEQUANT,
-                                       {"PER_GROUP": True, "GS": 32, "HAS_MINS": True, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
+                                       {"PER_GROUP": True, "GS": 32, "HAS_MINS": True, "BLOCK_N": 32, "BLOCK_K": 256, "PDL": True}, 4),
     "int8 dequant, per channel": ("triton_linear", "_int8_dequant_kernel", INT8_DEQUANT,
-                                  {"PER_GROUP": False, "GS": 1, "HAS_MINS": False, "BLOCK_N": 32, "BLOCK_K": 256}, 4),
-    "int4 dequant": ("triton_linear", "_int4_dequant_kernel", INT4_DEQUANT, {"GS": 32, "BLOCK_N": 32, "BLOCK_B": 128}, 4),
+                                  {"PER_GROUP": False, "GS": 1, "HAS_MINS": False, "BLOCK_N": 32, "BLOCK_K": 256, "PDL": True}, 4),
+    "int4 dequant": ("triton_linear", "_int4_dequant_kernel", INT4_DEQUANT, {"GS": 32, "BLOCK_N": 32, "BLOCK_B": 128, "PDL": True}, 4),
+    "residual add + RMSNorm": ("triton_norm", "_rms_norm_kernel", NORM,
+                               {"BLOCK": 4096, "HAS_RESIDUAL": True, "QUANT": False, "HAS_STATIC": False, "CLIP": False, "PDL": True}, 8),
+    "4-bit words GEMV": ("gemv", "_int4_words_gemv_kernel", WORDS, {"GS": 32, "GPB": 32, "BLOCK_N": 32, "TWO": False, "PDL": True}, 4),
 }
 CODE = """
 import importlib, json, sys
@@ -39,7 +49,11 @@ try:
     sass, usage = compile_sm90(fn, sig, consts, warps)
 except FileNotFoundError as e:
     sys.exit(f"SKIP no sm_90 toolchain: {e}")
-print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, "instructions": sass.count(";")}))
+words = [line.split("*/")[1].split() for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line]
+ops = [w[1] if w[0].startswith("@") else w[0] for w in words if len(w) > 1]  # (the opcode after any predicate)
+first = lambda names: next((i for i, o in enumerate(ops) if o.split(".")[0] in names), None)
+print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
+                  "wait": first({"ACQBULK"}), "release": first({"PREEXIT"}), "memory": first({"LDG", "STG", "ATOMG", "RED", "LDGSTS", "UTMALDG"})}))
 """
 
 
@@ -52,5 +66,6 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     got = json.loads(run.stdout)
     assert not got["spills"] and got["instructions"] > 10
+    assert got["wait"] is not None and got["release"] is not None and got["wait"] < got["memory"]  # PDL: nothing read or written before the wait
     if name == "sampler":
         assert got["atomics"]  # the radix select's digit counts: shared-memory atomics

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import triton_linear
+from . import pdl, triton_linear
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
 
@@ -99,7 +99,8 @@ def _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP
 
 
 @triton.jit
-def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr):
+def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_prior(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -119,9 +120,10 @@ def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK
 @triton.jit
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
                       GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                      HAS_MINS: tl.constexpr):
+                      HAS_MINS: tl.constexpr, PDL: tl.constexpr):
     """Tiles [BLOCK_N, GPB, GS]: GPB groups of GS columns (per channel: GS-column chunks, the
     scale applied at the end). K % GS == 0. With mins (per group), min * sum(x) per group."""
+    pdl.wait_prior(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -149,9 +151,10 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
-                      GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr):
+                      GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
     """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
     per group, sum w x = scale * sum q x + min * sum x."""
+    pdl.wait_prior(PDL)
     HALF: tl.constexpr = GS // 2
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -186,13 +189,14 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
 
 @triton.jit
 def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT, ONES,
-                             GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr):
+                             GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word. Per group, sum w x = 16 scale * S +
     (min - 16 scale) * X, with S = sum (1 + q/16) x and X = sum x. Word i of a group holds values
     4i..4i+3 (low nibbles) and GS/2 + 4i.. (high), as pack_int4 lays them out. ONES = 0x3F803F80
     comes as an argument: in a register, the mask-and-or is one LOP3 (two immediates take two)."""
+    pdl.wait_prior(PDL)
     H: tl.constexpr = GS // 2
     WPG: tl.constexpr = GS // 8  # 32-bit words a group
     WB: tl.constexpr = GPB * WPG  # words of a row a tile
@@ -249,11 +253,12 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
 @triton.jit
 def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
                             GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                            HAS_MINS: tl.constexpr):
+                            HAS_MINS: tl.constexpr, PDL: tl.constexpr):
     """int8 GEMV over 32-bit words: a byte of (w ^ 0x80808080) placed under the exponent of 2^23
     is 2^23 + 128 + q, so q is one byte move and one FADD away, and each activation (4 loads a
     word) serves every row a thread owns. Accumulators per word; per group (PER_GROUP) their sums
     are scaled, else the channel's scale comes at the end."""
+    pdl.wait_prior(PDL)
     WPG: tl.constexpr = GS // 4  # words a group (per channel: a chunk of GS columns)
     WB: tl.constexpr = GPB * WPG
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -297,7 +302,8 @@ def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, st
     splits = triton.cdiv(steps, per)
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     part = out if splits == 1 and bias is None else torch.empty(splits, M, N, dtype=torch.float32, device=x2.device)
-    kernel[(blocks, splits)](x2, *args, part, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, TWO=M == 2, num_warps=cfg.warps, **meta)
+    kernel[(blocks, splits)](x2, *args, part, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, TWO=M == 2, num_warps=cfg.warps,
+                             **meta, **pdl.launch_args(x2))
     triton_linear._reduce(part, out, bias)
     return out
 

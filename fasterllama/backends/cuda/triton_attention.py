@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ...ops import reference
 from ...ops.metadata import AttentionMetadata
+from . import pdl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
@@ -76,11 +77,12 @@ def _rope_store_kernel(
     stride_qkv_t, stride_cos_t, stride_sin_t, stride_qo_t, stride_qo_h,
     stride_cb, stride_ch, stride_cs, block_size,
     H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per token: rotate its q and k heads, write q out and k/v into the cache. Lane d
     of a head's first half pairs with lane d + D // 2 of the real D; BLOCK_HALF pads a half to a
     power of two, with masked lanes d >= D // 2 when that pads anything."""
+    pdl.wait_prior(PDL)
     HALF: tl.constexpr = D // 2
     PADDED: tl.constexpr = BLOCK_HALF != HALF
     DT: tl.constexpr = qkv_ptr.dtype.element_ty
@@ -154,7 +156,7 @@ def rope_and_store(
         H=num_heads, KVH=num_kv_heads, D=head_dim,
         BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        num_warps=4 if num_heads * head_dim >= 2048 else 2,
+        num_warps=4 if num_heads * head_dim >= 2048 else 2, **pdl.launch_args(qkv),
     )
     return q
 
@@ -228,13 +230,14 @@ def _decode_kernel(
     qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence b, KV head, split): all GROUP query heads of the KV head attend keys
     [split * chunk, (split + 1) * chunk) ∩ [0, seq_len), so each K/V tile is read once; the chunk
     follows the sequence's actual length (_split_chunk), so a short context in a large cache still
     spreads over every split. One split writes the final output; several write unnormalized
     partials for _decode_combine_kernel."""
+    pdl.wait_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -283,10 +286,11 @@ def _decode_kernel(
 def _decode_combine_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
     H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence, query head): merge the splits' partials by their log-sum-exp. Only the
     splits that held keys are read; the others exited without writing."""
+    pdl.wait_prior(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
@@ -378,12 +382,13 @@ def decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
         H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl.launch_args(q),
     )
     if num_splits > 1:
         _decode_combine_kernel[(B, H)](
             part_acc, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1),
             H=H, D=D, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl.launch_args(q),
         )
     return out
 
@@ -396,11 +401,12 @@ def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_ptr, start_ptr,
     qk_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (query head, query block, sequence): flash-attention forward over the sequence's
     cached keys. Key tiles every row of the block sees run without masks; only the last few tiles
     (those overlapping the block's diagonal) apply the causal mask."""
+    pdl.wait_prior(PDL)
     h = tl.program_id(0)
     mb = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (last) query blocks start first
     s = tl.program_id(2)
@@ -483,7 +489,7 @@ def prefill_attention(
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
         GROUP=H // KVH, D=D, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl.launch_args(q),
     )
     return out
 

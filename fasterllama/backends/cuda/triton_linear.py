@@ -40,6 +40,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import pdl
+
 # GEMV kernels up to these row counts; above, tl.dot (an int4 weight costs twice the ALU work).
 GEMV_MAX_M_INT8 = 4
 GEMV_MAX_M_INT4 = 2
@@ -112,6 +114,7 @@ def _reduce(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, x_
     _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
         part, out, dummy if bias is None else bias, dummy if x_scale is None else x_scale, dummy if w_scale is None else w_scale,
         M, N, part.shape[0], HAS_BIAS=bias is not None, HAS_SCALES=x_scale is not None, BLOCK=_REDUCE_BLOCK, num_warps=4,
+        **pdl.launch_args(out),
     )
 
 
@@ -148,9 +151,10 @@ def _store(out_ptr, acc, offs_m, offs_n, M, N, b_ptr, HAS_BIAS: tl.constexpr):
 
 
 @triton.jit
-def _splitk_reduce_kernel(part_ptr, out_ptr, b_ptr, xs_ptr, ws_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, BLOCK: tl.constexpr):
+def _splitk_reduce_kernel(part_ptr, out_ptr, b_ptr, xs_ptr, ws_ptr, M, N, SPLITS, HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out = sum over slices of part [SPLITS, M, N] (in part's dtype: int32 stays exact), then
     (* x_scale[m] * w_scale[n]) (+ bias[n]), in that order, as dequantize_gemm does."""
+    pdl.wait_prior(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * N
     acc = tl.load(part_ptr + offs, mask=mask, other=0)
@@ -181,8 +185,9 @@ def _dequantize_first(M: int) -> bool:
 
 @triton.jit
 def _int8_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, G, PER_GROUP: tl.constexpr, GS: tl.constexpr, HAS_MINS: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out = q * scale (+ min), scales per output channel or per group of GS columns."""
+    pdl.wait_prior(PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (offs_n < N)[:, None] & (offs_k < K)[None, :]
@@ -199,9 +204,10 @@ def _int8_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, G, PER_GROUP: tl.c
 
 
 @triton.jit
-def _int4_dequant_kernel(p_ptr, s_ptr, mn_ptr, out_ptr, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr):
+def _int4_dequant_kernel(p_ptr, s_ptr, mn_ptr, out_ptr, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
     """out = q * scale + min from pack_int4's bytes: byte j of a group holds values j (low nibble)
     and GS/2 + j (high)."""
+    pdl.wait_prior(PDL)
     HALF: tl.constexpr = GS // 2
     KB = K // 2
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -222,12 +228,13 @@ def _int4_dequant_kernel(p_ptr, s_ptr, mn_ptr, out_ptr, N, K, GS: tl.constexpr, 
 def _int8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, k_split,
     PER_GROUP: tl.constexpr, GS: tl.constexpr, GPB: tl.constexpr, GS_T: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MINS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MINS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows [pid_n * BLOCK_N, +BLOCK_N) of x @ (q * s + min)^T over K slice pid_k, for all M <=
     BLOCK_M rows of x. A weight tile is [BLOCK_N, GPB, GS_T]: GPB runs of GS_T columns, each inside
     one scale group of GS columns (per channel: one run, the scale applied at the end); a run's
     min term is min * sum(x over the run)."""
+    pdl.wait_prior(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BLOCK_K: tl.constexpr = GPB * GS_T
@@ -266,11 +273,12 @@ def _int8_linear_kernel(
     x_ptr, w_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, G, stride_xm, k_split,
     PER_GROUP: tl.constexpr, GS: tl.constexpr, GPB: tl.constexpr, GS_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_MINS: tl.constexpr,
-    PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tl.dot version: the weight tile (laid out as in the GEMV kernel) is dequantized to the
     activation dtype (exactly, per channel: the scale comes in the epilogue) and multiplied on
     the tensor cores with an fp32 accumulator."""
+    pdl.wait_prior(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     BLOCK_K: tl.constexpr = GPB * GS_T
@@ -326,7 +334,7 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
         w = _float_weight(N, K, x.dtype, x.device)
         _int8_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K, 256))](
             qweight, s, s if mins is None else mins.contiguous(), w, N, K, G, PER_GROUP=per_group, GS=gs if per_group else 1,
-            HAS_MINS=mins is not None, BLOCK_N=32, BLOCK_K=256, num_warps=4)
+            HAS_MINS=mins is not None, BLOCK_N=32, BLOCK_K=256, num_warps=4, **pdl.launch_args(w))
         return F.linear(x2, w, bias).view(*x.shape[:-1], N)
     gemv = M <= GEMV_MAX_M_INT8
     if gemv:
@@ -339,7 +347,7 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
     common = {"PER_GROUP": per_group, "GS": gs if per_group else 1, "GPB": block_k // gs_t, "GS_T": gs_t, "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "HAS_BIAS": has_bias, "HAS_MINS": mins is not None, "num_warps": warps, "num_stages": stages}
+              "HAS_BIAS": has_bias, "HAS_MINS": mins is not None, "num_warps": warps, "num_stages": stages, **pdl.launch_args(x2)}
     args = (x2, qweight, s, s if mins is None else mins.contiguous(), bias if has_bias else s, part, M, N, K, G, x2.stride(0), per * block_k)
     if gemv:
         _int8_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
@@ -353,12 +361,13 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr, p_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, stride_xm, kb_split,
-    GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Rows [pid_n * BLOCK_N, +BLOCK_N) over the byte slice pid_k, for all M <= BLOCK_M rows of x.
     A packed tile is [BLOCK_N, GPB, HT] bytes: GPB runs of HT bytes inside one group of GS values,
     whose low nibbles are the values at k = group * GS + j and high ones at k + GS/2. Per group,
     sum_k w x = scale * sum_k q x + min * sum_k x."""
+    pdl.wait_prior(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     HALF: tl.constexpr = GS // 2
@@ -399,10 +408,11 @@ def _int4_gemv_kernel(
 def _int4_linear_kernel(
     x_ptr, p_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, stride_xm, kb_split,
     GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
 ):
     """The tl.dot version: a packed tile (as in the GEMV kernel) becomes two dequantized weight
     tiles, the low and the high nibbles, each multiplied with the columns of x they stand for."""
+    pdl.wait_prior(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     HALF: tl.constexpr = GS // 2
@@ -454,7 +464,8 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     packed, scales, mins = packed.contiguous(), scales.contiguous(), mins.contiguous()
     if _dequantize_first(M):
         w = _float_weight(N, K, x.dtype, x.device)
-        _int4_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K // 2, 128))](packed, scales, mins, w, N, K, GS=group_size, BLOCK_N=32, BLOCK_B=128, num_warps=4)
+        _int4_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K // 2, 128))](packed, scales, mins, w, N, K, GS=group_size, BLOCK_N=32, BLOCK_B=128, num_warps=4,
+                                                                               **pdl.launch_args(w))
         return F.linear(x2, w, bias).view(*x.shape[:-1], N)
     gemv = M <= GEMV_MAX_M_INT4
     if gemv:
@@ -468,7 +479,7 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
     common = {"GS": group_size, "GPB": block_kb // ht, "HT": ht, "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages}
+              "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages, **pdl.launch_args(x2)}
     args = (x2, packed, scales, mins, bias if has_bias else scales, part, M, N, K, x2.stride(0), per * block_kb)
     if gemv:
         _int4_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
@@ -483,10 +494,11 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
 def _int8_gemm_kernel(
     a_ptr, w_ptr, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, K, stride_am, k_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EPILOGUE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
     """Exact int32 xq @ qweight^T on the tensor cores over K slice pid_k; with EPILOGUE (one slice)
     dequantized in place, else stored as int32 partials for _splitk_reduce_kernel."""
+    pdl.wait_prior(PDL)
     pid_m, pid_n = _tile_ids(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     pid_k = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -527,7 +539,7 @@ def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Te
     _int8_gemm_kernel[(tiles, splits)](
         xq, qweight, x_scale, w_scale, w_scale if bias is None else bias, part, M, N, K, xq.stride(0), per * block_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, EPILOGUE=splits == 1, HAS_BIAS=bias is not None,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **pdl.launch_args(xq),
     )
     _reduce(part, out, bias, x_scale, w_scale)
     return out

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -45,8 +47,9 @@ def _quantize_row(y, cols, mask, q_ptr, scale_ptr, static_ptr, row, K, HAS_STATI
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, static_ptr, K, eps,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -69,9 +72,10 @@ def _rms_norm_kernel(
 @triton.jit
 def _silu_and_mul_kernel(
     gu_ptr, out_ptr, q_ptr, scale_ptr, static_ptr, K,
-    BLOCK: tl.constexpr, QUANT: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr,
+    BLOCK: tl.constexpr, QUANT: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, column block); quantizing, one block holds the whole row (its absmax)."""
+    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < K
@@ -87,7 +91,9 @@ def _silu_and_mul_kernel(
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, K, BLOCK: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr):
+def _quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, K, BLOCK: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
@@ -122,6 +128,7 @@ def _norm(x, residual, weight, eps, quant: bool, static_scale=None, clip=False):
         _rms_norm_kernel[(M,)](
             x2, res2, weight, out, res_out, q, scale, static, K, eps,
             BLOCK=block, HAS_RESIDUAL=residual is not None, QUANT=quant, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps,
+            **pdl.launch_args(x2),
         )
     res_out = res_out.view(shape)
     if quant:
@@ -161,7 +168,7 @@ def _silu(gate_up: torch.Tensor, quant: bool, static_scale=None, clip=False):
     if M:
         _silu_and_mul_kernel[(M, triton.cdiv(K, block))](
             gu, out, q, scale, static_scale if static_scale is not None else scale, K,
-            BLOCK=block, QUANT=quant, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps,
+            BLOCK=block, QUANT=quant, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps, **pdl.launch_args(gu),
         )
     return (q.view(shape), scale.view(shape[:-1])) if quant else out.view(shape)
 
@@ -184,7 +191,7 @@ def quantize_per_token(x: torch.Tensor, static_scale=None, clip=False) -> tuple[
     block, warps = _launch_config(K)
     if M:
         _quantize_kernel[(M,)](x2, q, scale, static_scale if static_scale is not None else scale, K,
-                               BLOCK=block, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps)
+                               BLOCK=block, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps, **pdl.launch_args(x2))
     return q.view(shape), scale.view(shape[:-1])
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+
 BLOCK = 2048  # tokens a program handles per step of a pass
 CAP = 256  # the tokens top-k keeps that the later passes read from a copy (more, with ties: they read the row)
 
@@ -115,7 +117,8 @@ def _tokens(ci_row, offs, ok, use_cand):
 
 @triton.jit
 def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_ptr, cx_ptr, ci_ptr, V, stride_x,
-                   BLOCK: tl.constexpr, CAP: tl.constexpr):
+                   BLOCK: tl.constexpr, CAP: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_prior(PDL)
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(t_ptr + row)
@@ -222,5 +225,6 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     if B:
         args = (temperature.float(), top_k.long(), top_p.float(), min_p.float(), seeds.long(), steps.long())
         cand_x, cand_i = torch.empty(B, CAP, dtype=x.dtype, device=x.device), torch.empty(B, CAP, dtype=torch.int32, device=x.device)
-        _sample_kernel[(B,)](x, *(a.contiguous() for a in args), out, cand_x, cand_i, V, x.stride(0), BLOCK=BLOCK, CAP=CAP, num_warps=8)
+        _sample_kernel[(B,)](x, *(a.contiguous() for a in args), out, cand_x, cand_i, V, x.stride(0), BLOCK=BLOCK, CAP=CAP, num_warps=8,
+                              **pdl.launch_args(x))
     return out
