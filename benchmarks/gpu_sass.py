@@ -66,7 +66,7 @@ def main() -> None:
     cases = [("int4 bytes", gemv._int4_gemv_kernel, int4, c) for c in gemv.CONFIGS[:3]]
     cases += [("int4 words", gemv._int4_words_gemv_kernel, dict(int4, ONES="i32"), c) for c in gemv.WORD_CONFIGS[:2]]
     cases += [("int8 bytes", gemv._int8_gemv_kernel, int8, c) for c in gemv.CONFIGS[:3]]
-    cases += [("int8 words", gemv._int8_words_gemv_kernel, int8, c) for c in gemv.INT8_WORD_CONFIGS[:2]]
+    cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32"), c) for c in gemv.INT8_WORD_CONFIGS[:2]]
     print("| kernel | rows, tile bytes, warps | loop instructions | weights a thread | a weight | registers, stack |\n|---|---|---:|---:|---:|---|")
     for name, fn, sig, cfg in cases:
         gpb = cfg.tile_bytes // g if "int8" in name else cfg.tile_bytes // 2 // (g // 2)  # as int8_gemv / int4_gemv launch

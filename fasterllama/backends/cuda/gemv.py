@@ -268,13 +268,16 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
 
 
 @triton.jit
-def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
+def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, LOW, HIGH,
                             GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
                             HAS_MINS: tl.constexpr, PDL: tl.constexpr):
-    """int8 GEMV over 32-bit words: a byte of (w ^ 0x80808080) placed under the exponent of 2^23
-    is 2^23 + 128 + q, so q is one byte move and one FADD away, and each activation (4 loads a
-    word) serves every row a thread owns. Accumulators per word; per group (PER_GROUP) their sums
-    are scaled, else the channel's scale comes at the end."""
+    """int8 GEMV over 32-bit words, one integer op a byte: (w & 0xFF) ^ LOW (LOW = 0x4B000080) puts
+    the low byte with its sign bit flipped under the exponent of 2^23, the fp32 2^23 + 128 + q;
+    (w & 0xFF00) ^ HIGH (HIGH = 0x4F008000) the next byte under 2^31's, 2^31 + 2^16 (128 + q);
+    the upper two bytes the same after one shift. One FADD takes the offset off (q or 2^16 q,
+    the latter met by x 2^-16), and each activation (4 loads a word) serves every row a thread
+    owns. LOW and HIGH come as arguments: in registers, mask-and-xor is one LOP3. Accumulators
+    per word; per group (PER_GROUP) their sums are scaled, else the channel's scale comes at the end."""
     pdl.wait_prior(PDL)
     WPG: tl.constexpr = GS // 4  # words a group (per channel: a chunk of GS columns)
     WB: tl.constexpr = GPB * WPG
@@ -290,15 +293,21 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     for k0 in range(pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K), GPB * GS):
         f = k0 // 4 + offs_f
         f_ok = f < KW
-        w = tl.load(words + rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0) ^ -2139062144  # 0x80808080
+        w = tl.load(words + rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
         s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
         s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
         for b in tl.static_range(4):
-            q = (((w >> (8 * b)) & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
-            xb = tl.load(x_ptr + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32)
+            half = w if b < 2 else w >> 16
+            if b % 2 == 0:
+                q = ((half & 0xFF) ^ LOW).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
+                unit = 1.0
+            else:
+                q = ((half & 0xFF00) ^ HIGH).to(tl.float32, bitcast=True) - 2155872256.0  # 2^31 + 2^23: 2^16 q
+                unit = 1.0 / 65536.0
+            xb = tl.load(x_ptr + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32) * unit
             s0 = tl.fma(q, xb[None, :], s0)
             if TWO:
-                yb = tl.load(x_ptr + stride_xm + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32)
+                yb = tl.load(x_ptr + stride_xm + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32) * unit
                 s1 = tl.fma(q, yb[None, :], s1)
         r0 = tl.sum(tl.reshape(s0, [BLOCK_N, GPB, WPG]), axis=2)
         r1 = r0
@@ -349,9 +358,11 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     gpb = max(1, cfg.tile_bytes // gs)
     qweight = qweight.contiguous()
     args = (qweight, s.contiguous(), s if mins is None else mins.contiguous())
-    kernel = _int8_words_gemv_kernel if words and gs >= 4 and qweight.data_ptr() % 4 == 0 else _int8_gemv_kernel  # (read as int32)
+    kernel, extra = _int8_gemv_kernel, {}
+    if words and gs >= 4 and qweight.data_ptr() % 4 == 0:  # (read as int32)
+        kernel, extra = _int8_words_gemv_kernel, {"LOW": 0x4B000080, "HIGH": 0x4F008000}
     out = _launch(kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1,
-                  HAS_MINS=mins is not None)
+                  HAS_MINS=mins is not None, **extra)
     return out.view(*x.shape[:-1], N)
 
 
