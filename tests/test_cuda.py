@@ -131,7 +131,7 @@ def test_cuda_chained_steps_same_as_unchained(models, dtype: str) -> None:
     gathered on the device, graph replays queued behind each other) give the tokens of steps
     read one at a time, greedy and sampled, as sequences end at different steps."""
     _, path = models["gqa"]
-    llm = LLM(model=path, device="cuda", dtype=dtype, progress=False)
+    llm = LLM(model=path, device="cuda", dtype=dtype, progress=False, enable_prefix_caching=False)  # (both runs compute every prompt)
     engine = llm.engine
     if not _kernel_backend(llm):
         pytest.skip("Triton kernels unavailable")
@@ -163,8 +163,10 @@ def test_cuda_programmatic_dependent_launch_changes_nothing(models, monkeypatch)
         if not _kernel_backend(llm):
             pytest.skip("Triton kernels unavailable")
         runs.append(llm.generate(BATCH, params))
-    for with_pdl, without in zip(*runs):
-        assert with_pdl.token_ids == without.token_ids and with_pdl.logprobs == without.logprobs
+    for with_pdl, without in zip(*runs):  # (a kernel reading before the one before has written: far off)
+        assert with_pdl.token_ids == without.token_ids
+        for a, b in zip(with_pdl.logprobs, without.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[t] - b[t]) < 1e-4 for t in a)
 
 
 def test_cuda_seeded_sampling_same_as_cpu(models) -> None:
