@@ -201,6 +201,49 @@ def _int4_words_group_sums(s, x_ptrs, g_ok, sc, mn, BLOCK_N: tl.constexpr, GPB: 
 
 
 @triton.jit
+def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, ONES,
+                     GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, RAW_HI: tl.constexpr):
+    """One tile of _int4_words_gemv_kernel: words w [rows, GPB groups' words] at word indices f
+    from byte b0 of the rows, added to the [rows, groups] sums."""
+    H: tl.constexpr = GS // 2
+    WPG: tl.constexpr = GS // 8
+    WB: tl.constexpr = GPB * WPG
+    f_ok = f < KW
+    kb = (f // WPG) * GS + 4 * (f % WPG)  # the first (low-nibble) value of each word
+    s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+    for s in tl.static_range(4):
+        if s == 0:
+            v = ((w << 3) & 0x00780078) | ONES
+        else:
+            v = ((w >> (4 * s - 3)) & 0x00780078) | ONES
+        lo = (v << 16).to(tl.float32, bitcast=True)
+        if RAW_HI:  # the low half's bits add (16256 + 8 q_lo) 2^-23: the part without q_lo taken back per group
+            hi = v.to(tl.float32, bitcast=True)
+        else:
+            hi = (v & -65536).to(tl.float32, bitcast=True)
+        c = (s // 2) + (s % 2) * H  # bits 4s.. hold value c of the word; bits 16 + 4s.. value c + 2
+        xa = tl.load(x_ptr + kb + c, mask=f_ok, other=0.0).to(tl.float32)
+        xb = tl.load(x_ptr + kb + c + 2, mask=f_ok, other=0.0).to(tl.float32)
+        s0 = tl.fma(hi, xb[None, :], tl.fma(lo, xa[None, :], s0))
+        if TWO:
+            ya = tl.load(x_ptr + stride_xm + kb + c, mask=f_ok, other=0.0).to(tl.float32)
+            yb = tl.load(x_ptr + stride_xm + kb + c + 2, mask=f_ok, other=0.0).to(tl.float32)
+            s1 = tl.fma(hi, yb[None, :], tl.fma(lo, ya[None, :], s1))
+    g = b0 // H + tl.arange(0, GPB)
+    g_ok = g < G
+    gs_off = offs_n[:, None] * G + g[None, :]
+    gs_ok = n_ok[:, None] & g_ok[None, :]
+    sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) * 16.0
+    mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) - sc
+    k = g[:, None] * GS + tl.arange(0, GS)[None, :]
+    acc0 += _int4_words_group_sums(s0, x_ptr + k, g_ok, sc, mn, BLOCK_N, GPB, WPG, GS, RAW_HI)
+    if TWO:
+        acc1 += _int4_words_group_sums(s1, x_ptr + stride_xm + k, g_ok, sc, mn, BLOCK_N, GPB, WPG, GS, RAW_HI)
+    return acc0, acc1
+
+
+@triton.jit
 def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT, ONES,
                              GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
@@ -211,60 +254,65 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     (min - 16 scale) * X, with S = sum (1 + q/16) x and X = sum x. Word i of a group holds values
     4i..4i+3 (low nibbles) and GS/2 + 4i.. (high), as pack_int4 lays them out. ONES = 0x3F803F80
     comes as an argument: in a register, the mask-and-or is one LOP3 (two immediates take two)."""
-    pdl.wait_prior(PDL)
     H: tl.constexpr = GS // 2
     RAW_HI: tl.constexpr = x_ptr.dtype.element_ty != tl.float32  # (its error is far below bf16's and fp16's rounding, not fp32's)
-    WPG: tl.constexpr = GS // 8  # 32-bit words a group
-    WB: tl.constexpr = GPB * WPG  # words of a row a tile
+    WB: tl.constexpr = GPB * (GS // 8)  # words of a row a tile
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    KW = tl.multiple_of(K // 8, WPG)  # K % GS == 0: 16-byte aligned rows of whole groups
-    G = K // GS
+    KW = tl.multiple_of(K // 8, GS // 8)  # K % GS == 0: 16-byte aligned rows of whole groups
     rows = offs_n.to(tl.int64) * KW
     offs_f = tl.arange(0, WB)
     acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    words = p_ptr.to(tl.pointer_type(tl.int32))
-    for b0 in range(pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, K // 2), GPB * H):
+    words = p_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None]
+    first, end = pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, K // 2)
+    f = first // 4 + offs_f
+    w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)  # (weights: no kernel writes them)
+    pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
+    acc0, acc1 = _int4_words_tile(w, f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
+                                  GS, GPB, BLOCK_N, TWO, RAW_HI)
+    for b0 in range(first + GPB * H, end, GPB * H):
         f = b0 // 4 + offs_f  # word index along the row
-        f_ok = f < KW
-        w = tl.load(words + rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
-        kb = (f // WPG) * GS + 4 * (f % WPG)  # the first (low-nibble) value of each word
-        s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
-        s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
-        for s in tl.static_range(4):
-            if s == 0:
-                v = ((w << 3) & 0x00780078) | ONES
-            else:
-                v = ((w >> (4 * s - 3)) & 0x00780078) | ONES
-            lo = (v << 16).to(tl.float32, bitcast=True)
-            if RAW_HI:  # the low half's bits add (16256 + 8 q_lo) 2^-23: HI_BIAS per group below, the rest ~1e-5 relative
-                hi = v.to(tl.float32, bitcast=True)
-            else:
-                hi = (v & -65536).to(tl.float32, bitcast=True)
-            c = (s // 2) + (s % 2) * H  # bits 4s.. hold value c of the word; bits 16 + 4s.. value c + 2
-            xa = tl.load(x_ptr + kb + c, mask=f_ok, other=0.0).to(tl.float32)
-            xb = tl.load(x_ptr + kb + c + 2, mask=f_ok, other=0.0).to(tl.float32)
-            s0 = tl.fma(hi, xb[None, :], tl.fma(lo, xa[None, :], s0))
-            if TWO:
-                ya = tl.load(x_ptr + stride_xm + kb + c, mask=f_ok, other=0.0).to(tl.float32)
-                yb = tl.load(x_ptr + stride_xm + kb + c + 2, mask=f_ok, other=0.0).to(tl.float32)
-                s1 = tl.fma(hi, yb[None, :], tl.fma(lo, ya[None, :], s1))
-        g = b0 // H + tl.arange(0, GPB)
-        g_ok = g < G
-        gs_off = offs_n[:, None] * G + g[None, :]
-        gs_ok = n_ok[:, None] & g_ok[None, :]
-        sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) * 16.0
-        mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) - sc
-        k = g[:, None] * GS + tl.arange(0, GS)[None, :]
-        acc0 += _int4_words_group_sums(s0, x_ptr + k, g_ok, sc, mn, BLOCK_N, GPB, WPG, GS, RAW_HI)
-        if TWO:
-            acc1 += _int4_words_group_sums(s1, x_ptr + stride_xm + k, g_ok, sc, mn, BLOCK_N, GPB, WPG, GS, RAW_HI)
+        w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)
+        acc0, acc1 = _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
+                                      GS, GPB, BLOCK_N, TWO, RAW_HI)
     base = out_ptr + pid_k * M * N
     tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
     if TWO:
         tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, LOW, HIGH,
+                     GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
+                     HAS_MINS: tl.constexpr):
+    """One tile of _int8_words_gemv_kernel: words w [rows, GPB groups' words] at word indices f
+    from column k0, added to the [rows, groups] sums."""
+    WPG: tl.constexpr = GS // 4
+    WB: tl.constexpr = GPB * WPG
+    f_ok = f < KW
+    s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+    for b in tl.static_range(4):
+        half = w if b < 2 else w >> 16
+        if b % 2 == 0:
+            q = ((half & 0xFF) ^ LOW).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
+            unit = 1.0
+        else:
+            q = ((half & 0xFF00) ^ HIGH).to(tl.float32, bitcast=True) - 2155872256.0  # 2^31 + 2^23: 2^16 q
+            unit = 1.0 / 65536.0
+        xb = tl.load(x_ptr + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32) * unit
+        s0 = tl.fma(q, xb[None, :], s0)
+        if TWO:
+            yb = tl.load(x_ptr + stride_xm + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32) * unit
+            s1 = tl.fma(q, yb[None, :], s1)
+    r0 = tl.sum(tl.reshape(s0, [BLOCK_N, GPB, WPG]), axis=2)
+    r1 = r0
+    if TWO:
+        r1 = tl.sum(tl.reshape(s1, [BLOCK_N, GPB, WPG]), axis=2)
+    g = k0 // GS + tl.arange(0, GPB)
+    return _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g < G, G, GS, PER_GROUP, TWO, HAS_MINS)
 
 
 @triton.jit
@@ -278,43 +326,27 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     the latter met by x 2^-16), and each activation (4 loads a word) serves every row a thread
     owns. LOW and HIGH come as arguments: in registers, mask-and-xor is one LOP3. Accumulators
     per word; per group (PER_GROUP) their sums are scaled, else the channel's scale comes at the end."""
-    pdl.wait_prior(PDL)
-    WPG: tl.constexpr = GS // 4  # words a group (per channel: a chunk of GS columns)
-    WB: tl.constexpr = GPB * WPG
+    WB: tl.constexpr = GPB * (GS // 4)  # (GS // 4 words a group; per channel: a chunk of GS columns)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    KW = tl.multiple_of(K // 4, WPG)  # K % GS == 0
+    KW = tl.multiple_of(K // 4, GS // 4)  # K % GS == 0
     rows = offs_n.to(tl.int64) * KW
     offs_f = tl.arange(0, WB)
     acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    words = w_ptr.to(tl.pointer_type(tl.int32))
-    for k0 in range(pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K), GPB * GS):
+    words = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None]
+    first, end = pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K)
+    f = first // 4 + offs_f
+    w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)  # (weights: no kernel writes them)
+    pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
+    acc0, acc1 = _int8_words_tile(w, f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, LOW, HIGH,
+                                  GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
+    for k0 in range(first + GPB * GS, end, GPB * GS):
         f = k0 // 4 + offs_f
-        f_ok = f < KW
-        w = tl.load(words + rows[:, None] + f[None, :], mask=n_ok[:, None] & f_ok[None, :], other=0)
-        s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
-        s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
-        for b in tl.static_range(4):
-            half = w if b < 2 else w >> 16
-            if b % 2 == 0:
-                q = ((half & 0xFF) ^ LOW).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
-                unit = 1.0
-            else:
-                q = ((half & 0xFF00) ^ HIGH).to(tl.float32, bitcast=True) - 2155872256.0  # 2^31 + 2^23: 2^16 q
-                unit = 1.0 / 65536.0
-            xb = tl.load(x_ptr + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32) * unit
-            s0 = tl.fma(q, xb[None, :], s0)
-            if TWO:
-                yb = tl.load(x_ptr + stride_xm + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32) * unit
-                s1 = tl.fma(q, yb[None, :], s1)
-        r0 = tl.sum(tl.reshape(s0, [BLOCK_N, GPB, WPG]), axis=2)
-        r1 = r0
-        if TWO:
-            r1 = tl.sum(tl.reshape(s1, [BLOCK_N, GPB, WPG]), axis=2)
-        g = k0 // GS + tl.arange(0, GPB)
-        acc0, acc1 = _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g < G, G, GS, PER_GROUP, TWO, HAS_MINS)
+        w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)
+        acc0, acc1 = _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, LOW, HIGH,
+                                      GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
     _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
 
 
