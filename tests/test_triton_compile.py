@@ -31,6 +31,8 @@ WORDS = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "mn_ptr": "*fp32", 
 INT8_WORDS = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
               "stride_xm": "i32", "K_SPLIT": "i32", "G": "i32", "LOW": "i32", "HIGH": "i32", "GS": "constexpr", "GPB": "constexpr",
               "PER_GROUP": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "HAS_MINS": "constexpr", "PDL": "constexpr"}
+FLOAT_GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "K_SPLIT": "i32",
+              "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "TWO": "constexpr", "PDL": "constexpr"}
 CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 2048, "CAP": 256, "PDL": True}, 8),
     "int8 dequant, groups with mins": ("triton_linear", "_int8_dequant_kernel", INT8_DEQUANT,
@@ -41,6 +43,7 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "residual add + RMSNorm": ("triton_norm", "_rms_norm_kernel", NORM,
                                {"BLOCK": 4096, "HAS_RESIDUAL": True, "QUANT": False, "HAS_STATIC": False, "CLIP": False, "PDL": True}, 8),
     "4-bit words GEMV": ("gemv", "_int4_words_gemv_kernel", WORDS, {"GS": 32, "GPB": 32, "BLOCK_N": 32, "TWO": False, "PDL": True}, 4),
+    "float GEMV": ("gemv", "_float_gemv_kernel", FLOAT_GEMV, {"BLOCK_N": 8, "BLOCK_K": 512, "TWO": False, "PDL": True}, 4),
     "int8 words GEMV": ("gemv", "_int8_words_gemv_kernel", INT8_WORDS,
                         {"GS": 32, "GPB": 16, "PER_GROUP": True, "BLOCK_N": 32, "TWO": False, "HAS_MINS": False, "PDL": True}, 4),
 }

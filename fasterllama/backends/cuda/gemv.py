@@ -99,22 +99,52 @@ def _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP
 
 
 @triton.jit
+def _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO: tl.constexpr):
+    """One tile of _float_gemv_kernel: weights w [rows, BLOCK_K] at columns k."""
+    k_ok = k < K
+    w = w.to(tl.float32)
+    acc0 += w * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    if TWO:
+        acc1 += w * tl.load(x_ptr + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    return acc0, acc1
+
+
+@triton.jit
 def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
-    pdl.wait_prior(PDL)
+    """The GEMVs here load their first weight tile before the PDL wait (weights, which no kernel
+    writes: the tile streams in while the kernel before ends), then the rest tile by tile."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows = offs_n.to(tl.int64) * K
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * K
     acc0 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K), BLOCK_K):
+    first, end = pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K)
+    k = first + tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+    pdl.wait_prior(PDL)
+    acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO)
+    for k0 in range(first + BLOCK_K, end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = tl.load(w_ptr + rows[:, None] + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc0 += w * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        if TWO:
-            acc1 += w * tl.load(x_ptr + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
+        acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO)
     _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+
+
+@triton.jit
+def _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G,
+               GS: tl.constexpr, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr):
+    """One tile of _int8_gemv_kernel: int8 weights q [rows, GPB, GS] of groups g."""
+    g_ok = g < K // GS
+    k = g[:, None] * GS + tl.arange(0, GS)[None, :]
+    w = _to_f32_s8(q)
+    x0 = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    r0 = tl.sum(w * x0[None, :, :], axis=2)
+    r1 = r0
+    if TWO:
+        x1 = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        r1 = tl.sum(w * x1[None, :, :], axis=2)
+    return _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G, GS, PER_GROUP, TWO, HAS_MINS)
 
 
 @triton.jit
@@ -123,30 +153,45 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
                       HAS_MINS: tl.constexpr, PDL: tl.constexpr):
     """Tiles [BLOCK_N, GPB, GS]: GPB groups of GS columns (per channel: GS-column chunks, the
     scale applied at the end). K % GS == 0. With mins (per group), min * sum(x) per group."""
-    pdl.wait_prior(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    rows = offs_n.to(tl.int64) * K
-    offs_g = tl.arange(0, GPB)
-    offs_j = tl.arange(0, GS)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None, None] * K
+    offs_j = tl.arange(0, GS)[None, None, :]
     acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    for k0 in range(pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K), GPB * GS):
-        g = k0 // GS + offs_g
-        g_ok = g < K // GS
-        k = g[:, None] * GS + offs_j[None, :]
-        q = tl.load(w_ptr + rows[:, None, None] + k[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None], other=0)
-        w = _to_f32_s8(q)
-        x0 = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        r0 = tl.sum(w * x0[None, :, :], axis=2)
-        r1 = r0
-        if TWO:
-            x1 = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            r1 = tl.sum(w * x1[None, :, :], axis=2)
-        acc0, acc1 = _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G,
-                                      GS, PER_GROUP, TWO, HAS_MINS)
+    first, end = pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K)
+    g = first // GS + tl.arange(0, GPB)
+    q = tl.load(w_rows + g[None, :, None] * GS + offs_j, mask=n_ok[:, None, None] & (g < K // GS)[None, :, None], other=0)
+    pdl.wait_prior(PDL)
+    acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS)
+    for k0 in range(first + GPB * GS, end, GPB * GS):
+        g = k0 // GS + tl.arange(0, GPB)
+        q = tl.load(w_rows + g[None, :, None] * GS + offs_j, mask=n_ok[:, None, None] & (g < K // GS)[None, :, None], other=0)
+        acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS)
     _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
+
+
+@triton.jit
+def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, G, GS: tl.constexpr, TWO: tl.constexpr):
+    """One tile of _int4_gemv_kernel: packed bytes p [rows, GPB, GS/2] of groups g."""
+    HALF: tl.constexpr = GS // 2
+    g_ok = g < G
+    p = p.to(tl.int32)
+    lo, hi = _to_f32_u4(p & 15), _to_f32_u4(p >> 4)
+    gs_off = offs_n[:, None] * G + g[None, :]
+    gs_ok = n_ok[:, None] & g_ok[None, :]
+    s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+    mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+    k = g[:, None] * GS + tl.arange(0, HALF)[None, :]
+    xl = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    xh = tl.load(x_ptr + k + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    acc0 += tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2) * s + mn * tl.sum(xl + xh, axis=1)[None, :]
+    if TWO:
+        xl = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        xh = tl.load(x_ptr + stride_xm + k + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        acc1 += tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2) * s + mn * tl.sum(xl + xh, axis=1)[None, :]
+    return acc0, acc1
 
 
 @triton.jit
@@ -154,36 +199,25 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
                       GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
     """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
     per group, sum w x = scale * sum q x + min * sum x."""
-    pdl.wait_prior(PDL)
     HALF: tl.constexpr = GS // 2
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     KB = K // 2
     G = K // GS
-    rows = offs_n.to(tl.int64) * KB
-    offs_g = tl.arange(0, GPB)
-    offs_j = tl.arange(0, HALF)
+    p_rows = p_ptr + offs_n.to(tl.int64)[:, None, None] * KB
+    offs_j = tl.arange(0, HALF)[None, None, :]
     acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    for b0 in range(pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, KB), GPB * HALF):
-        g = b0 // HALF + offs_g
-        g_ok = g < G
-        b = g[:, None] * HALF + offs_j[None, :]
-        p = tl.load(p_ptr + rows[:, None, None] + b[None, :, :], mask=n_ok[:, None, None] & g_ok[None, :, None], other=0).to(tl.int32)
-        lo, hi = _to_f32_u4(p & 15), _to_f32_u4(p >> 4)
-        gs_off = offs_n[:, None] * G + g[None, :]
-        gs_ok = n_ok[:, None] & g_ok[None, :]
-        s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-        mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-        k = g[:, None] * GS + offs_j[None, :]
-        xl = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        xh = tl.load(x_ptr + k + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        acc0 += tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2) * s + mn * tl.sum(xl + xh, axis=1)[None, :]
-        if TWO:
-            xl = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            xh = tl.load(x_ptr + stride_xm + k + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
-            acc1 += tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2) * s + mn * tl.sum(xl + xh, axis=1)[None, :]
+    first, end = pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, KB)
+    g = first // HALF + tl.arange(0, GPB)
+    p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
+    pdl.wait_prior(PDL)
+    acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, G, GS, TWO)
+    for b0 in range(first + GPB * HALF, end, GPB * HALF):
+        g = b0 // HALF + tl.arange(0, GPB)
+        p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
+        acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, G, GS, TWO)
     _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
 
 
