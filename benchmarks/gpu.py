@@ -284,6 +284,15 @@ def compile_peer(model: LlamaForCausalLM, batch: int, ctx: int, steps: int) -> d
 
 
 # -- the run ---------------------------------------------------------------------------------------------
+def pdl_on(device: torch.device) -> bool:
+    """Whether the kernels launch with programmatic dependent launch here (backends/cuda/pdl.py)."""
+    if device.type != "cuda":
+        return False
+    from fasterllama.backends.cuda import pdl
+
+    return pdl.launch_args(torch.zeros(1, device=device))["PDL"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
@@ -296,7 +305,7 @@ def main() -> None:
     clock = Clock(args.budget)
     res: dict = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "command": "python benchmarks/gpu.py " + " ".join(sys.argv[1:]), "errors": [],
-                 "pdl": os.environ.get("FASTERLLAMA_NO_PDL") != "1"}  # programmatic dependent launch (backends/cuda/pdl.py)
+                 "pdl": pdl_on(device)}
 
     def save() -> None:
         with open(args.out, "w") as fh:

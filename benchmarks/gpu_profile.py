@@ -155,7 +155,7 @@ def main() -> None:
     ]
     if args.cases:
         cases = [c for c in cases if c[0] in args.cases.split(",")]
-    res: dict = {"device": torch.cuda.get_device_name(), "errors": [], "pdl": os.environ.get("FASTERLLAMA_NO_PDL") != "1"}
+    res: dict = {"device": torch.cuda.get_device_name(), "errors": [], "pdl": bench.pdl_on(device)}
     models: dict = {}
     t0 = time.perf_counter()
     for name, cfg, mode, batch in cases:
