@@ -526,7 +526,7 @@ class LLMEngine:
             seq, p = item.seq, item.seq.params
             if item.num_tokens != 1 or item.drafts or seq.forks or seq.needs_prompt_rows or seq.matcher is not None:
                 return False
-            if p.logprobs is not None or p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+            if p.logprobs is not None or sampler.penalizes(p):
                 return False
         return True
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .. import ops
+from ..sampling_params import SamplingParams
 from .sequence import Sequence
 
 _M1 = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
@@ -57,11 +58,15 @@ class SamplingBatch:
         return SamplingBatch(*(None if t is None else t[rows] for t in (getattr(self, f.name) for f in fields(self))))
 
 
+def penalizes(p: SamplingParams) -> bool:
+    """Whether the params' penalties count the tokens drawn so far (repetition, presence, frequency)."""
+    return p.repetition_penalty != 1 or bool(p.presence_penalty) or bool(p.frequency_penalty)
+
+
 def plain_logits(seq: Sequence, extra: int = 0) -> bool:
     """No logits processor changes this sequence's logits at its next token (after `extra` more):
     no penalty, no ban."""
-    p = seq.params
-    return p.repetition_penalty == 1 and not p.presence_penalty and not p.frequency_penalty and len(seq.output_token_ids) + extra >= p.min_tokens
+    return not penalizes(seq.params) and len(seq.output_token_ids) + extra >= seq.params.min_tokens
 
 
 def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token_ids: Iterable[int], device: torch.device) -> SamplingBatch:
@@ -78,7 +83,7 @@ def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token
     ps = [s.params for s, _ in rows]
     f32 = torch.float32
     steps = [len(s.output_token_ids) + len(extra) for s, extra in rows]
-    needs_output = any(p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty for p in ps)
+    needs_output = any(penalizes(p) for p in ps)
     needs_prompt = any(p.repetition_penalty != 1 for p in ps)
     suppress = None
     if any(n < p.min_tokens for n, p in zip(steps, ps)):

@@ -9,7 +9,10 @@ applied once per group, the sum over a group's values stays inside one thread), 
 across threads once at the end. Few row blocks (N = 4096: 128 of them) are split over K (split-K,
 with the deterministic reduce of triton_linear.py). Which kernel is fastest for a shape depends
 on the chip, so `tune()` times the candidates for each linear of a model once when the model is
-prepared (milliseconds) and the ops dispatch on what it found; untuned shapes take the defaults."""
+prepared (milliseconds) and the ops dispatch on what it found; untuned shapes take the defaults.
+Each GEMV loads its first weight tile before the programmatic-launch wait (pdl.py: weights, which
+no kernel writes, stream in while the kernel before ends), then works tile by tile (a helper per
+kernel does one tile's work, for the first tile and in the loop)."""
 
 from __future__ import annotations
 
@@ -111,8 +114,6 @@ def _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO: tl.constexpr):
 
 @triton.jit
 def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
-    """The GEMVs here load their first weight tile before the PDL wait (weights, which no kernel
-    writes: the tile streams in while the kernel before ends), then the rest tile by tile."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
