@@ -6,7 +6,8 @@ instructions a weight, of int8 weights about 7 (docs/gpu.md).
     python benchmarks/gpu_sass.py [--dtype bf16] [--group 32]
 
 Prints, per kernel and config: the loop's instructions, the weights a thread handles per
-iteration, their ratio, and the registers and spill stack cuobjdump reports."""
+iteration, their ratio, the loop's global loads that wait behind a barrier, and the registers and
+spill stack cuobjdump reports."""
 
 from __future__ import annotations
 
@@ -39,17 +40,30 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple
     return sass, usage
 
 
-def loop_length(sass: str) -> int:
-    """Instructions of the longest backward-branch loop (the K loop)."""
+def k_loop(sass: str) -> list[str]:
+    """The instructions of the longest backward-branch loop (the K loop)."""
     addr_re = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/")
-    addrs = [int(m.group(1), 16) for m in map(addr_re.match, sass.splitlines()) if m]
-    best = 0
-    for line in sass.splitlines():
-        m = addr_re.match(line)
+    lines = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := addr_re.match(line))]
+    best: list[str] = []
+    for addr, line in lines:
         target = re.search(r"BRA\s+.*?0x([0-9a-f]+)", line)
-        if m and target and int(target.group(1), 16) < int(m.group(1), 16):
-            best = max(best, sum(int(target.group(1), 16) <= a <= int(m.group(1), 16) for a in addrs))
+        if target and int(target.group(1), 16) < addr:
+            body = [text for a, text in lines if int(target.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
     return best
+
+
+def loop_length(sass: str) -> int:
+    return len(k_loop(sass))
+
+
+def loads_behind_barrier(sass: str) -> int:
+    """Global loads of the K loop issued after its first barrier: a barrier of a layout conversion
+    waits for the loads its data came from, so each such load is a trip to memory that starts
+    only when an earlier one has ended (the word-wise GEMVs had 7-40 until 2026-11-29: 0)."""
+    body = k_loop(sass)
+    first = next((i for i, line in enumerate(body) if "BAR.SYNC" in line), len(body))
+    return sum("LDG" in line for line in body[first:])
 
 
 def main() -> None:
@@ -64,21 +78,29 @@ def main() -> None:
                 TWO="constexpr", HAS_MINS="constexpr")
     g = args.group
     cases = [("int4 bytes", gemv._int4_gemv_kernel, int4, c) for c in gemv.CONFIGS[:3]]
-    cases += [("int4 words", gemv._int4_words_gemv_kernel, dict(int4, ONES="i32"), c) for c in gemv.WORD_CONFIGS[:2]]
+
+    def distinct(configs):  # (split-K is a launch choice, not a compiled one)
+        return list(dict.fromkeys(c._replace(programs_per_sm=2) for c in configs))
+
+    cases += [("int4 words", gemv._int4_words_gemv_kernel, dict(int4, ONES="i32", PREFETCH="constexpr"), c) for c in distinct(gemv.WORD_CONFIGS)]
     cases += [("int8 bytes", gemv._int8_gemv_kernel, int8, c) for c in gemv.CONFIGS[:3]]
-    cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32"), c) for c in gemv.INT8_WORD_CONFIGS[:2]]
-    print("| kernel | rows, tile bytes, warps | loop instructions | weights a thread | a weight | registers, stack |\n|---|---|---:|---:|---:|---|")
+    cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32", PREFETCH="constexpr"), c)
+              for c in distinct(gemv.INT8_WORD_CONFIGS)]
+    print("| kernel | rows, tile bytes, warps, prefetch | loop instructions | weights a thread | a weight | loads behind a barrier |"
+          " registers, stack |\n|---|---|---:|---:|---:|---:|---|")
     for name, fn, sig, cfg in cases:
         gpb = cfg.tile_bytes // g if "int8" in name else cfg.tile_bytes // 2 // (g // 2)  # as int8_gemv / int4_gemv launch
         consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False, "PDL": True}
         if "int8" in name:
             consts.update(PER_GROUP=True, HAS_MINS=False)
+        if "words" in name:
+            consts.update(PREFETCH=cfg.prefetch)
         weights = cfg.block_n * gpb * g / (32 * cfg.warps)
         sass, usage = compile_sm90(fn, sig, consts, cfg.warps)
         n = loop_length(sass)
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-        print(f"| {name} | {cfg.block_n}, {cfg.tile_bytes}, {cfg.warps} | {n} | {weights:.0f} | {n / weights:.2f} | {res.group(1)}, {res.group(2)} |")
-
+        print(f"| {name} | {cfg.block_n}, {cfg.tile_bytes}, {cfg.warps}, {'yes' if cfg.prefetch else 'no'} | {n} | {weights:.0f} | "
+              f"{n / weights:.2f} | {loads_behind_barrier(sass)} | {res.group(1)}, {res.group(2)} |")
 
 if __name__ == "__main__":
     main()

@@ -46,6 +46,11 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "float GEMV": ("gemv", "_float_gemv_kernel", FLOAT_GEMV, {"BLOCK_N": 8, "BLOCK_K": 512, "TWO": False, "PDL": True}, 4),
     "int8 words GEMV": ("gemv", "_int8_words_gemv_kernel", INT8_WORDS,
                         {"GS": 32, "GPB": 16, "PER_GROUP": True, "BLOCK_N": 32, "TWO": False, "HAS_MINS": False, "PDL": True}, 4),
+    "int8 words GEMV, prefetching": ("gemv", "_int8_words_gemv_kernel", dict(INT8_WORDS, PREFETCH="constexpr"),
+                                     {"GS": 32, "GPB": 16, "PER_GROUP": True, "BLOCK_N": 32, "TWO": False, "HAS_MINS": False, "PDL": True,
+                                      "PREFETCH": True}, 4),
+    "4-bit words GEMV, prefetching": ("gemv", "_int4_words_gemv_kernel", dict(WORDS, PREFETCH="constexpr"),
+                                      {"GS": 32, "GPB": 32, "BLOCK_N": 32, "TWO": False, "PDL": True, "PREFETCH": True}, 4),
 }
 CODE = """
 import importlib, json, sys

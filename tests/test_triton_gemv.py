@@ -53,6 +53,7 @@ def test_triton_float_gemv(shape, dtype, rows, cfg) -> None:
     assert _rel(gemv.float_gemv(x, w, b, cfg), ref) < _tol(dtype)
 
 
+# (CPU: 64 rows split over K, 32 rows unsplit, 32 rows split over K and prefetching)
 INT8_WORD_CONFIGS = gemv.INT8_WORD_CONFIGS[::2] if DEVICE == "cpu" else gemv.INT8_WORD_CONFIGS[:1]
 
 
@@ -91,7 +92,7 @@ def test_triton_int8_gemv_with_mins(shape, rows, group, words, cfg) -> None:
     assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg, mins=m, words=words), ref) < _tol(torch.bfloat16)
 
 
-WORD_CONFIGS = gemv.WORD_CONFIGS[::2] if DEVICE == "cpu" else gemv.WORD_CONFIGS[:1]  # (CPU: split-K and not; 64 rows and 32)
+WORD_CONFIGS = gemv.WORD_CONFIGS[::2] if DEVICE == "cpu" else gemv.WORD_CONFIGS[:1]  # (CPU: as INT8_WORD_CONFIGS)
 
 
 @pytest.mark.parametrize(("words", "cfg"), [(False, c) for c in CONFIGS] + [(True, c) for c in WORD_CONFIGS])

@@ -12,7 +12,10 @@ on the chip, so `tune()` times the candidates for each linear of a model once wh
 prepared (milliseconds) and the ops dispatch on what it found; untuned shapes take the defaults.
 Each GEMV loads its first weight tile before the programmatic-launch wait (pdl.py: weights, which
 no kernel writes, stream in while the kernel before ends), then works tile by tile (a helper per
-kernel does one tile's work, for the first tile and in the loop)."""
+kernel does one tile's work, for the first tile and in the loop). A tile's helper issues all its
+loads (activations, scales, mins) before any of its arithmetic: a load written after a layout
+conversion's barrier starts only once the loads before it have arrived, one trip to memory after
+another (the word-wise kernels took 4-8 such trips a tile until 2026-11-29; now one)."""
 
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class Config(NamedTuple):
     tile_bytes: int  # bytes of each row it reads per iteration (4-bit: half, each byte is two values)
     warps: int
     programs_per_sm: int  # split-K until the grid has this many programs per multiprocessor (0: no split, no reduce)
+    prefetch: bool = False  # (the word-wise kernels) the next tile's loads go out before this tile's arithmetic
 
 
 # (no split: small matrices, whose GEMV is latency-bound, skip the split-K reduce's second launch;
@@ -42,8 +46,13 @@ DEFAULT_CONFIG = CONFIGS[0]
 # The word-wise 4-bit GEMV: a thread owns block_n / warps rows of one group per tile (1,024 bytes a
 # row: 32 groups of 32) and reuses each activation over them; 64 rows: 255 registers (two rows spill
 # there, so those take 32).
-WORD_CONFIGS = (Config(64, 1024, 4, 2), Config(32, 1024, 4, 2), Config(32, 1024, 4, 0))
-INT8_WORD_CONFIGS = (Config(64, 512, 4, 2), Config(32, 512, 4, 2), Config(32, 512, 4, 0))  # (the int8 words kernel: 168 and 96 registers)
+# The prefetching configs hold two tiles in registers (sm_90: 168 and 96 registers without, 168 and
+# 167 with, for 4-bit and int8 at 32 rows) and take ~7% more instructions (the copies from one
+# tile's registers to the other's); they pay where a program waits for memory more than it computes.
+WORD_CONFIGS = (Config(64, 1024, 4, 2), Config(32, 1024, 4, 2), Config(32, 1024, 4, 0), Config(32, 1024, 4, 3),
+                Config(32, 1024, 4, 2, True), Config(32, 1024, 4, 0, True))
+INT8_WORD_CONFIGS = (Config(64, 512, 4, 2), Config(32, 512, 4, 2), Config(32, 512, 4, 0), Config(32, 512, 4, 4),
+                     Config(32, 512, 4, 2, True), Config(32, 512, 4, 0, True))
 
 
 @triton.jit
@@ -67,23 +76,38 @@ def _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO: tl.constexp
 
 
 @triton.jit
-def _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G,
-                     GS: tl.constexpr, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr):
-    """acc += the groups' sums r [rows, groups] times their scales (+ min * sum(x) per group), or
-    r as they are (per channel: the scale comes at the end)."""
+def _int8_group_params(x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G,
+                       GS: tl.constexpr, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr):
+    """A tile's group scales [rows, groups] (and with mins: the mins and each row of x's sums over
+    the groups), loaded before the tile's arithmetic so that their trips to memory overlap it.
+    Per channel: placeholders (the scale comes at the end)."""
+    s = tl.zeros([1, 1], dtype=tl.float32)
+    mn, xs0, xs1 = s, s, s
     if PER_GROUP:
         gs_off = offs_n[:, None] * G + g[None, :]
         gs_ok = n_ok[:, None] & g_ok[None, :]
         s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+        if HAS_MINS:
+            mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+            k = g[:, None] * GS + tl.arange(0, GS)[None, :]
+            xs0 = tl.sum(tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
+            if TWO:
+                xs1 = tl.sum(tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
+    return s, mn, xs0, xs1
+
+
+@triton.jit
+def _int8_add_groups(acc0, acc1, r0, r1, s, mn, xs0, xs1, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr):
+    """acc += the groups' sums r [rows, groups] times their scales (+ min * sum(x) per group), or
+    r as they are (per channel: the scale comes at the end)."""
+    if PER_GROUP:
         acc0 += r0 * s
         if TWO:
             acc1 += r1 * s
         if HAS_MINS:
-            mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-            k = g[:, None] * GS + tl.arange(0, GS)[None, :]
-            acc0 += mn * tl.sum(tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
+            acc0 += mn * xs0
             if TWO:
-                acc1 += mn * tl.sum(tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
+                acc1 += mn * xs1
     else:
         acc0 += r0
         if TWO:
@@ -137,6 +161,7 @@ def _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, 
                GS: tl.constexpr, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr):
     """One tile of _int8_gemv_kernel: int8 weights q [rows, GPB, GS] of groups g."""
     g_ok = g < K // GS
+    sc, mn, xs0, xs1 = _int8_group_params(x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G, GS, PER_GROUP, TWO, HAS_MINS)
     k = g[:, None] * GS + tl.arange(0, GS)[None, :]
     w = _to_f32_s8(q)
     x0 = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
@@ -145,7 +170,7 @@ def _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, 
     if TWO:
         x1 = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
         r1 = tl.sum(w * x1[None, :, :], axis=2)
-    return _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G, GS, PER_GROUP, TWO, HAS_MINS)
+    return _int8_add_groups(acc0, acc1, r0, r1, sc, mn, xs0, xs1, PER_GROUP, TWO, HAS_MINS)
 
 
 @triton.jit
@@ -223,12 +248,37 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
 
 
 @triton.jit
-def _int4_words_group_sums(s, x_ptrs, g_ok, sc, mn, BLOCK_N: tl.constexpr, GPB: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr,
+def _words_tile(words, f, n_ok, KW, wanted=True):
+    """The words [rows, WB] at word indices f [WB] of the rows (KW words long), if wanted (a scalar:
+    a prefetch past the program's share of K loads nothing)."""
+    return tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :] & wanted, other=0)
+
+
+@triton.jit
+def _column(x, j: tl.constexpr, C: tl.constexpr):
+    """Column j of x [n, C] (C = 4 or 8), by halving splits: the loads of a word's activations
+    come as one 2-D tile, its columns meet the weights' bit fields one at a time."""
+    if C == 8:
+        odd0, odd1 = tl.split(tl.reshape(x, [x.shape[0], 2, 2, 2]))  # j % 2 == 0 / 1
+        y = odd0 if j % 2 == 0 else odd1
+        mid0, mid1 = tl.split(y)  # (j // 2) % 2
+        z = mid0 if (j // 2) % 2 == 0 else mid1
+        c0, c1 = tl.split(z)
+        return c0 if j // 4 == 0 else c1
+    else:
+        even, odd = tl.split(tl.reshape(x, [x.shape[0], 2, 2]))  # columns 0, 2 and 1, 3
+        y = even if j % 2 == 0 else odd
+        c0, c2 = tl.split(y)
+        return c0 if j < 2 else c2
+
+
+@triton.jit
+def _int4_words_group_sums(s, sc, mn, xk, BLOCK_N: tl.constexpr, GPB: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr,
                            RAW_HI: tl.constexpr):
     """A tile's [rows, groups] sums of w x from the words' sums s = sum (1 + q/16) x: 16 scale * S +
-    (min - 16 scale) * sum x; with RAW_HI, less the 0x3F80 the high halves carried (times the
-    sum of x over the values they hold: those at j % 4 >= 2 in a group)."""
-    xk = tl.load(x_ptrs, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    (min - 16 scale) * sum x (sc = 16 scale, mn = min - 16 scale; xk the groups' x [groups, GS]);
+    with RAW_HI, less the 0x3F80 the high halves carried (times the sum of x over the values they
+    hold: those at j % 4 >= 2 in a group)."""
     S = tl.sum(tl.reshape(s, [BLOCK_N, GPB, WPG]), axis=2)
     if RAW_HI:
         S -= (16256.0 / 8388608.0) * tl.sum(tl.where(((tl.arange(0, GS) & 2) != 0)[None, :], xk, 0.0), axis=1)[None, :]
@@ -239,12 +289,31 @@ def _int4_words_group_sums(s, x_ptrs, g_ok, sc, mn, BLOCK_N: tl.constexpr, GPB: 
 def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, ONES,
                      GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, RAW_HI: tl.constexpr):
     """One tile of _int4_words_gemv_kernel: words w [rows, GPB groups' words] at word indices f
-    from byte b0 of the rows, added to the [rows, groups] sums."""
+    from byte b0 of the rows, added to the [rows, groups] sums. Every load comes first, so that
+    the tile's trips to memory overlap: the 8 activations of each word in one [words, 2, 4] load
+    (values kb..kb+3 and kb + GS/2..; one trip a tile instead of eight), the groups' x, scales
+    and mins."""
     H: tl.constexpr = GS // 2
     WPG: tl.constexpr = GS // 8
     WB: tl.constexpr = GPB * WPG
     f_ok = f < KW
+    g = b0 // H + tl.arange(0, GPB)
+    g_ok = g < G
+    gs_off = offs_n[:, None] * G + g[None, :]
+    gs_ok = n_ok[:, None] & g_ok[None, :]
     kb = (f // WPG) * GS + 4 * (f % WPG)  # the first (low-nibble) value of each word
+    run = kb[:, None, None] + (tl.arange(0, 2) * H)[None, :, None] + tl.arange(0, 4)[None, None, :]
+    k = g[:, None] * GS + tl.arange(0, GS)[None, :]
+    x0 = tl.load(x_ptr + run, mask=f_ok[:, None, None], other=0.0)
+    xk0 = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0)
+    x1, xk1 = x0, xk0
+    if TWO:
+        x1 = tl.load(x_ptr + stride_xm + run, mask=f_ok[:, None, None], other=0.0)
+        xk1 = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0)
+    sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) * 16.0
+    mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) - sc
+    x0, xk0 = tl.reshape(x0.to(tl.float32), [WB, 8]), xk0.to(tl.float32)
+    x1, xk1 = tl.reshape(x1.to(tl.float32), [WB, 8]), xk1.to(tl.float32)
     s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
     s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
     for s in tl.static_range(4):
@@ -257,35 +326,25 @@ def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
             hi = v.to(tl.float32, bitcast=True)
         else:
             hi = (v & -65536).to(tl.float32, bitcast=True)
-        c = (s // 2) + (s % 2) * H  # bits 4s.. hold value c of the word; bits 16 + 4s.. value c + 2
-        xa = tl.load(x_ptr + kb + c, mask=f_ok, other=0.0).to(tl.float32)
-        xb = tl.load(x_ptr + kb + c + 2, mask=f_ok, other=0.0).to(tl.float32)
-        s0 = tl.fma(hi, xb[None, :], tl.fma(lo, xa[None, :], s0))
+        c = (s // 2) + (s % 2) * 4  # bits 4s.. hold value c of the [2, 4] runs (run c // 4, element c % 4); bits 16 + 4s.. value c + 2
+        s0 = tl.fma(hi, _column(x0, c + 2, 8)[None, :], tl.fma(lo, _column(x0, c, 8)[None, :], s0))
         if TWO:
-            ya = tl.load(x_ptr + stride_xm + kb + c, mask=f_ok, other=0.0).to(tl.float32)
-            yb = tl.load(x_ptr + stride_xm + kb + c + 2, mask=f_ok, other=0.0).to(tl.float32)
-            s1 = tl.fma(hi, yb[None, :], tl.fma(lo, ya[None, :], s1))
-    g = b0 // H + tl.arange(0, GPB)
-    g_ok = g < G
-    gs_off = offs_n[:, None] * G + g[None, :]
-    gs_ok = n_ok[:, None] & g_ok[None, :]
-    sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) * 16.0
-    mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) - sc
-    k = g[:, None] * GS + tl.arange(0, GS)[None, :]
-    acc0 += _int4_words_group_sums(s0, x_ptr + k, g_ok, sc, mn, BLOCK_N, GPB, WPG, GS, RAW_HI)
+            s1 = tl.fma(hi, _column(x1, c + 2, 8)[None, :], tl.fma(lo, _column(x1, c, 8)[None, :], s1))
+    acc0 += _int4_words_group_sums(s0, sc, mn, xk0, BLOCK_N, GPB, WPG, GS, RAW_HI)
     if TWO:
-        acc1 += _int4_words_group_sums(s1, x_ptr + stride_xm + k, g_ok, sc, mn, BLOCK_N, GPB, WPG, GS, RAW_HI)
+        acc1 += _int4_words_group_sums(s1, sc, mn, xk1, BLOCK_N, GPB, WPG, GS, RAW_HI)
     return acc0, acc1
 
 
 @triton.jit
 def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT, ONES,
-                             GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
+                             GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
+                             PREFETCH: tl.constexpr = False):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word (with half-precision activations 1.5:
-    the high half is read with the low half's bits below it, RAW_HI; sm_90 SASS 3.62 instructions a
-    weight at 64 rows, 3.89 at 32, against 4.05 and 4.31). Per group, sum w x = 16 scale * S +
+    the high half is read with the low half's bits below it, RAW_HI; sm_90 SASS 3.46 instructions a
+    weight at 64 rows, 3.74 at 32: benchmarks/gpu_sass.py). Per group, sum w x = 16 scale * S +
     (min - 16 scale) * X, with S = sum (1 + q/16) x and X = sum x. Word i of a group holds values
     4i..4i+3 (low nibbles) and GS/2 + 4i.. (high), as pack_int4 lays them out. ONES = 0x3F803F80
     comes as an argument: in a register, the mask-and-or is one LOP3 (two immediates take two)."""
@@ -302,20 +361,35 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
     words = p_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None]
     first, end = pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, K // 2)
-    f = first // 4 + offs_f
-    w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)  # (weights: no kernel writes them)
+    w = _words_tile(words, first // 4 + offs_f, n_ok, KW)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
-    acc0, acc1 = _int4_words_tile(w, f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
-                                  GS, GPB, BLOCK_N, TWO, RAW_HI)
-    for b0 in range(first + GPB * H, end, GPB * H):
-        f = b0 // 4 + offs_f  # word index along the row
-        w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)
-        acc0, acc1 = _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
-                                      GS, GPB, BLOCK_N, TWO, RAW_HI)
+    if PREFETCH:  # the next tile's loads in flight during this tile's arithmetic (two tiles of registers)
+        for b0 in range(first, end, GPB * H):
+            f = b0 // 4 + offs_f  # word index along the row
+            w_next = _words_tile(words, f + WB, n_ok, KW, b0 + GPB * H < end)
+            acc0, acc1 = _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
+                                          GS, GPB, BLOCK_N, TWO, RAW_HI)
+            w = w_next
+    else:
+        acc0, acc1 = _int4_words_tile(w, first // 4 + offs_f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW,
+                                      K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI)
+        for b0 in range(first + GPB * H, end, GPB * H):
+            f = b0 // 4 + offs_f
+            acc0, acc1 = _int4_words_tile(_words_tile(words, f, n_ok, KW), f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm,
+                                          offs_n, n_ok, KW, K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI)
     base = out_ptr + pid_k * M * N
     tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
     if TWO:
         tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _word_activations(x_ptr, f, f_ok, WB: tl.constexpr):
+    """The 4 activations of each word f [WB] in one load ([WB, 4]: 8 contiguous bytes a word), the
+    odd ones times 2^-16 (they meet bytes read as 2^16 q); one trip to memory a tile instead of 4."""
+    j = tl.arange(0, 4)
+    x = tl.load(x_ptr + 4 * f[:, None] + j[None, :], mask=f_ok[:, None], other=0.0).to(tl.float32)
+    return x * tl.where(j % 2 == 1, 1.0 / 65536.0, 1.0)[None, :]
 
 
 @triton.jit
@@ -327,39 +401,40 @@ def _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
     WPG: tl.constexpr = GS // 4
     WB: tl.constexpr = GPB * WPG
     f_ok = f < KW
+    g = k0 // GS + tl.arange(0, GPB)
+    sc, mn, xs0, xs1 = _int8_group_params(x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g < G, G, GS, PER_GROUP, TWO, HAS_MINS)
     s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
     s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+    x0 = _word_activations(x_ptr, f, f_ok, WB)
+    x1 = x0
+    if TWO:
+        x1 = _word_activations(x_ptr + stride_xm, f, f_ok, WB)
     for b in tl.static_range(4):
         half = w if b < 2 else w >> 16
         if b % 2 == 0:
             q = ((half & 0xFF) ^ LOW).to(tl.float32, bitcast=True) - 8388736.0  # 2^23 + 128
-            unit = 1.0
         else:
             q = ((half & 0xFF00) ^ HIGH).to(tl.float32, bitcast=True) - 2155872256.0  # 2^31 + 2^23: 2^16 q
-            unit = 1.0 / 65536.0
-        xb = tl.load(x_ptr + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32) * unit
-        s0 = tl.fma(q, xb[None, :], s0)
+        s0 = tl.fma(q, _column(x0, b, 4)[None, :], s0)
         if TWO:
-            yb = tl.load(x_ptr + stride_xm + 4 * f + b, mask=f_ok, other=0.0).to(tl.float32) * unit
-            s1 = tl.fma(q, yb[None, :], s1)
+            s1 = tl.fma(q, _column(x1, b, 4)[None, :], s1)
     r0 = tl.sum(tl.reshape(s0, [BLOCK_N, GPB, WPG]), axis=2)
     r1 = r0
     if TWO:
         r1 = tl.sum(tl.reshape(s1, [BLOCK_N, GPB, WPG]), axis=2)
-    g = k0 // GS + tl.arange(0, GPB)
-    return _int8_add_groups(acc0, acc1, r0, r1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g < G, G, GS, PER_GROUP, TWO, HAS_MINS)
+    return _int8_add_groups(acc0, acc1, r0, r1, sc, mn, xs0, xs1, PER_GROUP, TWO, HAS_MINS)
 
 
 @triton.jit
 def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, LOW, HIGH,
                             GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                            HAS_MINS: tl.constexpr, PDL: tl.constexpr):
+                            HAS_MINS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """int8 GEMV over 32-bit words, one integer op a byte: (w & 0xFF) ^ LOW (LOW = 0x4B000080) puts
     the low byte with its sign bit flipped under the exponent of 2^23, the fp32 2^23 + 128 + q;
     (w & 0xFF00) ^ HIGH (HIGH = 0x4F008000) the next byte under 2^31's, 2^31 + 2^16 (128 + q);
     the upper two bytes the same after one shift. One FADD takes the offset off (q or 2^16 q,
-    the latter met by x 2^-16), and each activation (4 loads a word) serves every row a thread
-    owns. LOW and HIGH come as arguments: in registers, mask-and-xor is one LOP3. Accumulators
+    the latter met by x 2^-16), and each activation (a word's 4 in one load) serves every row a
+    thread owns. LOW and HIGH come as arguments: in registers, mask-and-xor is one LOP3. Accumulators
     per word; per group (PER_GROUP) their sums are scaled, else the channel's scale comes at the end."""
     WB: tl.constexpr = GPB * (GS // 4)  # (GS // 4 words a group; per channel: a chunk of GS columns)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -372,16 +447,22 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
     words = w_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None]
     first, end = pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K)
-    f = first // 4 + offs_f
-    w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)  # (weights: no kernel writes them)
+    w = _words_tile(words, first // 4 + offs_f, n_ok, KW)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
-    acc0, acc1 = _int8_words_tile(w, f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, LOW, HIGH,
-                                  GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
-    for k0 in range(first + GPB * GS, end, GPB * GS):
-        f = k0 // 4 + offs_f
-        w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)
-        acc0, acc1 = _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, LOW, HIGH,
-                                      GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
+    if PREFETCH:  # the next tile's loads in flight during this tile's arithmetic (two tiles of registers)
+        for k0 in range(first, end, GPB * GS):
+            f = k0 // 4 + offs_f
+            w_next = _words_tile(words, f + WB, n_ok, KW, k0 + GPB * GS < end)
+            acc0, acc1 = _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, LOW, HIGH,
+                                          GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
+            w = w_next
+    else:
+        acc0, acc1 = _int8_words_tile(w, first // 4 + offs_f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G,
+                                      LOW, HIGH, GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
+        for k0 in range(first + GPB * GS, end, GPB * GS):
+            f = k0 // 4 + offs_f
+            acc0, acc1 = _int8_words_tile(_words_tile(words, f, n_ok, KW), f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm,
+                                          offs_n, n_ok, KW, G, LOW, HIGH, GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
     _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
 
 
@@ -427,7 +508,7 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     args = (qweight, s.contiguous(), s if mins is None else mins.contiguous())
     kernel, extra = _int8_gemv_kernel, {}
     if words and gs >= 4 and qweight.data_ptr() % 4 == 0:  # (read as int32)
-        kernel, extra = _int8_words_gemv_kernel, {"LOW": 0x4B000080, "HIGH": 0x4F008000}
+        kernel, extra = _int8_words_gemv_kernel, {"LOW": 0x4B000080, "HIGH": 0x4F008000, "PREFETCH": cfg.prefetch}
     out = _launch(kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1,
                   HAS_MINS=mins is not None, **extra)
     return out.view(*x.shape[:-1], N)
@@ -443,7 +524,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
     args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
     kernel, extra = _int4_gemv_kernel, {}
     if words and packed.data_ptr() % 4 == 0:  # (read as int32)
-        kernel, extra = _int4_words_gemv_kernel, {"ONES": 0x3F803F80}
+        kernel, extra = _int4_words_gemv_kernel, {"ONES": 0x3F803F80, "PREFETCH": cfg.prefetch}
         cfg = cfg._replace(block_n=min(cfg.block_n, 32)) if x2.shape[0] == 2 else cfg
     out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb, **extra)
     return out.view(*x.shape[:-1], N)
