@@ -51,6 +51,13 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
                                       "PREFETCH": True}, 4),
     "4-bit words GEMV, prefetching": ("gemv", "_int4_words_gemv_kernel", dict(WORDS, PREFETCH="constexpr"),
                                       {"GS": 32, "GPB": 32, "BLOCK_N": 32, "TWO": False, "PDL": True, "PREFETCH": True}, 4),
+    "4-bit words GEMV, gated (SiLU·mul made as it reads)": ("gemv", "_int4_words_gemv_kernel", dict(WORDS, GATED="constexpr"),
+                                                           {"GS": 32, "GPB": 32, "BLOCK_N": 64, "TWO": False, "PDL": True, "GATED": True}, 4),
+    "int8 words GEMV, gated, with mins": ("gemv", "_int8_words_gemv_kernel", dict(INT8_WORDS, GATED="constexpr"),
+                                          {"GS": 32, "GPB": 16, "PER_GROUP": True, "BLOCK_N": 32, "TWO": True, "HAS_MINS": True, "PDL": True,
+                                           "GATED": True}, 4),
+    "float GEMV, gated": ("gemv", "_float_gemv_kernel", dict(FLOAT_GEMV, GATED="constexpr"),
+                          {"BLOCK_N": 8, "BLOCK_K": 512, "TWO": False, "PDL": True, "GATED": True}, 4),
 }
 CODE = """
 import importlib, json, sys

@@ -132,6 +132,38 @@ def test_triton_int4_words_gemv_half_activations_as_bytes(dtype, rows, cfg) -> N
     assert _rel(gemv.int4_gemv(x, packed, s16, m16, 32, cfg=cfg, words=True).float(), ref) < 1.25 * bytewise
 
 
+GATED_CASES = [("float", False, CONFIGS[0]), ("int8", False, CONFIGS[0]), ("int8", True, INT8_WORD_CONFIGS[0]),
+               ("int8-mins", True, INT8_WORD_CONFIGS[-1]), ("int8-mins", False, CONFIGS[-1]), ("int4", False, CONFIGS[0]),
+               ("int4", True, WORD_CONFIGS[0]), ("int4", True, WORD_CONFIGS[-1])]
+
+
+@pytest.mark.parametrize(("kind", "words", "cfg"), GATED_CASES)
+@pytest.mark.parametrize("rows", [1, 2])
+def test_triton_gemv_gated_is_silu_mul_then_gemv(kind, words, cfg, rows) -> None:
+    """gated: the GEMV reads a fused [gate | up] row and multiplies SiLU(gate) * up, rounded as the
+    SiLU·mul kernel rounds it (the down projection without that kernel's launch): the same as the
+    kernel then the GEMV."""
+    from fasterllama.backends.cuda import triton_norm
+
+    N, K = SHAPES[1] if DEVICE == "cpu" else SHAPES[2]
+    gate_up = torch.randn(rows, 2 * K, device=DEVICE).to(torch.bfloat16)
+    act = triton_norm.silu_and_mul(gate_up)
+    if kind == "float":
+        w = (torch.randn(N, K, device=DEVICE) * 0.05).to(torch.bfloat16)
+        b = torch.randn(N, device=DEVICE).to(torch.bfloat16)
+        got, want = gemv.float_gemv(gate_up, w, b, cfg, gated=True), gemv.float_gemv(act, w, b, cfg)
+    elif kind.startswith("int8"):
+        q, s = quantize_int8(torch.randn(N, K, device=DEVICE), 32)
+        m = -torch.rand(N, K // 32, device=DEVICE) * 0.3 if kind == "int8-mins" else None
+        got = gemv.int8_gemv(gate_up, q, s, None, cfg, m, words=words, gated=True)
+        want = gemv.int8_gemv(act, q, s, None, cfg, m, words=words)
+    else:
+        q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), 32)
+        packed, s16, m16 = quantized.pack_int4(q, 32), s.half(), m.half()
+        got, want = gemv.int4_gemv(gate_up, packed, s16, m16, 32, None, cfg, words, gated=True), gemv.int4_gemv(act, packed, s16, m16, 32, None, cfg, words)
+    assert got.shape == (rows, N) and _rel(got, want) < 1e-6
+
+
 def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     """tune() times every candidate of each distinct linear shape once and the ops dispatch on the
     fastest (timings faked here: the choice logic, not the clock)."""
@@ -152,15 +184,19 @@ def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
 
     monkeypatch.setattr(gemv, "_time", fake_time)
     monkeypatch.setattr(gemv, "_CHOICE", {})
+    monkeypatch.setattr(gemv, "_GATED", {})
     if DEVICE == "cpu":  # every candidate run once under the interpreter: 14 s, for what the kernel tests check
         monkeypatch.setattr(gemv, "_checked", lambda key, fns: fns)
     timings = gemv.tune(net, torch.float32)
     shapes = {("int4", m.out_features, m.in_features, 32, torch.float32) for m in net.modules() if hasattr(m, "scales")}
+    downs = {("int4", layer.mlp.down_proj.out_features, layer.mlp.down_proj.in_features, 32, torch.float32) for layer in net.layers}
     assert set(timings) == shapes  # once per distinct shape (the tied head: once)
-    assert all(len(t) == 1 + len(gemv.CONFIGS) + len(gemv.WORD_CONFIGS) for t in timings.values())
     for key in shapes:
+        assert len(timings[key]) == 1 + len(gemv.CONFIGS) + len(gemv.WORD_CONFIGS) + (2 if key in downs else 0)
         kernel, cfg = gemv.choice(*key)
         assert timings[key][f"{kernel}{tuple(cfg) if kernel.startswith('gemv') else ''}"] == 0.5
+    for key in downs:  # the down projection's GEMV makes SiLU·mul itself where that timed faster
+        assert gemv._GATED[key] == (timings[key]["gated gemv"] < timings[key]["silu+gemv"])
     assert not any(isinstance(m, Linear) for m in net.layers.modules())
 
 

@@ -100,6 +100,29 @@ def test_triton_model_quantized_same_as_reference(interpreted, gqa, quantization
     assert tokens == _with_reference_ops(engine, lambda: _greedy(engine, BATCH))
 
 
+@pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32"])
+def test_triton_model_gated_down_gemv_same_as_reference(interpreted, gqa, monkeypatch, quantization: str | None) -> None:
+    """Where tune() finds it faster, the down projection's decode GEMV makes SiLU·mul itself
+    (ops.silu_and_mul_linear; chosen here for every shape): the reference ops' tokens, through
+    the graph plan's batch-1 bucket (the 4-row bucket takes the SiLU kernel and the tiled GEMMs)."""
+    from fasterllama.backends.cuda import gemv
+
+    class Everywhere(dict):
+        def get(self, key, default=None):
+            return True
+
+    monkeypatch.setattr(gemv, "_GATED", Everywhere())
+    monkeypatch.setitem(gemv.DEFAULT, "float", "gemv")
+    calls = []
+    module_gemv = gemv._module_gemv
+    monkeypatch.setattr(gemv, "_module_gemv", lambda module, x, gated=False: calls.append(gated) or module_gemv(module, x, gated))
+    hf, path = gqa
+    engine = _engine(path, quantization)
+    tokens = _greedy(engine, [PROMPT])
+    assert calls.count(True) >= hf.config.num_hidden_layers  # every layer's down projection (in the graph's capture at least)
+    assert tokens == _with_reference_ops(engine, lambda: _greedy(engine, [PROMPT]))
+
+
 def test_speculative_verify_steps_replay_the_decode_buckets(interpreted, gqa) -> None:
     """Prompt-lookup verify steps (a row per drafted token) run in the decode buckets: greedy tokens
     as without speculation, drafts accepted and rejected."""

@@ -98,7 +98,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if type(self.act) is SiluAndMul:  # (w8a8 replaces act by a quantizing one)
+            return ops.silu_and_mul_linear(gate_up, self.down_proj)
+        return self.down_proj(self.act(gate_up))
 
 
 class DecoderLayer(nn.Module):

@@ -63,6 +63,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return get_op("silu_and_mul", gate_up.device)(gate_up)
 
 
+def silu_and_mul_linear(gate_up: torch.Tensor, down: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """down(SiLU(gate) * up), the MLP's second half: a backend may make SiLU·mul inside down's
+    kernel (its version returns None where it does not, and the two ops run)."""
+    fused = registered("silu_and_mul_linear", gate_up.device)
+    out = fused(gate_up, down) if fused is not None else None
+    return out if out is not None else down(silu_and_mul(gate_up))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return get_op("linear", x.device)(x, weight, bias)
 

@@ -20,37 +20,24 @@ log = logging.getLogger(__name__)
 
 def _gemv_ops(gemv, triton_linear) -> dict:
     """The linears' ops: the decode GEMVs for 1-2 activation rows where the device's timing chose
-    them (gemv.tune), cuBLAS (float) or the tiled kernels otherwise."""
+    them (gemv.tune), cuBLAS (float) or the tiled kernels otherwise; and the down projection's
+    GEMV making SiLU·mul itself where that was faster (None otherwise: the op layer composes)."""
     import torch.nn.functional as F
 
-    def rows(x: torch.Tensor) -> int:
-        return x.numel() // x.shape[-1]
-
     def linear(x, weight, bias=None):
-        if rows(x) <= gemv.MAX_ROWS:
-            kernel, cfg = gemv.choice("float", *weight.shape, 0, x.dtype)
-            if kernel == "gemv":
-                return gemv.float_gemv(x, weight, bias, cfg)
-        return F.linear(x, weight, bias)
+        out = gemv.chosen_float(x, weight, bias)
+        return out if out is not None else F.linear(x, weight, bias)
 
     def int8_weight_linear(x, qweight, scale, bias=None, mins=None):
-        N, K = qweight.shape
-        group = K // scale.shape[1] if scale.dim() == 2 else 0
-        if rows(x) <= gemv.MAX_ROWS and gemv.supports("int8", K, group or 32):
-            kernel, cfg = gemv.choice("int8", N, K, group, x.dtype, mins is not None)
-            if kernel in ("gemv", "gemv-words"):
-                return gemv.int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words")
-        return triton_linear.int8_weight_linear(x, qweight, scale, bias, mins)
+        out = gemv.chosen_int8(x, qweight, scale, bias, mins)
+        return out if out is not None else triton_linear.int8_weight_linear(x, qweight, scale, bias, mins)
 
     def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
-        N, K = packed.shape[0], packed.shape[1] * 2
-        if rows(x) <= gemv.MAX_ROWS and gemv.supports("int4", K, group_size):
-            kernel, cfg = gemv.choice("int4", N, K, group_size, x.dtype)
-            if kernel in ("gemv", "gemv-words"):
-                return gemv.int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words")
-        return triton_linear.int4_weight_linear(x, packed, scales, mins, group_size, bias)
+        out = gemv.chosen_int4(x, packed, scales, mins, group_size, bias)
+        return out if out is not None else triton_linear.int4_weight_linear(x, packed, scales, mins, group_size, bias)
 
-    return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear}
+    return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear,
+            "silu_and_mul_linear": gemv.silu_and_mul_linear}
 
 
 def kernel_ops() -> dict | None:

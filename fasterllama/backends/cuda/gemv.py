@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from . import pdl, triton_linear
+from .triton_norm import silu_mul
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
 
@@ -67,6 +68,18 @@ def _to_f32_s8(q):
 
 
 @triton.jit
+def _act(ptr, offs, mask, K, GATED: tl.constexpr):
+    """Activations at offs of a row (ptr), as fp32: x itself, or with GATED SiLU(gate) * up of a
+    fused [gate | up] row of 2K (the down projection's input made where it is read, rounded as the
+    SiLU·mul kernel rounds it: that kernel's launch goes)."""
+    if GATED:
+        g = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(ptr + K + offs, mask=mask, other=0.0).to(tl.float32)
+        return silu_mul(g, up, ptr.dtype.element_ty).to(tl.float32)
+    return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO: tl.constexpr):
     """Row sums of the accumulators -> out[pid_k, m, n] (the output itself without split-K)."""
     base = out_ptr + pid_k * M * N
@@ -76,24 +89,18 @@ def _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO: tl.constexp
 
 
 @triton.jit
-def _int8_group_params(x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G,
-                       GS: tl.constexpr, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr):
-    """A tile's group scales [rows, groups] (and with mins: the mins and each row of x's sums over
-    the groups), loaded before the tile's arithmetic so that their trips to memory overlap it.
-    Per channel: placeholders (the scale comes at the end)."""
+def _int8_group_params(s_ptr, mn_ptr, offs_n, n_ok, g, g_ok, G, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr):
+    """A tile's group scales (and mins) [rows, groups], loaded before the tile's arithmetic so that
+    their trips to memory overlap it. Per channel: placeholders (the scale comes at the end)."""
     s = tl.zeros([1, 1], dtype=tl.float32)
-    mn, xs0, xs1 = s, s, s
+    mn = s
     if PER_GROUP:
         gs_off = offs_n[:, None] * G + g[None, :]
         gs_ok = n_ok[:, None] & g_ok[None, :]
         s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
         if HAS_MINS:
             mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-            k = g[:, None] * GS + tl.arange(0, GS)[None, :]
-            xs0 = tl.sum(tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
-            if TWO:
-                xs1 = tl.sum(tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32), axis=1)[None, :]
-    return s, mn, xs0, xs1
+    return s, mn
 
 
 @triton.jit
@@ -126,18 +133,19 @@ def _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP
 
 
 @triton.jit
-def _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO: tl.constexpr):
+def _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO: tl.constexpr, GATED: tl.constexpr):
     """One tile of _float_gemv_kernel: weights w [rows, BLOCK_K] at columns k."""
     k_ok = k < K
     w = w.to(tl.float32)
-    acc0 += w * tl.load(x_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+    acc0 += w * _act(x_ptr, k, k_ok, K, GATED)[None, :]
     if TWO:
-        acc1 += w * tl.load(x_ptr + stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        acc1 += w * _act(x_ptr + stride_xm, k, k_ok, K, GATED)[None, :]
     return acc0, acc1
 
 
 @triton.jit
-def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
+def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
+                       PDL: tl.constexpr, GATED: tl.constexpr = False):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -148,35 +156,37 @@ def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK
     k = first + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
     pdl.wait_prior(PDL)
-    acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO)
+    acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO, GATED)
     for k0 in range(first + BLOCK_K, end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
-        acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO)
+        acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO, GATED)
     _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
 
 
 @triton.jit
 def _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G,
-               GS: tl.constexpr, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr):
+               GS: tl.constexpr, PER_GROUP: tl.constexpr, TWO: tl.constexpr, HAS_MINS: tl.constexpr, GATED: tl.constexpr):
     """One tile of _int8_gemv_kernel: int8 weights q [rows, GPB, GS] of groups g."""
     g_ok = g < K // GS
-    sc, mn, xs0, xs1 = _int8_group_params(x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g_ok, G, GS, PER_GROUP, TWO, HAS_MINS)
     k = g[:, None] * GS + tl.arange(0, GS)[None, :]
+    sc, mn = _int8_group_params(s_ptr, mn_ptr, offs_n, n_ok, g, g_ok, G, PER_GROUP, HAS_MINS)
+    x0 = _act(x_ptr, k, g_ok[:, None], K, GATED)
+    x1 = x0
+    if TWO:
+        x1 = _act(x_ptr + stride_xm, k, g_ok[:, None], K, GATED)
     w = _to_f32_s8(q)
-    x0 = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
     r0 = tl.sum(w * x0[None, :, :], axis=2)
     r1 = r0
     if TWO:
-        x1 = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
         r1 = tl.sum(w * x1[None, :, :], axis=2)
-    return _int8_add_groups(acc0, acc1, r0, r1, sc, mn, xs0, xs1, PER_GROUP, TWO, HAS_MINS)
+    return _int8_add_groups(acc0, acc1, r0, r1, sc, mn, tl.sum(x0, axis=1)[None, :], tl.sum(x1, axis=1)[None, :], PER_GROUP, TWO, HAS_MINS)
 
 
 @triton.jit
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
                       GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                      HAS_MINS: tl.constexpr, PDL: tl.constexpr):
+                      HAS_MINS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False):
     """Tiles [BLOCK_N, GPB, GS]: GPB groups of GS columns (per channel: GS-column chunks, the
     scale applied at the end). K % GS == 0. With mins (per group), min * sum(x) per group."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -190,16 +200,17 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     g = first // GS + tl.arange(0, GPB)
     q = tl.load(w_rows + g[None, :, None] * GS + offs_j, mask=n_ok[:, None, None] & (g < K // GS)[None, :, None], other=0)
     pdl.wait_prior(PDL)
-    acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS)
+    acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS, GATED)
     for k0 in range(first + GPB * GS, end, GPB * GS):
         g = k0 // GS + tl.arange(0, GPB)
         q = tl.load(w_rows + g[None, :, None] * GS + offs_j, mask=n_ok[:, None, None] & (g < K // GS)[None, :, None], other=0)
-        acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS)
+        acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS, GATED)
     _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
 
 
 @triton.jit
-def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, G, GS: tl.constexpr, TWO: tl.constexpr):
+def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS: tl.constexpr, TWO: tl.constexpr,
+               GATED: tl.constexpr):
     """One tile of _int4_gemv_kernel: packed bytes p [rows, GPB, GS/2] of groups g."""
     HALF: tl.constexpr = GS // 2
     g_ok = g < G
@@ -210,19 +221,20 @@ def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, 
     s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
     mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
     k = g[:, None] * GS + tl.arange(0, HALF)[None, :]
-    xl = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
-    xh = tl.load(x_ptr + k + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    xl = _act(x_ptr, k, g_ok[:, None], K, GATED)
+    xh = _act(x_ptr, k + HALF, g_ok[:, None], K, GATED)
     acc0 += tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2) * s + mn * tl.sum(xl + xh, axis=1)[None, :]
     if TWO:
-        xl = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0).to(tl.float32)
-        xh = tl.load(x_ptr + stride_xm + k + HALF, mask=g_ok[:, None], other=0.0).to(tl.float32)
+        xl = _act(x_ptr + stride_xm, k, g_ok[:, None], K, GATED)
+        xh = _act(x_ptr + stride_xm, k + HALF, g_ok[:, None], K, GATED)
         acc1 += tl.sum(lo * xl[None, :, :] + hi * xh[None, :, :], axis=2) * s + mn * tl.sum(xl + xh, axis=1)[None, :]
     return acc0, acc1
 
 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
-                      GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr):
+                      GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
+                      GATED: tl.constexpr = False):
     """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
     per group, sum w x = scale * sum q x + min * sum x."""
     HALF: tl.constexpr = GS // 2
@@ -239,11 +251,11 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     g = first // HALF + tl.arange(0, GPB)
     p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
     pdl.wait_prior(PDL)
-    acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, G, GS, TWO)
+    acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED)
     for b0 in range(first + GPB * HALF, end, GPB * HALF):
         g = b0 // HALF + tl.arange(0, GPB)
         p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
-        acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, G, GS, TWO)
+        acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED)
     _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
 
 
@@ -273,21 +285,22 @@ def _column(x, j: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _int4_words_group_sums(s, sc, mn, xk, BLOCK_N: tl.constexpr, GPB: tl.constexpr, WPG: tl.constexpr, GS: tl.constexpr,
-                           RAW_HI: tl.constexpr):
+def _int4_words_group_sums(s, sc, mn, x, BLOCK_N: tl.constexpr, GPB: tl.constexpr, WPG: tl.constexpr, RAW_HI: tl.constexpr):
     """A tile's [rows, groups] sums of w x from the words' sums s = sum (1 + q/16) x: 16 scale * S +
-    (min - 16 scale) * sum x (sc = 16 scale, mn = min - 16 scale; xk the groups' x [groups, GS]);
-    with RAW_HI, less the 0x3F80 the high halves carried (times the sum of x over the values they
-    hold: those at j % 4 >= 2 in a group)."""
+    (min - 16 scale) * sum x (sc = 16 scale, mn = min - 16 scale; x the words' activations
+    [words, 8]); with RAW_HI, less the 0x3F80 the high halves carried (times the sum of x over
+    the values they hold: columns 2, 3, 6, 7 of a word's 8)."""
     S = tl.sum(tl.reshape(s, [BLOCK_N, GPB, WPG]), axis=2)
+    xg = tl.reshape(x, [GPB, WPG * 8])
     if RAW_HI:
-        S -= (16256.0 / 8388608.0) * tl.sum(tl.where(((tl.arange(0, GS) & 2) != 0)[None, :], xk, 0.0), axis=1)[None, :]
-    return S * sc + mn * tl.sum(xk, axis=1)[None, :]
+        S -= (16256.0 / 8388608.0) * tl.sum(tl.where(((tl.arange(0, WPG * 8) & 2) != 0)[None, :], xg, 0.0), axis=1)[None, :]
+    return S * sc + mn * tl.sum(xg, axis=1)[None, :]
 
 
 @triton.jit
 def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, ONES,
-                     GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, RAW_HI: tl.constexpr):
+                     GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, RAW_HI: tl.constexpr,
+                     GATED: tl.constexpr):
     """One tile of _int4_words_gemv_kernel: words w [rows, GPB groups' words] at word indices f
     from byte b0 of the rows, added to the [rows, groups] sums. Every load comes first, so that
     the tile's trips to memory overlap: the 8 activations of each word in one [words, 2, 4] load
@@ -303,17 +316,13 @@ def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
     gs_ok = n_ok[:, None] & g_ok[None, :]
     kb = (f // WPG) * GS + 4 * (f % WPG)  # the first (low-nibble) value of each word
     run = kb[:, None, None] + (tl.arange(0, 2) * H)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    k = g[:, None] * GS + tl.arange(0, GS)[None, :]
-    x0 = tl.load(x_ptr + run, mask=f_ok[:, None, None], other=0.0)
-    xk0 = tl.load(x_ptr + k, mask=g_ok[:, None], other=0.0)
-    x1, xk1 = x0, xk0
-    if TWO:
-        x1 = tl.load(x_ptr + stride_xm + run, mask=f_ok[:, None, None], other=0.0)
-        xk1 = tl.load(x_ptr + stride_xm + k, mask=g_ok[:, None], other=0.0)
     sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) * 16.0
     mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) - sc
-    x0, xk0 = tl.reshape(x0.to(tl.float32), [WB, 8]), xk0.to(tl.float32)
-    x1, xk1 = tl.reshape(x1.to(tl.float32), [WB, 8]), xk1.to(tl.float32)
+    x0 = _act(x_ptr, run, f_ok[:, None, None], KW * 8, GATED)
+    x1 = x0
+    if TWO:
+        x1 = _act(x_ptr + stride_xm, run, f_ok[:, None, None], KW * 8, GATED)
+    x0, x1 = tl.reshape(x0, [WB, 8]), tl.reshape(x1, [WB, 8])
     s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
     s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
     for s in tl.static_range(4):
@@ -330,16 +339,16 @@ def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
         s0 = tl.fma(hi, _column(x0, c + 2, 8)[None, :], tl.fma(lo, _column(x0, c, 8)[None, :], s0))
         if TWO:
             s1 = tl.fma(hi, _column(x1, c + 2, 8)[None, :], tl.fma(lo, _column(x1, c, 8)[None, :], s1))
-    acc0 += _int4_words_group_sums(s0, sc, mn, xk0, BLOCK_N, GPB, WPG, GS, RAW_HI)
+    acc0 += _int4_words_group_sums(s0, sc, mn, x0, BLOCK_N, GPB, WPG, RAW_HI)
     if TWO:
-        acc1 += _int4_words_group_sums(s1, sc, mn, xk1, BLOCK_N, GPB, WPG, GS, RAW_HI)
+        acc1 += _int4_words_group_sums(s1, sc, mn, x1, BLOCK_N, GPB, WPG, RAW_HI)
     return acc0, acc1
 
 
 @triton.jit
 def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT, ONES,
                              GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
-                             PREFETCH: tl.constexpr = False):
+                             PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word (with half-precision activations 1.5:
@@ -368,15 +377,15 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
             f = b0 // 4 + offs_f  # word index along the row
             w_next = _words_tile(words, f + WB, n_ok, KW, b0 + GPB * H < end)
             acc0, acc1 = _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
-                                          GS, GPB, BLOCK_N, TWO, RAW_HI)
+                                          GS, GPB, BLOCK_N, TWO, RAW_HI, GATED)
             w = w_next
     else:
         acc0, acc1 = _int4_words_tile(w, first // 4 + offs_f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW,
-                                      K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI)
+                                      K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED)
         for b0 in range(first + GPB * H, end, GPB * H):
             f = b0 // 4 + offs_f
             acc0, acc1 = _int4_words_tile(_words_tile(words, f, n_ok, KW), f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm,
-                                          offs_n, n_ok, KW, K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI)
+                                          offs_n, n_ok, KW, K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED)
     base = out_ptr + pid_k * M * N
     tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
     if TWO:
@@ -384,31 +393,28 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
 
 
 @triton.jit
-def _word_activations(x_ptr, f, f_ok, WB: tl.constexpr):
-    """The 4 activations of each word f [WB] in one load ([WB, 4]: 8 contiguous bytes a word), the
-    odd ones times 2^-16 (they meet bytes read as 2^16 q); one trip to memory a tile instead of 4."""
-    j = tl.arange(0, 4)
-    x = tl.load(x_ptr + 4 * f[:, None] + j[None, :], mask=f_ok[:, None], other=0.0).to(tl.float32)
-    return x * tl.where(j % 2 == 1, 1.0 / 65536.0, 1.0)[None, :]
-
-
-@triton.jit
 def _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, LOW, HIGH,
                      GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                     HAS_MINS: tl.constexpr):
+                     HAS_MINS: tl.constexpr, GATED: tl.constexpr):
     """One tile of _int8_words_gemv_kernel: words w [rows, GPB groups' words] at word indices f
-    from column k0, added to the [rows, groups] sums."""
+    from column k0, added to the [rows, groups] sums. The 4 activations of each word come in one
+    load ([WB, 4]: one trip to memory a tile instead of 4), before the scales'."""
     WPG: tl.constexpr = GS // 4
     WB: tl.constexpr = GPB * WPG
     f_ok = f < KW
     g = k0 // GS + tl.arange(0, GPB)
-    sc, mn, xs0, xs1 = _int8_group_params(x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, g, g < G, G, GS, PER_GROUP, TWO, HAS_MINS)
-    s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
-    s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
-    x0 = _word_activations(x_ptr, f, f_ok, WB)
+    sc, mn = _int8_group_params(s_ptr, mn_ptr, offs_n, n_ok, g, g < G, G, PER_GROUP, HAS_MINS)
+    j = tl.arange(0, 4)
+    x0 = _act(x_ptr, 4 * f[:, None] + j[None, :], f_ok[:, None], KW * 4, GATED)
     x1 = x0
     if TWO:
-        x1 = _word_activations(x_ptr + stride_xm, f, f_ok, WB)
+        x1 = _act(x_ptr + stride_xm, 4 * f[:, None] + j[None, :], f_ok[:, None], KW * 4, GATED)
+    xs0 = tl.sum(tl.reshape(x0, [GPB, GS]), axis=1)[None, :]  # (with mins: min * sum x per group)
+    xs1 = tl.sum(tl.reshape(x1, [GPB, GS]), axis=1)[None, :]
+    unit = tl.where(j % 2 == 1, 1.0 / 65536.0, 1.0)[None, :]  # the odd bytes are read as 2^16 q
+    x0, x1 = x0 * unit, x1 * unit
+    s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
+    s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
     for b in tl.static_range(4):
         half = w if b < 2 else w >> 16
         if b % 2 == 0:
@@ -428,7 +434,7 @@ def _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
 @triton.jit
 def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, LOW, HIGH,
                             GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                            HAS_MINS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
+                            HAS_MINS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False):
     """int8 GEMV over 32-bit words, one integer op a byte: (w & 0xFF) ^ LOW (LOW = 0x4B000080) puts
     the low byte with its sign bit flipped under the exponent of 2^23, the fp32 2^23 + 128 + q;
     (w & 0xFF00) ^ HIGH (HIGH = 0x4F008000) the next byte under 2^31's, 2^31 + 2^16 (128 + q);
@@ -454,15 +460,15 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
             f = k0 // 4 + offs_f
             w_next = _words_tile(words, f + WB, n_ok, KW, k0 + GPB * GS < end)
             acc0, acc1 = _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, LOW, HIGH,
-                                          GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
+                                          GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS, GATED)
             w = w_next
     else:
         acc0, acc1 = _int8_words_tile(w, first // 4 + offs_f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G,
-                                      LOW, HIGH, GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
+                                      LOW, HIGH, GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS, GATED)
         for k0 in range(first + GPB * GS, end, GPB * GS):
             f = k0 // 4 + offs_f
             acc0, acc1 = _int8_words_tile(_words_tile(words, f, n_ok, KW), f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm,
-                                          offs_n, n_ok, KW, G, LOW, HIGH, GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS)
+                                          offs_n, n_ok, KW, G, LOW, HIGH, GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS, GATED)
     _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
 
 
@@ -482,27 +488,31 @@ def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, st
     return out
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def _rows(x: torch.Tensor, K: int, gated: bool) -> torch.Tensor:
+    assert x.shape[-1] == (2 * K if gated else K), (tuple(x.shape), K, gated)
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def float_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG) -> torch.Tensor:
+def float_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG,
+               gated: bool = False) -> torch.Tensor:
+    """gated (here and below): x is a fused [gate | up] projection's output [.., 2K], and the
+    GEMV multiplies SiLU(gate) * up, made as it reads them."""
     N, K = weight.shape
-    x2 = _rows(x)
+    x2 = _rows(x, K, gated)
     block_k = cfg.tile_bytes // weight.element_size()
-    out = _launch(_float_gemv_kernel, cfg, x2, N, K, K, block_k, bias, x.dtype, (weight.contiguous(),), BLOCK_K=block_k)
+    out = _launch(_float_gemv_kernel, cfg, x2, N, K, K, block_k, bias, x.dtype, (weight.contiguous(),), BLOCK_K=block_k, GATED=gated)
     return out.view(*x.shape[:-1], N)
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-              cfg: Config = DEFAULT_CONFIG, mins: torch.Tensor | None = None, words: bool = False) -> torch.Tensor:
+              cfg: Config = DEFAULT_CONFIG, mins: torch.Tensor | None = None, words: bool = False, gated: bool = False) -> torch.Tensor:
     """words: the kernel reading 32-bit words (a byte to fp32 in two ops), else byte-wise."""
     N, K = qweight.shape
     s = scale.reshape(N, -1)
     G = s.shape[1]
     gs = K // G if G > 1 else 32
-    x2 = _rows(x)
+    x2 = _rows(x, K, gated)
     gpb = max(1, cfg.tile_bytes // gs)
     qweight = qweight.contiguous()
     args = (qweight, s.contiguous(), s if mins is None else mins.contiguous())
@@ -510,23 +520,23 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     if words and gs >= 4 and qweight.data_ptr() % 4 == 0:  # (read as int32)
         kernel, extra = _int8_words_gemv_kernel, {"LOW": 0x4B000080, "HIGH": 0x4F008000, "PREFETCH": cfg.prefetch}
     out = _launch(kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1,
-                  HAS_MINS=mins is not None, **extra)
+                  HAS_MINS=mins is not None, GATED=gated, **extra)
     return out.view(*x.shape[:-1], N)
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG, words: bool = False) -> torch.Tensor:
+              bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG, words: bool = False, gated: bool = False) -> torch.Tensor:
     """words: the kernel reading 32-bit words (two nibbles an integer op), else byte-wise."""
     N = packed.shape[0]
     K = packed.shape[1] * 2
-    x2 = _rows(x)
+    x2 = _rows(x, K, gated)
     gpb = max(1, cfg.tile_bytes // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
     args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
     kernel, extra = _int4_gemv_kernel, {}
     if words and packed.data_ptr() % 4 == 0:  # (read as int32)
         kernel, extra = _int4_words_gemv_kernel, {"ONES": 0x3F803F80, "PREFETCH": cfg.prefetch}
         cfg = cfg._replace(block_n=min(cfg.block_n, 32)) if x2.shape[0] == 2 else cfg
-    out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb, **extra)
+    out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb, GATED=gated, **extra)
     return out.view(*x.shape[:-1], N)
 
 
@@ -544,9 +554,92 @@ _CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> (
 DEFAULT = {"float": "cublas", "int8": "gemv", "int4": "gemv"}
 
 
+_GATED: dict[tuple, bool] = {}  # a down projection's shape key -> its GEMV makes SiLU·mul itself (timed faster than the SiLU kernel + the GEMV)
+
+
 def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype, mins: bool = False) -> tuple[str, Config]:
     key = (kind, N, K, group, dtype) + (("mins",) if mins else ())
     return _CHOICE.get(key, (DEFAULT[kind], DEFAULT_CONFIG))
+
+
+def _rows_of(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+def chosen_float(x, weight, bias=None, gated: bool = False) -> torch.Tensor | None:
+    """The float linear by the GEMV tune() chose for its shape; None where cuBLAS serves it (more
+    rows than MAX_ROWS, or it was faster). gated (here and below): x is [gate | up]."""
+    if _rows_of(x) <= MAX_ROWS:
+        kernel, cfg = choice("float", *weight.shape, 0, x.dtype)
+        if kernel == "gemv":
+            return float_gemv(x, weight, bias, cfg, gated)
+    return None
+
+
+def chosen_int8(x, qweight, scale, bias=None, mins=None, gated: bool = False) -> torch.Tensor | None:
+    """The int8-weight linear by its chosen GEMV; None where the tiled kernel serves it."""
+    N, K = qweight.shape
+    group = K // scale.shape[1] if scale.dim() == 2 else 0
+    if _rows_of(x) <= MAX_ROWS and supports("int8", K, group or 32):
+        kernel, cfg = choice("int8", N, K, group, x.dtype, mins is not None)
+        if kernel in ("gemv", "gemv-words"):
+            return int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words", gated=gated)
+    return None
+
+
+def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = False) -> torch.Tensor | None:
+    """The 4-bit linear by its chosen GEMV; None where the tiled kernel serves it."""
+    N, K = packed.shape[0], packed.shape[1] * 2
+    if _rows_of(x) <= MAX_ROWS and supports("int4", K, group_size):
+        kernel, cfg = choice("int4", N, K, group_size, x.dtype)
+        if kernel in ("gemv", "gemv-words"):
+            return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated)
+    return None
+
+
+def _kind(module) -> str | None:
+    """Which GEMVs a linear module's weights take: "float", "int8", "int4" (row layouts), or None."""
+    from ...model.llama import Linear
+    from ...quant.linear import Int4Linear, Int8Linear
+
+    if type(module) is Linear and module.weight.is_floating_point():
+        return "float"
+    if isinstance(module, Int8Linear) and not module.panels and supports("int8", module.in_features, module.group_size or 32):
+        return "int8"
+    if isinstance(module, Int4Linear) and not module.panels:
+        return "int4"
+    return None
+
+
+def _key(module, dtype: torch.dtype) -> tuple:
+    """The shape key of a linear module that tune() and the dispatch share ((): no GEMV takes it)."""
+    kind = _kind(module)
+    if kind == "int8":
+        return ("int8", module.out_features, module.in_features, module.group_size or 0, dtype) + (("mins",) if module.weight_min is not None else ())
+    if kind == "int4":
+        return ("int4", module.out_features, module.in_features, module.group_size, dtype)
+    return ("float", *module.weight.shape, 0, dtype) if kind else ()
+
+
+def _module_gemv(module, x: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+    """A linear module applied by its chosen GEMV, or None (no GEMV chosen or possible)."""
+    kind = _kind(module)
+    if kind == "float":
+        return chosen_float(x, module.weight, module.bias, gated)
+    if kind == "int8":
+        return chosen_int8(x, module.qweight, module.weight_scale, module.bias, module.weight_min, gated)
+    if kind == "int4":
+        return chosen_int4(x, module.qweight, module.scales, module.mins, module.group_size, module.bias, gated)
+    return None
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, down) -> torch.Tensor | None:
+    """down(SiLU(gate) * up) in one GEMV where tune() found that faster than the SiLU·mul kernel
+    before the GEMV (the small decode GEMVs, whose time is launches and latency); else None (also
+    when hooks watch down's input, as calibration's do: they would miss it)."""
+    if _rows_of(gate_up) > MAX_ROWS or down._forward_pre_hooks or down._forward_hooks or not _GATED.get(_key(down, gate_up.dtype)):
+        return None
+    return _module_gemv(down, gate_up, gated=True)
 
 
 def _time(fn, calls: int = 10, replays: int = 5) -> float:
@@ -574,27 +667,21 @@ def _time(fn, calls: int = 10, replays: int = 5) -> float:
 
 def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
     """(shape key, {(kernel, config): call}) for one linear module at activation x."""
-    from ...model.llama import Linear
-    from ...quant.linear import Int4Linear, Int8Linear
-
-    if type(module) is Linear and module.weight.is_floating_point():
+    kind, key = _kind(module), _key(module, x.dtype)
+    if kind == "float":
         w = module.weight
         fns = {("gemv", c): (lambda c=c: float_gemv(x, w, cfg=c)) for c in CONFIGS}
-        return ("float", *w.shape, 0, x.dtype), {("cublas", DEFAULT_CONFIG): lambda: F.linear(x, w), **fns}
-    if isinstance(module, Int8Linear) and not module.panels:
+        return key, {("cublas", DEFAULT_CONFIG): lambda: F.linear(x, w), **fns}
+    if kind == "int8":
         q, s, m = module.qweight, module.weight_scale, module.weight_min
-        if not supports("int8", q.shape[1], module.group_size or 32):
-            return (), {}
         fns = {("gemv", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m)) for c in CONFIGS}
         fns.update({("gemv-words", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m, words=True)) for c in INT8_WORD_CONFIGS})
-        key = ("int8", *q.shape, module.group_size or 0, x.dtype) + (("mins",) if m is not None else ())
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s, mins=m), **fns}
-    if isinstance(module, Int4Linear) and not module.panels:
+    if kind == "int4":
         args = (module.qweight, module.scales, module.mins, module.group_size)
         fns = {("gemv", c): (lambda c=c: int4_gemv(x, *args, cfg=c)) for c in CONFIGS}
         fns.update({("gemv-words", c): (lambda c=c: int4_gemv(x, *args, cfg=c, words=True)) for c in WORD_CONFIGS})
-        return ("int4", module.out_features, module.in_features, module.group_size, x.dtype), {
-            ("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(x, *args), **fns}
+        return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(x, *args), **fns}
     return (), {}
 
 
@@ -622,7 +709,10 @@ def _checked(key: tuple, fns: dict) -> dict:
 
 def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, float]]:
     """Time each candidate kernel and config for every distinct linear shape of the model at one
-    activation row and remember the fastest; returns {shape: {kernel/config: ms}} (CUDA only)."""
+    activation row and remember the fastest, then for each MLP's down projection whether its GEMV
+    should make SiLU·mul itself; returns {shape: {kernel/config: ms}} (CUDA only)."""
+    from ...model.llama import SiluAndMul
+
     device = model.norm.weight.device
     timings: dict[tuple, dict[str, float]] = {}
     with torch.inference_mode():
@@ -639,4 +729,27 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
                 continue
             _CHOICE[key] = min(ms, key=ms.get)
             timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
+        for mlp in (m for m in model.modules() if type(getattr(m, "act", None)) is SiluAndMul):
+            key = _key(mlp.down_proj, dtype)
+            if key and key not in _GATED:
+                _GATED[key] = _time_gated(mlp.down_proj, key, timings.setdefault(key, {}), device, dtype)
     return timings
+
+
+def _time_gated(down, key: tuple, timings: dict, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether down's chosen GEMV making SiLU·mul itself beats the SiLU·mul kernel before it (both
+    timed from a CUDA graph, into `timings`); False where no GEMV serves down or the two differ by
+    more than bf16 rounding."""
+    from ... import ops
+
+    gate_up = torch.randn(1, 2 * down.in_features, dtype=dtype, device=device)
+    fused, apart = (lambda: _module_gemv(down, gate_up, gated=True)), (lambda: _module_gemv(down, ops.silu_and_mul(gate_up)))
+    ref = apart()
+    if ref is None:
+        return False
+    out = fused().float()
+    if not torch.isfinite(out).all() or (out - ref.float()).norm() > 1e-2 * ref.float().norm():
+        REJECTED.append(f"{key} gated GEMV: relative error {((out - ref.float()).norm() / ref.float().norm()).item():.3g}")
+        return False
+    timings["silu+gemv"], timings["gated gemv"] = _time(apart), _time(fused)
+    return timings["gated gemv"] < timings["silu+gemv"]

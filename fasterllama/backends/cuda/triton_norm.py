@@ -70,6 +70,14 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def silu_mul(g, up, dtype: tl.constexpr):
+    """SiLU(g) * up (fp32 in) in `dtype`, rounded where the reference rounds: F.silu rounds to the
+    dtype, then the product does. (The decode GEMVs make the down projection's input with it.)"""
+    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gu_ptr, out_ptr, q_ptr, scale_ptr, static_ptr, K,
     BLOCK: tl.constexpr, QUANT: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr, PDL: tl.constexpr,
@@ -82,8 +90,7 @@ def _silu_and_mul_kernel(
     dtype = gu_ptr.dtype.element_ty
     g = tl.load(gu_ptr + row * 2 * K + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * 2 * K + K + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)  # F.silu rounds to the dtype, then the product does
-    y = (act * up).to(dtype)
+    y = silu_mul(g, up, dtype)
     if QUANT:
         _quantize_row(y.to(tl.float32), cols, mask, q_ptr, scale_ptr, static_ptr, row, K, HAS_STATIC, CLIP)
     else:
