@@ -24,7 +24,9 @@ from triton.compiler import ASTSource
 from fasterllama.backends.cuda import gemv
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-ALIGNED = ("x_ptr", "p_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "N", "K", "stride_xm", "K_SPLIT", "KB_SPLIT", "G")  # as launches specialize them
+ALIGNED = ("x_ptr", "p_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "N", "K", "stride_xm", "K_SPLIT", "KB_SPLIT", "G",  # as launches specialize them
+           "q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "part_acc_ptr", "part_m_ptr", "part_l_ptr", "done_ptr",
+           "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_cb", "stride_ch", "stride_cs", "stride_bt", "block_size")
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[str, str]:

@@ -33,8 +33,16 @@ INT8_WORDS = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "mn_ptr": "*fp
               "PER_GROUP": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "HAS_MINS": "constexpr", "PDL": "constexpr"}
 FLOAT_GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "K_SPLIT": "i32",
               "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "TWO": "constexpr", "PDL": "constexpr"}
+DECODE = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
+          "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "done_ptr": "*i32", "qk_scale": "fp32", "stride_qb": "i32",
+          "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32", "stride_bt": "i32",
+          "block_size": "i32", **dict.fromkeys(("H", "GROUP", "GROUP_PAD", "D", "BLOCK_D", "BLOCK_N", "NUM_SPLITS", "SPLITS_PAD", "USE_DOT",
+                                                  "UPCAST", "PRECISION", "PDL"), "constexpr")}
 CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 2048, "CAP": 256, "PDL": True}, 8),
+    "decode attention, splits merged by the last": ("triton_attention", "_decode_kernel", DECODE,
+                                                    {"H": 32, "GROUP": 1, "GROUP_PAD": 16, "D": 128, "BLOCK_D": 128, "BLOCK_N": 64, "NUM_SPLITS": 40,
+                                                     "SPLITS_PAD": 64, "USE_DOT": True, "UPCAST": False, "PRECISION": "tf32", "PDL": True}, 4),
     "int8 dequant, groups with mins": ("triton_linear", "_int8_dequant_kernel", INT8_DEQUANT,
                                        {"PER_GROUP": True, "GS": 32, "HAS_MINS": True, "BLOCK_N": 32, "BLOCK_K": 256, "PDL": True}, 4),
     "int8 dequant, per channel": ("triton_linear", "_int8_dequant_kernel", INT8_DEQUANT,
@@ -73,8 +81,11 @@ words = [line.split("*/")[1].split() for line in sass.splitlines() if line.strip
 ops = [w[1] if w[0].startswith("@") else w[0] for w in words if len(w) > 1]  # (the opcode after any predicate)
 wait = next((i for i, o in enumerate(ops) if o == "ACQBULK"), len(ops))
 memory = [o for o in ops[:wait] if o.split(".")[0] in {"LDG", "STG", "ATOMG", "RED", "LDGSTS", "UTMALDG", "LDL", "STL"}]
+atom = next((i for i, o in enumerate(ops) if o.startswith("ATOMG")), None)  # a global atomic's stores-then-barrier-then-fence
+last = lambda prefix: max((i for i, o in enumerate(ops[:atom]) if o.startswith(prefix)), default=-1)
+fenced = None if atom is None else last("STG") < last("BAR.SYNC") < last("MEMBAR.ALL.GPU")
 print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
-                  "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory}))
+                  "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced}))
 """
 
 
@@ -88,6 +99,8 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
     got = json.loads(run.stdout)
     assert not got["spills"] and got["instructions"] > 10
     assert got["wait"] and got["release"]  # PDL: the kernel waits for the one before, then lets the next launch
+    if name.startswith("decode attention"):  # every thread's partials stored (barrier), then a GPU fence, then the count
+        assert got["fenced_atomic"] is True, got
     if "GEMV" in name:  # only the first weight tile (128-bit loads: nothing writes weights) before the wait
         assert got["before_wait"] and set(got["before_wait"]) == {"LDG.E.128"}, got["before_wait"]
     else:  # nothing read or written before it
