@@ -111,6 +111,48 @@ def test_int8_gemm_is_exact(M: int) -> None:
     assert torch.equal(out, ref.int8_gemm(xq, q.t()).float())
 
 
+@pytest.mark.parametrize("config", tlin.PREFILL_INT8_CONFIGS)
+def test_int8_gemm_prefill_configs_are_exact(config) -> None:
+    """Every tile config tune_prefill() may pick gives the exact int32 sums (M, N not multiples of
+    the tiles; K of the K block)."""
+    M, (N, K) = (300, SHAPES[-1]) if DEVICE == "cpu" else (2100, SHAPES[0])
+    xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE)
+    out = tlin.int8_gemm_dequant(xq, torch.ones(M, device=DEVICE), q, torch.ones(N, device=DEVICE), None, torch.float32, config)
+    assert torch.equal(out, ref.int8_gemm(xq, q.t()).float())
+
+
+def test_tune_prefill_keeps_the_fastest(monkeypatch, tmp_path) -> None:
+    """tune_prefill() times each config once per distinct W8A8 shape (timings faked: the choice,
+    not the clock), and GEMMs of PREFILL_ROWS rows or more take the fastest, smaller ones the defaults."""
+    import tiny_models as tm
+
+    from fasterllama.backends.cuda import gemv
+    from fasterllama.loading.model_loader import load_model
+    from fasterllama.quant import QuantConfig, quantize_model
+    from fasterllama.quant.linear import W8A8Linear
+
+    path = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["mha"]), str(tmp_path))
+    net = load_model(path, torch.float32, torch.device(DEVICE), None, True, progress=False).model
+    quantize_model(net, QuantConfig.parse("w8a8-nosq"))  # (no calibration run)
+    fastest = tlin.PREFILL_INT8_CONFIGS[1]
+    monkeypatch.setattr(gemv, "_time", lambda fn: 0.5 if fn.__defaults__[0] == fastest else 1.0)
+    monkeypatch.setattr(tlin, "_PREFILL_INT8", {})
+    timings = tlin.tune_prefill(net, rows=32)  # (the interpreter: few rows)
+    shapes = {(m.out_features, m.in_features) for m in net.modules() if isinstance(m, W8A8Linear)}
+    assert {k[1:3] for k in timings} == shapes and all(len(t) == len(tlin.PREFILL_INT8_CONFIGS) for t in timings.values())
+    assert tlin._PREFILL_INT8 == dict.fromkeys(shapes, fastest)
+    N, K = next(iter(shapes))
+    q, w_scale = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE), torch.ones(N, device=DEVICE)
+    launched = []
+    monkeypatch.setattr(tlin, "_dot_config", lambda M, **kw: launched.append(M) or (16, 64, 128, 4, 4))
+    for M in (tlin.PREFILL_ROWS, tlin.PREFILL_ROWS - 1):
+        xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE)
+        out = tlin.int8_gemm_dequant(xq, torch.ones(M, device=DEVICE), q, w_scale, None, torch.float32)
+        assert torch.equal(out, ref.int8_gemm(xq, q.t()).float())
+    assert launched == [tlin.PREFILL_ROWS - 1]  # the tuned tiles from PREFILL_ROWS rows on
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M", [2, 40] if DEVICE == "cpu" else [1, 64])
 def test_k_tails_and_batched_input(M: int, dtype: torch.dtype) -> None:

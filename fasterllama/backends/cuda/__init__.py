@@ -78,15 +78,16 @@ class CUDABackend(Backend):
         return self.kernels  # GEMV/GEMM kernels read Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks (gguf_native: the row layouts)
 
     def prepare_model(self, model) -> None:
-        """Weights stay in the layouts they load in; the decode GEMV of each linear shape is chosen
-        by timing the candidates on this device (gemv.tune)."""
+        """Weights stay in the layouts they load in; the decode GEMV of each linear shape, and the
+        W8A8 prefill GEMM's tiles, are chosen by timing the candidates on this device (gemv.tune,
+        triton_linear.tune_prefill)."""
         if self.kernels and self.device.type == "cuda":
-            from . import gemv
+            from . import gemv, triton_linear
 
             try:
-                self.gemv_timings = gemv.tune(model, model.norm.weight.dtype)
+                self.gemv_timings = {**gemv.tune(model, model.norm.weight.dtype), **triton_linear.tune_prefill(model)}
             except RuntimeError as e:  # an optimization only: the default kernels stay
-                log.warning("timing the decode GEMVs failed (%s); using the defaults", e)
+                log.warning("timing the decode GEMVs / W8A8 prefill tiles failed (%s); using the defaults", e)
 
     def tokens_later(self, tokens: torch.Tensor):
         """A copy into pinned memory queued behind the step, and an event to wait on: reading the

@@ -523,7 +523,16 @@ def _int8_gemm_kernel(
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+# W8A8 prefill tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) that tune_prefill() times per weight
+# shape at 2,048 rows (sm_90: all wgmma with cp.async pipelines, no spills; 115, 195 and 208
+# registers); a GEMM of PREFILL_ROWS rows or more takes the fastest, smaller ones _dot_config's.
+PREFILL_INT8_CONFIGS = ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3))
+PREFILL_ROWS = 512
+_PREFILL_INT8: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}  # (N, K) -> the fastest of PREFILL_INT8_CONFIGS
+
+
+def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                      config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """(int8 xq [M, K] @ int8 qweight [N, K]^T, exact in int32) * x_scale[m] * w_scale[n] (+ bias[n])
     -> out_dtype [M, N], for any M: dequantize_gemm(int8_gemm(xq, qweight.t()), ...) in one kernel."""
     M, K = xq.shape
@@ -532,7 +541,8 @@ def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Te
         return torch.empty(0, N, dtype=out_dtype, device=xq.device)
     xq, qweight = xq.contiguous(), qweight.contiguous()
     x_scale, w_scale = x_scale.float().contiguous(), w_scale.float().contiguous()
-    block_m, block_n, block_k, warps, stages = _dot_config(M, int8_operands=True)
+    config = config or (_PREFILL_INT8.get((N, K)) if M >= PREFILL_ROWS else None) or _dot_config(M, int8_operands=True)
+    block_m, block_n, block_k, warps, stages = config
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     per, splits = _split_k(tiles, triton.cdiv(K, block_k), 2 * _num_sms(xq.device))
     out, part = _buffers(M, N, splits, out_dtype, torch.int32, xq.device)
@@ -543,3 +553,46 @@ def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Te
     )
     _reduce(part, out, bias, x_scale, w_scale)
     return out
+
+
+def tune_prefill(model: torch.nn.Module, rows: int = 2048) -> dict[tuple, dict[str, float]]:
+    """Time PREFILL_INT8_CONFIGS for each distinct W8A8 weight shape of the model at `rows` rows
+    (from a CUDA graph, as gemv.tune times) and remember the fastest for GEMMs of PREFILL_ROWS rows
+    or more. Returns {("w8a8 prefill", N, K, rows): {config: ms}} (CUDA only)."""
+    from ...quant.linear import W8A8Linear
+
+    timings: dict[tuple, dict[str, float]] = {}
+    with torch.inference_mode():
+        for module in model.modules():
+            shape = (getattr(module, "out_features", 0), getattr(module, "in_features", 0))
+            if isinstance(module, W8A8Linear) and shape not in _PREFILL_INT8:
+                ms = _time_prefill_configs(module.qweight, module.weight_scale, rows)
+                if ms:
+                    _PREFILL_INT8[shape] = min(ms, key=ms.get)
+                    timings[("w8a8 prefill", *shape, rows)] = {str(cfg): t for cfg, t in ms.items()}
+    return timings
+
+
+def _time_prefill_configs(qweight: torch.Tensor, w_scale: torch.Tensor, rows: int) -> dict[tuple, float]:
+    """{config: ms} of the W8A8 GEMM at `rows` random int8 rows; a config that fails or differs from
+    the first's output by more than bf16 rounding is left out (gemv.REJECTED says why)."""
+    from .gemv import REJECTED, _time
+
+    xq = torch.randint(-127, 128, (rows, qweight.shape[1]), dtype=torch.int8, device=qweight.device)
+    xs = torch.rand(rows, device=qweight.device) / 127
+    ref, ms = None, {}
+    for cfg in PREFILL_INT8_CONFIGS:
+        def fn(cfg=cfg):
+            return int8_gemm_dequant(xq, xs, qweight, w_scale, None, torch.bfloat16, cfg)
+
+        try:
+            out = fn().float()
+        except Exception as e:  # noqa: BLE001 -- a compile or launch failure drops this config only
+            REJECTED.append(f"w8a8 prefill {tuple(qweight.shape)} {cfg}: {type(e).__name__}: {e}"[:300])
+            continue
+        ref = out if ref is None else ref
+        if (out - ref).norm() > 1e-2 * ref.norm():
+            REJECTED.append(f"w8a8 prefill {tuple(qweight.shape)} {cfg}: relative error {((out - ref).norm() / ref.norm()).item():.3g}")
+            continue
+        ms[cfg] = _time(fn)
+    return ms
