@@ -327,18 +327,18 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _split_counters(device: torch.device, n: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (sequence, KV head), that the decode kernel's splits count
     themselves done in; the last resets its own, so they stay zero between launches and one buffer
-    a device serves every launch (and every captured graph: none is allocated inside a capture once
-    the first eager step has run)."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        have = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return have
+    a device serves every launch. A larger one replaces it where needed, and the old one is kept:
+    graphs captured with it still use it."""
+    have = _COUNTERS.setdefault(device, [])
+    if not have or have[-1].numel() < n:
+        have.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return have[-1]
 
 
 def _decode_block_n(head_dim: int, use_dot: bool, dtype: torch.dtype, programs: int, device: torch.device) -> int:
