@@ -26,7 +26,9 @@ from fasterllama.backends.cuda import gemv
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED = ("x_ptr", "p_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "N", "K", "stride_xm", "K_SPLIT", "KB_SPLIT", "G",  # as launches specialize them
            "q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "part_acc_ptr", "part_m_ptr", "part_l_ptr", "done_ptr",
-           "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_cb", "stride_ch", "stride_cs", "stride_bt", "block_size")
+           "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_cb", "stride_ch", "stride_cs", "stride_bt", "block_size",
+           "res_ptr", "res_out_ptr", "qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "slot_ptr", "stride_qkv_t", "stride_cos_t", "stride_sin_t",
+           "stride_qo_t", "stride_qo_h")
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[str, str]:

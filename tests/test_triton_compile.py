@@ -3,7 +3,8 @@ kernel's Python, not the compiler: what only a compile rejects (a constexpr reas
 the code generator refuses) would otherwise first show on a lent GPU. Kernels new since the last
 GPU session go here; the compile runs in a process without TRITON_INTERPRET. Every kernel is
 compiled with programmatic dependent launch on (PDL, as on Hopper): its wait for the kernel
-before must come before its first global memory access, but for a GEMV's first weight tile."""
+before must come before its first global memory access, but for weights (a GEMV's first tile, a
+norm's weight)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ DECODE = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "blo
           "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32", "stride_bt": "i32",
           "block_size": "i32", **dict.fromkeys(("H", "GROUP", "GROUP_PAD", "D", "BLOCK_D", "BLOCK_N", "NUM_SPLITS", "SPLITS_PAD", "USE_DOT",
                                                   "UPCAST", "PRECISION", "PDL"), "constexpr")}
+ROPE = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_out_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16",
+        "slot_ptr": "*i64", "stride_qkv_t": "i32", "stride_cos_t": "i32", "stride_sin_t": "i32", "stride_qo_t": "i32", "stride_qo_h": "i32",
+        "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32", "block_size": "i32",
+        **dict.fromkeys(("H", "KVH", "D", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "PDL"), "constexpr")}
 CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 2048, "CAP": 256, "PDL": True}, 8),
     "decode attention, splits merged by the last": ("triton_attention", "_decode_kernel", DECODE,
@@ -48,6 +53,8 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "int8 dequant, per channel": ("triton_linear", "_int8_dequant_kernel", INT8_DEQUANT,
                                   {"PER_GROUP": False, "GS": 1, "HAS_MINS": False, "BLOCK_N": 32, "BLOCK_K": 256, "PDL": True}, 4),
     "int4 dequant": ("triton_linear", "_int4_dequant_kernel", INT4_DEQUANT, {"GS": 32, "BLOCK_N": 32, "BLOCK_B": 128, "PDL": True}, 4),
+    "RoPE + KV store": ("triton_attention", "_rope_store_kernel", ROPE,
+                        {"H": 32, "KVH": 8, "D": 128, "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_HALF": 64, "PDL": True}, 4),
     "residual add + RMSNorm": ("triton_norm", "_rms_norm_kernel", NORM,
                                {"BLOCK": 4096, "HAS_RESIDUAL": True, "QUANT": False, "HAS_STATIC": False, "CLIP": False, "PDL": True}, 8),
     "4-bit words GEMV": ("gemv", "_int4_words_gemv_kernel", WORDS, {"GS": 32, "GPB": 32, "BLOCK_N": 32, "TWO": False, "PDL": True}, 4),
@@ -84,8 +91,11 @@ memory = [o for o in ops[:wait] if o.split(".")[0] in {"LDG", "STG", "ATOMG", "R
 atom = next((i for i, o in enumerate(ops) if o.startswith("ATOMG")), None)  # a global atomic's stores-then-barrier-then-fence
 last = lambda prefix: max((i for i, o in enumerate(ops[:atom]) if o.startswith(prefix)), default=-1)
 fenced = None if atom is None else last("STG") < last("BAR.SYNC") < last("MEMBAR.ALL.GPU")
+first_store = next((i for i, o in enumerate(ops) if o.startswith("STG")), len(ops))
+late_loads = sum(o.startswith("LDG") for o in ops[first_store:])  # (a load after a store waits for it: it may alias)
 print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
-                  "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced}))
+                  "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced,
+                  "loads_after_a_store": late_loads}))
 """
 
 
@@ -99,9 +109,11 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
     got = json.loads(run.stdout)
     assert not got["spills"] and got["instructions"] > 10
     assert got["wait"] and got["release"]  # PDL: the kernel waits for the one before, then lets the next launch
+    if name in ("RoPE + KV store", "residual add + RMSNorm"):  # every load out before the first store: one trip to memory
+        assert got["loads_after_a_store"] == 0, got
     if name.startswith("decode attention"):  # every thread's partials stored (barrier), then a GPU fence, then the count
         assert got["fenced_atomic"] is True, got
-    if "GEMV" in name:  # only the first weight tile (128-bit loads: nothing writes weights) before the wait
+    if "GEMV" in name or "RMSNorm" in name:  # only weights (128-bit loads: nothing writes them; a GEMV's first tile) before the wait
         assert got["before_wait"] and set(got["before_wait"]) == {"LDG.E.128"}, got["before_wait"]
     else:  # nothing read or written before it
         assert got["before_wait"] == [], got["before_wait"]

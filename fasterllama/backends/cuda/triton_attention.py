@@ -102,36 +102,34 @@ def _rope_store_kernel(
         s1 = tl.load(sin_ptr + t * stride_sin_t + offs_d).to(DT).to(tl.float32)
         s2 = tl.load(sin_ptr + t * stride_sin_t + HALF + offs_d).to(DT).to(tl.float32)
     row = qkv_ptr + t * stride_qkv_t
-
+    slot = tl.load(slot_ptr + t)
+    # every load before any arithmetic (one trip to memory, not one after another): the row's q, k
+    # and v heads whatever the slot (the row is there; only the stores skip a padding row)
     hq = tl.arange(0, BLOCK_HQ)
     mq = (hq < H)[:, None]
+    hk = tl.arange(0, BLOCK_HK)
+    mh = (hk < KVH)[:, None]
     if PADDED:
         mq = mq & md[None, :]
-    x = row + hq[:, None] * D + offs_d[None, :]
-    o1, o2 = _rope_half_rounded(
-        tl.load(x, mask=mq, other=0).to(tl.float32), tl.load(x + HALF, mask=mq, other=0).to(tl.float32),
-        c1[None, :], c2[None, :], s1[None, :], s2[None, :], DT,
-    )
+        mh = mh & md[None, :]
+    xq = row + hq[:, None] * D + offs_d[None, :]
+    q1, q2 = tl.load(xq, mask=mq, other=0), tl.load(xq + HALF, mask=mq, other=0)
+    xk = row + (H + hk[:, None]) * D + offs_d[None, :]
+    k1, k2 = tl.load(xk, mask=mh, other=0), tl.load(xk + HALF, mask=mh, other=0)
+    v1, v2 = tl.load(xk + KVH * D, mask=mh, other=0), tl.load(xk + KVH * D + HALF, mask=mh, other=0)
+
+    o1, o2 = _rope_half_rounded(q1.to(tl.float32), q2.to(tl.float32), c1[None, :], c2[None, :], s1[None, :], s2[None, :], DT)
     q_out = q_out_ptr + t * stride_qo_t + hq[:, None] * stride_qo_h + offs_d[None, :]
     tl.store(q_out, o1, mask=mq)
     tl.store(q_out + HALF, o2, mask=mq)
 
-    slot = tl.load(slot_ptr + t)
-    hk = tl.arange(0, BLOCK_HK)
-    mk = (hk < KVH)[:, None] & (slot >= 0)  # slot -1: a padding row, nothing to store
-    if PADDED:
-        mk = mk & md[None, :]
-    x = row + (H + hk[:, None]) * D + offs_d[None, :]
-    k1, k2 = _rope_half_rounded(
-        tl.load(x, mask=mk, other=0).to(tl.float32), tl.load(x + HALF, mask=mk, other=0).to(tl.float32),
-        c1[None, :], c2[None, :], s1[None, :], s2[None, :], DT,
-    )
+    mk = mh & (slot >= 0)  # slot -1: a padding row, nothing to store
+    k1, k2 = _rope_half_rounded(k1.to(tl.float32), k2.to(tl.float32), c1[None, :], c2[None, :], s1[None, :], s2[None, :], DT)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_cs + hk[:, None] * stride_ch + offs_d[None, :]
     tl.store(k_cache_ptr + dst, k1.to(CDT), mask=mk)
     tl.store(k_cache_ptr + dst + HALF, k2.to(CDT), mask=mk)
-    x += KVH * D
-    tl.store(v_cache_ptr + dst, tl.load(x, mask=mk).to(CDT), mask=mk)
-    tl.store(v_cache_ptr + dst + HALF, tl.load(x + HALF, mask=mk).to(CDT), mask=mk)
+    tl.store(v_cache_ptr + dst, v1.to(CDT), mask=mk)
+    tl.store(v_cache_ptr + dst + HALF, v2.to(CDT), mask=mk)
 
 
 def rope_and_store(

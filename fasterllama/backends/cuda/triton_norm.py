@@ -49,10 +49,11 @@ def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr, static_ptr, K, eps,
     BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # (a weight, which no kernel writes: on its way while the kernel before ends)
+    pdl.wait_prior(PDL)
     dtype = x_ptr.dtype.element_ty  # arithmetic in fp32, rounded to the model dtype where torch rounds
     h = tl.load(x_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
@@ -61,8 +62,7 @@ def _rms_norm_kernel(
         h = h.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / K + eps)
     normed = (h * rstd).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * normed).to(dtype)
+    y = (w.to(tl.float32) * normed).to(dtype)
     if QUANT:
         _quantize_row(y.to(tl.float32), cols, mask, q_ptr, scale_ptr, static_ptr, row, K, HAS_STATIC, CLIP)
     else:
