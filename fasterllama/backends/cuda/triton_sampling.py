@@ -42,6 +42,14 @@ def _scaled(x_ptr, offs, V, t):
 
 
 @triton.jit
+def _block(x_row, start, V, lanes):
+    """The logits of one block of the row as stored (-inf past V). The passes over the whole row
+    load block i + 1 before working on block i, so that each block's trip to memory overlaps
+    the work on the one before instead of following it."""
+    return tl.load(x_row + start + lanes, mask=start + lanes < V, other=float("-inf"))
+
+
+@triton.jit
 def _top_k_e(v, ok, mx, floor_key):
     """exp(l - max) of the tokens top-k keeps (key >= floor_key, finite), 0 elsewhere."""
     return tl.where(ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf")), tl.exp(v - mx), 0.0)
@@ -78,8 +86,10 @@ def _kth_largest_key(x_row, V, t, k, lanes, BLOCK: tl.constexpr):
     for j in tl.static_range(4):
         shift = 24 - 8 * j
         hist = tl.zeros([512], tl.int32)
+        raw = _block(x_row, 0, V, lanes)
         for start in range(0, V, BLOCK):
-            v, ok = _scaled(x_row, start + lanes, V, t)
+            ok = start + lanes < V
+            v, raw = raw.to(tl.float32) / t, _block(x_row, start + BLOCK, V, lanes)
             u = _key(v).to(tl.int64) + 2147483648
             match = ok & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
             hist += tl.histogram(tl.where(match, (u >> shift) & 255, 256).to(tl.int32), 512)  # 256: not under the prefix
@@ -96,13 +106,16 @@ def _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, BLOCK: tl.constexp
     """Copy the logits with key >= floor_key (and above -inf) and their ids, ids ascending, while
     they fit in CAP; returns how many there are (more than CAP: the copy is incomplete)."""
     n_cand = tl.full([], 0, tl.int32)
+    raw = _block(x_row, 0, V, lanes)
     for start in range(0, V, BLOCK):
         offs = start + lanes
-        v, ok = _scaled(x_row, offs, V, t)
+        ok = offs < V
+        this, raw = raw, _block(x_row, start + BLOCK, V, lanes)
+        v = this.to(tl.float32) / t
         kept = ok & (_key(v).to(tl.int64) >= floor_key) & (v > float("-inf"))
         pos = n_cand + tl.cumsum(kept.to(tl.int32), axis=0) - 1
         fits = kept & (pos < CAP)
-        tl.store(cx_row + pos, tl.load(x_row + offs, mask=fits), mask=fits)
+        tl.store(cx_row + pos, this, mask=fits)
         tl.store(ci_row + pos, offs, mask=fits)
         n_cand += tl.sum(kept.to(tl.int32), axis=0)
     tl.debug_barrier()  # the copies visible to every thread of the program
@@ -125,16 +138,19 @@ def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_p
     lanes = tl.arange(0, BLOCK)
     if t == 0.0:  # greedy: the first maximal logit
         best, arg = tl.full([], float("-inf"), tl.float32), tl.full([], 0, tl.int32)
+        raw = _block(x_row, 0, V, lanes)
         for start in range(0, V, BLOCK):
-            v, ok = _scaled(x_row, start + lanes, V, 1.0)
+            v, raw = raw.to(tl.float32), _block(x_row, start + BLOCK, V, lanes)
             m = tl.max(v, axis=0)
             if m > best:
                 best, arg = m, start + tl.argmax(v, axis=0)
         tl.store(out_ptr + row, arg.to(tl.int64))
         return
     mx = tl.full([], float("-inf"), tl.float32)
+    raw = _block(x_row, 0, V, lanes)
     for start in range(0, V, BLOCK):
-        mx = tl.maximum(mx, tl.max(_scaled(x_row, start + lanes, V, t)[0], axis=0))
+        v, raw = raw.to(tl.float32) / t, _block(x_row, start + BLOCK, V, lanes)
+        mx = tl.maximum(mx, tl.max(v, axis=0))
     # top-k: the largest key K with >= k logits at or above it (keys of -inf and below count all),
     # and the tokens it keeps copied out (ids ascending) while they fit in CAP: then every later
     # pass reads those few instead of the vocabulary. Without top-k but with top-p, the CAP largest
