@@ -200,6 +200,21 @@ def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     assert not any(isinstance(m, Linear) for m in net.layers.modules())
 
 
+def test_triton_gemv_tune_keeps_the_silu_kernel_when_the_gated_gemv_fails(monkeypatch) -> None:
+    """A gated GEMV that fails to compile (or disagrees) leaves the SiLU kernel in place, said in REJECTED."""
+    monkeypatch.setattr(gemv, "REJECTED", [])
+
+    def module_gemv(down, x, gated=False):
+        if gated:
+            raise RuntimeError("no such instruction")
+        return x[..., :4]
+
+    monkeypatch.setattr(gemv, "_module_gemv", module_gemv)
+    down = torch.nn.Linear(8, 4)
+    assert gemv._time_gated(down, ("float", 4, 8), {}, torch.device("cpu"), torch.float32) is False
+    assert "gated GEMV: RuntimeError" in gemv.REJECTED[0]
+
+
 def test_triton_gemv_tune_leaves_out_wrong_candidates(monkeypatch) -> None:
     """A candidate that fails to compile or disagrees with the first (cuBLAS / tiled) is never timed."""
     monkeypatch.setattr(gemv, "REJECTED", [])

@@ -747,7 +747,11 @@ def _time_gated(down, key: tuple, timings: dict, device: torch.device, dtype: to
     ref = apart()
     if ref is None:
         return False
-    out = fused().float()
+    try:
+        out = fused().float()
+    except Exception as e:  # noqa: BLE001 -- a compile or launch failure: the SiLU kernel stays
+        REJECTED.append(f"{key} gated GEMV: {type(e).__name__}: {e}"[:300])
+        return False
     if not torch.isfinite(out).all() or (out - ref.float()).norm() > 1e-2 * ref.float().norm():
         REJECTED.append(f"{key} gated GEMV: relative error {((out - ref.float()).norm() / ref.float().norm()).item():.3g}")
         return False
