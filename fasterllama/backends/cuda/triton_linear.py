@@ -575,24 +575,10 @@ def tune_prefill(model: torch.nn.Module, rows: int = 2048) -> dict[tuple, dict[s
 
 def _time_prefill_configs(qweight: torch.Tensor, w_scale: torch.Tensor, rows: int) -> dict[tuple, float]:
     """{config: ms} of the W8A8 GEMM at `rows` random int8 rows; a config that fails or differs from
-    the first's output by more than bf16 rounding is left out (gemv.REJECTED says why)."""
-    from .gemv import REJECTED, _time
+    the first's output by more than bf16 rounding is left out (gemv._checked; REJECTED says why)."""
+    from .gemv import _checked, _time
 
     xq = torch.randint(-127, 128, (rows, qweight.shape[1]), dtype=torch.int8, device=qweight.device)
     xs = torch.rand(rows, device=qweight.device) / 127
-    ref, ms = None, {}
-    for cfg in PREFILL_INT8_CONFIGS:
-        def fn(cfg=cfg):
-            return int8_gemm_dequant(xq, xs, qweight, w_scale, None, torch.bfloat16, cfg)
-
-        try:
-            out = fn().float()
-        except Exception as e:  # noqa: BLE001 -- a compile or launch failure drops this config only
-            REJECTED.append(f"w8a8 prefill {tuple(qweight.shape)} {cfg}: {type(e).__name__}: {e}"[:300])
-            continue
-        ref = out if ref is None else ref
-        if (out - ref).norm() > 1e-2 * ref.norm():
-            REJECTED.append(f"w8a8 prefill {tuple(qweight.shape)} {cfg}: relative error {((out - ref).norm() / ref.norm()).item():.3g}")
-            continue
-        ms[cfg] = _time(fn)
-    return ms
+    fns = {cfg: (lambda cfg=cfg: int8_gemm_dequant(xq, xs, qweight, w_scale, None, torch.bfloat16, cfg)) for cfg in PREFILL_INT8_CONFIGS}
+    return {cfg: _time(fn) for cfg, fn in _checked(("w8a8 prefill", *qweight.shape), fns).items()}
