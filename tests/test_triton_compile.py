@@ -34,6 +34,8 @@ INT8_WORDS = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "mn_ptr": "*fp
               "PER_GROUP": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "HAS_MINS": "constexpr", "PDL": "constexpr"}
 FLOAT_GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "K_SPLIT": "i32",
               "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "TWO": "constexpr", "PDL": "constexpr"}
+NORMED = {"h_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32", "NORM": "constexpr", "HAS_RES": "constexpr",
+          "NORM_BLOCK": "constexpr"}
 DECODE = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
           "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "done_ptr": "*i32", "qk_scale": "fp32", "stride_qb": "i32",
           "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32", "stride_bt": "i32",
@@ -73,6 +75,12 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
                                            "GATED": True}, 4),
     "float GEMV, gated": ("gemv", "_float_gemv_kernel", dict(FLOAT_GEMV, GATED="constexpr"),
                           {"BLOCK_N": 8, "BLOCK_K": 512, "TWO": False, "PDL": True, "GATED": True}, 4),
+    "4-bit words GEMV, normed (RMSNorm made by its programs)": ("gemv", "_int4_words_gemv_kernel", dict(WORDS, **NORMED),
+                                                               {"GS": 32, "GPB": 32, "BLOCK_N": 64, "TWO": False, "PDL": True, "NORM": True,
+                                                                "HAS_RES": True, "NORM_BLOCK": 4096}, 4),
+    "int8 words GEMV, normed, two rows": ("gemv", "_int8_words_gemv_kernel", dict(INT8_WORDS, **NORMED),
+                                          {"GS": 32, "GPB": 16, "PER_GROUP": True, "BLOCK_N": 32, "TWO": True, "HAS_MINS": False, "PDL": True,
+                                           "NORM": True, "HAS_RES": True, "NORM_BLOCK": 4096}, 4),
 }
 CODE = """
 import importlib, json, sys

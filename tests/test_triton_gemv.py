@@ -164,6 +164,41 @@ def test_triton_gemv_gated_is_silu_mul_then_gemv(kind, words, cfg, rows) -> None
     assert got.shape == (rows, N) and _rel(got, want) < 1e-6
 
 
+@pytest.mark.parametrize(("kind", "words", "cfg"), GATED_CASES)
+@pytest.mark.parametrize(("rows", "residual"), [(2, True), (1, False)])
+def test_triton_gemv_normed_is_rms_norm_then_gemv(kind, words, cfg, rows, residual, monkeypatch) -> None:
+    """norm: the GEMV's programs make RMSNorm(h + residual) themselves and one stores h + residual
+    (a layer's qkv and gate_up projections without the norm kernel's launch): the same as the norm
+    kernel then the GEMV, to within the rounding of a sum of squares taken in another order."""
+    from fasterllama.backends.cuda import triton_norm
+
+    if kind == "int4" and cfg == WORD_CONFIGS[0]:
+        monkeypatch.setattr(gemv, "NORM_BLOCK", 256)  # the prologue in chunks (past the hidden sizes of most models)
+    N, K = SHAPES[1] if DEVICE == "cpu" else SHAPES[0]
+    h, res = (torch.randn(rows, K, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    w_norm = (1 + 0.2 * torch.randn(K, device=DEVICE)).to(torch.bfloat16)
+    if residual:
+        x, want_res = triton_norm.add_rms_norm(h, res, w_norm, 1e-5)
+        res_out = torch.empty_like(h)
+    else:
+        x, want_res, res_out = triton_norm.rms_norm(h, w_norm, 1e-5), h, h
+    norm = gemv.Norm(res if residual else None, w_norm, 1e-5, res_out)
+    if kind == "float":
+        w = (torch.randn(N, K, device=DEVICE) * 0.05).to(torch.bfloat16)
+        got, want = gemv.float_gemv(h, w, None, cfg, norm=norm), gemv.float_gemv(x, w, None, cfg)
+    elif kind.startswith("int8"):
+        q, s = quantize_int8(torch.randn(N, K, device=DEVICE), 32)
+        m = -torch.rand(N, K // 32, device=DEVICE) * 0.3 if kind == "int8-mins" else None
+        got = gemv.int8_gemv(h, q, s, None, cfg, m, words=words, norm=norm)
+        want = gemv.int8_gemv(x, q, s, None, cfg, m, words=words)
+    else:
+        q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), 32)
+        packed, s16, m16 = quantized.pack_int4(q, 32), s.half(), m.half()
+        got, want = gemv.int4_gemv(h, packed, s16, m16, 32, None, cfg, words, norm=norm), gemv.int4_gemv(x, packed, s16, m16, 32, None, cfg, words)
+    assert got.shape == (rows, N) and _rel(got, want) < 2e-3
+    assert torch.equal(res_out, want_res)
+
+
 def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     """tune() times every candidate of each distinct linear shape once and the ops dispatch on the
     fastest (timings faked here: the choice logic, not the clock)."""
@@ -212,7 +247,7 @@ def test_triton_gemv_tune_keeps_the_silu_kernel_when_the_gated_gemv_fails(monkey
     monkeypatch.setattr(gemv, "_module_gemv", module_gemv)
     down = torch.nn.Linear(8, 4)
     assert gemv._time_gated(down, ("float", 4, 8), {}, torch.device("cpu"), torch.float32) is False
-    assert "gated GEMV: RuntimeError" in gemv.REJECTED[0]
+    assert "gated gemv: RuntimeError" in gemv.REJECTED[0]
 
 
 def test_triton_gemv_tune_leaves_out_wrong_candidates(monkeypatch) -> None:

@@ -101,10 +101,11 @@ def test_triton_model_quantized_same_as_reference(interpreted, gqa, quantization
 
 
 @pytest.mark.parametrize("quantization", [None, "w8-g32", "w4-g32"])
-def test_triton_model_gated_down_gemv_same_as_reference(interpreted, gqa, monkeypatch, quantization: str | None) -> None:
+def test_triton_model_fused_gemvs_same_as_reference(interpreted, gqa, monkeypatch, quantization: str | None) -> None:
     """Where tune() finds it faster, the down projection's decode GEMV makes SiLU·mul itself
-    (ops.silu_and_mul_linear; chosen here for every shape): the reference ops' tokens, through
-    the graph plan's batch-1 bucket (the 4-row bucket takes the SiLU kernel and the tiled GEMMs)."""
+    (ops.silu_and_mul_linear) and the qkv and gate_up GEMVs make the add + RMSNorm before them
+    (ops.rms_norm_linear; all chosen here for every shape): the reference ops' tokens, through the
+    graph plan's batch-1 bucket (the 4-row bucket takes the separate kernels and the tiled GEMMs)."""
     from fasterllama.backends.cuda import gemv
 
     class Everywhere(dict):
@@ -112,14 +113,21 @@ def test_triton_model_gated_down_gemv_same_as_reference(interpreted, gqa, monkey
             return True
 
     monkeypatch.setattr(gemv, "_GATED", Everywhere())
+    monkeypatch.setattr(gemv, "_NORMED", Everywhere())
     monkeypatch.setitem(gemv.DEFAULT, "float", "gemv")
     calls = []
     module_gemv = gemv._module_gemv
-    monkeypatch.setattr(gemv, "_module_gemv", lambda module, x, gated=False: calls.append(gated) or module_gemv(module, x, gated))
+
+    def watched(module, x, gated=False, norm=None):
+        calls.append("gated" if gated else "normed" if norm is not None else "plain")
+        return module_gemv(module, x, gated, norm)
+
+    monkeypatch.setattr(gemv, "_module_gemv", watched)
     hf, path = gqa
     engine = _engine(path, quantization)
     tokens = _greedy(engine, [PROMPT])
-    assert calls.count(True) >= hf.config.num_hidden_layers  # every layer's down projection (in the graph's capture at least)
+    layers = hf.config.num_hidden_layers  # every layer's down projection, qkv and gate_up (in the graph's capture at least)
+    assert calls.count("gated") >= layers and calls.count("normed") >= 2 * layers
     assert tokens == _with_reference_ops(engine, lambda: _greedy(engine, [PROMPT]))
 
 

@@ -78,9 +78,10 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.q_size, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
-        T = cos.shape[0]  # x may be a quantized (int8, scale) pair under w8a8
-        q = ops.rope_and_store_kv(self.qkv_proj(x), cos, sin, kv, meta, self.num_heads, self.num_kv_heads, self.head_dim)
+    def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
+        """Attention from the qkv projection's output (the layer applies qkv_proj with the norm before it)."""
+        T = cos.shape[0]
+        q = ops.rope_and_store_kv(qkv, cos, sin, kv, meta, self.num_heads, self.num_kv_heads, self.head_dim)
         out = ops.attention(q, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
@@ -97,8 +98,8 @@ class MLP(nn.Module):
         self.act = SiluAndMul()
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The MLP's second half from gate_up_proj's output (the layer applies gate_up_proj with the norm before it)."""
         if type(self.act) is SiluAndMul:  # (w8a8 replaces act by a quantizing one)
             return ops.silu_and_mul_linear(gate_up, self.down_proj)
         return self.down_proj(self.act(gate_up))
@@ -117,14 +118,17 @@ class DecoderLayer(nn.Module):
         meta: ops.AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it): the residual add is left to
-        the next norm, which fuses it (h_out = residual + mlp output)."""
-        if residual is None:
-            residual, x = h, self.input_layernorm(h)
-        else:
-            x, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(x, cos, sin, kv, meta)
-        x, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(x), residual
+        the next norm, which fuses it (h_out = residual + mlp output), and each norm goes with the
+        linear after it into one op (ops.rms_norm_linear), which a backend may make one kernel."""
+        (attn_norm, qkv_proj), (mlp_norm, gate_up_proj) = self.normed_linears()
+        qkv, residual = ops.rms_norm_linear(h, residual, attn_norm, qkv_proj)
+        h = self.self_attn(qkv, cos, sin, kv, meta)
+        gate_up, residual = ops.rms_norm_linear(h, residual, mlp_norm, gate_up_proj)
+        return self.mlp(gate_up), residual
+
+    def normed_linears(self) -> tuple[tuple[nn.Module, nn.Module], ...]:
+        """Each norm and the linear that reads its output (the GPU backend times them fused)."""
+        return (self.input_layernorm, self.self_attn.qkv_proj), (self.post_attention_layernorm, self.mlp.gate_up_proj)
 
 
 # canonical checkpoint name suffix -> (fused parameter, shard index among its parts)

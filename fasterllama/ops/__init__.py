@@ -71,6 +71,20 @@ def silu_and_mul_linear(gate_up: torch.Tensor, down: Callable[[torch.Tensor], to
     return out if out is not None else down(silu_and_mul(gate_up))
 
 
+def rms_norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: Callable, linear: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(norm(h + residual)), h + residual), residual None: (linear(norm(h)), h). The norm
+    before each of a layer's first linears: a backend may make the norm inside the linear's kernel
+    (its version returns None where it does not, and the two modules run)."""
+    fused = registered("rms_norm_linear", h.device)
+    out = fused(h, residual, norm, linear) if fused is not None else None
+    if out is not None:
+        return out
+    if residual is None:
+        return linear(norm(h)), h
+    x, residual = norm(h, residual)
+    return linear(x), residual
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return get_op("linear", x.device)(x, weight, bias)
 

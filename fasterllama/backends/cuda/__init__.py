@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 def _gemv_ops(gemv, triton_linear) -> dict:
     """The linears' ops: the decode GEMVs for 1-2 activation rows where the device's timing chose
     them (gemv.tune), cuBLAS (float) or the tiled kernels otherwise; and the down projection's
-    GEMV making SiLU·mul itself where that was faster (None otherwise: the op layer composes)."""
+    GEMV making SiLU·mul itself, the qkv and gate_up GEMVs making the norm before them, where that
+    was faster (None otherwise: the op layer composes)."""
     import torch.nn.functional as F
 
     def linear(x, weight, bias=None):
@@ -37,7 +38,7 @@ def _gemv_ops(gemv, triton_linear) -> dict:
         return out if out is not None else triton_linear.int4_weight_linear(x, packed, scales, mins, group_size, bias)
 
     return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear,
-            "silu_and_mul_linear": gemv.silu_and_mul_linear}
+            "silu_and_mul_linear": gemv.silu_and_mul_linear, "rms_norm_linear": gemv.rms_norm_linear}
 
 
 def kernel_ops() -> dict | None:

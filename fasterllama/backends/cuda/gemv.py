@@ -80,6 +80,44 @@ def _act(ptr, offs, mask, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _residual_sum(h_ptr, res_ptr, c, ok, HAS_RES: tl.constexpr):
+    """h (+ res) at columns c, rounded to the model dtype as the residual stream is kept (fp32)."""
+    h = tl.load(h_ptr + c, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h = (h + tl.load(res_ptr + c, mask=ok, other=0.0).to(tl.float32)).to(h_ptr.dtype.element_ty).to(tl.float32)
+    return h
+
+
+@triton.jit
+def _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, writer,
+                 HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    """NORM's prologue: x[:, first:end] (the columns this program's K loop reads) = RMSNorm(h + res),
+    rounded as the RMSNorm kernel rounds it; the writer program also stores h + res, the new
+    residual stream. A program takes the rows' sums of squares over the whole row itself (h and
+    res from L2: a few KB, where the norm kernel it replaces was a launch); the programs sharing a
+    K slice write the same bits to x, and the barrier orders this program's writes before its
+    threads read them back."""
+    dtype = x_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    for m in range(M):
+        ss = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            c = k0 + cols
+            r = _residual_sum(h_ptr + m * K, res_ptr + m * K, c, c < K, HAS_RES)
+            ss += r * r
+            if HAS_RES:
+                tl.store(res_out_ptr + m * K + c, r.to(dtype), mask=(c < K) & writer)
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+        for k0 in range(first, end, BLOCK):
+            c = k0 + cols
+            ok = c < end
+            r = _residual_sum(h_ptr + m * K, res_ptr + m * K, c, ok, HAS_RES)
+            w = tl.load(nw_ptr + c, mask=ok, other=0.0).to(tl.float32)
+            tl.store(x_ptr + m * K + c, (w * (r * rstd).to(dtype).to(tl.float32)).to(dtype), mask=ok)
+    tl.debug_barrier()
+
+
+@triton.jit
 def _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO: tl.constexpr):
     """Row sums of the accumulators -> out[pid_k, m, n] (the output itself without split-K)."""
     base = out_ptr + pid_k * M * N
@@ -145,7 +183,9 @@ def _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO: tl.constexpr, GATED:
 
 @triton.jit
 def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
-                       PDL: tl.constexpr, GATED: tl.constexpr = False):
+                       PDL: tl.constexpr, GATED: tl.constexpr = False,
+    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -156,6 +196,8 @@ def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK
     k = first + tl.arange(0, BLOCK_K)
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
     pdl.wait_prior(PDL)
+    if NORM:  # (x_ptr: the normed rows, made here)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
     acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO, GATED)
     for k0 in range(first + BLOCK_K, end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -186,7 +228,9 @@ def _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, 
 @triton.jit
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
                       GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                      HAS_MINS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False):
+                      HAS_MINS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
+    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
     """Tiles [BLOCK_N, GPB, GS]: GPB groups of GS columns (per channel: GS-column chunks, the
     scale applied at the end). K % GS == 0. With mins (per group), min * sum(x) per group."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -200,6 +244,8 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     g = first // GS + tl.arange(0, GPB)
     q = tl.load(w_rows + g[None, :, None] * GS + offs_j, mask=n_ok[:, None, None] & (g < K // GS)[None, :, None], other=0)
     pdl.wait_prior(PDL)
+    if NORM:  # (x_ptr: the normed rows, made here)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
     acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS, GATED)
     for k0 in range(first + GPB * GS, end, GPB * GS):
         g = k0 // GS + tl.arange(0, GPB)
@@ -234,7 +280,9 @@ def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, 
 @triton.jit
 def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
                       GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
-                      GATED: tl.constexpr = False):
+                      GATED: tl.constexpr = False,
+    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
     """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
     per group, sum w x = scale * sum q x + min * sum x."""
     HALF: tl.constexpr = GS // 2
@@ -251,6 +299,8 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     g = first // HALF + tl.arange(0, GPB)
     p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
     pdl.wait_prior(PDL)
+    if NORM:  # (x_ptr: the normed rows, made here)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
     acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED)
     for b0 in range(first + GPB * HALF, end, GPB * HALF):
         g = b0 // HALF + tl.arange(0, GPB)
@@ -348,7 +398,9 @@ def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
 @triton.jit
 def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT, ONES,
                              GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
-                             PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False):
+                             PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False,
+    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word (with half-precision activations 1.5:
@@ -372,6 +424,8 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     first, end = pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, K // 2)
     w = _words_tile(words, first // 4 + offs_f, n_ok, KW)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
+    if NORM:  # (x_ptr: the normed rows, made here)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
     if PREFETCH:  # the next tile's loads in flight during this tile's arithmetic (two tiles of registers)
         for b0 in range(first, end, GPB * H):
             f = b0 // 4 + offs_f  # word index along the row
@@ -434,7 +488,9 @@ def _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
 @triton.jit
 def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, LOW, HIGH,
                             GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
-                            HAS_MINS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False):
+                            HAS_MINS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False,
+    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
     """int8 GEMV over 32-bit words, one integer op a byte: (w & 0xFF) ^ LOW (LOW = 0x4B000080) puts
     the low byte with its sign bit flipped under the exponent of 2^23, the fp32 2^23 + 128 + q;
     (w & 0xFF00) ^ HIGH (HIGH = 0x4F008000) the next byte under 2^31's, 2^31 + 2^16 (128 + q);
@@ -455,6 +511,8 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     first, end = pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K)
     w = _words_tile(words, first // 4 + offs_f, n_ok, KW)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
+    if NORM:  # (x_ptr: the normed rows, made here)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
     if PREFETCH:  # the next tile's loads in flight during this tile's arithmetic (two tiles of registers)
         for k0 in range(first, end, GPB * GS):
             f = k0 // 4 + offs_f
@@ -472,10 +530,35 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
 
 
-def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple, **meta) -> torch.Tensor:
+NORM_BLOCK = 4096  # columns a normed GEMV's prologue loads at a time (the model's hidden size fits: one trip to L2)
+
+
+class Norm(NamedTuple):
+    """A normed GEMV's input: x is h, and the GEMV multiplies RMSNorm(h + residual) (the norm
+    kernel before it goes), storing h + residual, the new residual stream, in residual_out."""
+    residual: torch.Tensor | None  # None: RMSNorm(h), residual_out is h
+    weight: torch.Tensor
+    eps: float
+    residual_out: torch.Tensor
+
+
+def _norm_args(h2: torch.Tensor, norm: Norm | None) -> tuple[torch.Tensor, dict]:
+    """(the rows the K loop reads, the kernel's NORM arguments): with a norm, a buffer its programs
+    fill with the normed rows."""
+    if norm is None:
+        return h2, {}
+    K = h2.shape[1]
+    res = norm.residual.reshape(h2.shape).contiguous() if norm.residual is not None else h2
+    return torch.empty_like(h2), dict(h_ptr=h2, res_ptr=res, nw_ptr=norm.weight, res_out_ptr=norm.residual_out, eps=norm.eps, NORM=True,
+                                      HAS_RES=norm.residual is not None, NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK))
+
+
+def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple,
+            norm: Norm | None = None, **meta) -> torch.Tensor:
     """Grid over row blocks and slices of the `span` a program walks in `step`s (K, or K/2 bytes of
     4-bit weights): split-K when the row blocks alone do not fill the chip."""
     M = x2.shape[0]
+    x2, norm_args = _norm_args(x2, norm)
     blocks = triton.cdiv(N, cfg.block_n)
     steps = triton.cdiv(span, step)
     per = triton.cdiv(steps, max(1, min(steps, triton.cdiv(cfg.programs_per_sm * triton_linear._num_sms(x2.device), blocks))))
@@ -483,60 +566,64 @@ def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, st
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     part = out if splits == 1 and bias is None else torch.empty(splits, M, N, dtype=torch.float32, device=x2.device)
     kernel[(blocks, splits)](x2, *args, part, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, TWO=M == 2, num_warps=cfg.warps,
-                             **meta, **pdl.launch_args(x2))
+                             **meta, **norm_args, **pdl.launch_args(x2))
     triton_linear._reduce(part, out, bias)
     return out
 
 
-def _rows(x: torch.Tensor, K: int, gated: bool) -> torch.Tensor:
-    assert x.shape[-1] == (2 * K if gated else K), (tuple(x.shape), K, gated)
+def _rows(x: torch.Tensor, K: int, gated: bool, norm: Norm | None = None) -> torch.Tensor:
+    assert x.shape[-1] == (2 * K if gated else K) and not (gated and norm), (tuple(x.shape), K, gated)
     x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+    return x2 if x2.stride(-1) == 1 and (norm is None or x2.is_contiguous()) else x2.contiguous()
 
 
 def float_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG,
-               gated: bool = False) -> torch.Tensor:
+               gated: bool = False, norm: Norm | None = None) -> torch.Tensor:
     """gated (here and below): x is a fused [gate | up] projection's output [.., 2K], and the
-    GEMV multiplies SiLU(gate) * up, made as it reads them."""
+    GEMV multiplies SiLU(gate) * up, made as it reads them. norm: the GEMV multiplies the RMSNorm
+    of x (+ a residual), made by its own programs (Norm)."""
     N, K = weight.shape
-    x2 = _rows(x, K, gated)
+    x2 = _rows(x, K, gated, norm)
     block_k = cfg.tile_bytes // weight.element_size()
-    out = _launch(_float_gemv_kernel, cfg, x2, N, K, K, block_k, bias, x.dtype, (weight.contiguous(),), BLOCK_K=block_k, GATED=gated)
+    out = _launch(_float_gemv_kernel, cfg, x2, N, K, K, block_k, bias, x.dtype, (weight.contiguous(),), norm, BLOCK_K=block_k, GATED=gated)
     return out.view(*x.shape[:-1], N)
 
 
 def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-              cfg: Config = DEFAULT_CONFIG, mins: torch.Tensor | None = None, words: bool = False, gated: bool = False) -> torch.Tensor:
+              cfg: Config = DEFAULT_CONFIG, mins: torch.Tensor | None = None, words: bool = False, gated: bool = False,
+              norm: Norm | None = None) -> torch.Tensor:
     """words: the kernel reading 32-bit words (a byte to fp32 in two ops), else byte-wise."""
     N, K = qweight.shape
     s = scale.reshape(N, -1)
     G = s.shape[1]
     gs = K // G if G > 1 else 32
-    x2 = _rows(x, K, gated)
+    x2 = _rows(x, K, gated, norm)
     gpb = max(1, cfg.tile_bytes // gs)
     qweight = qweight.contiguous()
     args = (qweight, s.contiguous(), s if mins is None else mins.contiguous())
     kernel, extra = _int8_gemv_kernel, {}
     if words and gs >= 4 and qweight.data_ptr() % 4 == 0:  # (read as int32)
         kernel, extra = _int8_words_gemv_kernel, {"LOW": 0x4B000080, "HIGH": 0x4F008000, "PREFETCH": cfg.prefetch}
-    out = _launch(kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1,
+    out = _launch(kernel, cfg, x2, N, K, K, gpb * gs, bias, x.dtype, args, norm, G=G, GS=gs, GPB=gpb, PER_GROUP=G > 1,
                   HAS_MINS=mins is not None, GATED=gated, **extra)
     return out.view(*x.shape[:-1], N)
 
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG, words: bool = False, gated: bool = False) -> torch.Tensor:
+              bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG, words: bool = False, gated: bool = False,
+              norm: Norm | None = None) -> torch.Tensor:
     """words: the kernel reading 32-bit words (two nibbles an integer op), else byte-wise."""
     N = packed.shape[0]
     K = packed.shape[1] * 2
-    x2 = _rows(x, K, gated)
+    x2 = _rows(x, K, gated, norm)
     gpb = max(1, cfg.tile_bytes // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
     args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
     kernel, extra = _int4_gemv_kernel, {}
     if words and packed.data_ptr() % 4 == 0:  # (read as int32)
         kernel, extra = _int4_words_gemv_kernel, {"ONES": 0x3F803F80, "PREFETCH": cfg.prefetch}
         cfg = cfg._replace(block_n=min(cfg.block_n, 32)) if x2.shape[0] == 2 else cfg
-    out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, GS=group_size, GPB=gpb, GATED=gated, **extra)
+    out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, norm, GS=group_size, GPB=gpb, GATED=gated,
+                  **extra)
     return out.view(*x.shape[:-1], N)
 
 
@@ -555,6 +642,7 @@ DEFAULT = {"float": "cublas", "int8": "gemv", "int4": "gemv"}
 
 
 _GATED: dict[tuple, bool] = {}  # a down projection's shape key -> its GEMV makes SiLU·mul itself (timed faster than the SiLU kernel + the GEMV)
+_NORMED: dict[tuple, bool] = {}  # a normed linear's shape key -> its GEMV makes the RMSNorm itself (timed faster than the norm kernel + the GEMV)
 
 
 def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype, mins: bool = False) -> tuple[str, Config]:
@@ -566,34 +654,34 @@ def _rows_of(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
-def chosen_float(x, weight, bias=None, gated: bool = False) -> torch.Tensor | None:
+def chosen_float(x, weight, bias=None, gated: bool = False, norm: Norm | None = None) -> torch.Tensor | None:
     """The float linear by the GEMV tune() chose for its shape; None where cuBLAS serves it (more
-    rows than MAX_ROWS, or it was faster). gated (here and below): x is [gate | up]."""
+    rows than MAX_ROWS, or it was faster). gated, norm (here and below): as float_gemv's."""
     if _rows_of(x) <= MAX_ROWS:
         kernel, cfg = choice("float", *weight.shape, 0, x.dtype)
         if kernel == "gemv":
-            return float_gemv(x, weight, bias, cfg, gated)
+            return float_gemv(x, weight, bias, cfg, gated, norm)
     return None
 
 
-def chosen_int8(x, qweight, scale, bias=None, mins=None, gated: bool = False) -> torch.Tensor | None:
+def chosen_int8(x, qweight, scale, bias=None, mins=None, gated: bool = False, norm: Norm | None = None) -> torch.Tensor | None:
     """The int8-weight linear by its chosen GEMV; None where the tiled kernel serves it."""
     N, K = qweight.shape
     group = K // scale.shape[1] if scale.dim() == 2 else 0
     if _rows_of(x) <= MAX_ROWS and supports("int8", K, group or 32):
         kernel, cfg = choice("int8", N, K, group, x.dtype, mins is not None)
         if kernel in ("gemv", "gemv-words"):
-            return int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words", gated=gated)
+            return int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words", gated=gated, norm=norm)
     return None
 
 
-def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = False) -> torch.Tensor | None:
+def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = False, norm: Norm | None = None) -> torch.Tensor | None:
     """The 4-bit linear by its chosen GEMV; None where the tiled kernel serves it."""
     N, K = packed.shape[0], packed.shape[1] * 2
     if _rows_of(x) <= MAX_ROWS and supports("int4", K, group_size):
         kernel, cfg = choice("int4", N, K, group_size, x.dtype)
         if kernel in ("gemv", "gemv-words"):
-            return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated)
+            return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated, norm=norm)
     return None
 
 
@@ -621,25 +709,44 @@ def _key(module, dtype: torch.dtype) -> tuple:
     return ("float", *module.weight.shape, 0, dtype) if kind else ()
 
 
-def _module_gemv(module, x: torch.Tensor, gated: bool = False) -> torch.Tensor | None:
+def _module_gemv(module, x: torch.Tensor, gated: bool = False, norm: Norm | None = None) -> torch.Tensor | None:
     """A linear module applied by its chosen GEMV, or None (no GEMV chosen or possible)."""
     kind = _kind(module)
     if kind == "float":
-        return chosen_float(x, module.weight, module.bias, gated)
+        return chosen_float(x, module.weight, module.bias, gated, norm)
     if kind == "int8":
-        return chosen_int8(x, module.qweight, module.weight_scale, module.bias, module.weight_min, gated)
+        return chosen_int8(x, module.qweight, module.weight_scale, module.bias, module.weight_min, gated, norm)
     if kind == "int4":
-        return chosen_int4(x, module.qweight, module.scales, module.mins, module.group_size, module.bias, gated)
+        return chosen_int4(x, module.qweight, module.scales, module.mins, module.group_size, module.bias, gated, norm)
     return None
+
+
+def _hooked(*modules) -> bool:
+    """Whether hooks watch any of these modules (calibration's do): a fused kernel would hide the
+    input they watch."""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in modules)
 
 
 def silu_and_mul_linear(gate_up: torch.Tensor, down) -> torch.Tensor | None:
     """down(SiLU(gate) * up) in one GEMV where tune() found that faster than the SiLU·mul kernel
-    before the GEMV (the small decode GEMVs, whose time is launches and latency); else None (also
-    when hooks watch down's input, as calibration's do: they would miss it)."""
-    if _rows_of(gate_up) > MAX_ROWS or down._forward_pre_hooks or down._forward_hooks or not _GATED.get(_key(down, gate_up.dtype)):
+    before the GEMV (the small decode GEMVs, whose time is launches and latency); else None."""
+    if _rows_of(gate_up) > MAX_ROWS or _hooked(down) or not _GATED.get(_key(down, gate_up.dtype)):
         return None
     return _module_gemv(down, gate_up, gated=True)
+
+
+def rms_norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm, linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(linear(RMSNorm(h + residual)), h + residual) in one GEMV where tune() found that faster than
+    the norm kernel before the GEMV: its programs make the normed rows (ops.rms_norm_linear); else
+    None."""
+    from ...model.llama import RMSNorm
+
+    if _rows_of(h) > MAX_ROWS or type(norm) is not RMSNorm or _hooked(norm, linear) or not _NORMED.get(_key(linear, h.dtype)):
+        return None
+    h2 = h.reshape(-1, h.shape[-1]).contiguous()
+    res_out = torch.empty_like(h2) if residual is not None else h2
+    y = _module_gemv(linear, h2, norm=Norm(residual, norm.weight, norm.eps, res_out))
+    return None if y is None else (y.view(*h.shape[:-1], y.shape[-1]), res_out.view(h.shape))
 
 
 def _time(fn, calls: int = 10, replays: int = 5) -> float:
@@ -710,8 +817,9 @@ def _checked(key: tuple, fns: dict) -> dict:
 def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, float]]:
     """Time each candidate kernel and config for every distinct linear shape of the model at one
     activation row and remember the fastest, then for each MLP's down projection whether its GEMV
-    should make SiLU·mul itself; returns {shape: {kernel/config: ms}} (CUDA only)."""
-    from ...model.llama import SiluAndMul
+    should make SiLU·mul itself and for each linear after a norm whether its GEMV should make the
+    norm; returns {shape: {kernel/config: ms}} (CUDA only)."""
+    from ...model.llama import RMSNorm, SiluAndMul
 
     device = model.norm.weight.device
     timings: dict[tuple, dict[str, float]] = {}
@@ -733,21 +841,40 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
             key = _key(mlp.down_proj, dtype)
             if key and key not in _GATED:
                 _GATED[key] = _time_gated(mlp.down_proj, key, timings.setdefault(key, {}), device, dtype)
+        for layer in getattr(model, "layers", ()):
+            for norm, linear in layer.normed_linears():
+                key = _key(linear, dtype)
+                if key and key not in _NORMED and type(norm) is RMSNorm:
+                    _NORMED[key] = _time_normed(norm, linear, key, timings.setdefault(key, {}), device, dtype)
     return timings
 
 
+def _time_fused(key: tuple, timings: dict, fns: dict) -> bool:
+    """Whether the fused call (fns' second) beats the two launches it replaces (the first), both timed
+    from a CUDA graph into `timings`; False where no GEMV serves the shape, or the fused one fails
+    or differs by more than bf16 rounding (said in REJECTED)."""
+    unfused, fused = fns
+    if fns[unfused]() is None:
+        return False
+    kept = _checked(key, fns)
+    if fused not in kept:
+        return False
+    timings[unfused], timings[fused] = _time(kept[unfused]), _time(kept[fused])
+    return timings[fused] < timings[unfused]
+
+
 def _time_gated(down, key: tuple, timings: dict, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether down's chosen GEMV making SiLU·mul itself beats the SiLU·mul kernel before it (both
-    timed from a CUDA graph, into `timings`); False where no GEMV serves down or the two differ by
-    more than bf16 rounding."""
+    """Whether down's chosen GEMV making SiLU·mul itself beats the SiLU·mul kernel before it."""
     from ... import ops
 
     gate_up = torch.randn(1, 2 * down.in_features, dtype=dtype, device=device)
-    fns = {"silu+gemv": lambda: _module_gemv(down, ops.silu_and_mul(gate_up)), "gated GEMV": lambda: _module_gemv(down, gate_up, gated=True)}
-    if fns["silu+gemv"]() is None:
-        return False
-    kept = _checked(key, fns)  # (a failing or disagreeing gated GEMV is left out, said in REJECTED)
-    if "gated GEMV" not in kept:
-        return False
-    timings["silu+gemv"], timings["gated gemv"] = _time(kept["silu+gemv"]), _time(kept["gated GEMV"])
-    return timings["gated gemv"] < timings["silu+gemv"]
+    return _time_fused(key, timings, {"silu+gemv": lambda: _module_gemv(down, ops.silu_and_mul(gate_up)),
+                                      "gated gemv": lambda: _module_gemv(down, gate_up, gated=True)})
+
+
+def _time_normed(norm, linear, key: tuple, timings: dict, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether linear's chosen GEMV making the add + RMSNorm before it itself beats the norm kernel."""
+    h, residual = (torch.randn(1, linear.in_features, dtype=dtype, device=device) for _ in range(2))
+    res_out = torch.empty_like(h)
+    return _time_fused(key, timings, {"norm+gemv": lambda: _module_gemv(linear, norm(h, residual)[0]),
+                                      "normed gemv": lambda: _module_gemv(linear, h, norm=Norm(residual, norm.weight, norm.eps, res_out))})
