@@ -76,7 +76,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=32)
     args = ap.parse_args()
     x = f"*{args.dtype}"
-    common = {"x_ptr": x, "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": x, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "PDL": "constexpr"}
+    common = {"x_ptr": x, "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": x, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "PDL": "constexpr",
+              "part_ptr": "*fp32", "bias_ptr": x, "done_ptr": "*i32", "SPLITS_PAD": "constexpr", "HAS_BIAS": "constexpr"}
     int4 = dict(common, p_ptr="*u8", KB_SPLIT="i32", GS="constexpr", GPB="constexpr", BLOCK_N="constexpr", TWO="constexpr")
     int8 = dict(common, w_ptr="*i8", K_SPLIT="i32", G="i32", GS="constexpr", GPB="constexpr", PER_GROUP="constexpr", BLOCK_N="constexpr",
                 TWO="constexpr", HAS_MINS="constexpr")
@@ -94,7 +95,7 @@ def main() -> None:
           " registers, stack |\n|---|---|---:|---:|---:|---:|---|")
     for name, fn, sig, cfg in cases:
         gpb = cfg.tile_bytes // g if "int8" in name else cfg.tile_bytes // 2 // (g // 2)  # as int8_gemv / int4_gemv launch
-        consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False, "PDL": True}
+        consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False, "PDL": True, "SPLITS_PAD": 1, "HAS_BIAS": False}
         if "int8" in name:
             consts.update(PER_GROUP=True, HAS_MINS=False)
         if "words" in name:

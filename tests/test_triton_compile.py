@@ -27,15 +27,16 @@ INT4_DEQUANT = {"p_ptr": "*u8", "s_ptr": "*fp16", "mn_ptr": "*fp16", "out_ptr": 
 NORM = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "res_out_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32",
         "static_ptr": "*fp32", "K": "i32", "eps": "fp32", "BLOCK": "constexpr", "HAS_RESIDUAL": "constexpr", "QUANT": "constexpr",
         "HAS_STATIC": "constexpr", "CLIP": "constexpr", "PDL": "constexpr"}
+SPLIT = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "done_ptr": "*i32"}  # (every GEMV's: where a split-K launch's parts go)
 WORDS = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
-         "KB_SPLIT": "i32", "ONES": "i32", "GS": "constexpr", "GPB": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "PDL": "constexpr"}
+         "KB_SPLIT": "i32", "ONES": "i32", "GS": "constexpr", "GPB": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "PDL": "constexpr", **SPLIT}
 INT8_WORDS = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
               "stride_xm": "i32", "K_SPLIT": "i32", "G": "i32", "LOW": "i32", "HIGH": "i32", "GS": "constexpr", "GPB": "constexpr",
-              "PER_GROUP": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "HAS_MINS": "constexpr", "PDL": "constexpr"}
+              "PER_GROUP": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "HAS_MINS": "constexpr", "PDL": "constexpr", **SPLIT}
 FLOAT_GEMV = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "K_SPLIT": "i32",
-              "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "TWO": "constexpr", "PDL": "constexpr"}
+              "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "TWO": "constexpr", "PDL": "constexpr", **SPLIT}
 NORMED = {"h_ptr": "*bf16", "res_ptr": "*bf16", "nw_ptr": "*bf16", "res_out_ptr": "*bf16", "eps": "fp32", "NORM": "constexpr", "HAS_RES": "constexpr",
-          "NORM_BLOCK": "constexpr"}
+          "NORM_BLOCK": "constexpr", "NORM_ONE_PASS": "constexpr"}
 DECODE = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16",
           "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32", "done_ptr": "*i32", "qk_scale": "fp32", "stride_qb": "i32",
           "stride_qh": "i32", "stride_ob": "i32", "stride_oh": "i32", "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32", "stride_bt": "i32",
@@ -77,11 +78,22 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
                           {"BLOCK_N": 8, "BLOCK_K": 512, "TWO": False, "PDL": True, "GATED": True}, 4),
     "4-bit words GEMV, normed (RMSNorm made by its programs)": ("gemv", "_int4_words_gemv_kernel", dict(WORDS, **NORMED),
                                                                {"GS": 32, "GPB": 32, "BLOCK_N": 64, "TWO": False, "PDL": True, "NORM": True,
-                                                                "HAS_RES": True, "NORM_BLOCK": 4096}, 4),
-    "int8 words GEMV, normed, two rows": ("gemv", "_int8_words_gemv_kernel", dict(INT8_WORDS, **NORMED),
-                                          {"GS": 32, "GPB": 16, "PER_GROUP": True, "BLOCK_N": 32, "TWO": True, "HAS_MINS": False, "PDL": True,
-                                           "NORM": True, "HAS_RES": True, "NORM_BLOCK": 4096}, 4),
+                                                                "HAS_RES": True, "NORM_BLOCK": 4096, "NORM_ONE_PASS": True}, 4),
+    "int8 words GEMV, normed in chunks, two rows": ("gemv", "_int8_words_gemv_kernel", dict(INT8_WORDS, **NORMED),
+                                                    {"GS": 32, "GPB": 16, "PER_GROUP": True, "BLOCK_N": 32, "TWO": True, "HAS_MINS": False,
+                                                     "PDL": True, "NORM": True, "HAS_RES": True, "NORM_BLOCK": 4096, "NORM_ONE_PASS": False}, 4),
+    "4-bit words GEMV, split-K merged by the last": ("gemv", "_int4_words_gemv_kernel", dict(WORDS),
+                                                   {"GS": 32, "GPB": 32, "BLOCK_N": 32, "TWO": True, "PDL": True, "SPLITS_PAD": 4,
+                                                    "HAS_BIAS": True}, 4),
+    "int8 words GEMV, per channel, split-K merged by the last": ("gemv", "_int8_words_gemv_kernel", dict(INT8_WORDS),
+                                                               {"GS": 32, "GPB": 16, "PER_GROUP": False, "BLOCK_N": 64, "TWO": False,
+                                                                "HAS_MINS": False, "PDL": True, "SPLITS_PAD": 8, "HAS_BIAS": False}, 4),
 }
+for _module, _kernel, _sig, _consts, _warps in CASES.values():  # a GEMV's launch says whether it splits K (the compile takes no defaults)
+    if _module == "gemv":
+        _sig.update(SPLITS_PAD="constexpr", HAS_BIAS="constexpr")
+        _consts.setdefault("SPLITS_PAD", 1)
+        _consts.setdefault("HAS_BIAS", False)
 CODE = """
 import importlib, json, sys
 sys.path.insert(0, "benchmarks")
@@ -119,7 +131,7 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
     assert got["wait"] and got["release"]  # PDL: the kernel waits for the one before, then lets the next launch
     if name in ("RoPE + KV store", "residual add + RMSNorm"):  # every load out before the first store: one trip to memory
         assert got["loads_after_a_store"] == 0, got
-    if name.startswith("decode attention"):  # every thread's partials stored (barrier), then a GPU fence, then the count
+    if name.startswith("decode attention") or "merged by the last" in name:  # partials stored (barrier), a GPU fence, the count
         assert got["fenced_atomic"] is True, got
     if "GEMV" in name or "RMSNorm" in name:  # only weights (128-bit loads: nothing writes them; a GEMV's first tile) before the wait
         assert got["before_wait"] and set(got["before_wait"]) == {"LDG.E.128"}, got["before_wait"]

@@ -220,18 +220,22 @@ def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(gemv, "_time", fake_time)
     monkeypatch.setattr(gemv, "_CHOICE", {})
     monkeypatch.setattr(gemv, "_GATED", {})
+    monkeypatch.setattr(gemv, "_NORMED", {})
     if DEVICE == "cpu":  # every candidate run once under the interpreter: 14 s, for what the kernel tests check
         monkeypatch.setattr(gemv, "_checked", lambda key, fns: fns)
     timings = gemv.tune(net, torch.float32)
     shapes = {("int4", m.out_features, m.in_features, 32, torch.float32) for m in net.modules() if hasattr(m, "scales")}
     downs = {("int4", layer.mlp.down_proj.out_features, layer.mlp.down_proj.in_features, 32, torch.float32) for layer in net.layers}
-    assert set(timings) == shapes  # once per distinct shape (the tied head: once)
+    normed = {gemv._key(linear, torch.float32) for layer in net.layers for _, linear in layer.normed_linears()}
+    assert set(timings) == shapes and len(normed) == 2 and not normed & downs  # once per distinct shape (the tied head: once)
     for key in shapes:
-        assert len(timings[key]) == 1 + len(gemv.CONFIGS) + len(gemv.WORD_CONFIGS) + (2 if key in downs else 0)
+        assert len(timings[key]) == 1 + len(gemv.CONFIGS) + len(gemv.WORD_CONFIGS) + (2 if key in downs | normed else 0)
         kernel, cfg = gemv.choice(*key)
         assert timings[key][f"{kernel}{tuple(cfg) if kernel.startswith('gemv') else ''}"] == 0.5
     for key in downs:  # the down projection's GEMV makes SiLU·mul itself where that timed faster
         assert gemv._GATED[key] == (timings[key]["gated gemv"] < timings[key]["silu+gemv"])
+    for key in normed:  # the qkv and gate_up GEMVs make the norm before them where that timed faster
+        assert gemv._NORMED[key] == (timings[key]["normed gemv"] < timings[key]["norm+gemv"])
     assert not any(isinstance(m, Linear) for m in net.layers.modules())
 
 

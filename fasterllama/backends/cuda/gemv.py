@@ -6,8 +6,9 @@ weights from memory. That takes many bytes in flight per multiprocessor, so each
 reads a 16 KB weight tile per iteration (32 rows x 512 bytes), and it keeps its partial sums in
 registers across the whole K loop ([rows, groups] for quantized weights: the scale of a group is
 applied once per group, the sum over a group's values stays inside one thread), reducing them
-across threads once at the end. Few row blocks (N = 4096: 128 of them) are split over K (split-K,
-with the deterministic reduce of triton_linear.py). Which kernel is fastest for a shape depends
+across threads once at the end. Few row blocks (N = 4096: 128 of them) are split over K (split-K:
+the last program of a row block to finish adds the parts up, in a fixed order, without a second
+kernel). Which kernel is fastest for a shape depends
 on the chip, so `tune()` times the candidates for each linear of a model once when the model is
 prepared (milliseconds) and the ops dispatch on what it found; untuned shapes take the defaults.
 Each GEMV loads its first weight tile before the programmatic-launch wait (pdl.py: weights, which
@@ -27,6 +28,7 @@ import triton
 import triton.language as tl
 
 from . import pdl, triton_linear
+from .triton_attention import split_counters
 from .triton_norm import silu_mul
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
@@ -90,40 +92,86 @@ def _residual_sum(h_ptr, res_ptr, c, ok, HAS_RES: tl.constexpr):
 
 @triton.jit
 def _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, writer,
-                 HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                 HAS_RES: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     """NORM's prologue: x[:, first:end] (the columns this program's K loop reads) = RMSNorm(h + res),
     rounded as the RMSNorm kernel rounds it; the writer program also stores h + res, the new
     residual stream. A program takes the rows' sums of squares over the whole row itself (h and
     res from L2: a few KB, where the norm kernel it replaces was a launch); the programs sharing a
     K slice write the same bits to x, and the barrier orders this program's writes before its
-    threads read them back."""
+    threads read them back. ONE_PASS (K <= BLOCK, the usual case): a row's loads, the norm
+    weight's among them, go out together and the row stays in registers (one trip to L2 a row)."""
     dtype = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK)
     for m in range(M):
-        ss = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            c = k0 + cols
-            r = _residual_sum(h_ptr + m * K, res_ptr + m * K, c, c < K, HAS_RES)
-            ss += r * r
+        if ONE_PASS:
+            ok = cols < K
+            w = tl.load(nw_ptr + cols, mask=ok & (cols >= first) & (cols < end), other=0.0).to(tl.float32)
+            r = _residual_sum(h_ptr + m * K, res_ptr + m * K, cols, ok, HAS_RES)
+            rstd = 1.0 / tl.sqrt(tl.sum(r * r, axis=0) / K + eps)
             if HAS_RES:
-                tl.store(res_out_ptr + m * K + c, r.to(dtype), mask=(c < K) & writer)
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        for k0 in range(first, end, BLOCK):
-            c = k0 + cols
-            ok = c < end
-            r = _residual_sum(h_ptr + m * K, res_ptr + m * K, c, ok, HAS_RES)
-            w = tl.load(nw_ptr + c, mask=ok, other=0.0).to(tl.float32)
-            tl.store(x_ptr + m * K + c, (w * (r * rstd).to(dtype).to(tl.float32)).to(dtype), mask=ok)
+                tl.store(res_out_ptr + m * K + cols, r.to(dtype), mask=ok & writer)
+            tl.store(x_ptr + m * K + cols, (w * (r * rstd).to(dtype).to(tl.float32)).to(dtype), mask=ok & (cols >= first) & (cols < end))
+        else:
+            ss = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                c = k0 + cols
+                r = _residual_sum(h_ptr + m * K, res_ptr + m * K, c, c < K, HAS_RES)
+                ss += r * r
+                if HAS_RES:
+                    tl.store(res_out_ptr + m * K + c, r.to(dtype), mask=(c < K) & writer)
+            rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
+            for k0 in range(first, end, BLOCK):
+                c = k0 + cols
+                ok = c < end
+                r = _residual_sum(h_ptr + m * K, res_ptr + m * K, c, ok, HAS_RES)
+                w = tl.load(nw_ptr + c, mask=ok, other=0.0).to(tl.float32)
+                tl.store(x_ptr + m * K + c, (w * (r * rstd).to(dtype).to(tl.float32)).to(dtype), mask=ok)
     tl.debug_barrier()
 
 
 @triton.jit
-def _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO: tl.constexpr):
-    """Row sums of the accumulators -> out[pid_k, m, n] (the output itself without split-K)."""
-    base = out_ptr + pid_k * M * N
-    tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+def _store_out(out_ptr, bias_ptr, r0, r1, offs_n, n_ok, N, TWO: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Rows r0 (and r1) [rows] (+ bias) -> out, rounded once."""
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        r0 += b
+        r1 += b
+    tl.store(out_ptr + offs_n, r0.to(out_ptr.dtype.element_ty), mask=n_ok)
     if TWO:
-        tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+        tl.store(out_ptr + N + offs_n, r1.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M,
+                TWO: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row sums of the accumulators (+ bias) -> out. Split over K (SPLITS_PAD > 1), each program
+    stores its sums in part [splits, M, N] and counts itself done (an acq_rel atomic after a
+    barrier, as decode attention's splits do); the last of a row block's programs adds the parts up
+    in split order (the same sums whichever finishes last), writes out and sets the count back to
+    0: no reduce kernel after the GEMV."""
+    r0 = tl.sum(acc0, axis=1)
+    r1 = r0
+    if TWO:
+        r1 = tl.sum(acc1, axis=1)
+    if SPLITS_PAD == 1:
+        _store_out(out_ptr, bias_ptr, r0, r1, offs_n, n_ok, N, TWO, HAS_BIAS)
+    else:
+        tl.store(part_ptr + pid_k * M * N + offs_n, r0, mask=n_ok)
+        if TWO:
+            tl.store(part_ptr + (pid_k * M + 1) * N + offs_n, r1, mask=n_ok)
+        tl.debug_barrier()  # every thread's part stored before the count says so
+        splits = tl.num_programs(1)
+        counter = done_ptr + pid_n
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            sp = tl.arange(0, SPLITS_PAD)
+            ok = (sp < splits)[:, None] & n_ok[None, :]
+            parts = part_ptr + (sp * M * N)[:, None] + offs_n[None, :]
+            t0 = tl.sum(tl.load(parts, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)  # (.cg: past L1, other programs wrote them)
+            t1 = t0
+            if TWO:
+                t1 = tl.sum(tl.load(parts + N, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
+            _store_out(out_ptr, bias_ptr, t0, t1, offs_n, n_ok, N, TWO, HAS_BIAS)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -161,13 +209,14 @@ def _int8_add_groups(acc0, acc1, r0, r1, s, mn, xs0, xs1, PER_GROUP: tl.constexp
 
 
 @triton.jit
-def _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP: tl.constexpr, TWO: tl.constexpr):
-    """The row sums (per channel: times the channel's scale) -> out."""
+def _int8_store(out_ptr, part_ptr, bias_ptr, done_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, PER_GROUP: tl.constexpr,
+                TWO: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The row sums (per channel: times the channel's scale) -> out (_store_rows)."""
     if not PER_GROUP:
         s = tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[:, None]
         acc0 *= s
         acc1 *= s
-    _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+    _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
 
 
 @triton.jit
@@ -185,7 +234,8 @@ def _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO: tl.constexpr, GATED:
 def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                        PDL: tl.constexpr, GATED: tl.constexpr = False,
     h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
+    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -197,13 +247,14 @@ def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
     pdl.wait_prior(PDL)
     if NORM:  # (x_ptr: the normed rows, made here)
-        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
+                     NORM_ONE_PASS)
     acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO, GATED)
     for k0 in range(first + BLOCK_K, end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :], other=0.0)
         acc0, acc1 = _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO, GATED)
-    _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+    _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
 
 
 @triton.jit
@@ -230,7 +281,8 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
                       GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
                       HAS_MINS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
     h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
+    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """Tiles [BLOCK_N, GPB, GS]: GPB groups of GS columns (per channel: GS-column chunks, the
     scale applied at the end). K % GS == 0. With mins (per group), min * sum(x) per group."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -245,13 +297,15 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     q = tl.load(w_rows + g[None, :, None] * GS + offs_j, mask=n_ok[:, None, None] & (g < K // GS)[None, :, None], other=0)
     pdl.wait_prior(PDL)
     if NORM:  # (x_ptr: the normed rows, made here)
-        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
+                     NORM_ONE_PASS)
     acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS, GATED)
     for k0 in range(first + GPB * GS, end, GPB * GS):
         g = k0 // GS + tl.arange(0, GPB)
         q = tl.load(w_rows + g[None, :, None] * GS + offs_j, mask=n_ok[:, None, None] & (g < K // GS)[None, :, None], other=0)
         acc0, acc1 = _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, PER_GROUP, TWO, HAS_MINS, GATED)
-    _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
+    _int8_store(out_ptr, part_ptr, bias_ptr, done_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, PER_GROUP, TWO, SPLITS_PAD,
+                HAS_BIAS)
 
 
 @triton.jit
@@ -282,7 +336,8 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
                       GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
                       GATED: tl.constexpr = False,
     h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
+    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
     per group, sum w x = scale * sum q x + min * sum x."""
     HALF: tl.constexpr = GS // 2
@@ -300,13 +355,14 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
     pdl.wait_prior(PDL)
     if NORM:  # (x_ptr: the normed rows, made here)
-        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
+                     NORM_ONE_PASS)
     acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED)
     for b0 in range(first + GPB * HALF, end, GPB * HALF):
         g = b0 // HALF + tl.arange(0, GPB)
         p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
         acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED)
-    _store_rows(out_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, TWO)
+    _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
 
 
 @triton.jit
@@ -400,7 +456,8 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
                              GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
                              PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False,
     h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
+    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word (with half-precision activations 1.5:
@@ -425,7 +482,8 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     w = _words_tile(words, first // 4 + offs_f, n_ok, KW)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
     if NORM:  # (x_ptr: the normed rows, made here)
-        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
+                     NORM_ONE_PASS)
     if PREFETCH:  # the next tile's loads in flight during this tile's arithmetic (two tiles of registers)
         for b0 in range(first, end, GPB * H):
             f = b0 // 4 + offs_f  # word index along the row
@@ -440,10 +498,7 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
             f = b0 // 4 + offs_f
             acc0, acc1 = _int4_words_tile(_words_tile(words, f, n_ok, KW), f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm,
                                           offs_n, n_ok, KW, K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED)
-    base = out_ptr + pid_k * M * N
-    tl.store(base + offs_n, tl.sum(acc0, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
-    if TWO:
-        tl.store(base + N + offs_n, tl.sum(acc1, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
+    _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
 
 
 @triton.jit
@@ -490,7 +545,8 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
                             GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
                             HAS_MINS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False,
     h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1):
+    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
+    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """int8 GEMV over 32-bit words, one integer op a byte: (w & 0xFF) ^ LOW (LOW = 0x4B000080) puts
     the low byte with its sign bit flipped under the exponent of 2^23, the fp32 2^23 + 128 + q;
     (w & 0xFF00) ^ HIGH (HIGH = 0x4F008000) the next byte under 2^31's, 2^31 + 2^16 (128 + q);
@@ -512,7 +568,8 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
     w = _words_tile(words, first // 4 + offs_f, n_ok, KW)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
     if NORM:  # (x_ptr: the normed rows, made here)
-        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first, end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
+                     NORM_ONE_PASS)
     if PREFETCH:  # the next tile's loads in flight during this tile's arithmetic (two tiles of registers)
         for k0 in range(first, end, GPB * GS):
             f = k0 // 4 + offs_f
@@ -527,7 +584,8 @@ def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
             f = k0 // 4 + offs_f
             acc0, acc1 = _int8_words_tile(_words_tile(words, f, n_ok, KW), f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm,
                                           offs_n, n_ok, KW, G, LOW, HIGH, GS, GPB, PER_GROUP, BLOCK_N, TWO, HAS_MINS, GATED)
-    _int8_store(out_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_k, M, PER_GROUP, TWO)
+    _int8_store(out_ptr, part_ptr, bias_ptr, done_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, PER_GROUP, TWO, SPLITS_PAD,
+                HAS_BIAS)
 
 
 NORM_BLOCK = 4096  # columns a normed GEMV's prologue loads at a time (the model's hidden size fits: one trip to L2)
@@ -550,7 +608,8 @@ def _norm_args(h2: torch.Tensor, norm: Norm | None) -> tuple[torch.Tensor, dict]
     K = h2.shape[1]
     res = norm.residual.reshape(h2.shape).contiguous() if norm.residual is not None else h2
     return torch.empty_like(h2), dict(h_ptr=h2, res_ptr=res, nw_ptr=norm.weight, res_out_ptr=norm.residual_out, eps=norm.eps, NORM=True,
-                                      HAS_RES=norm.residual is not None, NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK))
+                                      HAS_RES=norm.residual is not None, NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK),
+                                      NORM_ONE_PASS=K <= NORM_BLOCK)
 
 
 def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple,
@@ -564,10 +623,11 @@ def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, st
     per = triton.cdiv(steps, max(1, min(steps, triton.cdiv(cfg.programs_per_sm * triton_linear._num_sms(x2.device), blocks))))
     splits = triton.cdiv(steps, per)
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
-    part = out if splits == 1 and bias is None else torch.empty(splits, M, N, dtype=torch.float32, device=x2.device)
-    kernel[(blocks, splits)](x2, *args, part, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, TWO=M == 2, num_warps=cfg.warps,
-                             **meta, **norm_args, **pdl.launch_args(x2))
-    triton_linear._reduce(part, out, bias)
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x2.device) if splits > 1 else out
+    done = split_counters(x2.device, blocks) if splits > 1 else out
+    kernel[(blocks, splits)](x2, *args, out, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, TWO=M == 2, num_warps=cfg.warps,
+                             part_ptr=part, bias_ptr=out if bias is None else bias, done_ptr=done, SPLITS_PAD=triton.next_power_of_2(splits),
+                             HAS_BIAS=bias is not None, **meta, **norm_args, **pdl.launch_args(x2))
     return out
 
 

@@ -328,11 +328,12 @@ def _num_sms(device_index: int) -> int:
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, KV head), that the decode kernel's splits count
-    themselves done in; the last resets its own, so they stay zero between launches and one buffer
-    a device serves every launch. A larger one replaces it where needed, and the old one is kept:
-    graphs captured with it still use it."""
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters that the programs of a group (decode attention's splits of a
+    (sequence, KV head), a split-K GEMV's programs of a row block) count themselves done in; the
+    last resets its own, so they stay zero between launches and one buffer a device serves every
+    launch of either kernel (a kernel waits for the one before to end). A larger one replaces it
+    where needed, and the old one is kept: graphs captured with it still use it."""
     have = _COUNTERS.setdefault(device, [])
     if not have or have[-1].numel() < n:
         have.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
@@ -392,7 +393,7 @@ def decode_attention(
         part_acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        done = _split_counters(q.device, B * KVH)
+        done = split_counters(q.device, B * KVH)
     else:
         part_acc = part_m = part_l = done = out  # unused
     _decode_kernel[(B, KVH, num_splits)](
