@@ -117,6 +117,18 @@ def _qkv(T: int, h: int, kvh: int, d: int, dtype: torch.dtype):
 # -- RoPE + KV store ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("half", [32, 48])  # (48: a half padded to a power of two)
+def test_rope_tables_match_reference(half: int) -> None:
+    """A step's cos/sin tables in one launch: torch's fp32 angles, cos and sin to within an ulp or so
+    (positions up to 40,000: large angles, where an imprecise cosf would show)."""
+    positions = torch.tensor([0, 1, 7, 511, 4097, 39999, 12, 3], device=DEVICE)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 2 * half, 2, device=DEVICE).float() / (2 * half)))
+    (cos, sin), (cos_ref, sin_ref) = ta.rope_tables(positions, inv_freq), reference.rope_tables(positions, inv_freq)
+    assert cos.shape == sin.shape == (8, 2 * half) and cos.dtype == torch.float32
+    torch.testing.assert_close(cos, cos_ref, rtol=0, atol=2e-6)
+    torch.testing.assert_close(sin, sin_ref, rtol=0, atol=2e-6)
+
+
 @pytest.mark.parametrize("h,kvh,d,dtype", CASES, ids=CASE_IDS)
 def test_rope_and_store_kv_matches_reference(h: int, kvh: int, d: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)

@@ -58,6 +58,9 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "int4 dequant": ("triton_linear", "_int4_dequant_kernel", INT4_DEQUANT, {"GS": 32, "BLOCK_N": 32, "BLOCK_B": 128, "PDL": True}, 4),
     "RoPE + KV store": ("triton_attention", "_rope_store_kernel", ROPE,
                         {"H": 32, "KVH": 8, "D": 128, "BLOCK_HQ": 32, "BLOCK_HK": 8, "BLOCK_HALF": 64, "PDL": True}, 4),
+    "RoPE tables": ("triton_attention", "_rope_tables_kernel", {"pos_ptr": "*i64", "inv_ptr": "*fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                                                            "T": "i32", "HALF": "constexpr", "BLOCK_T": "constexpr", "BLOCK_HALF": "constexpr",
+                                                            "PDL": "constexpr"}, {"HALF": 64, "BLOCK_T": 32, "BLOCK_HALF": 64, "PDL": True}, 4),
     "residual add + RMSNorm": ("triton_norm", "_rms_norm_kernel", NORM,
                                {"BLOCK": 4096, "HAS_RESIDUAL": True, "QUANT": False, "HAS_STATIC": False, "CLIP": False, "PDL": True}, 8),
     "4-bit words GEMV": ("gemv", "_int4_words_gemv_kernel", WORDS, {"GS": 32, "GPB": 32, "BLOCK_N": 32, "TWO": False, "PDL": True}, 4),
@@ -135,6 +138,8 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
         assert got["fenced_atomic"] is True, got
     if "GEMV" in name or "RMSNorm" in name:  # only weights (128-bit loads: nothing writes them; a GEMV's first tile) before the wait
         assert got["before_wait"] and set(got["before_wait"]) == {"LDG.E.128"}, got["before_wait"]
+    elif name == "RoPE tables":  # inv_freq (which nothing writes) only
+        assert got["before_wait"] and all(o.startswith("LDG") for o in got["before_wait"]), got["before_wait"]
     else:  # nothing read or written before it
         assert got["before_wait"] == [], got["before_wait"]
     if name == "sampler":

@@ -163,10 +163,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, residual)[0]
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, head_dim] of each position's RoPE angles (rotate-half layout)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        """cos and sin [T, head_dim] of each position's RoPE angles (rotate-half layout), once a step."""
+        return ops.rope_tables(positions, self.inv_freq)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -97,6 +97,10 @@ def argmax_tokens(x: torch.Tensor) -> list[int]:
     return get_op("argmax_tokens", x.device)(x)
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return get_op("rope_tables", positions.device)(positions, inv_freq)
+
+
 def rope_and_store_kv(qkv, cos, sin, kv, meta, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     return get_op("rope_and_store_kv", qkv.device)(qkv, cos, sin, kv[0], kv[1], meta, num_heads, num_kv_heads, head_dim)
 

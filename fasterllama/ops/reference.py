@@ -22,6 +22,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return rms_norm(h, weight, eps), h
 
 
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, head_dim] (fp32) of each position's RoPE angles, rotate-half layout: the
+    angles of inv_freq [head_dim / 2] repeated for the second half."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE. x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
     cos = cos.unsqueeze(1).to(x.dtype)

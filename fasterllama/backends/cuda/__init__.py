@@ -52,6 +52,7 @@ def kernel_ops() -> dict | None:
         return None
     return {
         **triton_norm.OPS,
+        "rope_tables": triton_attention.rope_tables,
         "rope_and_store_kv": triton_attention.rope_and_store_kv,
         "attention": triton_attention.attention,
         **_gemv_ops(gemv, triton_linear),

@@ -233,9 +233,9 @@ def _float_tile(w, k, acc0, acc1, x_ptr, stride_xm, K, TWO: tl.constexpr, GATED:
 @triton.jit
 def _float_gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr,
                        PDL: tl.constexpr, GATED: tl.constexpr = False,
-    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
-    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                       h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                       HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
+                       bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -280,9 +280,9 @@ def _int8_tile(q, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, 
 def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G,
                       GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
                       HAS_MINS: tl.constexpr, PDL: tl.constexpr, GATED: tl.constexpr = False,
-    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
-    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                      h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                      HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
+                      bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """Tiles [BLOCK_N, GPB, GS]: GPB groups of GS columns (per channel: GS-column chunks, the
     scale applied at the end). K % GS == 0. With mins (per group), min * sum(x) per group."""
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -335,9 +335,9 @@ def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, 
 def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
                       GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
                       GATED: tl.constexpr = False,
-    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
-    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                      h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                      HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
+                      bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
     per group, sum w x = scale * sum q x + min * sum x."""
     HALF: tl.constexpr = GS // 2
@@ -455,9 +455,9 @@ def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
 def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT, ONES,
                              GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
                              PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False,
-    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
-    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                             h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                             HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
+                             bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word (with half-precision activations 1.5:
@@ -544,9 +544,9 @@ def _int8_words_tile(w, f, k0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
 def _int8_words_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, LOW, HIGH,
                             GS: tl.constexpr, GPB: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr,
                             HAS_MINS: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False,
-    h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-    HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None, bias_ptr=None, done_ptr=None,
-    SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                            h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                            HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
+                            bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """int8 GEMV over 32-bit words, one integer op a byte: (w & 0xFF) ^ LOW (LOW = 0x4B000080) puts
     the low byte with its sign bit flipped under the exponent of 2^23, the fp32 2^23 + 128 + q;
     (w & 0xFF00) ^ HIGH (HIGH = 0x4F008000) the next byte under 2^31's, 2^31 + 2^16 (128 + q);

@@ -159,6 +159,37 @@ def rope_and_store(
     return q
 
 
+@triton.jit
+def _rope_tables_kernel(pos_ptr, inv_ptr, cos_ptr, sin_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                        PDL: tl.constexpr):
+    """cos and sin [T, 2 HALF] of positions x inv_freq, as reference.rope_tables makes them (the
+    same fp32 product; tl.cos and tl.sin are libdevice's precise cosf / sinf, as torch's kernels)."""
+    inv = tl.load(inv_ptr + tl.arange(0, BLOCK_HALF), mask=tl.arange(0, BLOCK_HALF) < HALF, other=0.0)  # (no kernel writes it)
+    pdl.wait_prior(PDL)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, BLOCK_HALF)
+    ok = (t < T)[:, None] & (d < HALF)[None, :]
+    freqs = tl.load(pos_ptr + t, mask=t < T, other=0).to(tl.float32)[:, None] * inv[None, :]
+    c, s = tl.cos(freqs), tl.sin(freqs)
+    rows = t.to(tl.int64)[:, None] * (2 * HALF) + d[None, :]
+    tl.store(cos_ptr + rows, c, mask=ok)
+    tl.store(cos_ptr + rows + HALF, c, mask=ok)
+    tl.store(sin_ptr + rows, s, mask=ok)
+    tl.store(sin_ptr + rows + HALF, s, mask=ok)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """reference.rope_tables in one launch (five small kernels of torch's otherwise, a step's)."""
+    T, half = positions.shape[0], inv_freq.shape[0]
+    cos = torch.empty(T, 2 * half, dtype=torch.float32, device=positions.device)
+    sin = torch.empty_like(cos)
+    if T:
+        block_t = max(1, min(64, 4096 // triton.next_power_of_2(half)))
+        _rope_tables_kernel[(triton.cdiv(T, block_t),)](positions, inv_freq.float().contiguous(), cos, sin, T, HALF=half, BLOCK_T=block_t,
+                                                        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **pdl.launch_args(cos))
+    return cos, sin
+
+
 # -- shared attention pieces ------------------------------------------------------------------------
 
 
