@@ -617,6 +617,8 @@ def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, st
     """Grid over row blocks and slices of the `span` a program walks in `step`s (K, or K/2 bytes of
     4-bit weights): split-K when the row blocks alone do not fill the chip."""
     M = x2.shape[0]
+    if M == 0:  # (the kernels store their rows unconditionally)
+        return torch.empty(0, N, dtype=out_dtype, device=x2.device)
     x2, norm_args = _norm_args(x2, norm)
     blocks = triton.cdiv(N, cfg.block_n)
     steps = triton.cdiv(span, step)
