@@ -137,6 +137,23 @@ GATED_CASES = [("float", False, CONFIGS[0]), ("int8", False, CONFIGS[0]), ("int8
                ("int4", True, WORD_CONFIGS[0]), ("int4", True, WORD_CONFIGS[-1])]
 
 
+def _fused_and_separate(kind: str, words: bool, cfg, N: int, K: int, fused_in: torch.Tensor, separate_in: torch.Tensor, **fused):
+    """(a GEMV of random `kind` weights [N, K] making its input from fused_in itself (gated or
+    norm), the same GEMV of separate_in, made by the separate kernel)."""
+    if kind == "float":
+        w = (torch.randn(N, K, device=DEVICE) * 0.05).to(torch.bfloat16)
+        b = torch.randn(N, device=DEVICE).to(torch.bfloat16)
+        return gemv.float_gemv(fused_in, w, b, cfg, **fused), gemv.float_gemv(separate_in, w, b, cfg)
+    if kind.startswith("int8"):
+        q, s = quantize_int8(torch.randn(N, K, device=DEVICE), 32)
+        m = -torch.rand(N, K // 32, device=DEVICE) * 0.3 if kind == "int8-mins" else None
+        return gemv.int8_gemv(fused_in, q, s, None, cfg, m, words=words, **fused), gemv.int8_gemv(separate_in, q, s, None, cfg, m, words=words)
+    q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), 32)
+    packed, s16, m16 = quantized.pack_int4(q, 32), s.half(), m.half()
+    return (gemv.int4_gemv(fused_in, packed, s16, m16, 32, None, cfg, words, **fused),
+            gemv.int4_gemv(separate_in, packed, s16, m16, 32, None, cfg, words))
+
+
 @pytest.mark.parametrize(("kind", "words", "cfg"), GATED_CASES)
 @pytest.mark.parametrize("rows", [1, 2])
 def test_triton_gemv_gated_is_silu_mul_then_gemv(kind, words, cfg, rows) -> None:
@@ -147,20 +164,7 @@ def test_triton_gemv_gated_is_silu_mul_then_gemv(kind, words, cfg, rows) -> None
 
     N, K = SHAPES[1] if DEVICE == "cpu" else SHAPES[2]
     gate_up = torch.randn(rows, 2 * K, device=DEVICE).to(torch.bfloat16)
-    act = triton_norm.silu_and_mul(gate_up)
-    if kind == "float":
-        w = (torch.randn(N, K, device=DEVICE) * 0.05).to(torch.bfloat16)
-        b = torch.randn(N, device=DEVICE).to(torch.bfloat16)
-        got, want = gemv.float_gemv(gate_up, w, b, cfg, gated=True), gemv.float_gemv(act, w, b, cfg)
-    elif kind.startswith("int8"):
-        q, s = quantize_int8(torch.randn(N, K, device=DEVICE), 32)
-        m = -torch.rand(N, K // 32, device=DEVICE) * 0.3 if kind == "int8-mins" else None
-        got = gemv.int8_gemv(gate_up, q, s, None, cfg, m, words=words, gated=True)
-        want = gemv.int8_gemv(act, q, s, None, cfg, m, words=words)
-    else:
-        q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), 32)
-        packed, s16, m16 = quantized.pack_int4(q, 32), s.half(), m.half()
-        got, want = gemv.int4_gemv(gate_up, packed, s16, m16, 32, None, cfg, words, gated=True), gemv.int4_gemv(act, packed, s16, m16, 32, None, cfg, words)
+    got, want = _fused_and_separate(kind, words, cfg, N, K, gate_up, triton_norm.silu_and_mul(gate_up), gated=True)
     assert got.shape == (rows, N) and _rel(got, want) < 1e-6
 
 
@@ -182,19 +186,7 @@ def test_triton_gemv_normed_is_rms_norm_then_gemv(kind, words, cfg, rows, residu
         res_out = torch.empty_like(h)
     else:
         x, want_res, res_out = triton_norm.rms_norm(h, w_norm, 1e-5), h, h
-    norm = gemv.Norm(res if residual else None, w_norm, 1e-5, res_out)
-    if kind == "float":
-        w = (torch.randn(N, K, device=DEVICE) * 0.05).to(torch.bfloat16)
-        got, want = gemv.float_gemv(h, w, None, cfg, norm=norm), gemv.float_gemv(x, w, None, cfg)
-    elif kind.startswith("int8"):
-        q, s = quantize_int8(torch.randn(N, K, device=DEVICE), 32)
-        m = -torch.rand(N, K // 32, device=DEVICE) * 0.3 if kind == "int8-mins" else None
-        got = gemv.int8_gemv(h, q, s, None, cfg, m, words=words, norm=norm)
-        want = gemv.int8_gemv(x, q, s, None, cfg, m, words=words)
-    else:
-        q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), 32)
-        packed, s16, m16 = quantized.pack_int4(q, 32), s.half(), m.half()
-        got, want = gemv.int4_gemv(h, packed, s16, m16, 32, None, cfg, words, norm=norm), gemv.int4_gemv(x, packed, s16, m16, 32, None, cfg, words)
+    got, want = _fused_and_separate(kind, words, cfg, N, K, h, x, norm=gemv.Norm(res if residual else None, w_norm, 1e-5, res_out))
     assert got.shape == (rows, N) and _rel(got, want) < 2e-3
     assert torch.equal(res_out, want_res)
 
