@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import pdl, triton_linear
-from .triton_attention import split_counters
+from .triton_attention import arrived_last, reset_counter, split_counters
 from .triton_norm import silu_mul
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
@@ -159,10 +159,9 @@ def _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok,
         tl.store(part_ptr + pid_k * M * N + offs_n, r0, mask=n_ok)
         if TWO:
             tl.store(part_ptr + (pid_k * M + 1) * N + offs_n, r1, mask=n_ok)
-        tl.debug_barrier()  # every thread's part stored before the count says so
         splits = tl.num_programs(1)
         counter = done_ptr + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        if arrived_last(counter, splits):
             sp = tl.arange(0, SPLITS_PAD)
             ok = (sp < splits)[:, None] & n_ok[None, :]
             parts = part_ptr + (sp * M * N)[:, None] + offs_n[None, :]
@@ -171,7 +170,7 @@ def _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok,
             if TWO:
                 t1 = tl.sum(tl.load(parts + N, mask=ok, other=0.0, cache_modifier=".cg"), axis=0)
             _store_out(out_ptr, bias_ptr, t0, t1, offs_n, n_ok, N, TWO, HAS_BIAS)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            reset_counter(counter)
 
 
 @triton.jit

@@ -311,13 +311,12 @@ def _decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_g)
         tl.store(part_m_ptr + part, m_i, mask=offs_g < GROUP)
         tl.store(part_l_ptr + part, l_i, mask=offs_g < GROUP)
-        tl.debug_barrier()  # every thread's partials stored before the count says so
         counter = done_ptr + b * tl.num_programs(1) + kvh
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == active - 1:  # the last split to finish
+        if arrived_last(counter, active):  # the last split to finish
             for g in tl.static_range(GROUP):
                 _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kvh * GROUP + g, active, stride_ob, stride_oh,
                               H, D, BLOCK_D, NUM_SPLITS, SPLITS_PAD)
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+            reset_counter(counter)
 
 
 @triton.jit
@@ -357,6 +356,21 @@ def _num_sms(device_index: int) -> int:
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+@triton.jit
+def arrived_last(counter, count):
+    """After a program's stores of its part: whether it is the last of the `count` programs sharing
+    `counter` to finish. A barrier puts every thread's stores before the count, the acq_rel atomic
+    makes the others' parts visible to the last one, which combines them, then calls reset_counter."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
+
+
+@triton.jit
+def reset_counter(counter):
+    """The last program sets its counter back to 0: ready for the next launch."""
+    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 def split_counters(device: torch.device, n: int) -> torch.Tensor:
