@@ -47,14 +47,29 @@ def _rows(n: int, seed: int) -> tuple[torch.Tensor, sampler.SamplingBatch]:
     return logits, sampler.sampling_batch(rows, V, [2], logits.device)
 
 
-def test_triton_sample_rows_draws_the_reference_samplers_tokens() -> None:
-    """Equal tokens except where the reference's two best scores tie to 1e-5."""
-    logits, b = _rows(ROWS, 4)
+def _tie_inclusive_draw(logits: torch.Tensor, b: sampler.SamplingBatch) -> torch.Tensor:
+    """The reference's draw with every token tied (in scaled logit) to the least one it kept kept
+    too: the kernel's top-p keeps a token while the mass strictly above it is < top_p, so tokens of
+    equal logit share one fate, where the reference's sort keeps some of a tie at the nucleus'
+    boundary (those first in sort order) and drops the rest."""
+    kept = sampler.probabilities(logits, b) > 0
+    scaled = sampler.penalized(logits, b) / torch.where(b.temperature > 0, b.temperature, 1.0)[:, None]
+    floor = torch.where(kept, scaled, float("inf")).amin(dim=-1, keepdim=True)
+    e = torch.where(scaled >= floor, (scaled - scaled.amax(dim=-1, keepdim=True)).exp(), 0.0)
+    return (e / -torch.log(sampler.hashed_uniform(b.seeds, b.steps, V)).float()).argmax(dim=-1)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_triton_sample_rows_draws_the_reference_samplers_tokens(seed: int) -> None:
+    """Equal tokens except where the reference's two best scores tie to 1e-5, or where the
+    nucleus' boundary falls inside a run of equal logits (rows in few distinct values: at the
+    GPU's vocabulary the reference keeps 26 of 48 tokens tied there, the kernel all 48)."""
+    logits, b = _rows(ROWS, seed)
     want = sampler.sample_with_probs(logits, b)[0]
     got = triton_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
     scores = (sampler.probabilities(logits, b) / -torch.log(sampler.hashed_uniform(b.seeds, b.steps, V)).float()).topk(2, dim=-1).values
     near_tie = (scores[:, 0] - scores[:, 1]) <= 1e-5 * scores[:, 0]
-    assert ((got == want) | near_tie).all(), (got, want)
+    assert ((got == want) | (got == _tie_inclusive_draw(logits, b)) | near_tie).all(), (got, want)
     assert (got == want).float().mean() > 0.95
     assert len(set(want.tolist())) > ROWS // 2  # rows draw different tokens
 
