@@ -28,10 +28,38 @@ import triton
 import triton.language as tl
 
 from . import pdl, triton_linear
-from .triton_attention import arrived_last, reset_counter, split_counters
 from .triton_norm import silu_mul
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+@triton.jit
+def arrived_last(counter, count):
+    """After a program's stores of its part: whether it is the last of the `count` programs sharing
+    `counter` to finish. A barrier puts every thread's stores before the count, the acq_rel atomic
+    makes the others' parts visible to the last one, which combines them, then calls reset_counter."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
+
+
+@triton.jit
+def reset_counter(counter):
+    """The last program sets its counter back to 0: ready for the next launch."""
+    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counters that a split-K GEMV's programs of a row block count themselves done
+    in; the last resets its own, so they stay zero between launches and one buffer a device serves
+    every launch (a kernel waits for the one before to end). A larger one replaces it where
+    needed, and the old one is kept: graphs captured with it still use it."""
+    have = _COUNTERS.setdefault(device, [])
+    if not have or have[-1].numel() < n:
+        have.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return have[-1]
 
 
 class Config(NamedTuple):

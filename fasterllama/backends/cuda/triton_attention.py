@@ -255,18 +255,19 @@ def _split_chunk(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, done_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (sequence b, KV head, split): all GROUP query heads of the KV head attend keys
     [split * chunk, (split + 1) * chunk) ∩ [0, seq_len), so each K/V tile is read once; the chunk
     follows the sequence's actual length (_split_chunk), so a short context in a large cache still
     spreads over every split. One split writes the final output; several write unnormalized
-    partials, and the last of a (sequence, KV head)'s splits to finish merges them (done_ptr
-    counts the finished splits; that one sets it back to 0): no second kernel launch."""
+    partials for _decode_combine_kernel. (Merged inside this kernel by the last split to finish, it
+    took ~4 us a call more than this kernel and the combine together, on an H200 on 2026-11-30:
+    the count's GPU-scope atomic in every split and the merge after the last one's work.)"""
     pdl.wait_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -274,8 +275,7 @@ def _decode_kernel(
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     chunk = _split_chunk(seq_len, NUM_SPLITS, BLOCK_N)
     lo = split * chunk
-    active = tl.maximum(tl.cdiv(seq_len, chunk), 1)  # splits that hold keys (split 0 also of an empty sequence: its zeros)
-    if NUM_SPLITS > 1 and split >= active:  # nothing to attend: not counted, not merged
+    if NUM_SPLITS > 1 and lo >= seq_len:  # nothing to attend: the combine kernel ignores this split
         return
     hi = tl.minimum(lo + chunk, seq_len)
 
@@ -311,78 +311,45 @@ def _decode_kernel(
         tl.store(part_acc_ptr + part[:, None] * D + offs_d[None, :], acc, mask=mask_g)
         tl.store(part_m_ptr + part, m_i, mask=offs_g < GROUP)
         tl.store(part_l_ptr + part, l_i, mask=offs_g < GROUP)
-        counter = done_ptr + b * tl.num_programs(1) + kvh
-        if arrived_last(counter, active):  # the last split to finish
-            for g in tl.static_range(GROUP):
-                _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, kvh * GROUP + g, active, stride_ob, stride_oh,
-                              H, D, BLOCK_D, NUM_SPLITS, SPLITS_PAD)
-            reset_counter(counter)
 
 
 @triton.jit
-def _merge_splits(part_acc_ptr, part_m_ptr, part_l_ptr, out_ptr, b, h, active, stride_ob, stride_oh,
-                  H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    """Query head h's output from its splits' partials (the first `active`), merged by their
-    log-sum-exp 16 splits at a time (a bounded register tile whatever the split count). Read past
-    L1 (.cg): other programs wrote them."""
-    CH: tl.constexpr = min(16, SPLITS_PAD)
+def _decode_combine_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, out_ptr, stride_ob, stride_oh,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (sequence, query head): merge the splits' partials by their log-sum-exp. Only the
+    splits that held keys are read; the others exited without writing."""
+    pdl.wait_prior(PDL)
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    mask_s = offs_s < tl.cdiv(seq_len, _split_chunk(seq_len, NUM_SPLITS, BLOCK_N))
+    part = (b.to(tl.int64) * H + h) * NUM_SPLITS + offs_s
+    m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"))
+    part_l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0)
+    m_max = tl.max(m, axis=0)
+    w = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # seq_len 0: all weights 0
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
-    m_run = tl.full([1], float("-inf"), tl.float32)
-    l_run = tl.zeros([1], tl.float32)
-    acc_run = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in tl.static_range(0, SPLITS_PAD, CH):
-        offs_s = s0 + tl.arange(0, CH)
-        mask_s = offs_s < active
-        part = (b.to(tl.int64) * H + h) * NUM_SPLITS + offs_s
-        m = tl.load(part_m_ptr + part, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-        part_l = tl.load(part_l_ptr + part, mask=mask_s, other=0.0, cache_modifier=".cg")
-        acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :], other=0.0,
-                      cache_modifier=".cg")
-        m_new = tl.maximum(m_run, tl.max(m, axis=0))
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no keys yet: all weights 0
-        w, rescale = tl.exp2(m - ref), tl.exp2(m_run - ref)
-        l_run = l_run * rescale + tl.sum(part_l * w, axis=0)
-        acc_run = acc_run * rescale + tl.sum(acc * w[:, None], axis=0)
-        m_run = m_new
-    out = acc_run / tl.where(l_run > 0, l_run, 1.0)
+    mask_acc = mask_s[:, None]
+    if BLOCK_D != D:
+        mask_acc = mask_acc & mask_d[None, :]
+    acc = tl.load(part_acc_ptr + part[:, None] * D + offs_d[None, :], mask=mask_acc, other=0.0)
+    total = tl.sum(part_l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    if BLOCK_D != D:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    else:
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-@triton.jit
-def arrived_last(counter, count):
-    """After a program's stores of its part: whether it is the last of the `count` programs sharing
-    `counter` to finish. A barrier puts every thread's stores before the count, the acq_rel atomic
-    makes the others' parts visible to the last one, which combines them, then calls reset_counter."""
-    tl.debug_barrier()
-    return tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == count - 1
-
-
-@triton.jit
-def reset_counter(counter):
-    """The last program sets its counter back to 0: ready for the next launch."""
-    tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """Zeroed int32 counters that the programs of a group (decode attention's splits of a
-    (sequence, KV head), a split-K GEMV's programs of a row block) count themselves done in; the
-    last resets its own, so they stay zero between launches and one buffer a device serves every
-    launch of either kernel (a kernel waits for the one before to end). A larger one replaces it
-    where needed, and the old one is kept: graphs captured with it still use it."""
-    have = _COUNTERS.setdefault(device, [])
-    if not have or have[-1].numel() < n:
-        have.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return have[-1]
 
 
 def _decode_block_n(head_dim: int, use_dot: bool, dtype: torch.dtype, programs: int, device: torch.device) -> int:
@@ -405,7 +372,7 @@ def _decode_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device
     a captured graph stays valid: enough for ~16 programs per SM with the batch's (sequence, KV
     head) pairs, at most 64 and no more than the capacity has tiles. Each program's share follows
     the actual length at run time (_split_chunk); a batch filling the grid on its own runs one split
-    and skips the merge."""
+    and skips the combine."""
     if _INTERPRET:  # small tests: two-tile splits exercise both the split and the tile loop
         return triton.cdiv(max_len, 2 * block_n)
     return max(1, min(64, triton.cdiv(max_len, block_n), triton.cdiv(16 * _num_sms(device.index or 0), batch * kv_heads)))
@@ -438,17 +405,22 @@ def decode_attention(
         part_acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
-        done = split_counters(q.device, B * KVH)
     else:
-        part_acc = part_m = part_l = done = out  # unused
+        part_acc = part_m = part_l = out  # unused
     _decode_kernel[(B, KVH, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l, done,
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
         H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), USE_DOT=use_dot, UPCAST=_INTERPRET,
-        PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2, **pdl.launch_args(q),
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
+        num_warps=4, num_stages=2, **pdl.launch_args(q),
     )
+    if num_splits > 1:
+        _decode_combine_kernel[(B, H)](
+            part_acc, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1),
+            H=H, D=D, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl.launch_args(q),
+        )
     return out
 
 
