@@ -18,8 +18,12 @@ import pytest
 pytest.importorskip("triton")
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+CHUNK_STATS = {"st_m_ptr": "*fp32", "st_s_ptr": "*fp32", "st_thr_ptr": "*i64", "st_n_ptr": "*i32"}
 SAMPLE = {"x_ptr": "*bf16", "t_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "mp_ptr": "*fp32", "seed_ptr": "*i64", "step_ptr": "*i64",
-          "out_ptr": "*i64", "cx_ptr": "*bf16", "ci_ptr": "*i32", "V": "i32", "stride_x": "i32", "BLOCK": "constexpr", "CAP": "constexpr", "PDL": "constexpr"}
+          "out_ptr": "*i64", "cx_ptr": "*bf16", "ci_ptr": "*i32", "cand_x_ptr": "*bf16", "cand_i_ptr": "*i32", **CHUNK_STATS, "V": "i32",
+          "stride_x": "i32", "P": "i32", "BLOCK": "constexpr", "CAP": "constexpr", "LOCAL_CAP": "constexpr", "P_PAD": "constexpr", "PDL": "constexpr"}
+SAMPLE_CHUNKS = {"x_ptr": "*bf16", "t_ptr": "*fp32", "k_ptr": "*i64", "p_ptr": "*fp32", "cand_x_ptr": "*bf16", "cand_i_ptr": "*i32", **CHUNK_STATS,
+                 "V": "i32", "stride_x": "i32", "P": "i32", "CHUNK": "constexpr", "LOCAL_CAP": "constexpr", "PDL": "constexpr"}
 INT8_DEQUANT = {"w_ptr": "*i8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "N": "i32", "K": "i32", "G": "i32",
                 "PER_GROUP": "constexpr", "GS": "constexpr", "HAS_MINS": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "PDL": "constexpr"}
 INT4_DEQUANT = {"p_ptr": "*u8", "s_ptr": "*fp16", "mn_ptr": "*fp16", "out_ptr": "*bf16", "N": "i32", "K": "i32", "GS": "constexpr",
@@ -47,7 +51,8 @@ ROPE = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_out_ptr":
         "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32", "block_size": "i32",
         **dict.fromkeys(("H", "KVH", "D", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "PDL"), "constexpr")}
 CASES = {  # name: (module, kernel, signature, constexprs, warps)
-    "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 4096, "CAP": 256, "PDL": True}, 8),
+    "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 4096, "CAP": 256, "LOCAL_CAP": 64, "P_PAD": 32, "PDL": True}, 8),
+    "sampler's chunks": ("triton_sampling", "_chunk_kernel", SAMPLE_CHUNKS, {"CHUNK": 2048, "LOCAL_CAP": 64, "PDL": True}, 8),
     "decode attention, split": ("triton_attention", "_decode_kernel", DECODE,
                                 {"H": 32, "GROUP": 1, "GROUP_PAD": 16, "D": 128, "BLOCK_D": 128, "BLOCK_N": 64, "NUM_SPLITS": 40,
                                  "USE_DOT": True, "UPCAST": False, "PRECISION": "tf32", "PDL": True}, 4),

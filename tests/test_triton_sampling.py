@@ -27,10 +27,11 @@ V, ROWS = (2500, 24) if DEVICE == "cpu" else (49152, 96)  # V: not a multiple of
 
 @pytest.fixture(autouse=True)
 def _blocks_per_row(monkeypatch) -> None:
-    """Under the interpreter, blocks of 1,024 tokens: the small vocabulary still takes three (the
-    passes' load of the next block before working on this one, the last block partial)."""
+    """Under the interpreter, blocks and chunks of 1,024 tokens: the small vocabulary still takes
+    three (the passes' load of the next block before working on this one, the last one partial)."""
     if DEVICE == "cpu":
         monkeypatch.setattr(triton_sampling, "BLOCK", 1024)
+        monkeypatch.setattr(triton_sampling, "CHUNK", 1024)
 
 
 def _rows(n: int, seed: int) -> tuple[torch.Tensor, sampler.SamplingBatch]:
@@ -91,6 +92,31 @@ def test_triton_sample_rows_candidate_copy_draws_what_the_row_draws(monkeypatch)
     monkeypatch.setattr(triton_sampling, "CAP", 1)
     whole = triton_sampling.sample_rows(*args)
     assert (copied == whole).float().mean() > 0.95, (copied, whole)
+
+
+def test_triton_sample_rows_reads_only_the_chunks_candidates_where_they_suffice(monkeypatch) -> None:
+    """Rows whose top-k fits the chunks' copies (k <= LOCAL_CAP, no chunk's copy cut short by
+    ties), and top-p rows whose candidates hold the nucleus, draw from the candidates alone: given a
+    row of NaN after the chunk kernel has read the real one, they still draw the reference's token.
+    (The rest fall back to the row: top-k past LOCAL_CAP, flat rows' nuclei, ties.)"""
+    g = torch.Generator().manual_seed(7)
+    rows = 8
+    logits = (torch.randn(rows, V, generator=g) * 4).to(DEVICE)
+    top_k = [40, 1, 64, 0] * 2
+    params = [SamplingParams(temperature=[0.7, 1.0][i % 2], top_k=top_k[i], top_p=0.9 if top_k[i] == 0 else [1.0, 0.95][i // 4], min_p=0.02,
+                             seed=i) for i in range(rows)]
+    seqs = [(Sequence([1, 2, 3], prm, None, prm.seed), []) for prm in params]
+    b = sampler.sampling_batch(seqs, V, [2], logits.device)
+    want = sampler.sample_with_probs(logits, b)[0]
+    chunk_kernel = triton_sampling._chunk_kernel
+
+    class RealRowForTheChunks:  # the chunk kernel launched over the real logits, whatever sample_rows was given
+        def __getitem__(self, grid):
+            return lambda x, *args, **kw: chunk_kernel[grid](logits, *args, **kw)
+
+    monkeypatch.setattr(triton_sampling, "_chunk_kernel", RealRowForTheChunks())
+    got = triton_sampling.sample_rows(torch.full_like(logits, float("nan")), b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
+    assert torch.equal(got, want), (got, want)
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """The CUDA backend: Triton kernels for every op of the decode step (row-wise norms and SiLU,
 RoPE + KV store, decode and prefill attention, GEMV/GEMMs over weights kept quantized, the
-W8A8 GEMM) and for sampling (one launch a step), bf16 by default, and decode steps replayed
+W8A8 GEMM) and for sampling (two launches a step), bf16 by default, and decode steps replayed
 from CUDA graphs (graphs.py).
 
 Without Triton (or with FASTERLLAMA_NO_TRITON=1) the PyTorch reference ops run, eagerly."""

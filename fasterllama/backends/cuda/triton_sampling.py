@@ -1,20 +1,26 @@
-"""Sampling in one launch: the next token of each row of logits, as the PyTorch sampler draws it.
+"""Sampling in two launches: the next token of each row of logits, as the PyTorch sampler draws it.
 
 Why: engine/sampler.py makes ~20 tensor ops over the vocabulary a step (softmaxes, a top-256
 sort for top-p, the counter-based hash and log of every token), each a kernel launch and a trip
-through the host. One program per row here does the same in passes over the row, with nothing
-sorted: temperature and the max; top-k as a threshold (the largest key K with at least k logits
-at or above it, K an ordered bit pattern of the float, so ties are kept as the reference keeps
-them), found by a radix select: four passes of 8-bit digit histograms; the tokens top-k keeps,
-when they fit in CAP, copied out so that every later pass reads those few, not the vocabulary
-(at the CLI's top-k 40: 6 passes over the row instead of ~70; top-p alone: the CAP largest, used
-when they hold top_p of the mass); e = exp(l - max) over the kept
-tokens (the max token always survives, so each stage's softmax is e over its kept sum); top-p as
-the smallest key K whose tokens above it hold less than top_p of the mass (bisection), a token
-kept while the mass above it is < top_p; min-p; then the argmax of p / -log(u), u from splitmix64
-of (seed, step, token) exactly as sampler.hashed_uniform. The tokens equal the reference's except
-where two candidates' scores (or a token at a top-p boundary) tie to rounding. Temperature 0: the
-argmax of the logits."""
+through the host. Here nothing is sorted. First the row over many programs (_chunk_kernel, one
+per CHUNK tokens): each chunk's max and sum of exp(l - max), and its own k largest logits (its
+LOCAL_CAP largest for a top-p row without top-k) copied out with their ids, ties kept, found by a
+radix select (the largest key K with at least k keys at or above it, K an ordered bit pattern of
+the float: four passes of 8-bit digit histograms). No chunk's k-th largest exceeds the row's, so
+the copies hold the row's whole top-k; for top-p, every token at or above the largest chunk
+threshold is a candidate, so the candidates hold the nucleus when those tokens hold top_p of the
+row's mass (from the chunks' sums). Then a program per row (_sample_kernel) reads those
+candidates (1,536 at the default vocabulary) instead of the row: top-k's threshold among them;
+e = exp(l - max) over the kept tokens (the max token always survives, so each stage's softmax is e
+over its kept sum); top-p as the smallest key K of e whose tokens above it hold less than top_p of
+the mass (bisection), a token kept while the mass above it is < top_p; min-p; then the argmax of
+p / -log(u), u from splitmix64 of (seed, step, token) exactly as sampler.hashed_uniform. Rows the
+candidates do not serve (top-k over LOCAL_CAP, a chunk's copy cut short by ties, min-p or
+temperature alone, a flat nucleus) take the same passes over the whole row, with the tokens top-k
+keeps (or the CAP largest, for top-p) copied out when they fit in CAP. On an H200 (2026-11-30) the
+one-program-a-row version took ~350 us a step at the CLI's filters: six passes over 49,152 tokens
+from one SM. The tokens equal the reference's except where two candidates' scores (or a token at a
+top-p boundary) tie to rounding. Temperature 0: the argmax of the logits, from the chunks' maxes."""
 
 from __future__ import annotations
 
@@ -25,8 +31,10 @@ import triton.language as tl
 from . import pdl
 
 BLOCK = 4096  # tokens a program handles per step of a pass (H200, 2026-11-30, 8 warps: 353 / 1,007 / 305 us at
-# top-k 40 + top-p / top-p / top-k over 49,152 tokens, against 373 / 1,234 / 342 with 2,048: benchmarks/gpu_sampler_sweep.py)
+# top-k 40 + top-p / top-p / top-k over 49,152 tokens from one program a row, against 373 / 1,234 / 342 with 2,048)
 CAP = 256  # the tokens top-k keeps that the later passes read from a copy (more, with ties: they read the row)
+CHUNK = 2048  # tokens of a row a _chunk_kernel program reads (the row over many programs, not one)
+LOCAL_CAP = 64  # candidates a chunk copies out: its top-k for k <= 64, its 64 largest for top-p rows
 
 
 @triton.jit
@@ -103,9 +111,10 @@ def _kth_largest_key(x_row, V, t, k, lanes, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, BLOCK: tl.constexpr, CAP: tl.constexpr):
-    """Copy the logits with key >= floor_key (and above -inf) and their ids, ids ascending, while
-    they fit in CAP; returns how many there are (more than CAP: the copy is incomplete)."""
+def _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, id_base, BLOCK: tl.constexpr, CAP: tl.constexpr):
+    """Copy the logits with key >= floor_key (and above -inf) and their ids (id_base + position),
+    ids ascending, while they fit in CAP; returns how many there are (more than CAP: the copy is
+    incomplete)."""
     n_cand = tl.full([], 0, tl.int32)
     raw = _block(x_row, 0, V, lanes)
     for start in range(0, V, BLOCK):
@@ -117,7 +126,7 @@ def _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, BLOCK: tl.constexp
         pos = n_cand + tl.cumsum(kept.to(tl.int32), axis=0) - 1
         fits = kept & (pos < CAP)
         tl.store(cx_row + pos, this, mask=fits)
-        tl.store(ci_row + pos, offs, mask=fits)
+        tl.store(ci_row + pos, id_base + offs, mask=fits)
         n_cand += tl.sum(kept.to(tl.int32), axis=0)
     tl.debug_barrier()  # the copies visible to every thread of the program
     return n_cand
@@ -130,62 +139,133 @@ def _tokens(ci_row, offs, ok, use_cand):
 
 
 @triton.jit
-def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_ptr, cx_ptr, ci_ptr, V, stride_x,
-                   BLOCK: tl.constexpr, CAP: tl.constexpr, PDL: tl.constexpr):
+def _chunk_kernel(x_ptr, t_ptr, k_ptr, p_ptr, cand_x_ptr, cand_i_ptr, st_m_ptr, st_s_ptr, st_thr_ptr, st_n_ptr, V, stride_x, P,
+                  CHUNK: tl.constexpr, LOCAL_CAP: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, chunk of CHUNK tokens), in parallel over the row: the chunk's max and sum of
+    exp(l - max) (at the row's temperature), and the tokens that could be in the row's top-k: its
+    own k largest (the LOCAL_CAP largest for a top-p row without top-k), ties included, copied out
+    with their ids while they fit in LOCAL_CAP (the rest of its slots -inf); a greedy row's chunk
+    max and its first index instead. The row's candidates hold every token of its top-k, since no
+    chunk's k-th largest exceeds the row's."""
+    pdl.wait_prior(PDL)
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    start = c * CHUNK
+    n = tl.minimum(V - start, CHUNK)
+    x_chunk = x_ptr + row.to(tl.int64) * stride_x + start
+    st = row * P + c
+    lanes = tl.arange(0, CHUNK)
+    t = tl.load(t_ptr + row)
+    raw = tl.load(x_chunk + lanes, mask=lanes < n, other=float("-inf")).to(tl.float32)
+    if t == 0.0:  # greedy: the chunk's max and its first index
+        m = tl.max(raw, axis=0)
+        tl.store(st_m_ptr + st, m)
+        tl.store(st_n_ptr + st, start + tl.argmax(raw, axis=0))
+        return
+    v = raw / t
+    m = tl.max(v, axis=0)
+    tl.store(st_m_ptr + st, m)
+    tl.store(st_s_ptr + st, tl.sum(tl.where(v > float("-inf"), tl.exp(v - m), 0.0), axis=0))
+    k = tl.load(k_ptr + row)
+    top_p = tl.load(p_ptr + row)
+    top_k = (k > 0) & (k < V)
+    if (top_k & (k <= LOCAL_CAP)) | ((top_k == 0) & (top_p < 1.0)):  # else the row is sampled from the whole row
+        local_k = tl.where(top_k, k, LOCAL_CAP)
+        thr = _kth_largest_key(x_chunk, n, t, local_k, lanes, CHUNK)
+        cx, ci = cand_x_ptr + st.to(tl.int64) * LOCAL_CAP, cand_i_ptr + st.to(tl.int64) * LOCAL_CAP
+        count = _copy_kept(x_chunk, n, t, thr, cx, ci, lanes, start, CHUNK, LOCAL_CAP)
+        slots = tl.arange(0, LOCAL_CAP)
+        tl.store(cx + slots, tl.full([LOCAL_CAP], float("-inf"), tl.float32).to(cx.dtype.element_ty), mask=slots >= count)
+        tl.store(ci + slots, tl.zeros([LOCAL_CAP], tl.int32), mask=slots >= count)
+        tl.store(st_thr_ptr + st, thr)
+        tl.store(st_n_ptr + st, count)
+    else:
+        tl.store(st_n_ptr + st, LOCAL_CAP + 1)  # (no candidates)
+
+
+@triton.jit
+def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_ptr, cx_ptr, ci_ptr, cand_x_ptr, cand_i_ptr,
+                   st_m_ptr, st_s_ptr, st_thr_ptr, st_n_ptr, V, stride_x, P,
+                   BLOCK: tl.constexpr, CAP: tl.constexpr, LOCAL_CAP: tl.constexpr, P_PAD: tl.constexpr, PDL: tl.constexpr):
+    """Program per row, after _chunk_kernel: the row's max (and a greedy row's token) from the
+    chunks' maxes; the passes over the chunks' candidates where they hold what the filters keep
+    (top-k within LOCAL_CAP and no chunk's copy cut short; a top-p row's candidates above the
+    largest chunk threshold holding top_p of the mass); else over the row, as in the module note."""
     pdl.wait_prior(PDL)
     row = tl.program_id(0)
     x_row = x_ptr + row.to(tl.int64) * stride_x
     t = tl.load(t_ptr + row)
     lanes = tl.arange(0, BLOCK)
-    if t == 0.0:  # greedy: the first maximal logit
-        best, arg = tl.full([], float("-inf"), tl.float32), tl.full([], 0, tl.int32)
-        raw = _block(x_row, 0, V, lanes)
-        for start in range(0, V, BLOCK):
-            v, raw = raw.to(tl.float32), _block(x_row, start + BLOCK, V, lanes)
-            m = tl.max(v, axis=0)
-            if m > best:
-                best, arg = m, start + tl.argmax(v, axis=0)
+    chunks = tl.arange(0, P_PAD)
+    st = row * P + chunks
+    m_c = tl.load(st_m_ptr + st, mask=chunks < P, other=float("-inf"))
+    mx = tl.max(m_c, axis=0)
+    if t == 0.0:  # greedy: the first maximal logit, from the first chunk holding the max
+        first = tl.min(tl.where(m_c == mx, chunks, P_PAD), axis=0)
+        arg = tl.sum(tl.where(chunks == first, tl.load(st_n_ptr + st, mask=chunks < P, other=0), 0), axis=0)
         tl.store(out_ptr + row, arg.to(tl.int64))
         return
-    mx = tl.full([], float("-inf"), tl.float32)
-    raw = _block(x_row, 0, V, lanes)
-    for start in range(0, V, BLOCK):
-        v, raw = raw.to(tl.float32) / t, _block(x_row, start + BLOCK, V, lanes)
-        mx = tl.maximum(mx, tl.max(v, axis=0))
-    # top-k: the largest key K with >= k logits at or above it (keys of -inf and below count all),
-    # and the tokens it keeps copied out (ids ascending) while they fit in CAP: then every later
-    # pass reads those few instead of the vocabulary. Without top-k but with top-p, the CAP largest
-    # logits are copied: a superset of top-p's nucleus whenever they hold top_p of the mass
     k = tl.load(k_ptr + row)
     top_p = tl.load(p_ptr + row)
+    top_k = (k > 0) & (k < V)
+    # the chunks' candidates: the row's total mass from the chunks' sums, whether every copy fit
+    s_c = tl.load(st_s_ptr + st, mask=chunks < P, other=0.0)
+    total_row = tl.sum(tl.where(m_c > float("-inf"), s_c * tl.exp(m_c - mx), 0.0), axis=0)
+    fits = tl.max(tl.load(st_n_ptr + st, mask=chunks < P, other=0), axis=0) <= LOCAL_CAP
+    n_all = P * LOCAL_CAP
+    cand_x_row, cand_i_row = cand_x_ptr + row.to(tl.int64) * n_all, cand_i_ptr + row.to(tl.int64) * n_all
+    use_chunks = fits & ((top_k & (k <= LOCAL_CAP)) | ((top_k == 0) & (top_p < 1.0)))
+    if use_chunks & (top_k == 0):  # top-p: every token at or above the largest chunk threshold is a candidate
+        t_star = tl.max(tl.load(st_thr_ptr + st, mask=chunks < P, other=-2147483648), axis=0)
+        held = 0.0
+        for start in range(0, n_all, BLOCK):
+            v, ok = _scaled(cand_x_row, start + lanes, n_all, t)
+            held += tl.sum(tl.where(ok & (_key(v).to(tl.int64) >= t_star) & (v > float("-inf")), tl.exp(v - mx), 0.0), axis=0)
+        use_chunks = held >= top_p * total_row
     floor_key = tl.full([], -2147483648, tl.int64)
-    cx_row, ci_row = cx_ptr + row.to(tl.int64) * CAP, ci_ptr + row.to(tl.int64) * CAP
-    n_cand = tl.full([], 0, tl.int32)
-    nucleus = tl.full([], 0, tl.int32)  # 1: the copy is the CAP largest, not all that top-k keeps
-    if k > 0 and k < V:
-        floor_key = _kth_largest_key(x_row, V, t, k, lanes, BLOCK)
-        n_cand = _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, BLOCK, CAP)
-    elif top_p < 1.0 and CAP < V:
-        n_cand = _copy_kept(x_row, V, t, _kth_largest_key(x_row, V, t, tl.full([], CAP, tl.int64), lanes, BLOCK), cx_row, ci_row, lanes, BLOCK, CAP)
-        nucleus = 1
-    use_cand = (n_cand > 0) & (n_cand <= CAP)
-    # top-p: the smallest key K of e whose tokens above it hold < top_p of the kept mass (the kept
-    # mass over the row unless the copy holds all of it)
-    whole = (nucleus == 1) | (use_cand == 0)
-    src = tl.where(whole, x_row, cx_row)
-    n = tl.where(whole, V, n_cand)
-    total = 0.0
-    for start in range(0, n, BLOCK):
-        v, ok = _scaled(src, start + lanes, n, t)
-        total += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
-    n_held = tl.where((nucleus == 1) & use_cand, n_cand, 0)
-    held = 0.0
-    for start in range(0, n_held, BLOCK):
-        v, ok = _scaled(cx_row, start + lanes, n_held, t)
-        held += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
-    use_cand = use_cand & ((nucleus == 0) | (held >= top_p * total))  # else a token past the copy can be in the nucleus
-    src = tl.where(use_cand, cx_row, x_row)
-    n = tl.where(use_cand, n_cand, V)
+    if use_chunks:
+        use_cand = n_all > 0
+        src, ci_row, n = cand_x_row, cand_i_row, n_all
+        total = total_row
+        if top_k:
+            floor_key = _kth_largest_key(cand_x_row, n_all, t, k, lanes, BLOCK)
+            total = 0.0
+            for start in range(0, n_all, BLOCK):
+                v, ok = _scaled(cand_x_row, start + lanes, n_all, t)
+                total += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
+    else:
+        # the whole row: top-k's threshold (the largest key K with >= k logits at or above it) and
+        # the tokens it keeps copied out (ids ascending) while they fit in CAP, so that the later
+        # passes read those few; without top-k but with top-p, the CAP largest logits are copied:
+        # a superset of the nucleus whenever they hold top_p of the mass
+        cx_row, ci_row = cx_ptr + row.to(tl.int64) * CAP, ci_ptr + row.to(tl.int64) * CAP
+        n_cand = tl.full([], 0, tl.int32)
+        nucleus = tl.full([], 0, tl.int32)  # 1: the copy is the CAP largest, not all that top-k keeps
+        if top_k:
+            floor_key = _kth_largest_key(x_row, V, t, k, lanes, BLOCK)
+            n_cand = _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, 0, BLOCK, CAP)
+        elif top_p < 1.0 and CAP < V:
+            n_cand = _copy_kept(x_row, V, t, _kth_largest_key(x_row, V, t, tl.full([], CAP, tl.int64), lanes, BLOCK), cx_row, ci_row, lanes, 0,
+                                BLOCK, CAP)
+            nucleus = 1
+        use_cand = (n_cand > 0) & (n_cand <= CAP)
+        # top-p's mass: over the row unless the copy holds all that top-k keeps
+        whole = (nucleus == 1) | (use_cand == 0)
+        src = tl.where(whole, x_row, cx_row)
+        n = tl.where(whole, V, n_cand)
+        total = 0.0
+        for start in range(0, n, BLOCK):
+            v, ok = _scaled(src, start + lanes, n, t)
+            total += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
+        n_held = tl.where((nucleus == 1) & use_cand, n_cand, 0)
+        held = 0.0
+        for start in range(0, n_held, BLOCK):
+            v, ok = _scaled(cx_row, start + lanes, n_held, t)
+            held += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
+        use_cand = use_cand & ((nucleus == 0) | (held >= top_p * total))  # else a token past the copy can be in the nucleus
+        src = tl.where(use_cand, cx_row, x_row)
+        n = tl.where(use_cand, n_cand, V)
+    # top-p: the smallest key K of e whose tokens above it hold < top_p of the kept mass
     e_floor = tl.full([], -1, tl.int64)  # keep e with key >= e_floor (e >= 0: every key >= 0)
     if top_p < 1.0:
         target = top_p * total
@@ -240,8 +320,17 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
-        args = (temperature.float(), top_k.long(), top_p.float(), min_p.float(), seeds.long(), steps.long())
-        cand_x, cand_i = torch.empty(B, CAP, dtype=x.dtype, device=x.device), torch.empty(B, CAP, dtype=torch.int32, device=x.device)
-        _sample_kernel[(B,)](x, *(a.contiguous() for a in args), out, cand_x, cand_i, V, x.stride(0), BLOCK=BLOCK, CAP=CAP, num_warps=8,
+        t, k, p = temperature.float().contiguous(), top_k.long().contiguous(), top_p.float().contiguous()
+        P = triton.cdiv(V, CHUNK)
+        cand_x = torch.empty(B, P * LOCAL_CAP, dtype=x.dtype, device=x.device)
+        cand_i = torch.empty(B, P * LOCAL_CAP, dtype=torch.int32, device=x.device)
+        st_m, st_s = torch.empty(B, P, dtype=torch.float32, device=x.device), torch.empty(B, P, dtype=torch.float32, device=x.device)
+        st_thr, st_n = torch.empty(B, P, dtype=torch.int64, device=x.device), torch.empty(B, P, dtype=torch.int32, device=x.device)
+        stats = (st_m, st_s, st_thr, st_n)
+        _chunk_kernel[(B, P)](x, t, k, p, cand_x, cand_i, *stats, V, x.stride(0), P, CHUNK=CHUNK, LOCAL_CAP=LOCAL_CAP, num_warps=8,
                               **pdl.launch_args(x))
+        cx, ci = torch.empty(B, CAP, dtype=x.dtype, device=x.device), torch.empty(B, CAP, dtype=torch.int32, device=x.device)
+        rest = (min_p.float().contiguous(), seeds.long().contiguous(), steps.long().contiguous())
+        _sample_kernel[(B,)](x, t, k, p, *rest, out, cx, ci, cand_x, cand_i, *stats, V, x.stride(0), P, BLOCK=BLOCK, CAP=CAP,
+                             LOCAL_CAP=LOCAL_CAP, P_PAD=max(2, triton.next_power_of_2(P)), num_warps=8, **pdl.launch_args(x))
     return out
