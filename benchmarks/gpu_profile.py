@@ -9,6 +9,8 @@ For each case (model shapes, weights, batch), through the engine as benchmarks/g
 - host: the wall time of LLMEngine.step() with the replay made a no-op (the host's work alone);
 - kernels: the kernels one replay runs (torch.profiler over replays), their summed device time
   and the top kernels by time; replay minus their sum is the graph's launch gaps.
+For a prefill case (a new prompt of n tokens each step, no prefix cache): the step's wall time and
+its kernels, eager (where a W8A8 prefill's time goes beside its int8 GEMMs).
 Then the decode GEMVs of the shapes, split-K or not (programs_per_sm=0: no split, no reduce)."""
 
 from __future__ import annotations
@@ -115,6 +117,20 @@ def profile_case(model, cfg, batch: int, ctx: int) -> dict:
     return res
 
 
+def profile_prefill(model, cfg, n: int) -> dict:
+    """One n-token prefill step (a new prompt each time, so no prefix cache serves it): its median
+    wall time and the kernels it runs."""
+    engine = LLMEngine.from_model(model, max_model_len=n + 8, max_num_seqs=1, max_num_batched_tokens=n, enable_prefix_caching=False)
+    prompts = iter(range(10**6))
+
+    def step() -> None:
+        engine.add_request(bench.prompt(n, cfg.vocab_size, 99 + next(prompts)), SamplingParams(temperature=0, max_tokens=1))
+        engine.step()  # (reads the sampled token: synchronized)
+
+    step()
+    return {"step_us": 1e6 * _median_wall(step, 5), "kernels": _kernels(step, reps=2, top=16)}
+
+
 def gemv_splits(cfg, device) -> dict:
     from fasterllama.backends.cuda import gemv
 
@@ -150,9 +166,12 @@ def main() -> None:
         ("small bf16 b16", small, None, 16),
         ("7b bf16 b1", big, None, 1),
         ("7b bf16 b64", big, None, 64),
+        ("7b bf16 prefill", big, None, 0),  # batch 0: a prefill case (a prompt of `prefill` tokens)
         ("7b w4-g32 b1", big, "w4-g32", 1),
         ("7b w8-g32 b1", big, "w8-g32", 1),
+        ("7b w8a8 prefill", big, "w8a8-nosq", 0),
     ]
+    prefill = 64 if args.quick else 2048
     if args.cases:
         cases = [c for c in cases if c[0] in args.cases.split(",")]
     res: dict = {"device": torch.cuda.get_device_name(), "errors": [], "pdl": bench.pdl_on(device)}
@@ -165,6 +184,11 @@ def main() -> None:
                 models.clear()
                 torch.cuda.empty_cache()
                 models[key] = bench.build(cfg, mode, device)
+            if batch == 0:
+                r = res[name] = profile_prefill(models[key], cfg, prefill)
+                print(f"[{time.perf_counter() - t0:5.1f}s] {name}: step {r['step_us']:.0f} us, {r['kernels']['count']:.0f} kernels "
+                      f"{r['kernels']['us']:.0f} us", flush=True)
+                continue
             res[name] = profile_case(models[key], cfg, batch, ctx)
             r = res[name]
             print(
@@ -189,7 +213,7 @@ def main() -> None:
     print(json.dumps({k: v for k, v in res.items() if k.startswith("gemv") or k == "errors"}, indent=0))
     for name, *_ in cases:
         if name in res:
-            print(name, json.dumps(res[name]["eager"]["top"]))
+            print(name, json.dumps((res[name].get("eager") or res[name]["kernels"])["top"]))
 
 
 if __name__ == "__main__":
