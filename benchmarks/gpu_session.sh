@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One lent-GPU session (one device call, ~9 minutes): the end-to-end CUDA tests and the Triton kernel
+# One lent-GPU session (one device call, ~9-10 minutes): the end-to-end CUDA tests and the Triton kernel
 # tests at real shapes (in parallel), then benchmarks/gpu.py, then benchmarks/gpu_profile.py, with
 # programmatic dependent launch and without.
 # Logs and the benchmark's JSON go to $OUT. Runs under the GPU image's python3 (torch, triton,
@@ -14,7 +14,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 else
   export PYTHONPATH=$PWD
 fi
-nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/nvidia_smi.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv  # (printed only: $OUT brings back 8 files at most)
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 T0=$(date +%s)
 # 1. correctness first, in parallel (xdist: Triton compiles on 8 cores): the engine end to end (tiny
@@ -29,9 +29,9 @@ echo "tests: $(( $(date +%s) - T0 )) s"
 # programmatic dependent launch (backends/cuda/pdl.py; passed every test on 2026-11-30): where the
 # end-to-end tests fail with it, run them without; if that passes, the benchmarks run without it
 if grep -qE "(FAILED|ERROR) tests/test_cuda" "$OUT/tests.log" && [ "${FASTERLLAMA_NO_PDL:-0}" != 1 ]; then
-  FASTERLLAMA_NO_PDL=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE -n "${TEST_WORKERS:-12}" tests/test_cuda.py > "$OUT/tests_no_pdl.log" 2>&1 \
+  FASTERLLAMA_NO_PDL=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE -n "${TEST_WORKERS:-12}" tests/test_cuda.py >> "$OUT/tests.log" 2>&1 \
     && export FASTERLLAMA_NO_PDL=1 && echo "PDL OFF for the benchmarks: tests/test_cuda.py passes only without it"
-  tail -3 "$OUT/tests_no_pdl.log"
+  tail -3 "$OUT/tests.log"
 fi
 # 2. the benchmark (its JSON is rewritten after every section)
 if [ "${BENCH:-1}" = 1 ]; then
@@ -55,5 +55,9 @@ fi
 if [ "${PDL_AB:-1}" = 1 ] && [ "${FASTERLLAMA_NO_PDL:-0}" != 1 ]; then
   FASTERLLAMA_NO_PDL=1 timeout "${PDL_AB_TIMEOUT:-60}" python3 benchmarks/gpu_profile.py --cases "${PDL_AB_CASES:-small bf16 b1,7b bf16 b1}" \
     --out "$OUT/gpu_profile_no_pdl.json" > "$OUT/profile_no_pdl.log" 2>&1; grep -E '^\[|Error' "$OUT/profile_no_pdl.log"
+fi
+# 5. the sampler's block and chunk sizes, and its passes over the whole row against the chunks' candidates
+if [ "${SWEEP:-1}" = 1 ]; then
+  timeout "${SWEEP_TIMEOUT:-75}" python3 benchmarks/gpu_sampler_sweep.py > "$OUT/sampler_sweep.log" 2>&1; grep -E "rows  1" "$OUT/sampler_sweep.log" | tail -24
 fi
 echo "total: $(( $(date +%s) - T0 )) s"
