@@ -5,6 +5,7 @@ TRITON_INTERPRET=1 at a small one."""
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def _tie_inclusive_draw(logits: torch.Tensor, b: sampler.SamplingBatch) -> torch
     scaled = sampler.penalized(logits, b) / torch.where(b.temperature > 0, b.temperature, 1.0)[:, None]
     floor = torch.where(kept, scaled, float("inf")).amin(dim=-1, keepdim=True)
     e = torch.where(scaled >= floor, (scaled - scaled.amax(dim=-1, keepdim=True)).exp(), 0.0)
-    return (e / -torch.log(sampler.hashed_uniform(b.seeds, b.steps, V)).float()).argmax(dim=-1)
+    return (e / -torch.log(sampler.hashed_uniform(b.seeds, b.steps, logits.shape[-1])).float()).argmax(dim=-1)
 
 
 @pytest.mark.parametrize("seed", [4, 5])
@@ -81,6 +82,48 @@ def test_triton_sample_rows_draws_the_reference_samplers_tokens(seed: int) -> No
     assert ((got == want) | (got == _tie_inclusive_draw(logits, b)) | near_tie).all(), (got, want)
     assert (got == want).float().mean() > 0.95
     assert len(set(want.tolist())) > ROWS // 2  # rows draw different tokens
+
+
+def test_triton_sample_rows_on_random_shapes_and_filters(monkeypatch) -> None:
+    """Vocabularies around the chunk and block sizes (one chunk, a last chunk of one token), k
+    around LOCAL_CAP and the vocabulary, flat and peaked rows, mostly banned rows, rows of signed
+    zeros (-0.0 == +0.0: one key): the reference's tokens, or its tie-inclusive draw."""
+    monkeypatch.setattr(triton_sampling, "CHUNK", 512)
+    rng = random.Random(0)
+    for case in range(12):
+        vocab = rng.choice([100, 511, 513, 1500, 2049])
+        g = torch.Generator().manual_seed(case)
+        rows, logits = [], []
+        for _ in range(rng.randint(1, 3)):
+            top_k = rng.choice([0, 1, 63, 64, 65, 100, vocab - 1, vocab + 5])
+            params = SamplingParams(temperature=rng.choice([0.0, 0.5, 1.0, 2.0]), top_k=top_k, top_p=rng.choice([1.0, 0.95, 0.5, 0.1]),
+                                    min_p=rng.choice([0.0, 0.1]), seed=rng.randint(0, 2**40))
+            rows.append((Sequence([1, 2, 3], params, None, params.seed), []))
+            row = torch.randn(vocab, generator=g) * rng.choice([0.1, 1.0, 5.0, 20.0])
+            if rng.random() < 0.3:
+                row[torch.randperm(vocab, generator=g)[: vocab * 9 // 10]] = float("-inf")
+            if rng.random() < 0.3:
+                row = row.round()  # (at scale 0.1: zeros of both signs)
+            logits.append(row)
+        logits = torch.stack(logits).to(DEVICE)
+        b = sampler.sampling_batch(rows, vocab, [2], logits.device)
+        want = sampler.sample_with_probs(logits, b)[0]
+        got = triton_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
+        assert ((got == want) | (got == _tie_inclusive_draw(logits, b))).all(), (case, vocab, got, want)
+
+
+def test_triton_sample_rows_takes_signed_zeros_as_equal() -> None:
+    """-0.0 and +0.0 are equal logits: a top-k whose k-th largest is a zero keeps both signs, as the
+    reference does (their bit patterns differ: as raw keys, -0.0 sorted below +0.0)."""
+    logits = torch.zeros(2, V)
+    logits[:, 1::2] = -0.0
+    logits[1, : V // 2] = float("-inf")
+    params = [SamplingParams(temperature=1.0, top_k=k, seed=3) for k in (2, 70)]
+    b = sampler.sampling_batch([(Sequence([1, 2, 3], prm, None, prm.seed), []) for prm in params], V, [2], DEVICE)
+    logits = logits.to(DEVICE)
+    want = sampler.sample_with_probs(logits, b)[0]
+    got = triton_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
+    assert torch.equal(got, want), (got, want)
 
 
 def test_triton_sample_rows_candidate_copy_draws_what_the_row_draws(monkeypatch) -> None:
@@ -141,7 +184,7 @@ def test_triton_kth_largest_key_is_the_sorted_rows_kth() -> None:
     out = torch.empty(6, dtype=torch.int64)
     x, k, out = x.to(DEVICE), k.to(DEVICE), out.to(DEVICE)
     _kth_key_kernel[(6,)](x, k, out, n, BLOCK=128)
-    bits = x.view(torch.int32).long()
+    bits = (x + 0.0).view(torch.int32).long()  # (-0.0 + 0.0 = +0.0: signed zeros are one key, as they are equal floats)
     keys = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     want = keys.sort(dim=1, descending=True).values.gather(1, (k - 1)[:, None]).squeeze(1)
     assert torch.equal(out, want), (out, want)

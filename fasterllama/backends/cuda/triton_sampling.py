@@ -39,8 +39,9 @@ LOCAL_CAP = 64  # candidates a chunk copies out: its top-k for k <= 64, its 64 l
 
 @triton.jit
 def _key(x):
-    """fp32 -> int32 whose signed order is the floats' order."""
-    b = x.to(tl.int32, bitcast=True)
+    """fp32 -> int32 whose signed order is the floats' order, -0.0 and +0.0 one key (equal floats:
+    the reference's top-k keeps both where either is its k-th largest)."""
+    b = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     return tl.where(b < 0, b ^ 0x7FFFFFFF, b)
 
 
