@@ -17,7 +17,7 @@ the mass (bisection), a token kept while the mass above it is < top_p; min-p; th
 p / -log(u), u from splitmix64 of (seed, step, token) exactly as sampler.hashed_uniform. Rows the
 candidates do not serve (top-k over LOCAL_CAP, a chunk's copy cut short by ties, min-p or
 temperature alone, a flat nucleus) take the same passes over the whole row, with the tokens top-k
-keeps (or the CAP largest, for top-p) copied out when they fit in CAP. On an H200 (2026-11-30) the
+keeps copied out when they fit in CAP. On an H200 (2026-11-30) the
 one-program-a-row version took ~350 us a step at the CLI's filters: six passes over 49,152 tokens
 from one SM. The tokens equal the reference's except where two candidates' scores (or a token at a
 top-p boundary) tie to rounding. Temperature 0: the argmax of the logits, from the chunks' maxes."""
@@ -237,35 +237,20 @@ def _sample_kernel(x_ptr, t_ptr, k_ptr, p_ptr, mp_ptr, seed_ptr, step_ptr, out_p
     else:
         # the whole row: top-k's threshold (the largest key K with >= k logits at or above it) and
         # the tokens it keeps copied out (ids ascending) while they fit in CAP, so that the later
-        # passes read those few; without top-k but with top-p, the CAP largest logits are copied:
-        # a superset of the nucleus whenever they hold top_p of the mass
+        # passes read those few. (A top-p row here has a nucleus past the chunks' candidates, or
+        # ties that overflowed a chunk's copy: it reads the row.)
         cx_row, ci_row = cx_ptr + row.to(tl.int64) * CAP, ci_ptr + row.to(tl.int64) * CAP
         n_cand = tl.full([], 0, tl.int32)
-        nucleus = tl.full([], 0, tl.int32)  # 1: the copy is the CAP largest, not all that top-k keeps
         if top_k:
             floor_key = _kth_largest_key(x_row, V, t, k, lanes, BLOCK)
             n_cand = _copy_kept(x_row, V, t, floor_key, cx_row, ci_row, lanes, 0, BLOCK, CAP)
-        elif top_p < 1.0 and CAP < V:
-            n_cand = _copy_kept(x_row, V, t, _kth_largest_key(x_row, V, t, tl.full([], CAP, tl.int64), lanes, BLOCK), cx_row, ci_row, lanes, 0,
-                                BLOCK, CAP)
-            nucleus = 1
         use_cand = (n_cand > 0) & (n_cand <= CAP)
-        # top-p's mass: over the row unless the copy holds all that top-k keeps
-        whole = (nucleus == 1) | (use_cand == 0)
-        src = tl.where(whole, x_row, cx_row)
-        n = tl.where(whole, V, n_cand)
+        src = tl.where(use_cand, cx_row, x_row)
+        n = tl.where(use_cand, n_cand, V)
         total = 0.0
         for start in range(0, n, BLOCK):
             v, ok = _scaled(src, start + lanes, n, t)
             total += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
-        n_held = tl.where((nucleus == 1) & use_cand, n_cand, 0)
-        held = 0.0
-        for start in range(0, n_held, BLOCK):
-            v, ok = _scaled(cx_row, start + lanes, n_held, t)
-            held += tl.sum(_top_k_e(v, ok, mx, floor_key), axis=0)
-        use_cand = use_cand & ((nucleus == 0) | (held >= top_p * total))  # else a token past the copy can be in the nucleus
-        src = tl.where(use_cand, cx_row, x_row)
-        n = tl.where(use_cand, n_cand, V)
     # top-p: the smallest key K of e whose tokens above it hold < top_p of the kept mass
     e_floor = tl.full([], -1, tl.int64)  # keep e with key >= e_floor (e >= 0: every key >= 0)
     if top_p < 1.0:
