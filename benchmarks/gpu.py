@@ -8,7 +8,8 @@ Measured in the same run:
   matmul rate (8192^3, random data);
 - LLaMA-2-7B-shaped random weights built on the device (32 layers, hidden 4096, 32 heads MHA,
   intermediate 11008, vocab 32000) in bf16, Q8_0-like int8 (w8-g32), Q4-like 4-bit (w4-g32) and
-  w8a8 (dynamic per-token int8 activations): decode tok/s through the engine (LLMEngine.step:
+  w8a8 (dynamic per-token int8 activations), and the int8 and 4-bit weights with x rounded to int8
+  per chunk of 32 as quantization "gguf-a8" (llama.cpp's products; decode only): decode tok/s through the engine (LLMEngine.step:
   scheduler, CUDA-graph replay, greedy sampling) at batch 1, 8 and 64 over a 512-token context,
   and prefill tok/s of one 2,048-token prompt; each as a fraction of its hardware limit (decode:
   weight + KV bytes per step over the copy bandwidth; prefill: FLOPs over the matmul rate);
@@ -39,6 +40,7 @@ from fasterllama.engine.llm_engine import LLMEngine
 from fasterllama.model import LlamaForCausalLM
 from fasterllama.ops import reference
 from fasterllama.quant import QuantConfig, quantize_model
+from fasterllama.quant.linear import Int4Linear, Int8Linear
 
 LLAMA2_7B = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32,
                         head_dim=128, max_position_embeddings=4096)
@@ -47,6 +49,9 @@ SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
 TUNED: dict = {}  # the decode GEMV choice's timings, {linear shape: {kernel: ms}}
 MODES = {"bf16": None, "int8 (w8-g32, Q8_0-like)": "w8-g32", "4-bit (w4-g32, Q4-like)": "w4-g32", "w8a8 (dynamic)": "w8a8-nosq"}
+# the same weights with x rounded to int8 per chunk of 32 as quantization "gguf-a8" (llama.cpp's
+# products): decode through the integer GEMVs (7B shapes, batch 1 and 8; no prefill)
+A8_MODES = {"int8 a8 (w8-g32, x int8 as gguf-a8)": "w8-g32+a8", "4-bit a8 (w4-g32, x int8 as gguf-a8)": "w4-g32+a8"}
 
 
 class Clock:
@@ -123,11 +128,16 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
 
 
 def build(cfg: ModelConfig, mode: str | None, device: torch.device) -> LlamaForCausalLM:
+    """mode: a QuantConfig spec, "+a8" after it: its int8/4-bit linears take x rounded to int8."""
     model = random_model(cfg, torch.bfloat16, device)
     if mode is not None:
-        cfg = QuantConfig.parse(mode)
+        spec, a8 = mode.removesuffix("+a8"), mode.endswith("+a8")
+        cfg = QuantConfig.parse(spec)
         cfg.imatrix = False if cfg.mode == "w4" else cfg.imatrix  # random weights: no calibration text to weight by
         quantize_model(model, cfg)
+        for m in model.modules():
+            if a8 and isinstance(m, (Int8Linear, Int4Linear)):
+                m.int8_activations = True
         torch.cuda.empty_cache() if device.type == "cuda" else None
     return model
 
@@ -342,18 +352,22 @@ def main() -> None:
     steps = 4 if args.quick else 32
     plans = [("7b", big, [1, 8, 64], prefill_n), ("small", small, [1, 16], prefill_n)]
     for key, cfg, batches, n in plans:
-        for label, mode in MODES.items():
+        modes = {**MODES, **(A8_MODES if key == "7b" else {})}
+        for label, mode in modes.items():
             entry = res.setdefault(key, {}).setdefault(label, {})
 
             def run(cfg=cfg, mode=mode, entry=entry, batches=batches, n=n, key=key) -> None:
                 model = build(cfg, mode, device)
-                for b in batches:
+                a8 = mode is not None and mode.endswith("+a8")
+                for b in batches[:2] if a8 else batches:
                     tok_s = engine_decode(model, cfg, b, ctx, steps)
                     limit = decode_limit(model, cfg, b, ctx + 3 + steps // 2, bw)
                     entry[f"decode_b{b}_tok_s"] = tok_s
                     entry[f"decode_b{b}_of_bandwidth_limit"] = tok_s / limit
                 if key == "small" and mode is None:  # what sampling (the CLI's defaults) costs a step (sample_rows: one launch)
                     entry["decode_b1_sampled_cli_defaults_tok_s"] = engine_decode(model, cfg, 1, ctx, steps, temperature=0.8)
+                if a8:
+                    return
                 tok_s = engine_prefill(model, cfg, n, 3)
                 entry["prefill_tok_s"] = tok_s
                 entry["prefill_of_matmul_peak"] = prefill_flops(cfg, n) * tok_s / n / (peak * 1e12)
@@ -383,6 +397,8 @@ def main() -> None:
             if b7.get("HF transformers bf16", {}).get("decode_b1_tok_s") else None,
             "4-bit decode b1 / bf16 (>= 2.6)": ratio("4-bit (w4-g32, Q4-like)", "decode_b1_tok_s"),
             "int8 decode b1 / bf16 (>= 1.7)": ratio("int8 (w8-g32, Q8_0-like)", "decode_b1_tok_s"),
+            "4-bit a8 decode b1 / bf16 (x int8 as gguf-a8)": ratio("4-bit a8 (w4-g32, x int8 as gguf-a8)", "decode_b1_tok_s"),
+            "int8 a8 decode b1 / bf16 (x int8 as gguf-a8)": ratio("int8 a8 (w8-g32, x int8 as gguf-a8)", "decode_b1_tok_s"),
             "w8a8 prefill / bf16 (>= 1.5)": ratio("w8a8 (dynamic)", "prefill_tok_s"),
             "bf16 prefill of matmul peak (>= 0.60)": bf16.get("prefill_of_matmul_peak"),
             "bf16 decode b64 / b1 (>= 25)": (bf16["decode_b64_tok_s"] / bf16["decode_b1_tok_s"]) if "decode_b64_tok_s" in bf16 else None,

@@ -21,14 +21,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fasterllama.backends.cuda import gemv
+from fasterllama.backends.cuda import gemv, gemv_a8
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED = ("x_ptr", "p_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "N", "K", "stride_xm", "K_SPLIT", "KB_SPLIT", "G",  # as launches specialize them
            "q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "part_acc_ptr", "part_m_ptr", "part_l_ptr", "done_ptr",
            "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_cb", "stride_ch", "stride_cs", "stride_bt", "block_size",
            "res_ptr", "res_out_ptr", "qkv_ptr", "cos_ptr", "sin_ptr", "q_out_ptr", "slot_ptr", "stride_qkv_t", "stride_cos_t", "stride_sin_t",
-           "stride_qo_t", "stride_qo_h")
+           "stride_qo_t", "stride_qo_h", "xw_ptr", "xs_ptr", "xsum_ptr")
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[str, str]:
@@ -44,8 +44,9 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple
     return sass, usage
 
 
-def k_loop(sass: str) -> list[str]:
-    """The instructions of the longest backward-branch loop (the K loop)."""
+def k_loop(sass: str, marker: str = "") -> list[str]:
+    """The instructions of the longest backward-branch loop (the K loop), of those with `marker`
+    (the integer GEMVs' IDP: their longest may be the rounding of x)."""
     addr_re = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/")
     lines = [(int(m.group(1), 16), line) for line in sass.splitlines() if (m := addr_re.match(line))]
     best: list[str] = []
@@ -53,19 +54,20 @@ def k_loop(sass: str) -> list[str]:
         target = re.search(r"BRA\s+.*?0x([0-9a-f]+)", line)
         if target and int(target.group(1), 16) < addr:
             body = [text for a, text in lines if int(target.group(1), 16) <= a <= addr]
-            best = max(best, body, key=len)
+            if any(marker in text for text in body):
+                best = max(best, body, key=len)
     return best
 
 
-def loop_length(sass: str) -> int:
-    return len(k_loop(sass))
+def loop_length(sass: str, marker: str = "") -> int:
+    return len(k_loop(sass, marker))
 
 
-def loads_behind_barrier(sass: str) -> int:
+def loads_behind_barrier(sass: str, marker: str = "") -> int:
     """Global loads of the K loop issued after its first barrier: a barrier of a layout conversion
     waits for the loads its data came from, so each such load is a trip to memory that starts
     only when an earlier one has ended (the word-wise GEMVs had 7-40 until 2026-11-29: 0)."""
-    body = k_loop(sass)
+    body = k_loop(sass, marker)
     first = next((i for i, line in enumerate(body) if "BAR.SYNC" in line), len(body))
     return sum("LDG" in line for line in body[first:])
 
@@ -91,21 +93,31 @@ def main() -> None:
     cases += [("int8 bytes", gemv._int8_gemv_kernel, int8, c) for c in gemv.CONFIGS[:3]]
     cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32", PREFETCH="constexpr"), c)
               for c in distinct(gemv.INT8_WORD_CONFIGS)]
+    a8 = dict(common, K_SPLIT="i32", G="i32", xw_ptr="*i32", xs_ptr="*fp32", xsum_ptr="*fp32", **dict.fromkeys(
+        ("BITS", "E", "GS", "WB", "PER_GROUP", "HAS_MINS", "BLOCK_N", "TWO", "ASM"), "constexpr"))
+    cases += [(f"int{bits} a8", gemv_a8._a8_gemv_kernel, dict(a8, w_ptr="*i8" if bits == 8 else "*u8"), c)
+              for bits in (4, 8) for c in distinct(gemv_a8.A8_CONFIGS)]
     print("| kernel | rows, tile bytes, warps, prefetch | loop instructions | weights a thread | a weight | loads behind a barrier |"
           " registers, stack |\n|---|---|---:|---:|---:|---:|---|")
     for name, fn, sig, cfg in cases:
         gpb = cfg.tile_bytes // g if "int8" in name else cfg.tile_bytes // 2 // (g // 2)  # as int8_gemv / int4_gemv launch
         consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False, "PDL": True, "SPLITS_PAD": 1, "HAS_BIAS": False}
-        if "int8" in name:
+        if "a8" in name:  # (as gemv_a8._a8_launch: a tile is tile_bytes of each row, in words)
+            bits = 8 if "int8" in name else 4
+            consts = {k: v for k, v in consts.items() if k != "GPB"}
+            consts.update(BITS=bits, E=min(g, 32), WB=cfg.tile_bytes // 4, PER_GROUP=True, HAS_MINS=bits == 4, ASM=True)
+            gpb = cfg.tile_bytes * 8 // bits // g
+        elif "int8" in name:
             consts.update(PER_GROUP=True, HAS_MINS=False)
         if "words" in name:
             consts.update(PREFETCH=cfg.prefetch)
         weights = cfg.block_n * gpb * g / (32 * cfg.warps)
         sass, usage = compile_sm90(fn, sig, consts, cfg.warps)
-        n = loop_length(sass)
+        marker = "IDP" if "a8" in name else ""
+        n = loop_length(sass, marker)
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)
         print(f"| {name} | {cfg.block_n}, {cfg.tile_bytes}, {cfg.warps}, {'yes' if cfg.prefetch else 'no'} | {n} | {weights:.0f} | "
-              f"{n / weights:.2f} | {loads_behind_barrier(sass)} | {res.group(1)}, {res.group(2)} |")
+              f"{n / weights:.2f} | {loads_behind_barrier(sass, marker)} | {res.group(1)}, {res.group(2)} |")
 
 if __name__ == "__main__":
     main()

@@ -23,7 +23,7 @@ T0=$(date +%s)
 # (-v: a run cut by its timeout still names each failure in the log; 2026-11-28: 881 tests, 136 s;
 # 2026-11-30: 1,296 tests, 8 slow GGUF and graph tests unfinished at 170 s: worksteal, 210 s)
 timeout "${TEST_TIMEOUT:-210}" python3 -m pytest -v -p no:cacheprovider -rfE -n "${TEST_WORKERS:-12}" --dist worksteal \
-  ${TESTS:-tests/test_cuda.py tests/test_triton_sampling.py tests/test_triton_gemv.py tests/test_triton_norm.py tests/test_triton_linear.py tests/test_triton_attention.py} \
+  ${TESTS:-tests/test_cuda.py tests/test_triton_sampling.py tests/test_triton_gemv.py tests/test_triton_gemv_a8.py tests/test_triton_norm.py tests/test_triton_linear.py tests/test_triton_attention.py} \
   > "$OUT/tests.log" 2>&1; grep -E "(FAILED|ERROR) tests/|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -25
 echo "tests: $(( $(date +%s) - T0 )) s"
 # programmatic dependent launch (backends/cuda/pdl.py; passed every test on 2026-11-30): where the
@@ -35,7 +35,7 @@ if grep -qE "(FAILED|ERROR) tests/test_cuda" "$OUT/tests.log" && [ "${FASTERLLAM
 fi
 # 2. the benchmark (its JSON is rewritten after every section)
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout "${BENCH_TIMEOUT:-230}" python3 benchmarks/gpu.py --out "$OUT/gpu_bench.json" --budget "${BUDGET:-180}" ${BENCH_ARGS:-} 2>&1 \
+  timeout "${BENCH_TIMEOUT:-260}" python3 benchmarks/gpu.py --out "$OUT/gpu_bench.json" --budget "${BUDGET:-210}" ${BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench.log" | grep -E '^\[|Error|error' | tail -40
   python3 - "$OUT/gpu_bench.json" <<'PY'
 import json, sys
@@ -48,7 +48,7 @@ fi
 echo "bench: $(( $(date +%s) - T0 )) s"
 # 3. where a decode step's time goes (host, graph, kernels), and a 2,048-token prefill's (bf16, w8a8), for the next round of work
 if [ "${PROFILE:-1}" = 1 ]; then
-  timeout "${PROFILE_TIMEOUT:-90}" python3 benchmarks/gpu_profile.py --cases "${PROFILE_CASES:-small bf16 b1,7b bf16 b1,7b bf16 prefill,7b w4-g32 b1,7b w8-g32 b1,7b w8a8 prefill}" --out "$OUT/gpu_profile.json" \
+  timeout "${PROFILE_TIMEOUT:-110}" python3 benchmarks/gpu_profile.py --cases "${PROFILE_CASES:-small bf16 b1,7b bf16 b1,7b bf16 prefill,7b w4-g32 b1,7b w4-g32+a8 b1,7b w8-g32 b1,7b w8a8 prefill}" --out "$OUT/gpu_profile.json" \
     > "$OUT/profile.log" 2>&1; grep -E '^\[|Error' "$OUT/profile.log"
 fi
 # 4. the same steps with programmatic dependent launch off: its A/B (step_us against profile.log's)

@@ -50,6 +50,9 @@ ROPE = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_out_ptr":
         "slot_ptr": "*i64", "stride_qkv_t": "i32", "stride_cos_t": "i32", "stride_sin_t": "i32", "stride_qo_t": "i32", "stride_qo_h": "i32",
         "stride_cb": "i32", "stride_ch": "i32", "stride_cs": "i32", "block_size": "i32",
         **dict.fromkeys(("H", "KVH", "D", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "PDL"), "constexpr")}
+A8 = {"x_ptr": "*bf16", "s_ptr": "*fp16", "mn_ptr": "*fp16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
+      "K_SPLIT": "i32", "G": "i32", "xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32",
+      **dict.fromkeys(("BITS", "E", "GS", "WB", "PER_GROUP", "HAS_MINS", "BLOCK_N", "TWO", "PDL", "ASM"), "constexpr"), **SPLIT}
 CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 4096, "CAP": 256, "LOCAL_CAP": 64, "P_PAD": 32, "PDL": True}, 8),
     "sampler's chunks": ("triton_sampling", "_chunk_kernel", SAMPLE_CHUNKS, {"CHUNK": 2048, "LOCAL_CAP": 64, "PDL": True}, 8),
@@ -96,9 +99,16 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "int8 words GEMV, per channel, split-K merged by the last": ("gemv", "_int8_words_gemv_kernel", dict(INT8_WORDS),
                                                                {"GS": 32, "GPB": 16, "PER_GROUP": False, "BLOCK_N": 64, "TWO": False,
                                                                 "HAS_MINS": False, "PDL": True, "SPLITS_PAD": 8, "HAS_BIAS": False}, 4),
+    "4-bit a8 GEMV (IDP4A)": ("gemv_a8", "_a8_gemv_kernel", dict(A8, w_ptr="*u8"),
+                              {"BITS": 4, "E": 32, "GS": 32, "WB": 64, "PER_GROUP": True, "HAS_MINS": True, "BLOCK_N": 64, "TWO": False,
+                               "PDL": True, "ASM": True}, 4),
+    "int8 a8 GEMV (IDP4A), groups of 16 with mins, two rows, split-K merged by the last": (
+        "gemv_a8", "_a8_gemv_kernel", dict(A8, w_ptr="*i8", s_ptr="*fp32", mn_ptr="*fp32"),
+        {"BITS": 8, "E": 16, "GS": 16, "WB": 32, "PER_GROUP": True, "HAS_MINS": True, "BLOCK_N": 128, "TWO": True, "PDL": True, "ASM": True,
+         "SPLITS_PAD": 4, "HAS_BIAS": True}, 4),
 }
 for _module, _kernel, _sig, _consts, _warps in CASES.values():  # a GEMV's launch says whether it splits K (the compile takes no defaults)
-    if _module == "gemv":
+    if _module in ("gemv", "gemv_a8"):
         _sig.update(SPLITS_PAD="constexpr", HAS_BIAS="constexpr")
         _consts.setdefault("SPLITS_PAD", 1)
         _consts.setdefault("HAS_BIAS", False)
@@ -123,7 +133,7 @@ first_store = next((i for i, o in enumerate(ops) if o.startswith("STG")), len(op
 late_loads = sum(o.startswith("LDG") for o in ops[first_store:])  # (a load after a store waits for it: it may alias)
 print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
                   "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced,
-                  "loads_after_a_store": late_loads}))
+                  "loads_after_a_store": late_loads, "dp4a": sum(o.startswith("IDP.4A") for o in ops)}))
 """
 
 
@@ -147,5 +157,7 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
         assert got["before_wait"] and all(o.startswith("LDG") for o in got["before_wait"]), got["before_wait"]
     else:  # nothing read or written before it
         assert got["before_wait"] == [], got["before_wait"]
+    if "IDP4A" in name:  # the inline PTX dp4a: an integer dot product a word
+        assert got["dp4a"] > 0, got
     if name == "sampler":
         assert got["atomics"]  # the radix select's digit counts: shared-memory atomics

@@ -197,3 +197,51 @@ def test_chained_steps_through_the_graph_plan(interpreted, gqa) -> None:
     assert chained == [[0, 1, 2], [1, 2], [0, 1], [0]]
     engine.chain_steps = False
     assert run() == got and len(got[1]) == 6
+
+
+@pytest.mark.parametrize("weight_type", ["q4_1", "q6_k"])  # 4-bit values with mins (chunks of 32), int8 values in groups of 16 (chunks of 16)
+def test_gguf_a8_off_cpu_same_as_reference(interpreted, monkeypatch, tmp_path, weight_type: str) -> None:
+    """quantization "gguf-a8" in the row layouts a GPU loads: prompts through x rounded to int8 and
+    the tiled kernels, decode steps through the integer GEMVs (gemv_a8.py, in the graph plan's
+    buckets). Each product equals its reference op on the same input; the whole model cannot (an
+    ulp upstream moves a rounding of x by a step, which random layers amplify: test_parity_tiny's
+    test_gguf_a8), so its logits are held near "gguf"'s and the reference ops' instead."""
+    from fasterllama.backends.cuda import gemv_a8
+    from fasterllama.ops import quantized
+    from fasterllama.quant import gguf_native
+    from fasterllama.quant.linear import Int4Linear, Int8Linear
+
+    real = gguf_native._module
+    monkeypatch.setattr(gguf_native, "_module", lambda parts, device: real(parts, torch.device("cuda")))
+    hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.K_SPECS["kquant"]), weight_type)
+    path = tm.write_gguf(hf, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type=weight_type)
+    engines = {}
+    for quantization in ("gguf", "gguf-a8"):
+        loaded = load_model(path, torch.float32, torch.device("cpu"), quantization, True, progress=False)
+        engines[quantization] = llm_engine.LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=48, max_num_seqs=4)
+    engine = engines["gguf-a8"]
+    linears = [m for m in engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert len(linears) >= 4 * tm.K_SPECS["kquant"].num_layers and all(m.int8_activations for m in linears)
+    rows, gemv_calls = [], []
+    for name in ("int8_gemv_a8", "int4_gemv_a8"):
+        real_gemv = getattr(gemv_a8, name)
+        monkeypatch.setattr(gemv_a8, name, lambda x, *a, real_gemv=real_gemv, **k: (gemv_calls.append(x.shape), real_gemv(x, *a, **k))[1])
+    for name in ("int8_weight_linear_a8", "int4_weight_linear_a8"):
+        kernel, reference = ops._BACKENDS["cpu"][name], getattr(quantized, name)
+
+        def checked(x, *args, kernel=kernel, reference=reference):
+            y, want = kernel(x, *args), reference(x, *args)
+            assert ((y - want).norm() / want.norm()).item() < 1e-5
+            rows.append(x.numel() // x.shape[-1])
+            return y
+
+        monkeypatch.setitem(ops._BACKENDS["cpu"], name, checked)
+    got = engine.compute_logits(PROMPT)
+    ref = _with_reference_ops(engine, lambda: engine.compute_logits(PROMPT))
+    exact = engines["gguf"].compute_logits(PROMPT)
+    assert (got - ref).abs().max().item() < 0.05 * ref.abs().max().item()
+    assert 1e-4 < (got - exact).abs().max().item() / exact.abs().max().item() < 0.15
+    assert (got.argmax(-1) == exact.argmax(-1)).float().mean().item() >= 0.75
+    tokens = _greedy(engine, BATCH[:2], 3)
+    assert [len(t) for t in tokens] == [3, 3] and 2 in rows and max(rows) == len(PROMPT) + 3  # (decode steps: the two rows)
+    assert gemv_calls and max(s[-2] if len(s) > 1 else 1 for s in gemv_calls) <= 2  # decode rows through the integer GEMVs

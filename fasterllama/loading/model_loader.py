@@ -43,14 +43,14 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
                progress: bool = True, shard: tuple[int, int] | None = None) -> LoadedModel:
     """quantization None: a GGUF file's quantized tensors stay quantized where
     `keep_gguf_quantized` (the backend's kernels run them exactly); "gguf" asks for that ("gguf-a8":
-    and the CPU's prefill GEMMs take int8 activations, as llama.cpp's do), "none"
+    and every product of those tensors takes x rounded to int8, as llama.cpp's do), "none"
     expands every tensor to `dtype`; any other mode loads floats for the caller to quantize.
     shard (rank, ranks): build and load only this tensor-parallel rank's part of the model, each
     tensor cut as it loads (parallel.sharding.ShardPlan), so a rank holds about 1/ranks of the
     weights; parallel.sharding.shard_model then puts the collectives between the parts."""
     from ..quant.checkpoint import load_quantized
     from ..quant.gguf_native import load_gguf_native
-    from ..quant.linear import PackedLinear
+    from ..quant.linear import Int4Linear, Int8Linear, PackedLinear
 
     t0 = time.perf_counter()
     ckpt = open_checkpoint(model)
@@ -86,10 +86,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
                 raise FasterLlamaError(f"quantization {quantization!r} keeps a GGUF file's quantized tensors; this model is not a GGUF file")
             load_gguf_native(net, ckpt.source, dtype, device, bar, plan)
             if quantization == "gguf-a8":
-                if device.type != "cpu":
-                    raise FasterLlamaError("quantization 'gguf-a8' (int8 activations) runs on the CPU; use 'gguf' on this device")
                 for m in net.modules():
-                    if isinstance(m, PackedLinear):
+                    if isinstance(m, (PackedLinear, Int8Linear, Int4Linear)):
                         m.int8_activations = True
             quant_config = quantization
         else:

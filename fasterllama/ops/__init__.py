@@ -118,6 +118,14 @@ def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
     return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
 
 
+def int8_weight_linear_a8(x, qweight, scale, bias=None, mins=None):
+    return get_op("int8_weight_linear_a8", x.device)(x, qweight, scale, bias, mins)
+
+
+def int4_weight_linear_a8(x, packed, scales, mins, group_size, bias=None):
+    return get_op("int4_weight_linear_a8", x.device)(x, packed, scales, mins, group_size, bias)
+
+
 def panel_linear(x, qp, sp, mp, n, bits, bias=None, sups=None):
     return get_op("panel_linear", x.device)(x, qp, sp, mp, n, bits, bias, sups)
 

@@ -39,6 +39,7 @@ class Int8Linear(_PanelStorage, nn.Module):
     the CPU, whose values 0..31 or 0..3 it holds exactly; those stay in rows, never panels)."""
 
     ROW_FIELDS = ("qweight", "weight_scale")
+    int8_activations = False  # quantization "gguf-a8" off the CPU: x rounded to int8 per chunk (ops.int8_weight_linear_a8)
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, mins: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -67,8 +68,10 @@ class Int8Linear(_PanelStorage, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
-            return ops.panel_linear(x, self.qweight, self.weight_scale, None, self.out_features, 8, self.bias)
-        return ops.int8_weight_linear(x, self.qweight, self.weight_scale, self.bias, self.weight_min)
+            panel_linear = ops.panel_linear_a8 if self.int8_activations else ops.panel_linear
+            return panel_linear(x, self.qweight, self.weight_scale, None, self.out_features, 8, self.bias)
+        linear = ops.int8_weight_linear_a8 if self.int8_activations else ops.int8_weight_linear
+        return linear(x, self.qweight, self.weight_scale, self.bias, self.weight_min)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int8(*self.rows_layout(), dtype, self.weight_min)
@@ -83,6 +86,7 @@ class Int4Linear(_PanelStorage, nn.Module):
     K-quant's scales need it)."""
 
     ROW_FIELDS = ("qweight", "scales", "mins")
+    int8_activations = False  # quantization "gguf-a8" off the CPU: x rounded to int8 per chunk (ops.int4_weight_linear_a8)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None,
                  scale_dtype: torch.dtype = torch.float16) -> None:
@@ -116,8 +120,10 @@ class Int4Linear(_PanelStorage, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
-            return ops.panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, 4, self.bias)
-        return ops.int4_weight_linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+            panel_linear = ops.panel_linear_a8 if self.int8_activations else ops.panel_linear
+            return panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, 4, self.bias)
+        linear = ops.int4_weight_linear_a8 if self.int8_activations else ops.int4_weight_linear
+        return linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4(*self._rows(slice(None)), dtype)

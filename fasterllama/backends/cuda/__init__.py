@@ -20,10 +20,13 @@ log = logging.getLogger(__name__)
 
 def _gemv_ops(gemv, triton_linear) -> dict:
     """The linears' ops: the decode GEMVs for 1-2 activation rows where the device's timing chose
-    them (gemv.tune), cuBLAS (float) or the tiled kernels otherwise; and the down projection's
+    them (gemv.tune), cuBLAS (float) or the tiled kernels otherwise (under "gguf-a8" the integer
+    GEMVs of gemv_a8.py, or x rounded to int8 before the others); and the down projection's
     GEMV making SiLU·mul itself, the qkv and gate_up GEMVs making the norm before them, where that
     was faster (None otherwise: the op layer composes)."""
     import torch.nn.functional as F
+
+    from ...ops import quantized
 
     def linear(x, weight, bias=None):
         out = gemv.chosen_float(x, weight, bias)
@@ -37,7 +40,22 @@ def _gemv_ops(gemv, triton_linear) -> dict:
         out = gemv.chosen_int4(x, packed, scales, mins, group_size, bias)
         return out if out is not None else triton_linear.int4_weight_linear(x, packed, scales, mins, group_size, bias)
 
+    def int8_weight_linear_a8(x, qweight, scale, bias=None, mins=None):
+        out = gemv.chosen_int8_a8(x, qweight, scale, bias, mins)
+        if out is None:  # (more rows: x rounded as the reference rounds it, then the float-activation kernels)
+            group = qweight.shape[1] // scale.shape[1] if scale.dim() == 2 else 32
+            out = int8_weight_linear(quantized.round_activations(x, quantized.panel_chunk(group)).to(x.dtype), qweight, scale, bias, mins)
+        return out
+
+    def int4_weight_linear_a8(x, packed, scales, mins, group_size, bias=None):
+        out = gemv.chosen_int4_a8(x, packed, scales, mins, group_size, bias)
+        if out is None:
+            xr = quantized.round_activations(x, quantized.panel_chunk(group_size)).to(x.dtype)
+            out = int4_weight_linear(xr, packed, scales, mins, group_size, bias)
+        return out
+
     return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear,
+            "int8_weight_linear_a8": int8_weight_linear_a8, "int4_weight_linear_a8": int4_weight_linear_a8,
             "silu_and_mul_linear": gemv.silu_and_mul_linear, "rms_norm_linear": gemv.rms_norm_linear}
 
 

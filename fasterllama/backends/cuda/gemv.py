@@ -726,10 +726,11 @@ def supports(kind: str, K: int, group: int) -> bool:
 
 
 # -- the choice ----------------------------------------------------------------------------------------
-_CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> ("gemv" | "gemv-words" | "tiled" | "cublas", config)
+_CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> ("gemv" | "gemv-words" | "tiled" | "cublas" | "gemv-a8" | "rounded", config)
 DEFAULT = {"float": "cublas", "int8": "gemv", "int4": "gemv"}
 
 
+FUSING = ("float", "int8", "int4")  # the kinds whose GEMVs can make SiLU·mul or the norm before them
 _GATED: dict[tuple, bool] = {}  # a down projection's shape key -> its GEMV makes SiLU·mul itself (timed faster than the SiLU kernel + the GEMV)
 _NORMED: dict[tuple, bool] = {}  # a normed linear's shape key -> its GEMV makes the RMSNorm itself (timed faster than the norm kernel + the GEMV)
 
@@ -774,13 +775,44 @@ def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = Fa
     return None
 
 
+def chosen_int8_a8(x, qweight, scale, bias=None, mins=None) -> torch.Tensor | None:
+    """The "gguf-a8" int8-weight linear by the integer GEMV in the config tune() chose; None for
+    more rows or shapes it does not take, or where rounding x before the float-activation kernels
+    timed faster."""
+    from . import gemv_a8
+
+    N, K = qweight.shape
+    group = K // scale.shape[1] if scale.dim() == 2 else None
+    if not gemv_a8.usable(x, 8, K, group, qweight):
+        return None
+    key = ("int8a8", N, K, group or 0, x.dtype) + (("mins",) if mins is not None else ())
+    kernel, cfg = _CHOICE.get(key, ("gemv-a8", gemv_a8.DEFAULT_A8_CONFIG))
+    return gemv_a8.int8_gemv_a8(x, qweight, scale, bias, mins, cfg) if kernel == "gemv-a8" else None
+
+
+def chosen_int4_a8(x, packed, scales, mins, group_size, bias=None) -> torch.Tensor | None:
+    """The "gguf-a8" 4-bit linear by the integer GEMV (as chosen_int8_a8)."""
+    from . import gemv_a8
+
+    N, K = packed.shape[0], packed.shape[1] * 2
+    if not gemv_a8.usable(x, 4, K, group_size, packed):
+        return None
+    kernel, cfg = _CHOICE.get(("int4a8", N, K, group_size, x.dtype), ("gemv-a8", gemv_a8.DEFAULT_A8_CONFIG))
+    return gemv_a8.int4_gemv_a8(x, packed, scales, mins, group_size, bias, cfg) if kernel == "gemv-a8" else None
+
+
 def _kind(module) -> str | None:
-    """Which GEMVs a linear module's weights take: "float", "int8", "int4" (row layouts), or None."""
+    """Which GEMVs a linear module's weights take: "float", "int8", "int4" (row layouts), "int8a8",
+    "int4a8" (their weights under "gguf-a8": the integer GEMVs of gemv_a8.py), or None."""
     from ...model.llama import Linear
     from ...quant.linear import Int4Linear, Int8Linear
+    from . import gemv_a8
 
     if type(module) is Linear and module.weight.is_floating_point():
         return "float"
+    if isinstance(module, (Int8Linear, Int4Linear)) and module.int8_activations:
+        bits = 8 if isinstance(module, Int8Linear) else 4
+        return f"int{bits}a8" if not module.panels and gemv_a8.supports(bits, module.in_features, module.group_size) else None
     if isinstance(module, Int8Linear) and not module.panels and supports("int8", module.in_features, module.group_size or 32):
         return "int8"
     if isinstance(module, Int4Linear) and not module.panels:
@@ -791,16 +823,23 @@ def _kind(module) -> str | None:
 def _key(module, dtype: torch.dtype) -> tuple:
     """The shape key of a linear module that tune() and the dispatch share ((): no GEMV takes it)."""
     kind = _kind(module)
-    if kind == "int8":
-        return ("int8", module.out_features, module.in_features, module.group_size or 0, dtype) + (("mins",) if module.weight_min is not None else ())
-    if kind == "int4":
-        return ("int4", module.out_features, module.in_features, module.group_size, dtype)
+    if kind in ("int8", "int8a8"):
+        return (kind, module.out_features, module.in_features, module.group_size or 0, dtype) + (("mins",) if module.weight_min is not None else ())
+    if kind in ("int4", "int4a8"):
+        return (kind, module.out_features, module.in_features, module.group_size, dtype)
     return ("float", *module.weight.shape, 0, dtype) if kind else ()
 
 
 def _module_gemv(module, x: torch.Tensor, gated: bool = False, norm: Norm | None = None) -> torch.Tensor | None:
-    """A linear module applied by its chosen GEMV, or None (no GEMV chosen or possible)."""
+    """A linear module applied by its chosen GEMV, or None (no GEMV chosen or possible; an integer
+    GEMV makes neither SiLU·mul nor a norm)."""
     kind = _kind(module)
+    if kind in ("int8a8", "int4a8"):
+        if gated or norm is not None:
+            return None
+        if kind == "int8a8":
+            return chosen_int8_a8(x, module.qweight, module.weight_scale, module.bias, module.weight_min)
+        return chosen_int4_a8(x, module.qweight, module.scales, module.mins, module.group_size, module.bias)
     if kind == "float":
         return chosen_float(x, module.weight, module.bias, gated, norm)
     if kind == "int8":
@@ -864,6 +903,19 @@ def _time(fn, calls: int = 10, replays: int = 5) -> float:
 def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
     """(shape key, {(kernel, config): call}) for one linear module at activation x."""
     kind, key = _kind(module), _key(module, x.dtype)
+    if kind in ("int8a8", "int4a8"):
+        from ...ops import quantized
+        from . import gemv_a8
+
+        group = module.group_size
+        rounded = lambda: quantized.round_activations(x, quantized.panel_chunk(group or 32)).to(x.dtype)  # noqa: E731
+        if kind == "int8a8":
+            q, s, m = module.qweight, module.weight_scale, module.weight_min
+            fns = {("gemv-a8", c): (lambda c=c: gemv_a8.int8_gemv_a8(x, q, s, mins=m, cfg=c)) for c in gemv_a8.A8_CONFIGS}
+            return key, {("rounded", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(rounded(), q, s, mins=m), **fns}
+        args = (module.qweight, module.scales, module.mins, group)
+        fns = {("gemv-a8", c): (lambda c=c: gemv_a8.int4_gemv_a8(x, *args, cfg=c)) for c in gemv_a8.A8_CONFIGS}
+        return key, {("rounded", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(rounded(), *args), **fns}
     if kind == "float":
         w = module.weight
         fns = {("gemv", c): (lambda c=c: float_gemv(x, w, cfg=c)) for c in CONFIGS}
@@ -928,12 +980,12 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
             timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
         for mlp in (m for m in model.modules() if type(getattr(m, "act", None)) is SiluAndMul):
             key = _key(mlp.down_proj, dtype)
-            if key and key not in _GATED:
+            if key and key[0] in FUSING and key not in _GATED:
                 _GATED[key] = _time_gated(mlp.down_proj, key, timings.setdefault(key, {}), device, dtype)
         for layer in getattr(model, "layers", ()):
             for norm, linear in layer.normed_linears():
                 key = _key(linear, dtype)
-                if key and key not in _NORMED and type(norm) is RMSNorm:
+                if key and key[0] in FUSING and key not in _NORMED and type(norm) is RMSNorm:
                     _NORMED[key] = _time_normed(norm, linear, key, timings.setdefault(key, {}), device, dtype)
     return timings
 

@@ -1,0 +1,251 @@
+"""Decode GEMVs with int8 activations (quantization "gguf-a8" on the GPU): llama.cpp's integer dot
+products over int8 and 4-bit weights kept quantized.
+
+The float-activation GEMVs (gemv.py) turn every weight into an fp32 number before its FMA: ~3.4
+(4-bit) and ~4.5 (int8) sm_90 instructions a weight, as many as a batch-1 GEMV streaming 4 TB/s
+has room for, so they stop short of the bandwidth (on an H200, 4-bit at 47% of it, int8 at 66%).
+With x rounded to int8 per chunk of columns (ops.quantized.round_activations: scale absmax / 127,
+halves to even, the CPU's a8_quantize_row), four weights meet four activations in one IDP4A
+(int8 x int8 -> int32, exact), and a 4-bit word's eight values are two masks away from two of
+them: ~0.8 instructions a weight. Per chunk, sum w x = w_scale * x_scale * sum q xq (+ w_min *
+x_scale * sum xq), in fp32, from the exact integer sum.
+
+Each program first rounds the columns its K loop reads (its split's slice, every row) into a small
+buffer: 32-bit words of four int8 values, the chunks' scales and scale * sum of their values (the
+programs sharing a slice write the same bits; a barrier orders a program's writes before its
+threads read them, as gemv._normed_rows does). That work is repeated by every row block (~1/BLOCK_N
+of the weights' work, the reason the configs own 64-256 rows), and saves a launch a linear.
+
+The interpreter has no inline assembly: there (ASM False) a byte-by-byte product stands in for
+IDP4A, so CI checks everything but the one PTX instruction (compiled for sm_90 in
+tests/test_triton_compile.py)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import pdl
+from .gemv import Config, _int8_store, _launch, _rows, _rows_of, _store_rows
+from .triton_norm import INTERPRET
+
+# rows a program owns, bytes of each row a tile, warps, programs an SM before split-K; many rows: the
+# rounding of x, redone by every row block, costs 1/BLOCK_N of the weights' work
+A8_CONFIGS = (Config(64, 256, 4, 2), Config(128, 128, 4, 2), Config(128, 256, 8, 2), Config(256, 64, 4, 2), Config(64, 256, 4, 4),
+              Config(32, 512, 4, 2))
+DEFAULT_A8_CONFIG = A8_CONFIGS[0]
+QUANT_BLOCK = tl.constexpr(32)  # chunks of x a program rounds at a time
+
+
+def chunk_columns(group_size: int | None) -> int:
+    """Columns of x that share one int8 scale: a weight group, at most 32 (ops.quantized.panel_chunk)."""
+    return min(group_size or 32, 32)
+
+
+def supports(bits: int, K: int, group_size: int | None) -> bool:
+    """int8 weights per channel or in groups of a power of two from 16; 4-bit in groups of 32."""
+    if bits == 4:
+        return group_size == 32 and K % 32 == 0
+    g = group_size or 32
+    return g >= 16 and g & (g - 1) == 0 and K % max(g, 32) == 0
+
+
+@triton.jit
+def _dp4a(a, b, c, SIGNED_A: tl.constexpr, ASM: tl.constexpr):
+    """c + the dot product of a's four bytes (signed, or unsigned) with b's (signed): one IDP4A
+    on the GPU, byte by byte in the interpreter."""
+    if ASM:
+        if SIGNED_A:
+            r = tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            r = tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = c
+        for j in tl.static_range(4):
+            if SIGNED_A:
+                aj = (a << (24 - 8 * j)) >> 24
+            else:
+                aj = (a >> (8 * j)) & 0xFF
+            r += aj * ((b << (24 - 8 * j)) >> 24)
+    return r
+
+
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _quotient(a, b, r):
+    """a / b correctly rounded, as torch divides (Triton's "/" is PTX div.full: 2 ulp), from r, the
+    correctly rounded 1 / b (one division a chunk): t = a r, then one FMA correction step
+    (Markstein's theorem: the result is a / b rounded to nearest)."""
+    t = a * r
+    return tl.fma(tl.fma(-t, b, a), r, t)
+
+
+@triton.jit
+def _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E: tl.constexpr, QB: tl.constexpr, BITS: tl.constexpr):
+    """x[:, first:end] rounded to int8 per chunk of E columns (round_activations): words of four
+    values into xw [M, K/4], each chunk's scale into xs [M, K/E] and scale * the sum of its values
+    into xsum (the w_min term), then a barrier: this program's threads read them next. For 4-bit
+    weights (E = 32) the words of a chunk's first 16 values go to xw's first half, of its last 16
+    to the second: word f of either half meets word f of the weights' rows (16-byte loads)."""
+    c = tl.arange(0, QB)
+    j = tl.arange(0, E)
+    shift = (8 * (j % 4))[None, :]
+    for m in range(M):
+        for c0 in range(first // E, end // E, QB):
+            ch = c0 + c
+            ok = ch < end // E
+            x = tl.load(x_ptr + m * stride_xm + ch[:, None] * E + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 127.0)
+            # x / scale in -127..127 (|x| <= absmax), rounded (halves to even) by adding 1.5 * 2^23:
+            # the bits of the sum hold 0x4B400000 + q, whose low byte is q's
+            bits = (_quotient(x, scale[:, None], tl.div_rn(1.0, scale)[:, None]) + 12582912.0).to(tl.int32, bitcast=True)
+            q = bits - 0x4B400000
+            words = tl.reduce(tl.reshape((bits & 0xFF) << shift, [QB, E // 4, 4]), 2, _bit_or)
+            i = tl.arange(0, E // 4)[None, :]
+            if BITS == 4:  # (word i of a chunk: values 4i..4i+3; i < 4 low nibbles' partners, else high)
+                dst = (i // 4) * (K // 8) + ch[:, None] * 4 + i % 4
+            else:
+                dst = ch[:, None] * (E // 4) + i
+            tl.store(xw_ptr + m * (K // 4) + dst, words, mask=ok[:, None])
+            tl.store(xs_ptr + m * (K // E) + ch, scale, mask=ok)
+            tl.store(xsum_ptr + m * (K // E) + ch, tl.sum(q, axis=1).to(tl.float32) * scale, mask=ok)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _unit_sums(w, xw_ptr, f, f_ok, KW, BITS: tl.constexpr, BLOCK_N: tl.constexpr, WB: tl.constexpr, UNITS: tl.constexpr, ASM: tl.constexpr):
+    """Exact int32 sums q . xq [rows, UNITS] of a tile's words w [rows, WB] at word indices f, per
+    chunk of x (a unit). int8: a word is four columns, one IDP4A against x's word. 4-bit (groups of
+    32, pack_int4: word i of a group holds values 4i.. in its low nibbles, 16 + 4i.. in its high):
+    two masks make two words of unsigned values, one IDP4A each against x's words f in xw's two
+    halves (_round_x)."""
+    if BITS == 8:
+        d = _dp4a(w, tl.load(xw_ptr + f, mask=f_ok, other=0)[None, :], 0, True, ASM)
+    else:
+        xl = tl.load(xw_ptr + f, mask=f_ok, other=0)[None, :]
+        xh = tl.load(xw_ptr + KW + f, mask=f_ok, other=0)[None, :]
+        d = _dp4a((w >> 4) & 0x0F0F0F0F, xh, _dp4a(w & 0x0F0F0F0F, xl, 0, False, ASM), False, ASM)
+    return tl.sum(tl.reshape(d, [BLOCK_N, UNITS, WB // UNITS]), axis=2)
+
+
+@triton.jit
+def _a8_tile(w, f, k0, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G,
+             BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, UNITS: tl.constexpr, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+             BLOCK_N: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr):
+    """One tile: words w [rows, WB] at word indices f from column k0, its UNITS chunks of x added
+    to the [rows, UNITS] sums: per chunk, isum * w_scale * x_scale (+ w_min * x_scale * sum xq),
+    or isum * x_scale per channel (the channel's scale at the end)."""
+    KW = K // (32 // BITS)
+    f_ok = f < KW
+    u = k0 // E + tl.arange(0, UNITS)  # the chunks of x
+    u_ok = u < K // E
+    sc, mn = tl.zeros([1, 1], dtype=tl.float32), tl.zeros([1, 1], dtype=tl.float32)
+    if PER_GROUP:
+        g_off = offs_n[:, None] * G + (u * E // GS)[None, :]
+        g_ok = n_ok[:, None] & u_ok[None, :]
+        sc = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
+        if HAS_MINS:
+            mn = tl.load(mn_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
+    xs0 = tl.load(xs_ptr + u, mask=u_ok, other=0.0)[None, :]
+    xm0 = tl.load(xsum_ptr + u, mask=u_ok, other=0.0)[None, :]
+    r0 = _unit_sums(w, xw_ptr, f, f_ok, KW, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
+    if PER_GROUP:
+        acc0 += r0 * (sc * xs0)
+        if HAS_MINS:
+            acc0 += mn * xm0
+    else:
+        acc0 += r0 * xs0
+    if TWO:
+        xs1 = tl.load(xs_ptr + K // E + u, mask=u_ok, other=0.0)[None, :]
+        xm1 = tl.load(xsum_ptr + K // E + u, mask=u_ok, other=0.0)[None, :]
+        r1 = _unit_sums(w, xw_ptr + K // 4, f, f_ok, KW, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
+        if PER_GROUP:
+            acc1 += r1 * (sc * xs1)
+            if HAS_MINS:
+                acc1 += mn * xm1
+        else:
+            acc1 += r1 * xs1
+    return acc0, acc1
+
+
+@triton.jit
+def _a8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, xw_ptr, xs_ptr, xsum_ptr,
+                    BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+                    part_ptr=None, bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+    """y = W x^ over 32-bit words of W's rows (BITS 8: int8 [N, K]; 4: pack_int4's bytes [N, K/2]),
+    WB words a row a tile; x^ = x rounded to int8 per chunk of E columns (made by _round_x into the
+    xw / xs / xsum buffers). K_SPLIT: columns a program's split owns."""
+    VPW: tl.constexpr = 32 // BITS  # values a word
+    UNITS: tl.constexpr = WB * VPW // E  # chunks of x a tile
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    KW = tl.multiple_of(K // VPW, 4)  # (K % 32 == 0: 16-byte aligned rows)
+    words = w_ptr.to(tl.pointer_type(tl.int32)) + (offs_n.to(tl.int64) * KW)[:, None]
+    offs_f = tl.arange(0, WB)
+    acc0 = tl.zeros([BLOCK_N, UNITS], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_N, UNITS], dtype=tl.float32)
+    first, end = pid_k * K_SPLIT, tl.minimum(pid_k * K_SPLIT + K_SPLIT, K)
+    f = tl.multiple_of(first // VPW, 4) + offs_f  # (first: a multiple of a tile's columns)
+    w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)  # (weights: no kernel writes them)
+    pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
+    _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E, QUANT_BLOCK, BITS)
+    acc0, acc1 = _a8_tile(w, f, first, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E, GS, WB, UNITS,
+                          PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM)
+    for k0 in range(first + WB * VPW, end, WB * VPW):
+        f = tl.multiple_of(k0 // VPW, 4) + offs_f
+        w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)
+        acc0, acc1 = _a8_tile(w, f, k0, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E, GS, WB, UNITS,
+                              PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM)
+    if BITS == 8:
+        _int8_store(out_ptr, part_ptr, bias_ptr, done_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, PER_GROUP, TWO, SPLITS_PAD,
+                    HAS_BIAS)
+    else:
+        _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
+
+
+def _a8_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bits: int, K: int,
+               group_size: int | None, bias, cfg: Config) -> torch.Tensor:
+    N = weight.shape[0]
+    x2 = _rows(x, K, False)
+    E = chunk_columns(group_size)
+    M = x2.shape[0]
+    xw = torch.empty(M, K // 4, dtype=torch.int32, device=x.device)  # x rounded: four int8 a word
+    xs = torch.empty(M, K // E, dtype=torch.float32, device=x.device)
+    xsum = torch.empty_like(xs)
+    wb = cfg.tile_bytes // 4
+    s = scale.reshape(N, -1)
+    args = (weight.contiguous(), s.contiguous(), s if mins is None else mins.contiguous())
+    out = _launch(_a8_gemv_kernel, cfg, x2, N, K, K, wb * 32 // bits, bias, x.dtype, args, G=s.shape[1], xw_ptr=xw, xs_ptr=xs,
+                  xsum_ptr=xsum, BITS=bits, E=E, GS=group_size or E, WB=wb, PER_GROUP=group_size is not None,
+                  HAS_MINS=mins is not None, ASM=not INTERPRET and x.is_cuda)
+    return out.view(*x.shape[:-1], N)
+
+
+def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 mins: torch.Tensor | None = None, cfg: Config = DEFAULT_A8_CONFIG) -> torch.Tensor:
+    """x (1-2 rows) rounded to int8 per chunk, times int8 weights per channel ([N] scales) or group
+    ([N, G], optionally with mins: w = q * scale + min)."""
+    N, K = qweight.shape
+    group = K // scale.shape[1] if scale.dim() == 2 else None
+    return _a8_launch(x, qweight, scale, mins, 8, K, group, bias, cfg)
+
+
+def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None, cfg: Config = DEFAULT_A8_CONFIG) -> torch.Tensor:
+    """x (1-2 rows) rounded to int8 per chunk of 32, times 4-bit weights in groups of 32 (pack_int4,
+    w = scale * q + min)."""
+    return _a8_launch(x, packed, scales, mins, 4, packed.shape[1] * 2, group_size, bias, cfg)
+
+
+def usable(x: torch.Tensor, bits: int, K: int, group_size: int | None, weight: torch.Tensor) -> bool:
+    """Whether the a8 GEMVs take this call: 1-2 rows, a supported shape, rows readable as words."""
+    from .gemv import MAX_ROWS
+
+    return _rows_of(x) <= MAX_ROWS and supports(bits, K, group_size) and weight.data_ptr() % 16 == 0
