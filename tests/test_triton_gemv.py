@@ -231,6 +231,49 @@ def test_triton_gemv_tune_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     assert not any(isinstance(m, Linear) for m in net.layers.modules())
 
 
+def test_triton_gemv_tune_a8_times_the_integer_gemvs(monkeypatch, tmp_path) -> None:
+    """Under "gguf-a8" (int8_activations) tune() times, per shape, x rounded before the
+    float-activation op against each integer GEMV config, fuses nothing (an integer GEMV makes
+    neither SiLU·mul nor a norm), and the a8 ops dispatch on the fastest: a config, or None (the
+    rounded path) where that won."""
+    import tiny_models as tm
+
+    from fasterllama.backends.cuda import gemv_a8
+    from fasterllama.loading.model_loader import load_model
+    from fasterllama.quant import QuantConfig, quantize_model
+    from fasterllama.quant.linear import Int4Linear, Int8Linear
+
+    path = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["mha"]), str(tmp_path))
+    net = load_model(path, torch.float32, torch.device(DEVICE), None, True, progress=False).model
+    quantize_model(net, QuantConfig.parse("w4-g32-noimatrix"))  # 4-bit layers, the head in int8 groups of 32
+    linears = [m for m in net.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    for m in linears:
+        m.int8_activations = True
+    seen = []
+
+    def fake_time(fn):
+        seen.append(fn)
+        return 0.5 if len(seen) % 4 == 1 else 1.0  # the first candidate of the first shape, then every fourth
+
+    for name, value in (("_time", fake_time), ("_CHOICE", {}), ("_GATED", {}), ("_NORMED", {}), ("_checked", lambda key, fns: fns)):
+        monkeypatch.setattr(gemv, name, value)
+    timings = gemv.tune(net, torch.float32)
+    kinds = {key[0] for key in timings}
+    assert kinds == {"int4a8", "int8a8"} and not gemv._GATED and not gemv._NORMED
+    for key, ms in timings.items():
+        assert len(ms) == 1 + len(gemv_a8.A8_CONFIGS) and "rounded" in ms
+        assert ms[f"{gemv._CHOICE[key][0]}{tuple(gemv._CHOICE[key][1]) if gemv._CHOICE[key][0] != 'rounded' else ''}"] == min(ms.values())
+    m = next(m for m in linears if isinstance(m, Int4Linear))
+    x = torch.randn(1, m.in_features, device=DEVICE)
+    key = gemv._key(m, torch.float32)
+    gemv._CHOICE[key] = ("rounded", gemv.DEFAULT_CONFIG)
+    assert gemv.chosen_int4_a8(x, m.qweight, m.scales, m.mins, 32) is None
+    gemv._CHOICE[key] = ("gemv-a8", gemv_a8.A8_CONFIGS[1])
+    want = quantized.int4_weight_linear_a8(x, m.qweight, m.scales, m.mins, 32)
+    assert _rel(gemv.chosen_int4_a8(x, m.qweight, m.scales, m.mins, 32), want) < 1e-5
+    assert _rel(gemv.rounded_int4(x, m.qweight, m.scales, m.mins, 32), want) < 1e-5
+
+
 def test_triton_gemv_tune_keeps_the_silu_kernel_when_the_gated_gemv_fails(monkeypatch) -> None:
     """A gated GEMV that fails to compile (or disagrees) leaves the SiLU kernel in place, said in REJECTED."""
     monkeypatch.setattr(gemv, "REJECTED", [])

@@ -26,8 +26,6 @@ def _gemv_ops(gemv, triton_linear) -> dict:
     was faster (None otherwise: the op layer composes)."""
     import torch.nn.functional as F
 
-    from ...ops import quantized
-
     def linear(x, weight, bias=None):
         out = gemv.chosen_float(x, weight, bias)
         return out if out is not None else F.linear(x, weight, bias)
@@ -42,17 +40,11 @@ def _gemv_ops(gemv, triton_linear) -> dict:
 
     def int8_weight_linear_a8(x, qweight, scale, bias=None, mins=None):
         out = gemv.chosen_int8_a8(x, qweight, scale, bias, mins)
-        if out is None:  # (more rows: x rounded as the reference rounds it, then the float-activation kernels)
-            group = qweight.shape[1] // scale.shape[1] if scale.dim() == 2 else 32
-            out = int8_weight_linear(quantized.round_activations(x, quantized.panel_chunk(group)).to(x.dtype), qweight, scale, bias, mins)
-        return out
+        return out if out is not None else gemv.rounded_int8(x, qweight, scale, bias, mins)
 
     def int4_weight_linear_a8(x, packed, scales, mins, group_size, bias=None):
         out = gemv.chosen_int4_a8(x, packed, scales, mins, group_size, bias)
-        if out is None:
-            xr = quantized.round_activations(x, quantized.panel_chunk(group_size)).to(x.dtype)
-            out = int4_weight_linear(xr, packed, scales, mins, group_size, bias)
-        return out
+        return out if out is not None else gemv.rounded_int4(x, packed, scales, mins, group_size, bias)
 
     return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear,
             "int8_weight_linear_a8": int8_weight_linear_a8, "int4_weight_linear_a8": int4_weight_linear_a8,

@@ -775,6 +775,26 @@ def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = Fa
     return None
 
 
+def rounded_int8(x, qweight, scale, bias=None, mins=None) -> torch.Tensor:
+    """The "gguf-a8" int8-weight linear without the integer GEMV: x rounded as the reference rounds
+    it (in the model dtype), then the float-activation kernels (more rows than the GEMVs take)."""
+    from ...ops import quantized
+
+    group = qweight.shape[1] // scale.shape[1] if scale.dim() == 2 else 32
+    xr = quantized.round_activations(x, quantized.panel_chunk(group)).to(x.dtype)
+    out = chosen_int8(xr, qweight, scale, bias, mins)
+    return out if out is not None else triton_linear.int8_weight_linear(xr, qweight, scale, bias, mins)
+
+
+def rounded_int4(x, packed, scales, mins, group_size, bias=None) -> torch.Tensor:
+    """The "gguf-a8" 4-bit linear without the integer GEMV (as rounded_int8)."""
+    from ...ops import quantized
+
+    xr = quantized.round_activations(x, quantized.panel_chunk(group_size)).to(x.dtype)
+    out = chosen_int4(xr, packed, scales, mins, group_size, bias)
+    return out if out is not None else triton_linear.int4_weight_linear(xr, packed, scales, mins, group_size, bias)
+
+
 def chosen_int8_a8(x, qweight, scale, bias=None, mins=None) -> torch.Tensor | None:
     """The "gguf-a8" int8-weight linear by the integer GEMV in the config tune() chose; None for
     more rows or shapes it does not take, or where rounding x before the float-activation kernels
@@ -903,19 +923,16 @@ def _time(fn, calls: int = 10, replays: int = 5) -> float:
 def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
     """(shape key, {(kernel, config): call}) for one linear module at activation x."""
     kind, key = _kind(module), _key(module, x.dtype)
-    if kind in ("int8a8", "int4a8"):
-        from ...ops import quantized
+    if kind in ("int8a8", "int4a8"):  # (first: x rounded, then what serves the float-activation op)
         from . import gemv_a8
 
-        group = module.group_size
-        rounded = lambda: quantized.round_activations(x, quantized.panel_chunk(group or 32)).to(x.dtype)  # noqa: E731
         if kind == "int8a8":
             q, s, m = module.qweight, module.weight_scale, module.weight_min
             fns = {("gemv-a8", c): (lambda c=c: gemv_a8.int8_gemv_a8(x, q, s, mins=m, cfg=c)) for c in gemv_a8.A8_CONFIGS}
-            return key, {("rounded", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(rounded(), q, s, mins=m), **fns}
-        args = (module.qweight, module.scales, module.mins, group)
+            return key, {("rounded", DEFAULT_CONFIG): lambda: rounded_int8(x, q, s, mins=m), **fns}
+        args = (module.qweight, module.scales, module.mins, module.group_size)
         fns = {("gemv-a8", c): (lambda c=c: gemv_a8.int4_gemv_a8(x, *args, cfg=c)) for c in gemv_a8.A8_CONFIGS}
-        return key, {("rounded", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(rounded(), *args), **fns}
+        return key, {("rounded", DEFAULT_CONFIG): lambda: rounded_int4(x, *args), **fns}
     if kind == "float":
         w = module.weight
         fns = {("gemv", c): (lambda c=c: float_gemv(x, w, cfg=c)) for c in CONFIGS}
