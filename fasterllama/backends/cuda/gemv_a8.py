@@ -36,6 +36,7 @@ A8_CONFIGS = (Config(64, 256, 4, 2), Config(128, 128, 4, 2), Config(128, 256, 8,
               Config(32, 512, 4, 2))
 DEFAULT_A8_CONFIG = A8_CONFIGS[0]
 QUANT_BLOCK = tl.constexpr(32)  # chunks of x a program rounds at a time
+RCP_127 = tl.constexpr(0.007874015718698502)  # 1 / 127 in fp32, correctly rounded (numpy: float32(1) / float32(127))
 
 
 def chunk_columns(group_size: int | None) -> int:
@@ -100,7 +101,7 @@ def _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E: tl
             ch = c0 + c
             ok = ch < end // E
             x = tl.load(x_ptr + m * stride_xm + ch[:, None] * E + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            scale = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 127.0)
+            scale = _quotient(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 127.0, RCP_127)
             # x / scale in -127..127 (|x| <= absmax), rounded (halves to even) by adding 1.5 * 2^23:
             # the bits of the sum hold 0x4B400000 + q, whose low byte is q's
             bits = (_quotient(x, scale[:, None], tl.div_rn(1.0, scale)[:, None]) + 12582912.0).to(tl.int32, bitcast=True)
