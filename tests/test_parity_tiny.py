@@ -432,6 +432,18 @@ def test_gguf_a8(tmp_path, monkeypatch) -> None:
             assert abs(sa[t] - sb[t]) < 0.1
 
 
+def test_gguf_a8_in_bf16(tmp_path) -> None:
+    """quantization "gguf-a8" in bf16 on the CPU (where the a8 kernels take fp32 only, so the
+    reference ops run): every product returns x's dtype, so K/V store into the bf16 cache (until
+    2026-11-30 the fp32 products failed there), and the logits stay near fp32's."""
+    model = tm.quantize_roundtrip_(tm.build_hf_model(SMOL_MIX), "q4_0")
+    path = tm.write_gguf(model, str(tmp_path / "smol_mix-q4_0.gguf"), weight_type="q4_0")
+    half, full = (LLM(model=path, progress=False, quantization="gguf-a8", dtype=dtype) for dtype in ("bfloat16", "float32"))
+    got, want = half.compute_logits(PROMPT), full.compute_logits(PROMPT)
+    assert (got.float() - want).abs().max().item() < 0.1 * want.abs().max().item()
+    assert len(greedy(half, [PROMPT], 3)[0]) == 3
+
+
 @pytest.mark.parametrize("weight_type", ["q8_0", "q4_k_m"])
 def test_gguf_biases_kept(tmp_path, weight_type: str) -> None:
     """A llama GGUF with q/k/v/o and MLP `.bias` tensors (llama.cpp reads them as optional): the
