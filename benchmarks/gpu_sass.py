@@ -94,8 +94,8 @@ def main() -> None:
     cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32", PREFETCH="constexpr"), c)
               for c in distinct(gemv.INT8_WORD_CONFIGS)]
     a8 = dict(common, K_SPLIT="i32", G="i32", xw_ptr="*i32", xs_ptr="*fp32", xsum_ptr="*fp32", **dict.fromkeys(
-        ("BITS", "E", "GS", "WB", "PER_GROUP", "HAS_MINS", "BLOCK_N", "TWO", "ASM"), "constexpr"))
-    cases += [(f"int{bits} a8", gemv_a8._a8_gemv_kernel, dict(a8, w_ptr="*i8" if bits == 8 else "*u8"), c)
+        ("BITS", "E", "GS", "WB", "PER_GROUP", "HAS_MINS", "BLOCK_N", "TWO", "ASM", "ROUND_IN_LOOP"), "constexpr"))
+    cases += [(f"int{bits} a8{', x rounded in the loop' if c.round_in_loop else ''}", gemv_a8._a8_gemv_kernel, dict(a8, w_ptr="*i8" if bits == 8 else "*u8"), c)
               for bits in (4, 8) for c in distinct(gemv_a8.A8_CONFIGS)]
     print("| kernel | rows, tile bytes, warps, prefetch | loop instructions | weights a thread | a weight | loads behind a barrier |"
           " registers, stack |\n|---|---|---:|---:|---:|---:|---|")
@@ -105,7 +105,8 @@ def main() -> None:
         if "a8" in name:  # (as gemv_a8._a8_launch: a tile is tile_bytes of each row, in words)
             bits = 8 if "int8" in name else 4
             consts = {k: v for k, v in consts.items() if k != "GPB"}
-            consts.update(BITS=bits, E=min(g, 32), WB=cfg.tile_bytes // 4, PER_GROUP=True, HAS_MINS=bits == 4, ASM=True)
+            consts.update(BITS=bits, E=min(g, 32), WB=cfg.tile_bytes // 4, PER_GROUP=True, HAS_MINS=bits == 4, ASM=True,
+                          ROUND_IN_LOOP=cfg.round_in_loop)
             gpb = cfg.tile_bytes * 8 // bits // g
         elif "int8" in name:
             consts.update(PER_GROUP=True, HAS_MINS=False)

@@ -52,7 +52,7 @@ ROPE = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_out_ptr":
         **dict.fromkeys(("H", "KVH", "D", "BLOCK_HQ", "BLOCK_HK", "BLOCK_HALF", "PDL"), "constexpr")}
 A8 = {"x_ptr": "*bf16", "s_ptr": "*fp16", "mn_ptr": "*fp16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
       "K_SPLIT": "i32", "G": "i32", "xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32",
-      **dict.fromkeys(("BITS", "E", "GS", "WB", "PER_GROUP", "HAS_MINS", "BLOCK_N", "TWO", "PDL", "ASM"), "constexpr"), **SPLIT}
+      **dict.fromkeys(("BITS", "E", "GS", "WB", "PER_GROUP", "HAS_MINS", "BLOCK_N", "TWO", "PDL", "ASM", "ROUND_IN_LOOP"), "constexpr"), **SPLIT}
 CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 4096, "CAP": 256, "LOCAL_CAP": 64, "P_PAD": 32, "PDL": True}, 8),
     "sampler's chunks": ("triton_sampling", "_chunk_kernel", SAMPLE_CHUNKS, {"CHUNK": 2048, "LOCAL_CAP": 64, "PDL": True}, 8),
@@ -101,11 +101,14 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
                                                                 "HAS_MINS": False, "PDL": True, "SPLITS_PAD": 8, "HAS_BIAS": False}, 4),
     "4-bit a8 GEMV (IDP4A)": ("gemv_a8", "_a8_gemv_kernel", dict(A8, w_ptr="*u8"),
                               {"BITS": 4, "E": 32, "GS": 32, "WB": 64, "PER_GROUP": True, "HAS_MINS": True, "BLOCK_N": 64, "TWO": False,
-                               "PDL": True, "ASM": True}, 4),
+                               "PDL": True, "ASM": True, "ROUND_IN_LOOP": False}, 4),
+    "4-bit a8 GEMV (IDP4A), x rounded in the loop, two rows": ("gemv_a8", "_a8_gemv_kernel", dict(A8, w_ptr="*u8"),
+                                                              {"BITS": 4, "E": 32, "GS": 32, "WB": 32, "PER_GROUP": True, "HAS_MINS": True,
+                                                               "BLOCK_N": 128, "TWO": True, "PDL": True, "ASM": True, "ROUND_IN_LOOP": True}, 4),
     "int8 a8 GEMV (IDP4A), groups of 16 with mins, two rows, split-K merged by the last": (
         "gemv_a8", "_a8_gemv_kernel", dict(A8, w_ptr="*i8", s_ptr="*fp32", mn_ptr="*fp32"),
         {"BITS": 8, "E": 16, "GS": 16, "WB": 32, "PER_GROUP": True, "HAS_MINS": True, "BLOCK_N": 128, "TWO": True, "PDL": True, "ASM": True,
-         "SPLITS_PAD": 4, "HAS_BIAS": True}, 4),
+         "ROUND_IN_LOOP": False, "SPLITS_PAD": 4, "HAS_BIAS": True}, 4),
 }
 for _module, _kernel, _sig, _consts, _warps in CASES.values():  # a GEMV's launch says whether it splits K (the compile takes no defaults)
     if _module in ("gemv", "gemv_a8"):

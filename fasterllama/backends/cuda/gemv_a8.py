@@ -34,8 +34,10 @@ from .triton_norm import INTERPRET
 # rounding of x, redone by every row block, costs 1/BLOCK_N of the weights' work; more programs an SM
 # (split-K): shorter slices of x to round before a program's K loop starts, while its first weight
 # tile is on its way (at 7B shapes one program's tile is ~2 us of its SM's share of the bandwidth)
+# (round_in_loop: each tile's columns rounded inside the K loop instead, no serial start)
 A8_CONFIGS = (Config(64, 256, 4, 2), Config(128, 128, 4, 2), Config(128, 256, 8, 2), Config(256, 64, 4, 2), Config(64, 256, 4, 4),
-              Config(32, 512, 4, 2), Config(128, 128, 4, 4), Config(256, 64, 4, 4))
+              Config(32, 512, 4, 2), Config(128, 128, 4, 4), Config(256, 64, 4, 4),
+              Config(64, 256, 4, 2, round_in_loop=True), Config(128, 128, 4, 2, round_in_loop=True), Config(128, 128, 4, 4, round_in_loop=True))
 DEFAULT_A8_CONFIG = A8_CONFIGS[0]
 QUANT_BLOCK = tl.constexpr(32)  # chunks of x a program rounds at a time
 RCP_127 = tl.constexpr(0.007874015718698502)  # 1 / 127 in fp32, correctly rounded (numpy: float32(1) / float32(127))
@@ -89,6 +91,19 @@ def _quotient(a, b, r):
 
 
 @triton.jit
+def _round_chunks(x, E: tl.constexpr, CH: tl.constexpr):
+    """x [CH, E] (fp32) rounded per row (a chunk, round_activations): (words [CH, E/4] of four int8
+    values, scales [CH], scale * the sum of each chunk's values [CH])."""
+    scale = _quotient(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 127.0, RCP_127)
+    # x / scale in -127..127 (|x| <= absmax), rounded (halves to even) by adding 1.5 * 2^23:
+    # the bits of the sum hold 0x4B400000 + q, whose low byte is q's
+    bits = (_quotient(x, scale[:, None], tl.div_rn(1.0, scale)[:, None]) + 12582912.0).to(tl.int32, bitcast=True)
+    shift = (8 * (tl.arange(0, E) % 4))[None, :]
+    words = tl.reduce(tl.reshape((bits & 0xFF) << shift, [CH, E // 4, 4]), 2, _bit_or)
+    return words, scale, tl.sum(bits - 0x4B400000, axis=1).to(tl.float32) * scale
+
+
+@triton.jit
 def _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E: tl.constexpr, QB: tl.constexpr, BITS: tl.constexpr):
     """x[:, first:end] rounded to int8 per chunk of E columns (round_activations): words of four
     values into xw [M, K/4], each chunk's scale into xs [M, K/E] and scale * the sum of its values
@@ -97,18 +112,12 @@ def _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E: tl
     to the second: word f of either half meets word f of the weights' rows (16-byte loads)."""
     c = tl.arange(0, QB)
     j = tl.arange(0, E)
-    shift = (8 * (j % 4))[None, :]
     for m in range(M):
         for c0 in range(first // E, end // E, QB):
             ch = c0 + c
             ok = ch < end // E
             x = tl.load(x_ptr + m * stride_xm + ch[:, None] * E + j[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            scale = _quotient(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 127.0, RCP_127)
-            # x / scale in -127..127 (|x| <= absmax), rounded (halves to even) by adding 1.5 * 2^23:
-            # the bits of the sum hold 0x4B400000 + q, whose low byte is q's
-            bits = (_quotient(x, scale[:, None], tl.div_rn(1.0, scale)[:, None]) + 12582912.0).to(tl.int32, bitcast=True)
-            q = bits - 0x4B400000
-            words = tl.reduce(tl.reshape((bits & 0xFF) << shift, [QB, E // 4, 4]), 2, _bit_or)
+            words, scale, xsum = _round_chunks(x, E, QB)
             i = tl.arange(0, E // 4)[None, :]
             if BITS == 4:  # (word i of a chunk: values 4i..4i+3; i < 4 low nibbles' partners, else high)
                 dst = (i // 4) * (K // 8) + ch[:, None] * 4 + i % 4
@@ -116,30 +125,53 @@ def _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E: tl
                 dst = ch[:, None] * (E // 4) + i
             tl.store(xw_ptr + m * (K // 4) + dst, words, mask=ok[:, None])
             tl.store(xs_ptr + m * (K // E) + ch, scale, mask=ok)
-            tl.store(xsum_ptr + m * (K // E) + ch, tl.sum(q, axis=1).to(tl.float32) * scale, mask=ok)
+            tl.store(xsum_ptr + m * (K // E) + ch, xsum, mask=ok)
     tl.debug_barrier()
 
 
 @triton.jit
-def _unit_sums(w, xw_ptr, f, f_ok, KW, BITS: tl.constexpr, BLOCK_N: tl.constexpr, WB: tl.constexpr, UNITS: tl.constexpr, ASM: tl.constexpr):
-    """Exact int32 sums q . xq [rows, UNITS] of a tile's words w [rows, WB] at word indices f, per
-    chunk of x (a unit). int8: a word is four columns, one IDP4A against x's word. 4-bit (groups of
-    32, pack_int4: word i of a group holds values 4i.. in its low nibbles, 16 + 4i.. in its high):
-    two masks make two words of unsigned values, one IDP4A each against x's words f in xw's two
-    halves (_round_x)."""
-    if BITS == 8:
-        d = _dp4a(w, tl.load(xw_ptr + f, mask=f_ok, other=0)[None, :], 0, True, ASM)
+def _tile_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, BITS: tl.constexpr, E: tl.constexpr, WB: tl.constexpr,
+            UNITS: tl.constexpr, ROUND_IN_LOOP: tl.constexpr):
+    """A row's x for one tile: (x words meeting weight words f [WB] (4-bit: the low nibbles'), the
+    high nibbles' [WB] (int8: the same), the chunks' scales [UNITS], their scale * sum [UNITS]),
+    read from _round_x's buffers, or with ROUND_IN_LOOP rounded here from x (the tile's UNITS
+    chunks of E columns; 4-bit: a chunk's words 0-3 meet the low nibbles of its group, 4-7 the high)."""
+    if ROUND_IN_LOOP:
+        x = tl.load(x_ptr + u[:, None] * E + tl.arange(0, E)[None, :], mask=u_ok[:, None], other=0.0).to(tl.float32)
+        words, xs, xsum = _round_chunks(x, E, UNITS)
+        if BITS == 8:
+            xa = tl.reshape(words, [WB])
+            xb = xa
+        else:
+            lo, hi = tl.split(tl.permute(tl.reshape(words, [UNITS, 2, 4]), (0, 2, 1)))
+            xa, xb = tl.reshape(lo, [WB]), tl.reshape(hi, [WB])
     else:
-        xl = tl.load(xw_ptr + f, mask=f_ok, other=0)[None, :]
-        xh = tl.load(xw_ptr + KW + f, mask=f_ok, other=0)[None, :]
-        d = _dp4a((w >> 4) & 0x0F0F0F0F, xh, _dp4a(w & 0x0F0F0F0F, xl, 0, False, ASM), False, ASM)
+        xa = tl.load(xw_ptr + f, mask=f_ok, other=0)
+        xb = xa
+        if BITS == 4:
+            xb = tl.load(xw_ptr + KW + f, mask=f_ok, other=0)
+        xs = tl.load(xs_ptr + u, mask=u_ok, other=0.0)
+        xsum = tl.load(xsum_ptr + u, mask=u_ok, other=0.0)
+    return xa, xb, xs, xsum
+
+
+@triton.jit
+def _unit_sums(w, xa, xb, BITS: tl.constexpr, BLOCK_N: tl.constexpr, WB: tl.constexpr, UNITS: tl.constexpr, ASM: tl.constexpr):
+    """Exact int32 sums q . xq [rows, UNITS] of a tile's words w [rows, WB], per chunk of x (a
+    unit). int8: a word is four columns, one IDP4A against x's word xa. 4-bit (groups of 32,
+    pack_int4: word i of a group holds values 4i.. in its low nibbles, 16 + 4i.. in its high): two
+    masks make two words of unsigned values, one IDP4A each against xa and xb."""
+    if BITS == 8:
+        d = _dp4a(w, xa[None, :], 0, True, ASM)
+    else:
+        d = _dp4a((w >> 4) & 0x0F0F0F0F, xb[None, :], _dp4a(w & 0x0F0F0F0F, xa[None, :], 0, False, ASM), False, ASM)
     return tl.sum(tl.reshape(d, [BLOCK_N, UNITS, WB // UNITS]), axis=2)
 
 
 @triton.jit
-def _a8_tile(w, f, k0, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G,
-             BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, UNITS: tl.constexpr, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
-             BLOCK_N: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr):
+def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G,
+             BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, UNITS: tl.constexpr, PER_GROUP: tl.constexpr,
+             HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr, ROUND_IN_LOOP: tl.constexpr):
     """One tile: words w [rows, WB] at word indices f from column k0, its UNITS chunks of x added
     to the [rows, UNITS] sums: per chunk, isum * w_scale * x_scale (+ w_min * x_scale * sum xq),
     or isum * x_scale per channel (the channel's scale at the end)."""
@@ -154,9 +186,9 @@ def _a8_tile(w, f, k0, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs
         sc = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
         if HAS_MINS:
             mn = tl.load(mn_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
-    xs0 = tl.load(xs_ptr + u, mask=u_ok, other=0.0)[None, :]
-    xm0 = tl.load(xsum_ptr + u, mask=u_ok, other=0.0)[None, :]
-    r0 = _unit_sums(w, xw_ptr, f, f_ok, KW, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
+    xa, xb, xs0, xm0 = _tile_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, BITS, E, WB, UNITS, ROUND_IN_LOOP)
+    xs0, xm0 = xs0[None, :], xm0[None, :]
+    r0 = _unit_sums(w, xa, xb, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
     if PER_GROUP:
         acc0 += r0 * (sc * xs0)
         if HAS_MINS:
@@ -164,9 +196,10 @@ def _a8_tile(w, f, k0, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs
     else:
         acc0 += r0 * xs0
     if TWO:
-        xs1 = tl.load(xs_ptr + K // E + u, mask=u_ok, other=0.0)[None, :]
-        xm1 = tl.load(xsum_ptr + K // E + u, mask=u_ok, other=0.0)[None, :]
-        r1 = _unit_sums(w, xw_ptr + K // 4, f, f_ok, KW, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
+        xa, xb, xs1, xm1 = _tile_x(x_ptr + stride_xm, xw_ptr + K // 4, xs_ptr + K // E, xsum_ptr + K // E, f, f_ok, u, u_ok, KW, K, BITS, E,
+                                   WB, UNITS, ROUND_IN_LOOP)
+        xs1, xm1 = xs1[None, :], xm1[None, :]
+        r1 = _unit_sums(w, xa, xb, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
         if PER_GROUP:
             acc1 += r1 * (sc * xs1)
             if HAS_MINS:
@@ -179,11 +212,12 @@ def _a8_tile(w, f, k0, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs
 @triton.jit
 def _a8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, xw_ptr, xs_ptr, xsum_ptr,
                     BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
-                    BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, ROUND_IN_LOOP: tl.constexpr = False,
                     part_ptr=None, bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """y = W x^ over 32-bit words of W's rows (BITS 8: int8 [N, K]; 4: pack_int4's bytes [N, K/2]),
-    WB words a row a tile; x^ = x rounded to int8 per chunk of E columns (made by _round_x into the
-    xw / xs / xsum buffers). K_SPLIT: columns a program's split owns."""
+    WB words a row a tile; x^ = x rounded to int8 per chunk of E columns, by _round_x into the xw /
+    xs / xsum buffers before the K loop, or (ROUND_IN_LOOP) tile by tile inside it: the same work,
+    a few more instructions a tile, no serial start. K_SPLIT: columns a program's split owns."""
     VPW: tl.constexpr = 32 // BITS  # values a word
     UNITS: tl.constexpr = WB * VPW // E  # chunks of x a tile
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -198,14 +232,15 @@ def _a8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_
     f = tl.multiple_of(first // VPW, 4) + offs_f  # (first: a multiple of a tile's columns)
     w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
-    _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E, QUANT_BLOCK, BITS)
-    acc0, acc1 = _a8_tile(w, f, first, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E, GS, WB, UNITS,
-                          PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM)
+    if not ROUND_IN_LOOP:
+        _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E, QUANT_BLOCK, BITS)
+    acc0, acc1 = _a8_tile(w, f, first, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E, GS,
+                          WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM, ROUND_IN_LOOP)
     for k0 in range(first + WB * VPW, end, WB * VPW):
         f = tl.multiple_of(k0 // VPW, 4) + offs_f
         w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)
-        acc0, acc1 = _a8_tile(w, f, k0, acc0, acc1, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E, GS, WB, UNITS,
-                              PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM)
+        acc0, acc1 = _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E,
+                              GS, WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM, ROUND_IN_LOOP)
     if BITS == 8:
         _int8_store(out_ptr, part_ptr, bias_ptr, done_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, PER_GROUP, TWO, SPLITS_PAD,
                     HAS_BIAS)
@@ -219,15 +254,18 @@ def _a8_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins:
     x2 = _rows(x, K, False)
     E = chunk_columns(group_size)
     M = x2.shape[0]
-    xw = torch.empty(M, K // 4, dtype=torch.int32, device=x.device)  # x rounded: four int8 a word
-    xs = torch.empty(M, K // E, dtype=torch.float32, device=x.device)
-    xsum = torch.empty_like(xs)
+    if cfg.round_in_loop:  # (no buffers: the kernel reads x itself)
+        xw = xs = xsum = x2
+    else:
+        xw = torch.empty(M, K // 4, dtype=torch.int32, device=x.device)  # x rounded: four int8 a word
+        xs = torch.empty(M, K // E, dtype=torch.float32, device=x.device)
+        xsum = torch.empty_like(xs)
     wb = cfg.tile_bytes // 4
     s = scale.reshape(N, -1)
     args = (weight.contiguous(), s.contiguous(), s if mins is None else mins.contiguous())
     out = _launch(_a8_gemv_kernel, cfg, x2, N, K, K, wb * 32 // bits, bias, x.dtype, args, G=s.shape[1], xw_ptr=xw, xs_ptr=xs,
                   xsum_ptr=xsum, BITS=bits, E=E, GS=group_size or E, WB=wb, PER_GROUP=group_size is not None,
-                  HAS_MINS=mins is not None, ASM=not INTERPRET and x.is_cuda)
+                  HAS_MINS=mins is not None, ASM=not INTERPRET and x.is_cuda, ROUND_IN_LOOP=cfg.round_in_loop)
     return out.view(*x.shape[:-1], N)
 
 
