@@ -351,32 +351,36 @@ def main() -> None:
     ctx, prefill_n = (32, 64) if args.quick else (512, 2048)
     steps = 4 if args.quick else 32
     plans = [("7b", big, [1, 8, 64], prefill_n), ("small", small, [1, 16], prefill_n)]
-    for key, cfg, batches, n in plans:
-        modes = {**MODES, **(A8_MODES if key == "7b" else {})}
-        for label, mode in modes.items():
-            entry = res.setdefault(key, {}).setdefault(label, {})
+    def measure(key: str, cfg: ModelConfig, batches: list[int], n: int, label: str, mode: str | None) -> None:
+        entry = res.setdefault(key, {}).setdefault(label, {})
 
-            def run(cfg=cfg, mode=mode, entry=entry, batches=batches, n=n, key=key) -> None:
-                model = build(cfg, mode, device)
-                a8 = mode is not None and mode.endswith("+a8")
-                for b in batches[:2] if a8 else batches:
-                    tok_s = engine_decode(model, cfg, b, ctx, steps)
-                    limit = decode_limit(model, cfg, b, ctx + 3 + steps // 2, bw)
-                    entry[f"decode_b{b}_tok_s"] = tok_s
-                    entry[f"decode_b{b}_of_bandwidth_limit"] = tok_s / limit
-                if key == "small" and mode is None:  # what sampling (the CLI's defaults) costs a step (sample_rows: one launch)
-                    entry["decode_b1_sampled_cli_defaults_tok_s"] = engine_decode(model, cfg, 1, ctx, steps, temperature=0.8)
-                if a8:
-                    return
-                tok_s = engine_prefill(model, cfg, n, 3)
-                entry["prefill_tok_s"] = tok_s
-                entry["prefill_of_matmul_peak"] = prefill_flops(cfg, n) * tok_s / n / (peak * 1e12)
-                entry["weight_bytes_read_per_step"] = weight_bytes_read(model)
+        def run() -> None:
+            model = build(cfg, mode, device)
+            a8 = mode is not None and mode.endswith("+a8")
+            for b in batches[:2] if a8 else batches:
+                tok_s = engine_decode(model, cfg, b, ctx, steps)
+                limit = decode_limit(model, cfg, b, ctx + 3 + steps // 2, bw)
+                entry[f"decode_b{b}_tok_s"] = tok_s
+                entry[f"decode_b{b}_of_bandwidth_limit"] = tok_s / limit
+            if key == "small" and mode is None:  # what sampling (the CLI's defaults) costs a step (sample_rows: one launch)
+                entry["decode_b1_sampled_cli_defaults_tok_s"] = engine_decode(model, cfg, 1, ctx, steps, temperature=0.8)
+            if a8:
+                return
+            tok_s = engine_prefill(model, cfg, n, 3)
+            entry["prefill_tok_s"] = tok_s
+            entry["prefill_of_matmul_peak"] = prefill_flops(cfg, n) * tok_s / n / (peak * 1e12)
+            entry["weight_bytes_read_per_step"] = weight_bytes_read(model)
 
-            section(f"{key}:{label}", run)
+        section(f"{key}:{label}", run)
+
+    for plan in plans:
+        for label, mode in MODES.items():
+            measure(*plan, label, mode)
     for key, cfg, batches, n in plans:
         section(f"hf:{key}", lambda cfg=cfg, key=key, batches=batches, n=n: res.setdefault(key, {}).__setitem__(
             "HF transformers bf16", hf_peer(cfg, device, batches[:2], ctx, steps, n)))
+    for label, mode in A8_MODES.items():  # (after the rows and peers)
+        measure(*plans[0], label, mode)
     if device.type == "cuda":
         for key, cfg in (("small", small), ("7b", big)):
             def run_compiled(cfg=cfg, key=key) -> None:
