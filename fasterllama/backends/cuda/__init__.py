@@ -26,26 +26,20 @@ def _gemv_ops(gemv, triton_linear) -> dict:
     was faster (None otherwise: the op layer composes)."""
     import torch.nn.functional as F
 
-    def linear(x, weight, bias=None):
-        out = gemv.chosen_float(x, weight, bias)
-        return out if out is not None else F.linear(x, weight, bias)
+    def first(chosen, fallback):
+        """The op: the chosen kernel's result, or where it returns None the fallback's."""
 
-    def int8_weight_linear(x, qweight, scale, bias=None, mins=None):
-        out = gemv.chosen_int8(x, qweight, scale, bias, mins)
-        return out if out is not None else triton_linear.int8_weight_linear(x, qweight, scale, bias, mins)
+        def op(*args):
+            out = chosen(*args)
+            return out if out is not None else fallback(*args)
 
-    def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
-        out = gemv.chosen_int4(x, packed, scales, mins, group_size, bias)
-        return out if out is not None else triton_linear.int4_weight_linear(x, packed, scales, mins, group_size, bias)
+        return op
 
-    def int8_weight_linear_a8(x, qweight, scale, bias=None, mins=None):
-        out = gemv.chosen_int8_a8(x, qweight, scale, bias, mins)
-        return out if out is not None else gemv.rounded_int8(x, qweight, scale, bias, mins)
-
-    def int4_weight_linear_a8(x, packed, scales, mins, group_size, bias=None):
-        out = gemv.chosen_int4_a8(x, packed, scales, mins, group_size, bias)
-        return out if out is not None else gemv.rounded_int4(x, packed, scales, mins, group_size, bias)
-
+    linear = first(gemv.chosen_float, F.linear)
+    int8_weight_linear = first(gemv.chosen_int8, triton_linear.int8_weight_linear)
+    int4_weight_linear = first(gemv.chosen_int4, triton_linear.int4_weight_linear)
+    int8_weight_linear_a8 = first(gemv.chosen_int8_a8, gemv.rounded_int8)
+    int4_weight_linear_a8 = first(gemv.chosen_int4_a8, gemv.rounded_int4)
     return {"linear": linear, "int8_weight_linear": int8_weight_linear, "int4_weight_linear": int4_weight_linear,
             "int8_weight_linear_a8": int8_weight_linear_a8, "int4_weight_linear_a8": int4_weight_linear_a8,
             "silu_and_mul_linear": gemv.silu_and_mul_linear, "rms_norm_linear": gemv.rms_norm_linear}

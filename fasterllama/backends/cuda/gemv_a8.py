@@ -169,12 +169,28 @@ def _unit_sums(w, xa, xb, BITS: tl.constexpr, BLOCK_N: tl.constexpr, WB: tl.cons
 
 
 @triton.jit
+def _add_row(acc, w, x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, sc, mn, BITS: tl.constexpr, E: tl.constexpr, WB: tl.constexpr,
+             UNITS: tl.constexpr, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr,
+             ROUND_IN_LOOP: tl.constexpr):
+    """acc [rows, UNITS] += one activation row's tile: per chunk, isum * w_scale * x_scale (+ w_min *
+    x_scale * sum xq), or isum * x_scale per channel (the channel's scale at the end)."""
+    xa, xb, xs, xm = _tile_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, BITS, E, WB, UNITS, ROUND_IN_LOOP)
+    r = _unit_sums(w, xa, xb, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
+    if PER_GROUP:
+        acc += r * (sc * xs[None, :])
+        if HAS_MINS:
+            acc += mn * xm[None, :]
+    else:
+        acc += r * xs[None, :]
+    return acc
+
+
+@triton.jit
 def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G,
              BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, UNITS: tl.constexpr, PER_GROUP: tl.constexpr,
              HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr, ROUND_IN_LOOP: tl.constexpr):
     """One tile: words w [rows, WB] at word indices f from column k0, its UNITS chunks of x added
-    to the [rows, UNITS] sums: per chunk, isum * w_scale * x_scale (+ w_min * x_scale * sum xq),
-    or isum * x_scale per channel (the channel's scale at the end)."""
+    to the [rows, UNITS] sums of each activation row (_add_row)."""
     KW = K // (32 // BITS)
     f_ok = f < KW
     u = k0 // E + tl.arange(0, UNITS)  # the chunks of x
@@ -186,26 +202,11 @@ def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s
         sc = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
         if HAS_MINS:
             mn = tl.load(mn_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
-    xa, xb, xs0, xm0 = _tile_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, BITS, E, WB, UNITS, ROUND_IN_LOOP)
-    xs0, xm0 = xs0[None, :], xm0[None, :]
-    r0 = _unit_sums(w, xa, xb, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
-    if PER_GROUP:
-        acc0 += r0 * (sc * xs0)
-        if HAS_MINS:
-            acc0 += mn * xm0
-    else:
-        acc0 += r0 * xs0
-    if TWO:
-        xa, xb, xs1, xm1 = _tile_x(x_ptr + stride_xm, xw_ptr + K // 4, xs_ptr + K // E, xsum_ptr + K // E, f, f_ok, u, u_ok, KW, K, BITS, E,
-                                   WB, UNITS, ROUND_IN_LOOP)
-        xs1, xm1 = xs1[None, :], xm1[None, :]
-        r1 = _unit_sums(w, xa, xb, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
-        if PER_GROUP:
-            acc1 += r1 * (sc * xs1)
-            if HAS_MINS:
-                acc1 += mn * xm1
-        else:
-            acc1 += r1 * xs1
+    acc0 = _add_row(acc0, w, x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, sc, mn, BITS, E, WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N,
+                    ASM, ROUND_IN_LOOP)
+    if TWO:  # (the second row's x and its rounding: one row further on)
+        acc1 = _add_row(acc1, w, x_ptr + stride_xm, xw_ptr + K // 4, xs_ptr + K // E, xsum_ptr + K // E, f, f_ok, u, u_ok, KW, K, sc, mn,
+                        BITS, E, WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N, ASM, ROUND_IN_LOOP)
     return acc0, acc1
 
 
