@@ -70,7 +70,7 @@ def test_cuts_keep_whole_groups_and_values() -> None:
     through a quantization group is a clear error; panels unpack to the values they were packed from."""
     from fasterllama.ops import quantized as Q
     from fasterllama.parallel.sharding import take
-    from fasterllama.quant.linear import Int4Linear, PackedLinear
+    from fasterllama.quant.linear import Int4Linear, Int8Linear, PackedLinear
 
     g = torch.Generator().manual_seed(0)
     for bits in (4, 5, 6, 8):
@@ -85,6 +85,9 @@ def test_cuts_keep_whole_groups_and_values() -> None:
     assert torch.equal(part.dequantize(), full.dequantize()[rows][:, 64:192])
     with pytest.raises(FasterLlamaError, match="would cut w's groups of 128 input columns at column 64"):
         take(Int4Linear(q % 16, scale[:, :2], mins[:, :2]), cols=slice(64, 256), what="w")
+    for whole in (full, Int4Linear(q % 16, scale, mins), Int8Linear(q.to(torch.int8), scale)):  # "gguf-a8": a part rounds x as its whole
+        whole.int8_activations = True
+        assert take(whole, rows, slice(64, 192)).int8_activations and not type(whole).int8_activations
 
 
 @pytest.fixture(scope="module")

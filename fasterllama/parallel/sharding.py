@@ -180,14 +180,21 @@ def take(module: nn.Module, rows: torch.Tensor | None = None, cols: slice | None
     if isinstance(module, Int8Linear):
         q, s = module.rows_layout()
         m = module.weight_min
-        return Int8Linear(q[r][:, c], s[r] if module.group_size is None else s[r][:, gc], b, None if m is None else m.data[r][:, gc])
+        return _same_activations(module, Int8Linear(q[r][:, c], s[r] if module.group_size is None else s[r][:, gc], b,
+                                                    None if m is None else m.data[r][:, gc]))
     if isinstance(module, Int4Linear):
         q, s, m = module._rows(every)
-        return Int4Linear(q[r][:, c], s[r][:, gc], m[r][:, gc], b, scale_dtype=s.dtype)
+        return _same_activations(module, Int4Linear(q[r][:, c], s[r][:, gc], m[r][:, gc], b, scale_dtype=s.dtype))
     if isinstance(module, PackedLinear):
         q, s, m = module.rows_layout()
-        return PackedLinear(q[r][:, c], s[r][:, gc], None if m is None else m[r][:, gc], module.bits, b)
+        return _same_activations(module, PackedLinear(q[r][:, c], s[r][:, gc], None if m is None else m[r][:, gc], module.bits, b))
     raise FasterLlamaError(f"tensor parallelism cannot split a {type(module).__name__}")
+
+
+def _same_activations(module: nn.Module, part: nn.Module) -> nn.Module:
+    """A quantized linear's part takes x as the whole did: rounded to int8 under "gguf-a8"."""
+    part.int8_activations = module.int8_activations
+    return part
 
 
 def cut_module(plan: ShardPlan, path: str, module: nn.Module) -> nn.Module:
