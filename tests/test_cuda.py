@@ -95,6 +95,30 @@ def test_quantized_gguf_on_cuda(tmp_path, name: str, weight_type: str) -> None:
     assert _greedy(gpu, [PROMPT]) == [tm.hf_greedy(hf, PROMPT, GREEDY.max_tokens)] == _greedy(cpu, [PROMPT])
 
 
+@pytest.mark.parametrize("weight_type", ["q4_1", "q6_k"])
+def test_gguf_a8_on_cuda(tmp_path, weight_type: str) -> None:
+    """quantization "gguf-a8" on the GPU (decode through the integer GEMVs, IDP4A): logits near the
+    CPU's gguf-a8 (the same arithmetic in another order: a rounding of x may step apart, which
+    random layers amplify), and graph-replayed decode steps give the tokens of the same kernels
+    launched one by one."""
+    hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.K_SPECS["kquant"]), weight_type)
+    path = tm.write_gguf(hf, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type=weight_type)
+    gpu = LLM(model=path, device="cuda", dtype="float32", quantization="gguf-a8", progress=False)
+    cpu = LLM(model=path, device="cpu", quantization="gguf-a8", progress=False)
+    a, b = cpu.compute_logits(PROMPT), gpu.compute_logits(PROMPT).cpu()
+    assert (a - b).abs().max().item() < 5e-2 * a.abs().max().item()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.75
+    if not _kernel_backend(gpu):
+        pytest.skip("Triton kernels unavailable")
+    runner = gpu.engine.runner
+    graphed = _greedy(gpu, BATCH)
+    runner.decode_plan, plan = None, runner.decode_plan
+    try:
+        assert _greedy(gpu, BATCH) == graphed and plan.graphs
+    finally:
+        runner.decode_plan = plan
+
+
 def _kernel_backend(llm: LLM) -> bool:
     return getattr(llm.engine.backend, "kernels", False)
 
