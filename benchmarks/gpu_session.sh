@@ -56,8 +56,12 @@ if [ "${PDL_AB:-1}" = 1 ] && [ "${FASTERLLAMA_NO_PDL:-0}" != 1 ]; then
   FASTERLLAMA_NO_PDL=1 timeout "${PDL_AB_TIMEOUT:-60}" python3 benchmarks/gpu_profile.py --cases "${PDL_AB_CASES:-small bf16 b1,7b bf16 b1}" \
     --out "$OUT/gpu_profile_no_pdl.json" > "$OUT/profile_no_pdl.log" 2>&1; grep -E '^\[|Error' "$OUT/profile_no_pdl.log"
 fi
-# 5. the sampler's block and chunk sizes, and its passes over the whole row against the chunks' candidates
+# 5. the sampler's block and chunk sizes, and its passes over the whole row against the chunks' candidates;
+# decode attention's tile and split choices (one log: $OUT brings back 8 files at most)
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout "${SWEEP_TIMEOUT:-75}" python3 benchmarks/gpu_sampler_sweep.py > "$OUT/sampler_sweep.log" 2>&1; grep -E "rows  1" "$OUT/sampler_sweep.log" | tail -24
+  timeout "${SWEEP_TIMEOUT:-75}" python3 benchmarks/gpu_sampler_sweep.py > "$OUT/sweeps.log" 2>&1; grep -E "rows  1" "$OUT/sweeps.log" | tail -24
+fi
+if [ "${ATTN_SWEEP:-1}" = 1 ]; then
+  timeout "${ATTN_SWEEP_TIMEOUT:-90}" python3 benchmarks/gpu_attention_sweep.py >> "$OUT/sweeps.log" 2>&1; grep -E "engine's" "$OUT/sweeps.log" | tail -8
 fi
 echo "total: $(( $(date +%s) - T0 )) s"

@@ -219,6 +219,21 @@ def test_decode_paged(block_size: int, lengths: list[int], dtype: torch.dtype, d
         _close(got[b : b + 1], _oracle(q[b : b + 1], k, v, pos, d**-0.5), dtype)
 
 
+@pytest.mark.parametrize("block_n,num_splits", [(16, 1), (16, 5), (32, 2)])
+def test_decode_given_tiles_and_splits(block_n: int, num_splits: int) -> None:
+    """The tile and split choices benchmarks/gpu_attention_sweep.py times, given explicitly: the
+    same attention whatever they are (a short sequence leaves splits empty)."""
+    torch.manual_seed(3)
+    lengths = [37, 0, 70] if INTERPRET else [3000, 0, 513]
+    h, kvh = HEADS[2][0], HEADS[2][1]
+    d = HEAD_DIMS[-1]
+    k_cache, v_cache, tables, dense, capacity = _paged_cache(lengths, kvh, d, 16, torch.float32)
+    q = _rand(len(lengths), h, d, dtype=torch.float32)
+    got = ta.decode_attention(q, k_cache, v_cache, tables, torch.tensor(lengths, device=DEVICE), d**-0.5, capacity, block_n, num_splits)
+    for b, (k, v) in enumerate(dense):
+        _close(got[b : b + 1], _oracle(q[b : b + 1], k, v, torch.tensor([lengths[b] - 1], device=DEVICE), d**-0.5), torch.float32)
+
+
 # -- prefill ------------------------------------------------------------------------------------------
 
 if INTERPRET:  # (new tokens, cached before them) per sequence; capacity 80

@@ -380,12 +380,13 @@ def _decode_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device
 
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    scale: float, max_len: int,
+    scale: float, max_len: int, block_n: int | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (positions 0..len-1; len 0 gives zeros). max_len (the cache's capacity per sequence, a Python
     int) fixes the number of context splits, so the launch needs no host sync and can be captured
-    in a CUDA graph."""
+    in a CUDA graph. block_n, num_splits: the keys a tile and the splits, in place of the choice
+    made from the shapes (benchmarks/gpu_attention_sweep.py times them)."""
     _check_cache(k_cache, v_cache)
     B, H, D = q.shape
     KVH = k_cache.shape[1]
@@ -399,8 +400,8 @@ def decode_attention(
     # keys on an H200); fp32 MHA, which would run "ieee" dots on the FMA units, multiplies and sums
     use_dot = group > 1 or q.dtype != torch.float32
     block_d = _block_d(D)
-    block_n = _decode_block_n(block_d, use_dot, q.dtype, B * KVH, q.device)
-    num_splits = _decode_splits(B, KVH, max_len, block_n, q.device)
+    block_n = block_n or _decode_block_n(block_d, use_dot, q.dtype, B * KVH, q.device)
+    num_splits = num_splits or _decode_splits(B, KVH, max_len, block_n, q.device)
     if num_splits > 1:
         part_acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
         part_m = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
