@@ -7,14 +7,17 @@ has room for, so they stop short of the bandwidth (on an H200, 4-bit at 47% of i
 With x rounded to int8 per chunk of columns (ops.quantized.round_activations: scale absmax / 127,
 halves to even, the CPU's a8_quantize_row), four weights meet four activations in one IDP4A
 (int8 x int8 -> int32, exact), and a 4-bit word's eight values are two masks away from two of
-them: ~0.8 instructions a weight. Per chunk, sum w x = w_scale * x_scale * sum q xq (+ w_min *
-x_scale * sum xq), in fp32, from the exact integer sum.
+them: 1.4-1.8 instructions a weight in the K loop (benchmarks/gpu_sass.py), a fifth to a third of
+them the per-group scales' loads and arithmetic. Per chunk, sum w x = w_scale * x_scale * sum q xq
+(+ w_min * x_scale * sum xq), in fp32, from the exact integer sum.
 
 Each program first rounds the columns its K loop reads (its split's slice, every row) into a small
 buffer: 32-bit words of four int8 values, the chunks' scales and scale * sum of their values (the
 programs sharing a slice write the same bits; a barrier orders a program's writes before its
 threads read them, as gemv._normed_rows does). That work is repeated by every row block (~1/BLOCK_N
-of the weights' work, the reason the configs own 64-256 rows), and saves a launch a linear.
+of the weights' work, the reason the configs own 64-256 rows), and saves a launch a linear. The
+round_in_loop configs round each tile's columns inside the K loop instead (no buffers, no serial
+start before the loop); tune() times both.
 
 The interpreter has no inline assembly: there (ASM False) a byte-by-byte product stands in for
 IDP4A, so CI checks everything but the one PTX instruction (compiled for sm_90 in
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .gemv import Config, _int8_store, _launch, _rows, _rows_of, _store_rows
+from .gemv import MAX_ROWS, Config, _int8_store, _launch, _rows, _rows_of, _store_rows
 from .triton_norm import INTERPRET
 
 # rows a program owns, bytes of each row a tile, warps, programs an SM before split-K. Many rows: the
@@ -288,6 +291,4 @@ def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mi
 
 def usable(x: torch.Tensor, bits: int, K: int, group_size: int | None, weight: torch.Tensor) -> bool:
     """Whether the a8 GEMVs take this call: 1-2 rows, a supported shape, rows readable as words."""
-    from .gemv import MAX_ROWS
-
     return _rows_of(x) <= MAX_ROWS and supports(bits, K, group_size) and weight.data_ptr() % 16 == 0
