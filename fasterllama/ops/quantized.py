@@ -425,6 +425,12 @@ def panel_chunk(group_size: int) -> int:
     return min(group_size, 32)
 
 
+def a8_input(x: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """x as quantization "gguf-a8" multiplies it by weights in groups of group_size (None: per
+    channel): rounded to int8 per chunk of panel_chunk(group) columns, as floats (fp32)."""
+    return round_activations(x, panel_chunk(group_size or 32))
+
+
 def panel_linear_a8(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.Tensor | None, n: int, bits: int,
                     bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """panel_linear of x rounded to int8 (round_activations, chunks of panel_chunk(g) columns): the
@@ -437,14 +443,14 @@ def int8_weight_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
                           mins: torch.Tensor | None = None) -> torch.Tensor:
     """int8_weight_linear of x rounded to int8 per chunk of panel_chunk(group) columns (32 per
     channel), in fp32: quantization "gguf-a8" off the CPU (the GPU's integer dot products)."""
-    group = qweight.shape[1] // scale.shape[1] if scale.dim() == 2 else 32
-    return int8_weight_linear(round_activations(x, panel_chunk(group)), qweight, scale, bias, mins).to(x.dtype)
+    group = qweight.shape[1] // scale.shape[1] if scale.dim() == 2 else None
+    return int8_weight_linear(a8_input(x, group), qweight, scale, bias, mins).to(x.dtype)
 
 
 def int4_weight_linear_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """int4_weight_linear of x rounded to int8 per chunk of panel_chunk(group_size) columns, in fp32."""
-    return int4_weight_linear(round_activations(x, panel_chunk(group_size)), packed, scales, mins, group_size, bias).to(x.dtype)
+    return int4_weight_linear(a8_input(x, group_size), packed, scales, mins, group_size, bias).to(x.dtype)
 
 
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,7 @@ class Int8Linear(_PanelStorage, nn.Module):
     the CPU, whose values 0..31 or 0..3 it holds exactly; those stay in rows, never panels)."""
 
     ROW_FIELDS = ("qweight", "weight_scale")
-    int8_activations = False  # quantization "gguf-a8" off the CPU: x rounded to int8 per chunk (ops.int8_weight_linear_a8)
+    int8_activations = False  # quantization "gguf-a8": x rounded to int8 per chunk (ops.int8_weight_linear_a8, panel_linear_a8)
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, mins: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -86,7 +86,7 @@ class Int4Linear(_PanelStorage, nn.Module):
     K-quant's scales need it)."""
 
     ROW_FIELDS = ("qweight", "scales", "mins")
-    int8_activations = False  # quantization "gguf-a8" off the CPU: x rounded to int8 per chunk (ops.int4_weight_linear_a8)
+    int8_activations = False  # quantization "gguf-a8": x rounded to int8 per chunk (ops.int4_weight_linear_a8, panel_linear_a8)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None,
                  scale_dtype: torch.dtype = torch.float16) -> None:

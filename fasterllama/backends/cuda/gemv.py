@@ -781,8 +781,7 @@ def rounded_int8(x, qweight, scale, bias=None, mins=None) -> torch.Tensor:
     it (in the model dtype), then the float-activation kernels (more rows than the GEMVs take)."""
     from ...ops import quantized
 
-    group = qweight.shape[1] // scale.shape[1] if scale.dim() == 2 else 32
-    xr = quantized.round_activations(x, quantized.panel_chunk(group)).to(x.dtype)
+    xr = quantized.a8_input(x, qweight.shape[1] // scale.shape[1] if scale.dim() == 2 else None).to(x.dtype)
     out = chosen_int8(xr, qweight, scale, bias, mins)
     return out if out is not None else triton_linear.int8_weight_linear(xr, qweight, scale, bias, mins)
 
@@ -791,7 +790,7 @@ def rounded_int4(x, packed, scales, mins, group_size, bias=None) -> torch.Tensor
     """The "gguf-a8" 4-bit linear without the integer GEMV (as rounded_int8)."""
     from ...ops import quantized
 
-    xr = quantized.round_activations(x, quantized.panel_chunk(group_size)).to(x.dtype)
+    xr = quantized.a8_input(x, group_size).to(x.dtype)
     out = chosen_int4(xr, packed, scales, mins, group_size, bias)
     return out if out is not None else triton_linear.int4_weight_linear(xr, packed, scales, mins, group_size, bias)
 

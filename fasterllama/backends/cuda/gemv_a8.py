@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...ops import quantized
 from . import pdl
 from .gemv import MAX_ROWS, Config, _int8_store, _launch, _rows, _rows_of, _store_rows
 from .triton_norm import INTERPRET
@@ -44,11 +45,6 @@ A8_CONFIGS = (Config(64, 256, 4, 2), Config(128, 128, 4, 2), Config(256, 64, 4, 
 DEFAULT_A8_CONFIG = A8_CONFIGS[0]
 QUANT_BLOCK = tl.constexpr(32)  # chunks of x a program rounds at a time
 RCP_127 = tl.constexpr(0.007874015718698502)  # 1 / 127 in fp32, correctly rounded (numpy: float32(1) / float32(127))
-
-
-def chunk_columns(group_size: int | None) -> int:
-    """Columns of x that share one int8 scale: a weight group, at most 32 (ops.quantized.panel_chunk)."""
-    return min(group_size or 32, 32)
 
 
 def supports(bits: int, K: int, group_size: int | None) -> bool:
@@ -256,7 +252,7 @@ def _a8_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins:
                group_size: int | None, bias, cfg: Config) -> torch.Tensor:
     N = weight.shape[0]
     x2 = _rows(x, K, False)
-    E = chunk_columns(group_size)
+    E = quantized.panel_chunk(group_size or 32)  # columns of x a scale (ops.quantized.a8_input)
     M = x2.shape[0]
     if cfg.round_in_loop:  # (no buffers: the kernel reads x itself)
         xw = xs = xsum = x2
