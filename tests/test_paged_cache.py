@@ -277,12 +277,35 @@ def test_beam_search_needs_no_seats_and_frees_its_blocks(tiny_folder):
     assert llm.engine.blocks.num_used == 0
 
 
-def test_request_that_can_never_fit_is_refused(tiny_folder):
+def test_a_cache_smaller_than_the_context_is_the_context(tiny_folder):
+    """A kv_cache_memory that holds fewer tokens than max_model_len lowers max_model_len to what it
+    holds: a prompt past that is refused naming kv_cache_memory, and a request running into it
+    ends with "length", as at any context limit (never a request that waits for room forever)."""
     llm = _llm(tiny_folder, kv_cache_memory="64KiB")
+    engine = llm.engine
+    holds = engine.blocks.num_blocks * engine.blocks.block_size
+    assert holds < 512 and engine.max_model_len == holds
     with pytest.raises(FasterLlamaError, match="kv_cache_memory"):
-        llm.generate([[10] * 300], SamplingParams(max_tokens=100))
+        llm.generate([[10] * holds], SamplingParams(max_tokens=1))
+    out = llm.generate([[10] * (holds - 20)], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert len(out.token_ids) == 20 and out.finish_reason == "length"
+    assert engine.blocks.num_used == 0
     with pytest.raises(FasterLlamaError, match="kv_cache_memory"):
         _llm(tiny_folder, kv_cache_memory="1KiB")
+
+
+def test_more_samples_than_seats_run_in_groups(tiny_folder):
+    """n above max_num_seqs: the samples start in groups of max_num_seqs (a group needs all its
+    seats at once, so one of n > max_num_seqs would never start), each sample the tokens its seed
+    gives alone."""
+    llm = _llm(tiny_folder, max_num_seqs=2)
+    prompt = [(3 * i) % 300 + 10 for i in range(20)]
+    params = SamplingParams(temperature=1.0, seed=5, n=5, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([prompt], params)[0].outputs
+    alone = _llm(tiny_folder).generate([prompt], params)[0].outputs
+    assert [o.token_ids for o in outs] == [o.token_ids for o in alone]
+    assert len({tuple(o.token_ids) for o in outs}) == 5
+    assert llm.engine.blocks.num_used == 0
 
 
 def test_compute_logits_is_a_request_like_others(tiny_folder):

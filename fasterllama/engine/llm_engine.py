@@ -6,6 +6,7 @@ is launched with step n's samples as its input before the host reads them (docs/
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import weakref
@@ -36,6 +37,8 @@ from .model_runner import ModelRunner, decode_inputs
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Sequence
 from .structured import StructuredOutput
+
+log = logging.getLogger(__name__)
 
 FILE_MODES = (None, *GGUF_NATIVE, "none")  # quantization values that load a checkpoint as it is (no quantize step)
 
@@ -266,6 +269,7 @@ class LLMEngine:
             raise FasterLlamaError(f"max_model_len {max_model_len} exceeds the model's context of {cfg.max_position_embeddings} tokens "
                                    "(max_position_embeddings); use at most that")
         self.max_model_len = max_model_len
+        self.context_set_by_cache = False  # max_model_len lowered to what the KV cache holds (_build_runtime)
         self.eos_token_ids = set(cfg.eos_token_ids)
         self.structured = StructuredOutput(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self._limits = (max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size or backend.kv_block_size, prefix_caching)
@@ -292,6 +296,10 @@ class LLMEngine:
         self.kv_cache = self.runner = None  # the old cache goes before the new one comes
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # and its memory counts as free when the new one is sized
+        if num_blocks * block_size < self.max_model_len:  # (a kv_cache_memory too small for one full-length sequence)
+            log.warning("the KV cache holds %d tokens: the context (max_model_len) is %d, not %d; raise kv_cache_memory for more",
+                        num_blocks * block_size, num_blocks * block_size, self.max_model_len)
+            self.max_model_len, self.context_set_by_cache = num_blocks * block_size, True
         self.kv_cache = KVCache(cache_cfg, num_blocks, block_size, self.dtype, self.device)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, max_num_seqs, self.max_model_len, group, self._whole_step_decode)
         self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_blocks, prefix_caching)
@@ -344,7 +352,7 @@ class LLMEngine:
             raise FasterLlamaError("the prompt is empty")
         if len(ids) >= self.max_model_len:
             raise ContextLengthError(
-                f"the prompt has {len(ids)} tokens, but the context is {self.max_model_len} tokens "
+                f"the prompt has {len(ids)} tokens, but the context is {self.max_model_len} tokens{self._context_origin()} "
                 "(it must leave room for at least one generated token)"
             )
         return ids
@@ -373,7 +381,6 @@ class LLMEngine:
         """Queue one sequence; sample_index picks an independent random stream for each of n samples."""
         params = self._check_params(params)
         ids = self.encode_prompt(prompt)
-        self._check_fits(ids, params)
         seq = Sequence(ids, params, self.tokenizer, self._seed(params, sample_index))
         seq.matcher = self.structured.matcher(params)
         self.scheduler.add(seq)
@@ -381,15 +388,18 @@ class LLMEngine:
 
     def add_group(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> list[Sequence]:
         """Queue a request's params.n samples: the first prefills the prompt, the others then fork
-        from it (sharing its blocks) and draw their own first tokens from the same logits."""
+        from it (sharing its blocks) and draw their own first tokens from the same logits. A group
+        starts only where it has all its seats, so more samples than max_num_seqs go in groups of
+        at most max_num_seqs, each group's first prefilling (from the prefix cache, where it is on)."""
         params = self._check_params(params)
         ids = self.encode_prompt(prompt)
-        self._check_fits(ids, params)
         seqs = [Sequence(ids, params, self.tokenizer, self._seed(params, k)) for k in range(params.n)]
         for seq in seqs:
             seq.matcher = self.structured.matcher(params)
-        seqs[0].forks = seqs[1:]
-        self.scheduler.add(seqs[0])
+        size = self.scheduler.max_num_seqs
+        for first in range(0, len(seqs), size):
+            seqs[first].forks = seqs[first + 1 : first + size]
+            self.scheduler.add(seqs[first])
         return seqs
 
     @staticmethod
@@ -398,18 +408,12 @@ class LLMEngine:
             raise FasterLlamaError(f"params must be a SamplingParams (or None for the defaults), got {type(params).__name__}")
         return params or SamplingParams()
 
+    def _context_origin(self) -> str:
+        return ", all the KV cache holds (raise kv_cache_memory for more)" if self.context_set_by_cache else ""
+
     @staticmethod
     def _seed(params: SamplingParams, sample_index: int) -> int:
         return params.seed + sample_index if params.seed is not None else random.getrandbits(62)
-
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
-        """A request that could never fit the KV cache alone fails now, not when it runs out."""
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        if self.blocks.blocks_for(longest) > self.blocks.num_blocks:
-            raise FasterLlamaError(
-                f"this request may need {longest} tokens of KV cache, but the cache holds {self.blocks.num_blocks * self.blocks.block_size} "
-                "(raise kv_cache_memory, or lower max_tokens)"
-            )
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
@@ -678,9 +682,8 @@ class LLMEngine:
         if not ids:
             raise FasterLlamaError("a sequence needs at least one token")
         if len(ids) > self.max_model_len:
-            raise ContextLengthError(f"{len(ids)} tokens exceed the context of {self.max_model_len}")
+            raise ContextLengthError(f"{len(ids)} tokens exceed the context of {self.max_model_len}{self._context_origin()}")
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-        self._check_fits(ids, params)
         seq = Sequence(ids, params, self.tokenizer, 0)
         seq.uncached_prompt = True
         if keep_logits:
