@@ -41,6 +41,7 @@ from fasterllama.engine.async_engine import (
     EngineLoop,
     EngineLoopClosed,
 )
+from fasterllama.server.logprobs import CompletionLogprobs, TokenTexts
 
 MODEL = "tiny"
 CONTEXT = 4096  # long enough that a request left running would be seen running on
@@ -287,7 +288,7 @@ def test_completion_greedy_matches_offline(server: Server, offline: LLM) -> None
         assert r.usage.completion_tokens == len(ref.token_ids)
         assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
         lp = choice.logprobs
-        assert lp.tokens == [offline.tokenizer.decode([t]) for t in ref.token_ids]
+        assert b"".join(token_bytes(name) for name in lp.tokens) == b"".join(TokenTexts(offline.tokenizer).get(t)[1] for t in ref.token_ids)
         assert_logprobs_close(lp.token_logprobs, [d[t] for d, t in zip(ref.logprobs, ref.token_ids)])
         assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
@@ -300,6 +301,25 @@ def test_completion_greedy_matches_offline(server: Server, offline: LLM) -> None
     if server.llm.engine.speculator is not None:  # the answers came through verify steps, some drafts accepted
         text = server.metrics()
         assert 0 < metric(text, "fasterllama_spec_decode_accepted_tokens") < metric(text, "fasterllama_spec_decode_draft_tokens")
+
+
+def token_bytes(name: str) -> bytes:
+    """A /v1/completions logprobs token's bytes: its text, or "bytes:\\x.." for part of a character."""
+    return bytes.fromhex(name[6:].replace("\\x", "")) if name.startswith("bytes:") else name.encode()
+
+
+def test_completion_logprobs_name_parts_of_characters_by_their_bytes(offline: LLM) -> None:
+    """Tokens holding part of a UTF-8 character are "bytes:\\x.." (their text alone, U+FFFD, would
+    be one key for all of them in top_logprobs), and text_offset counts the characters before."""
+    text = "Emoji: \U0001F600\U0001F389 and \u4e2d\u6587 done"
+    ids = offline.tokenizer.encode(text)
+    tops = [{t: -1.0 - j for j, t in enumerate(ids[i : i + 3])} for i in range(len(ids))]
+    part = CompletionLogprobs(TokenTexts(offline.tokenizer)).add(ids, tops)
+    assert b"".join(token_bytes(name) for name in part["tokens"]) == text.encode()
+    assert any(name.startswith("bytes:") for name in part["tokens"])
+    assert [len(top) for top in part["top_logprobs"]] == [len(t) for t in tops]  # no two alternatives under one name
+    done = [b"".join(token_bytes(name) for name in part["tokens"][:i]) for i in range(len(ids))]
+    assert part["text_offset"] == [len(b.decode("utf-8", errors="ignore")) for b in done]
 
 
 def test_completion_streaming_seeded_n2_matches_offline(server: Server, offline: LLM) -> None:
@@ -605,6 +625,26 @@ def test_malformed_requests_get_json_errors(server: Server) -> None:
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     assert metric(server.metrics(), "fasterllama_requests_total", 'status="error"') == errors_before  # no 500s
+
+
+def test_null_fields_and_more_samples_than_seats(server_one: Server, offline: LLM) -> None:
+    """A field sent as null is as if not sent (some clients send every field); n above the
+    engine's max_num_seqs runs (in groups) rather than waiting forever for seats."""
+    nulls = dict.fromkeys(("stream", "n", "stream_options", "ignore_eos", "min_tokens", "skip_special_tokens", "temperature", "stop"))
+    with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as client:
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": None}], "max_tokens": 2, "logprobs": None, **nulls}
+        r = client.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "echo": None, "suffix": None, **nulls})
+        assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        n = MAX_NUM_SEQS + 3
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4, "n": n, "seed": 3, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(n))
+    ref = offline.generate(["Hi"], SamplingParams(n=n, seed=3, max_tokens=4, ignore_eos=True))[0]
+    assert [c["text"] for c in choices] == [o.text for o in ref.outputs]
+    wait_for(lambda: slots_free(server_one), what="no used KV blocks")
 
 
 def test_openai_client_sees_typed_errors(server: Server) -> None:

@@ -6,6 +6,7 @@ top N). /v1/completions wants `{tokens, token_logprobs, top_logprobs, text_offse
 
 from __future__ import annotations
 
+import codecs
 import re
 from typing import Any
 
@@ -53,23 +54,36 @@ class TokenTexts:
 
 
 class CompletionLogprobs:
-    """Accumulates /v1/completions logprobs for one choice (text_offset runs across chunks)."""
+    """Accumulates /v1/completions logprobs for one choice (text_offset runs across chunks).
+
+    A token holding part of a UTF-8 character is named by its bytes, as OpenAI names it
+    ("bytes:\\xf0\\x9f"): its text alone would be U+FFFD, the same key for every such token in
+    top_logprobs. text_offset counts the characters of the text before each token, a character
+    counted where its last byte comes."""
 
     def __init__(self, tokens: TokenTexts) -> None:
         self.tokens = tokens
         self.offset = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.all: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _name(self, token_id: int) -> str:
+        text, raw = self.tokens.get(token_id)
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
 
     def add(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, list[Any]]:
         """The entries of these tokens (also kept for the whole response)."""
         part: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tok, top in zip(token_ids, logprobs):
-            text = self.tokens.text(tok)
-            part["tokens"].append(text)
+            part["tokens"].append(self._name(tok))
             part["token_logprobs"].append(_finite(top[tok]))
-            part["top_logprobs"].append({self.tokens.text(t): _finite(lp) for t, lp in top.items()})
+            part["top_logprobs"].append({self._name(t): _finite(lp) for t, lp in top.items()})
             part["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._utf8.decode(self.tokens.get(tok)[1]))
         for key, values in part.items():
             self.all[key].extend(values)
         return part

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API (the fields we honour), validated strictly.
 
 Strict mode: a string is not a number and 5.0 is not an integer, as in OpenAI's API; NaN and
-infinities are refused. Fields we cannot honour (echo, suffix, logit_bias, tools, ...) are
-refused when set rather than silently ignored; unknown fields are ignored, as OpenAI does.
+infinities are refused; null is as if the field were not sent. Fields we cannot honour (echo,
+suffix, logit_bias, tools, ...) are refused when set rather than silently ignored; unknown fields
+are ignored, as OpenAI does.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, and structured output: response_format (json_object,
 json_schema) and guided_json, guided_regex, guided_grammar (a Lark grammar)."""
@@ -31,6 +32,12 @@ def _refuse(param: str, message: str) -> PydanticCustomError:
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A field sent as null takes its default, as OpenAI reads it (some clients send every field)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(_Strict):
@@ -205,8 +212,10 @@ class ChatMessage(_Strict):
         if v is None or isinstance(v, str):
             return v or ""
         for part in v:
-            if part.type != "text" or part.text is None:
+            if part.type != "text":
                 raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
+            if part.text is None:
+                raise ValueError("a content part of type 'text' needs its 'text'")
         return "".join(part.text or "" for part in v)
 
     def template_dict(self) -> dict[str, str]:
