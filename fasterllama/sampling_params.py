@@ -132,6 +132,8 @@ class SamplingParams:
         self.beam_width = _check_int("beam_width", self.beam_width, 1, note=" (1 = no beam search)")
         if self.beam_width > 1 and self.n > self.beam_width:
             raise FasterLlamaError(f"n ({self.n}) cannot exceed beam_width ({self.beam_width})")
+        if self.beam_width > 1 and (self.logprobs is not None or self.prompt_logprobs is not None):
+            raise FasterLlamaError("logprobs and prompt_logprobs do not combine with beam search (beams carry their cumulative_logprob)")
         self.length_penalty = _check_real("length_penalty", self.length_penalty, "a finite number")
         if not (self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never"):
             raise FasterLlamaError(f"early_stopping must be True, False or 'never', got {_show(self.early_stopping)}")

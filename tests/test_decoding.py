@@ -161,6 +161,24 @@ def test_beam_search_returns_ranked_beams(tiny_beam_model):
     assert [o.token_ids for o in diverse.outputs] != [o.token_ids for o in out.outputs]
 
 
+def test_beam_search_ends_as_sampling_does(tiny_beam_model):
+    """Beams end at stop token ids (ignore_eos or not), at stop strings (their text cut before
+    it), and not before min_tokens."""
+    _, llm, prompt, eos = tiny_beam_model
+    beams = dict(beam_width=4, n=4, max_tokens=24)
+    plain = llm.generate([prompt], SamplingParams(**beams))[0]
+    assert any(o.finish_reason == "stop" for o in plain.outputs)
+    by_id = llm.generate([prompt], SamplingParams(**beams, ignore_eos=True, stop_token_ids=[eos]))[0]
+    assert [o.token_ids for o in by_id.outputs] == [o.token_ids for o in plain.outputs]
+    long = llm.generate([prompt], SamplingParams(**beams, min_tokens=16))[0]
+    assert all(len(o.token_ids) >= 16 and eos not in o.token_ids[:15] for o in long.outputs)
+    text = llm.generate([prompt], SamplingParams(**beams, ignore_eos=True))[0].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    cut = llm.generate([prompt], SamplingParams(**beams, ignore_eos=True, stop=[stop]))[0]
+    assert all(stop not in o.text for o in cut.outputs)
+    assert cut.outputs[0].finish_reason == "stop" and stop in llm.tokenizer.decode(cut.outputs[0].token_ids)
+
+
 @pytest.mark.parametrize("length_penalty", [1.0, 0.5])
 def test_beam_search_matches_hf_default_model(default_llm, hf_default, length_penalty):
     model, _ = hf_default

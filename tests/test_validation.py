@@ -150,6 +150,8 @@ def test_bad_params_and_stream_prompts(llm: LLM) -> None:
         ({"n": 1.0}, "n must be"),
         ({"beam_width": 0}, "beam_width"),
         ({"beam_width": 2, "n": 3}, "cannot exceed beam_width"),
+        ({"beam_width": 2, "logprobs": 1}, "do not combine with beam search"),
+        ({"beam_width": 2, "prompt_logprobs": 0}, "do not combine with beam search"),
         ({"length_penalty": math.nan}, "length_penalty"),
         ({"length_penalty": "1"}, "length_penalty"),
         ({"early_stopping": 1}, "early_stopping"),

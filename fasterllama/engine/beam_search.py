@@ -1,5 +1,7 @@
 """Beam search above the model runner: HF `generate(num_beams=W, do_sample=False)` semantics
-(length_penalty, early_stopping True/False/"never") plus FasterTransformer's diversity_rate.
+(length_penalty, early_stopping True/False/"never") plus FasterTransformer's diversity_rate. A
+beam ends as a sampled sequence does: at EOS (unless ignore_eos), a stop token id or a stop
+string (its text cut before it), none of them before min_tokens' ending tokens.
 
 Each beam is a sequence with a block table. The prompt is prefilled once, in beam 0, and the other
 beams share its blocks; after every step a beam continued from another takes that beam's blocks
@@ -37,7 +39,7 @@ class _BeamState:
     tokens: list[list[int]] = field(default_factory=list)  # running beams' generated tokens
     scores: torch.Tensor | None = None  # running beams' ranking scores [W]
     logprobs: list[float] = field(default_factory=list)  # running beams' true cumulative logprobs
-    finished: list[tuple[float, float, list[int], bool]] = field(default_factory=list)  # (score, cum lp, tokens, by eos)
+    finished: list[tuple[float, float, list[int], str]] = field(default_factory=list)  # (score, cum lp, tokens, finish reason)
     improvable: bool = True
     done: bool = False
 
@@ -112,20 +114,25 @@ class BeamSearch:
         out = []
         for st in states:
             ranked = sorted(st.finished, key=lambda f: -f[0])[: params.n]
-            out.append([
-                BeamHypothesis(t, tok.decode(t, skip_special_tokens=params.skip_special_tokens), lp, sc, "stop" if eos else "length")
-                for sc, lp, t, eos in ranked
-            ])
+            out.append([BeamHypothesis(t, _before_stop(tok.decode(t, skip_special_tokens=params.skip_special_tokens), params.stop), lp, sc, reason)
+                        for sc, lp, t, reason in ranked])
         return out
+
+    def _stops(self, tokens: list[int], p: SamplingParams) -> bool:
+        """Whether a beam's text holds one of the stop strings (which may span tokens)."""
+        text = self.engine.tokenizer.decode(tokens, skip_special_tokens=p.skip_special_tokens)
+        return any(s in text for s in p.stop)
 
     def _advance(self, st: _BeamState, logits: torch.Tensor, p: SamplingParams) -> None:
         """One beam step for one prompt (HF's top-k continuations / running / finished update)."""
         W, V = logits.shape
-        eos = set() if p.ignore_eos else set(self.engine.eos_token_ids) | set(p.stop_token_ids)
-        K = max(2, 1 + len(eos)) * W
+        ends = (set() if p.ignore_eos else set(self.engine.eos_token_ids)) | set(p.stop_token_ids)
+        K = max(2, 1 + len(ends)) * W
         prompt_len = len(st.prompt)
         cur_len = prompt_len + len(st.tokens[0])
         lp = torch.log_softmax(logits.float(), dim=-1)
+        if cur_len - prompt_len < p.min_tokens:  # no ending token before min_tokens, as the sampler bans them
+            lp[:, [t for t in ends if t < V]] = NEG
         if p.diversity_rate:  # penalize each beam's r-th best continuation by rate * r
             top_lp, top_tok = lp.topk(min(K, V), dim=-1)
             ranked = top_lp - p.diversity_rate * torch.arange(top_lp.shape[1], dtype=lp.dtype)
@@ -139,7 +146,9 @@ class BeamSearch:
             true_lp = lp.reshape(-1)[flat]
         beam_l, token_l, true_l = beam.tolist(), token.tolist(), true_lp.tolist()
         new_len = cur_len + 1
-        hits = torch.tensor([t in eos or new_len >= st.max_length for t in token_l])
+        reasons = [("stop" if t in ends or (p.stop and self._stops(st.tokens[b] + [t], p)) else "length" if new_len >= st.max_length else None)
+                   for b, t in zip(beam_l, token_l)]
+        hits = torch.tensor([r is not None for r in reasons])
 
         # finished hypotheses: only among the top W candidates
         if st.improvable and not (p.early_stopping is True and len(st.finished) >= W):
@@ -147,7 +156,7 @@ class BeamSearch:
             for j in range(W):
                 if hits[j]:
                     b = beam_l[j]
-                    st.finished.append((float(cand_scores[j]) / norm, st.logprobs[b] + true_l[j], st.tokens[b] + [token_l[j]], token_l[j] in eos))
+                    st.finished.append((float(cand_scores[j]) / norm, st.logprobs[b] + true_l[j], st.tokens[b] + [token_l[j]], reasons[j]))
             st.finished = sorted(st.finished, key=lambda f: -f[0])[:W]
 
         # running beams for the next step: best W candidates that did not finish
@@ -173,3 +182,9 @@ class BeamSearch:
         st.improvable = st.improvable and (not all_finished or best_possible > worst)
         open_beam = not (all_finished and p.early_stopping is True)
         st.done = not (st.improvable and open_beam and not bool(hits.all())) or new_len >= st.max_length
+
+
+def _before_stop(text: str, stops: list[str]) -> str:
+    """The text up to its first stop string (the sampler's outputs end there too)."""
+    hits = [i for s in stops if (i := text.find(s)) >= 0]
+    return text[: min(hits)] if hits else text
