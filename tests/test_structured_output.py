@@ -67,6 +67,13 @@ def test_regex_grammar_and_schema_hold_greedy_and_sampled(tiny: LLM) -> None:
                 assert [[c.text for c in o.outputs] for o in tiny.generate(prompts, params)] == [[c.text for c in o.outputs] for o in outs]
 
 
+def test_stop_string_cuts_the_text_also_where_the_constraint_ends(tiny: LLM) -> None:
+    """A stop string completed by the constraint's last token still ends the text before it."""
+    for tail in ("x", "xy"):
+        out = tiny.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=16, regex="[0-9]{3}" + tail, stop=["x"]))[0]
+        assert re.fullmatch("[0-9]{3}", out.text) and out.finish_reason == "stop", out.text
+
+
 def test_free_requests_in_a_constrained_batch_get_their_own_tokens(tiny: LLM) -> None:
     free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = [o.token_ids for o in tiny.generate([[5, 6, 7], [40, 41]], free)]

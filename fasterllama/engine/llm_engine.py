@@ -629,8 +629,8 @@ class LLMEngine:
         reason = None
         if seq.matcher is not None and self.structured.advance(seq.matcher, tok):
             reason = "stop"  # the constraint is complete
-        if p.stop and seq.text and reason is None:
-            reason = self._truncate_at_stop(seq)
+        if p.stop and seq.text:  # (also on the token that completes a constraint: the text still ends before a stop string)
+            reason = self._truncate_at_stop(seq) or reason
         if reason is None:
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = "stop"
