@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from .errors import FasterLlamaError
+from .errors import ContextLengthError, FasterLlamaError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -195,6 +195,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
+    failed = False  # a message was refused (the exit status says so)
     if interactive:
         print("Chatting with the model. /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr)
     while True:
@@ -219,14 +220,24 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print("(history cleared)", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
-        prompt_ids = _fit_history(llm, system, history, params.max_tokens)
+        try:
+            prompt_ids = _fit_history(llm, system, history, params.max_tokens)
+        except ContextLengthError as e:  # one message over the context: said, dropped, and the chat goes on
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            failed = True
+            continue
         history.append({"role": "assistant", "content": _print_reply(llm, prompt_ids, params).text})
-    return 0
+    return 1 if failed else 0
 
 
 def _fit_history(llm: Any, system: list[dict[str, str]], history: list[dict[str, str]], max_tokens: int) -> list[int]:
-    """Chat prompt ids for the history, dropping the oldest turns when it outgrows the context."""
+    """Chat prompt ids for the history, dropping the oldest turns when it outgrows the context;
+    ContextLengthError where the last message alone does not fit."""
     limit = llm.engine.max_model_len - 1
+    alone = len(llm.chat_prompt(system + history[-1:]))
+    if alone > limit:  # (before any turn is dropped: the history stays for the next message)
+        raise ContextLengthError(f"this message takes {alone} tokens with the chat template, but the context is {llm.engine.max_model_len} tokens")
     while True:
         ids = llm.chat_prompt(system + history)
         if len(ids) + min(max_tokens, limit // 2) <= limit or len(history) <= 1:
@@ -250,6 +261,9 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
 
     from .evaluate import perplexity
 
+    for flag, value, least in (("--context", args.context, 2), ("--stride", args.stride, 1), ("--max-tokens", args.max_tokens, 2)):
+        if value is not None and value < least:
+            raise FasterLlamaError(f"{flag} must be at least {least}, got {value}")
     try:
         with open(args.file, encoding="utf-8", errors="replace") as fh:
             text = fh.read()
@@ -257,10 +271,10 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
         raise FasterLlamaError(f"cannot read {args.file}: {e.strerror}") from None
     llm = _load(args)
     ids = llm.tokenizer.encode(text)
-    if args.max_tokens:
+    if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
-    result = perplexity(llm, ids, args.context, args.stride or args.context // 2, progress=not args.quiet)
-    result.update(model=llm.engine.model_path, quantization=str(llm.engine.quant_config) if llm.engine.quant_config else "none", file=args.file, context=args.context)
+    result = perplexity(llm, ids, args.context, args.stride, progress=not args.quiet)
+    result.update(model=llm.engine.model_path, quantization=str(llm.engine.quant_config) if llm.engine.quant_config else "none", file=args.file)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)

@@ -11,14 +11,18 @@ import torch
 from .errors import FasterLlamaError
 
 
-def perplexity(llm: Any, token_ids: list[int], context: int = 512, stride: int = 256, progress: bool = True) -> dict[str, float]:
-    """Windows of `context` tokens advance by `stride`; each token is scored once, by the first
-    window that sees it with the most context. Returns ppl, mean NLL and the count of scored tokens."""
+def perplexity(llm: Any, token_ids: list[int], context: int = 512, stride: int | None = None, progress: bool = True) -> dict[str, float]:
+    """Windows of `context` tokens (at most the model's max_model_len) advance by `stride`
+    (default: half a window); each token is scored once, by the first window that sees it with the
+    most context. Returns ppl, mean NLL and the count of scored tokens."""
     if len(token_ids) < 2:
         raise FasterLlamaError("the text is too short to score (needs at least 2 tokens)")
+    if context < 2:
+        raise FasterLlamaError(f"context must be at least 2 tokens, got {context}")
+    context = min(context, llm.engine.max_model_len)
+    stride = context // 2 if stride is None else stride
     if not 1 <= stride <= context:
         raise FasterLlamaError(f"stride must be in [1, context], got {stride} (context {context})")
-    context = min(context, llm.engine.max_model_len)
     starts = list(range(0, max(1, len(token_ids) - 1), stride))
     bar = None
     if progress:
@@ -44,4 +48,4 @@ def perplexity(llm: Any, token_ids: list[int], context: int = 512, stride: int =
     if bar is not None:
         bar.close()
     mean = nll / count
-    return {"perplexity": math.exp(mean), "nll": mean, "tokens": count}
+    return {"perplexity": math.exp(mean), "nll": mean, "tokens": count, "context": context, "stride": stride}

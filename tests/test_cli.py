@@ -82,6 +82,47 @@ def test_chat_piped_multi_turn_history(default_llm):
     assert proc.stdout == first + "\n" + second + "\n"
 
 
+@needs_model
+def test_chat_says_a_message_over_the_context_and_goes_on(default_llm):
+    from fasterllama import SamplingParams
+
+    long = "Tell me about this: " + "words " * 300
+    proc = run_cli("chat", "-q", "-t", "0", "-n", "8", "--max-model-len", "256", stdin=f"Hi there\n{long}\nWhat is 2+2?\n")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [proc.stderr.strip().splitlines()[0]]
+    assert "context is 256 tokens" in proc.stderr
+    params = SamplingParams(temperature=0, max_tokens=8)
+    h = [{"role": "user", "content": "Hi there"}]
+    first = default_llm.chat(h, params)[0].text
+    h += [{"role": "assistant", "content": first}, {"role": "user", "content": "What is 2+2?"}]  # the long one left out
+    assert proc.stdout == first + "\n" + default_llm.chat(h, params)[0].text + "\n"
+
+
+@pytest.mark.parametrize("args,fragment", [(["--stride", "0"], "--stride"), (["--max-tokens", "0"], "--max-tokens"), (["--context", "1"], "--context")])
+def test_eval_perplexity_bad_windows(tmp_path, args, fragment):
+    text = tmp_path / "t.txt"
+    text.write_text("one two three four five six seven")
+    assert_clean_error(run_cli("eval", "perplexity", "-q", *args, str(text)), fragment)
+
+
+@needs_model
+def test_eval_perplexity_window_wider_than_the_context(default_llm, tmp_path):
+    """--context above max_model_len: windows of max_model_len tokens, every token scored once."""
+    import json
+
+    from fasterllama.evaluate import perplexity
+
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(f"{w} number {i}." for i, w in enumerate(["apple", "river", "stone", "cloud"] * 30)))
+    out = tmp_path / "ppl.json"
+    proc = run_cli("eval", "perplexity", "-q", "--context", "100000", "--max-model-len", "128", "--max-tokens", "300", "--json", str(out), str(text))
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["tokens"] == 299 and result["context"] == 128 and result["stride"] == 64
+    ids = default_llm.tokenizer.encode(text.read_text())[:300]
+    assert abs(result["perplexity"] - perplexity(default_llm, ids, 128, progress=False)["perplexity"]) < 1e-3 * result["perplexity"]
+
+
 def test_models_lists_default():
     proc = run_cli("models")
     assert proc.returncode == 0
