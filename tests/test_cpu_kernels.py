@@ -264,6 +264,26 @@ def test_panel_gemm_blocks(bits, m, n, k, g):
     _close(ck.panel_linear(x, lin.qweight, lin.scales, lin.mins, n, bits, bias), x @ lin.dequantize().t() + bias)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 40])
+def test_panel_kernels_take_16_bit_x_in_fp32(monkeypatch, dtype, m):
+    """bf16/fp16 x (a 16-bit model on the CPU): the kernels on x in fp32, the result rounded to x's
+    dtype; never the reference, which dequantizes every weight each call (~3 s a token)."""
+    from fasterllama.quant.linear import PackedLinear
+
+    n, k, g = 70, 256, 32
+    q, s, mins = _panel_weights(n, k, g, 4, True, torch.float32)
+    lin = PackedLinear(q, s, mins, 4)
+    x, bias = torch.randn(m, k).to(dtype), torch.randn(n)
+    args = (lin.qweight, lin.scales, lin.mins, n, 4, bias)
+    want = ck.panel_linear(x.float(), *args).to(dtype), ck.panel_linear_a8(x.float(), *args).to(dtype)
+    monkeypatch.setattr(qops, "panel_linear", None)  # (the reference: a call would raise)
+    monkeypatch.setattr(qops, "panel_linear_a8", None)
+    got = ck.panel_linear(x, *args), ck.panel_linear_a8(x, *args)
+    assert [t.dtype for t in got] == [dtype, dtype]
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5, 6, 8, qops.NL4])
 @pytest.mark.parametrize("m,n,k,g,factored", [(17, 70, 256, 16, True), (300, 33, 1600, 32, False), (40, 96, 576, 576, False),
                                               (29, 40, 512, 64, False), (60, 64, 1024, 32, True),

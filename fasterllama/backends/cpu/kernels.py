@@ -192,6 +192,12 @@ def _usable(x: torch.Tensor, k: int) -> bool:
     return _lib is not None and x.dtype == torch.float32 and k % 32 == 0 and not x.requires_grad
 
 
+def _half(x: torch.Tensor) -> bool:
+    """A bf16/fp16 x the quantized-weight kernels take in fp32 (the reference would dequantize
+    every weight each call: ~3 s a token for the default model)."""
+    return _lib is not None and x.dtype in (torch.bfloat16, torch.float16) and not x.requires_grad
+
+
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
     return x.reshape(-1, k).contiguous()
 
@@ -212,7 +218,9 @@ def panel_linear(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: torch.
     """x @ W^T for W in panels (quantized.pack_panels): the GEMV kernel up to GEMV_MAX_ROWS rows,
     beyond them (prefill) the GEMM that dequantizes the panels a block at a time in cache: within
     10% of oneDNN's sgemm on the float weights (0.91-1.17x, benchmarks/quant_gemm_cpu.py) with no
-    float copy of them to make or hold."""
+    float copy of them to make or hold. 16-bit x: the kernels in fp32, the result rounded back."""
+    if _half(x):
+        return panel_linear(x.float(), qp, sp, mp, n, bits, bias, sups).to(x.dtype)
     g = qp.shape[2]
     k = qp.shape[1] * g
     if not _usable(x, k) or g % 4 != 0 or sp.dtype not in (torch.float16, torch.float32, torch.int8) or (mp is not None and mp.dtype != sp.dtype):
@@ -252,7 +260,9 @@ def panel_linear_a8(x: torch.Tensor, qp: torch.Tensor, sp: torch.Tensor, mp: tor
                     bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """quantized.panel_linear_a8 in one call: x rounded to int8 by chunk, then integer dot products
     against the panels' values (AVX-512 VNNI's vpdpbusd; AVX2's maddubs), one float multiply-add
-    per chunk for the scales."""
+    per chunk for the scales. 16-bit x: rounded from its fp32 value, the result rounded back."""
+    if _half(x):
+        return panel_linear_a8(x.float(), qp, sp, mp, n, bits, bias, sups).to(x.dtype)
     g = qp.shape[2]
     k = qp.shape[1] * g
     if not _usable(x, k) or (g != 16 and g % 32 != 0) or sp.dtype not in (torch.float16, torch.float32, torch.int8) or (mp is not None and mp.dtype != sp.dtype):
