@@ -496,13 +496,13 @@ class LLMEngine:
         logits = all_logits if gather == list(range(len(rows))) else all_logits[gather]
         if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
             self.structured.mask(logits, [(s.matcher, extra) for s, extra in row_seqs])
-        token_ids, b, _ = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
+        token_ids, _ = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         updates = []
         row = 0
         for seq, d in zip(seqs, drafts):
-            emitted = self._verify(seq, d, logits, b, row, token_ids) if d else token_ids[row : row + 1]
+            emitted = speculative.verify(d, token_ids[row : row + len(d) + 1])
             for j, tok in enumerate(emitted):
                 top = None
                 if logprobs is not None and seq.params.logprobs is not None:
@@ -573,11 +573,8 @@ class LLMEngine:
     def _propose(self) -> None:
         """Drafts for the running sequences that decode next step: as many as the proposer's k,
         the tokens the request may still emit and the context allow, cut after an end token (if it
-        holds, the sequence stops there). Under structured output a fixed guess is also cut at the
-        first token its constraint refuses (that row would emit the target's own token anyway); a
-        draft model's sampled guesses are otherwise kept whole, as the rejection rule needs them
-        (cutting after an end is exact for them too: an accepted end stops the sequence whatever
-        follows)."""
+        holds, the sequence stops there), and under structured output at the first token its
+        constraint refuses (that row would emit the model's own token anyway)."""
         seqs, limits = [], []
         for seq in self.scheduler.running:
             if seq.num_cached + 1 != seq.num_tokens:
@@ -593,22 +590,8 @@ class LLMEngine:
                 ends = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
                 cut = next((i + 1 for i, t in enumerate(drafts) if t in ends), len(drafts))
                 del drafts[cut:]
-            if seq.matcher is not None and (seq.draft_probs is None or seq.params.greedy):
+            if seq.matcher is not None:
                 del drafts[self.structured.valid_drafts(seq.matcher, drafts) :]
-
-    def _verify(self, seq: Sequence, drafts: list[int], logits: torch.Tensor, b: sampler.SamplingBatch | None, row: int,
-                token_ids: list[int]) -> list[int]:
-        """The tokens a sequence emits from its drafts and their rows' logits (module speculative)."""
-        targets = token_ids[row : row + len(drafts) + 1]
-        if seq.draft_probs is None or seq.params.greedy:  # fixed guesses: accepted while they are the target's own draws
-            n = 0
-            while n < len(drafts) and drafts[n] == targets[n]:
-                n += 1
-            return targets[: n + 1]
-        rows = slice(row, row + len(drafts) + 1)
-        p = sampler.probabilities(logits[rows], b.select(rows))
-        return speculative.rejection_sample(p, seq.draft_probs[: len(drafts)], drafts, seq.seed, len(seq.output_token_ids),
-                                            lambda probs, i: int(sampler.draw(probs[None], b.seeds[row : row + 1], b.steps[row + i : row + i + 1])[0]))
 
     def _add_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
         """Logprob of each prompt token given the ones before it (None for the first)."""
@@ -695,3 +678,4 @@ class LLMEngine:
         finally:
             self.abort(seq)
         return seq
+

@@ -2,13 +2,11 @@
 
 NgramProposer looks the sequence's last tokens up in its prompt and output; DraftModelProposer
 decodes them with a smaller model in an engine of its own. Both set each sequence's
-draft_token_ids (and draft_probs: the distributions sampled drafts were drawn from)."""
+draft_token_ids."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
-import torch
 
 from ..errors import FasterLlamaError
 from . import sampler
@@ -17,8 +15,6 @@ from .sequence import Sequence
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
-
-_DRAFT_SALT = 0x5DEECE66D  # the draft model's draws: noise independent of the target's
 
 
 class _NgramIndex:
@@ -44,7 +40,6 @@ class NgramProposer:
     def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
         for seq, k in zip(seqs, limits):
             seq.draft_token_ids = self._lookup(seq, k) if k > 0 else []
-            seq.draft_probs = None
 
     @staticmethod
     def release(seq: Sequence) -> None:
@@ -86,7 +81,9 @@ class DraftModelProposer:
     decoding them, each sequence in its own paged cache of the draft engine: first what it has not
     seen of the target's tokens (the prompt, then the tokens the last step emitted), then one
     token at a time. Greedy sequences draft the argmax; sampled ones draw from the draft's
-    distribution q (kept for the rejection rule)."""
+    distribution with the noise the model's sampler uses at that position (the sequence's seed and
+    step): where the two distributions are close, the two draws mostly agree (a Gumbel-max
+    coupling), and a draft is accepted where it is the model's own draw."""
 
     def __init__(self, draft: LLMEngine) -> None:
         self.draft = draft
@@ -102,7 +99,7 @@ class DraftModelProposer:
         engine = self.draft
         active: list[tuple[Sequence, _Shadow, int]] = []
         for seq, k in zip(seqs, limits):
-            seq.draft_token_ids, seq.draft_probs = [], None
+            seq.draft_token_ids = []
             if k <= 0:
                 continue
             if seq.seq_id not in self.shadows:
@@ -116,25 +113,21 @@ class DraftModelProposer:
             return
         self._catch_up([shadow.seq for _, shadow, _ in active])
         drafts: list[list[int]] = [[] for _ in active]
-        probs: list[list[torch.Tensor]] = [[] for _ in active]
         batch = [ScheduledSeq(shadow.seq, shadow.seq.num_tokens - shadow.seq.num_cached) for _, shadow, _ in active]
         live = list(range(len(active)))
         while live:
             logits = engine.runner.execute(batch, self._last_rows(batch))
             engine.scheduler.advance(batch)
             rows = [(active[i][0], drafts[i]) for i in live]
-            tokens, q = self._draw(logits, rows)
+            tokens, _ = sampler.next_tokens(logits, rows, self.draft.eos_token_ids)
             for j, i in enumerate(live):
                 drafts[i].append(tokens[j])
-                if q is not None:
-                    probs[i].append(q[j])
             live = [i for i in live if len(drafts[i]) < active[i][2]]
             for i in live:
                 active[i][1].seq.output_token_ids.append(drafts[i][-1])
             batch = [ScheduledSeq(active[i][1].seq, 1) for i in live]
-        for (seq, _, _), tokens, q in zip(active, drafts, probs):
+        for (seq, _, _), tokens in zip(active, drafts):
             seq.draft_token_ids = tokens
-            seq.draft_probs = torch.stack(q) if q else None
 
     def _sync(self, target: Sequence, shadow: _Shadow) -> None:
         """Make the shadow's tokens the target's: keep the drafts the target accepted, roll back
@@ -169,11 +162,6 @@ class DraftModelProposer:
             offset += item.num_tokens
             rows.append(offset - 1)
         return rows
-
-    def _draw(self, logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]]) -> tuple[list[int], torch.Tensor | None]:
-        """The draft tokens of these rows, and q (the distributions drawn from) if any row samples."""
-        tokens, _, q = sampler.next_tokens(logits, rows, self.draft.eos_token_ids, _DRAFT_SALT, with_probs=True)
-        return tokens, q
 
 
 def load_draft_model(model: str, quantization: str | None, target: LLMEngine, progress: bool) -> LLMEngine:

@@ -7,7 +7,7 @@ request gets the same tokens whatever else is in its batch."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -52,11 +52,6 @@ class SamplingBatch:
     prompt_tokens: torch.Tensor | None  # [B, Lp] padded with -1 (repetition penalty)
     output_tokens: torch.Tensor | None  # [B, Lo] padded with -1 (all penalties)
     suppress: torch.Tensor | None  # [B, V] bool, tokens banned this step (EOS before min_tokens)
-
-    def select(self, rows: slice) -> SamplingBatch:
-        """The batch of some of its rows."""
-        return SamplingBatch(*(None if t is None else t[rows] for t in (getattr(self, f.name) for f in fields(self))))
-
 
 def penalizes(p: SamplingParams) -> bool:
     """Whether the params' penalties count the tokens drawn so far (repetition, presence, frequency)."""
@@ -214,19 +209,14 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return sample_with_probs(logits, b)[0]
 
 
-def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eos_token_ids: Iterable[int], seed_salt: int = 0,
-                with_probs: bool = False) -> tuple[list[int], SamplingBatch | None, torch.Tensor | None]:
+def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eos_token_ids: Iterable[int]) -> tuple[list[int], SamplingBatch | None]:
     """The token each row draws (rows as in sampling_batch): a plain argmax where every row is
-    greedy with unprocessed logits (no per-row tensors), else sample_with_probs on the rows'
-    batch, whose seeds are xor-ed with seed_salt (another random stream: a draft model's).
-    Returns the tokens, the batch (None on the argmax path) and, if asked, the distributions."""
+    greedy with unprocessed logits (no per-row tensors), else `sample` on the rows' batch.
+    Returns the tokens and the batch (None on the argmax path)."""
     if all(s.params.greedy and plain_logits(s, len(extra)) for s, extra in rows):
-        return ops.argmax_tokens(logits), None, None
+        return ops.argmax_tokens(logits), None
     b = sampling_batch(rows, logits.shape[-1], eos_token_ids, logits.device)
-    if seed_salt:
-        b.seeds = b.seeds ^ seed_salt
-    tokens, probs = sample_with_probs(logits, b) if with_probs else (sample(logits, b), None)
-    return tokens.tolist(), b, probs
+    return sample(logits, b).tolist(), b
 
 
 def token_tensor(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int], ahead: int = 0) -> torch.Tensor:

@@ -45,7 +45,6 @@ class Sequence:
         self.num_checked = 0  # chars of text already searched for stop strings
         self.matcher = None  # structured output: the llguidance matcher of its constraint (engine/structured.py)
         self.draft_token_ids: list[int] = []  # speculative decoding: tokens proposed to follow it, verified in its next step
-        self.draft_probs: torch.Tensor | None = None  # [drafts, vocab]: the distributions sampled drafts were drawn from (None: fixed guesses)
         self.proposer_state: object = None  # what the speculative proposer keeps of it (engine/speculative.py)
         self.acceptance: object = None  # how often its drafts were accepted lately (speculative.Speculator)
 
