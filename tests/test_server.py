@@ -628,11 +628,13 @@ def test_malformed_requests_get_json_errors(server: Server) -> None:
 
 
 def test_null_fields_and_more_samples_than_seats(server_one: Server, offline: LLM) -> None:
-    """A field sent as null is as if not sent (some clients send every field); n above the
-    engine's max_num_seqs runs (in groups) rather than waiting forever for seats."""
+    """A field sent as null is as if not sent (some clients send every field), tools with
+    tool_choice "none" are no tools; n above the engine's max_num_seqs runs (in groups) rather
+    than waiting forever for seats."""
     nulls = dict.fromkeys(("stream", "n", "stream_options", "ignore_eos", "min_tokens", "skip_special_tokens", "temperature", "stop"))
     with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as client:
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": None}], "max_tokens": 2, "logprobs": None, **nulls}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi", "name": None}], "max_tokens": 2, "logprobs": None,
+                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none", **nulls}
         r = client.post("/v1/chat/completions", json=chat)
         assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "echo": None, "suffix": None, **nulls})

@@ -234,8 +234,8 @@ class ChatCompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.tools:
-            raise _refuse("tools", "tools are not supported")
+        if self.tools and self.tool_choice != "none":  # ("none": the model calls no tool, so they need no support)
+            raise _refuse("tools", "tools are not supported (only with tool_choice \"none\")")
         if self.top_logprobs is not None and not self.logprobs:
             raise _refuse("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
