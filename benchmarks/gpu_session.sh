@@ -51,9 +51,10 @@ if [ "${PROFILE:-1}" = 1 ]; then
   timeout "${PROFILE_TIMEOUT:-110}" python3 benchmarks/gpu_profile.py --cases "${PROFILE_CASES:-small bf16 b1,7b bf16 b1,7b bf16 prefill,7b w4-g32 b1,7b w4-g32+a8 b1,7b w8-g32 b1,7b w8a8 prefill}" --out "$OUT/gpu_profile.json" \
     > "$OUT/profile.log" 2>&1; grep -E '^\[|Error' "$OUT/profile.log"
 fi
-# 4. the same steps with programmatic dependent launch off: its A/B (step_us against profile.log's)
+# 4. the same steps with programmatic dependent launch off: its A/B (step_us against profile.log's); the
+# W8A8 prefill too (61,897 -> 54,668 tok/s between 11-28 and 11-30, when PDL came: is it the cause?)
 if [ "${PDL_AB:-1}" = 1 ] && [ "${FASTERLLAMA_NO_PDL:-0}" != 1 ]; then
-  FASTERLLAMA_NO_PDL=1 timeout "${PDL_AB_TIMEOUT:-60}" python3 benchmarks/gpu_profile.py --cases "${PDL_AB_CASES:-small bf16 b1,7b bf16 b1}" \
+  FASTERLLAMA_NO_PDL=1 timeout "${PDL_AB_TIMEOUT:-90}" python3 benchmarks/gpu_profile.py --cases "${PDL_AB_CASES:-small bf16 b1,7b w8a8 prefill}" \
     --out "$OUT/gpu_profile_no_pdl.json" > "$OUT/profile_no_pdl.log" 2>&1; grep -E '^\[|Error' "$OUT/profile_no_pdl.log"
 fi
 # 5. the sampler's block and chunk sizes, and its passes over the whole row against the chunks' candidates;
