@@ -51,6 +51,9 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        act = cfg.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):  # (the MLP is SwiGLU: another activation would run as SiLU, wrongly)
+            raise ModelLoadError(f"unsupported hidden_act {act!r} (supported: silu)")
         if cfg.get("sliding_window") not in (None, 0) and cfg.get("use_sliding_window", True):
             window = cfg["sliding_window"]
             if window < cfg.get("max_position_embeddings", window):

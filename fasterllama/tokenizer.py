@@ -54,12 +54,15 @@ def merges_from_scores(tokens: Sequence[str], scores: Sequence[float]) -> list[t
     return [(a, b) for a, b, _ in merges]
 
 
-def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str | None) -> BackendTokenizer:
-    """GPT-2 style byte-level BPE (LLaMA-3, SmolLM, ...)."""
+def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str | None, raw: Sequence[int] = ()) -> BackendTokenizer:
+    """GPT-2 style byte-level BPE (LLaMA-3, SmolLM, ...). A token outside the byte alphabet is
+    spelled in it, except those in `raw` (special tokens written as text, which match as added
+    tokens: DeepSeek's "<｜User｜>")."""
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
+    raw = set(raw)
     vocab = {
-        t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
+        t if set(t) <= alphabet or i in raw else "".join(spelling[b] for b in t.encode("utf-8")): i for i, t in enumerate(tokens)
     }
     merge_pairs = [tuple(m.split(" ")) for m in merges]
     tok = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
@@ -125,6 +128,8 @@ class Tokenizer:
         special = []
         for use, token in ((add_bos, self.bos_token), (add_eos, self.eos_token)):
             if use and token is not None:
+                if self.backend.token_to_id(token) is None:
+                    raise ModelLoadError(f"the tokenizer adds {token!r} to every prompt, but its vocabulary has no such token")
                 special.append((token, self.backend.token_to_id(token)))
         self.backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
         self.add_bos_token = add_bos
@@ -144,23 +149,18 @@ class Tokenizer:
             raise ModelLoadError("GGUF file has no tokenizer vocabulary")
         token_types = get("tokenizer.ggml.token_type") or []
         merges = get("tokenizer.ggml.merges")
+        added = [i for i, ty in enumerate(token_types) if ty in (_CONTROL, _USER_DEFINED)]  # (llama.cpp writes them as text)
         if kind == "gpt2":
-            backend = byte_level_bpe(tokens, merges or [], get("tokenizer.ggml.pre"))
+            backend = byte_level_bpe(tokens, merges or [], get("tokenizer.ggml.pre"), raw=added)
             add_bos_default = False
         elif kind == "llama":
             backend = sentencepiece_bpe(tokens, get("tokenizer.ggml.scores") or [0.0] * len(tokens), merges)
             add_bos_default = True
         else:
             raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
-        spelled = set(bytes_to_unicode().values()) if kind == "gpt2" else None
-        control = [
-            AddedToken(t, normalized=False, special=True)
-            for t, ty in zip(tokens, token_types)
-            if ty == _CONTROL and (spelled is None or set(t) <= spelled)
-        ]
-        backend.add_special_tokens(control)
+        backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in added if token_types[i] == _CONTROL])
         vocab = backend.get_vocab()
-        backend.add_tokens([AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, token_types) if ty == _USER_DEFINED and t in vocab])
+        backend.add_tokens([AddedToken(tokens[i], normalized=False, special=False) for i in added if token_types[i] == _USER_DEFINED and tokens[i] in vocab])
 
         def token(key: str) -> str | None:
             idx = get(f"tokenizer.ggml.{key}")
@@ -186,10 +186,9 @@ class Tokenizer:
             with open(cfg_path, encoding="utf-8") as fh:
                 cfg = json.load(fh)
         special_map_path = os.path.join(path, "special_tokens_map.json")
-        if os.path.isfile(special_map_path):
+        if os.path.isfile(special_map_path):  # (its tokens win over tokenizer_config.json's, as transformers reads them)
             with open(special_map_path, encoding="utf-8") as fh:
-                for k, v in json.load(fh).items():
-                    cfg.setdefault(k, v)
+                cfg.update(json.load(fh))
         json_path = os.path.join(path, "tokenizer.json")
         sp_path = os.path.join(path, "tokenizer.model")
         if os.path.isfile(json_path):
@@ -207,7 +206,7 @@ class Tokenizer:
         if isinstance(template, list):  # named templates: use the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
         jinja_path = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_path):
+        if os.path.isfile(jinja_path):  # (the newer place: it wins, as in transformers)
             with open(jinja_path, encoding="utf-8") as fh:
                 template = fh.read()
         add_bos = cfg.get("add_bos_token", add_bos_default)
@@ -257,9 +256,9 @@ class Tokenizer:
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise FasterLlamaError("each chat message must be a dict with 'role' and 'content'")
-        text = _compiled_template(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **kwargs
-        )
+        special = {k: v for k, v in self.special_tokens.items() if v is not None}  # (an unset token is undefined: renders as "")
+        variables = {"tools": None, "documents": None, **special, **kwargs}  # (transformers passes tools and documents, None if not given)
+        text = _compiled_template(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
@@ -280,6 +279,21 @@ def _sentencepiece_file_backend(path: str) -> BackendTokenizer:
     return backend
 
 
+def _generation_tag() -> type:
+    """`{% generation %}...{% endgeneration %}` (transformers' marker of the assistant's tokens, for
+    training masks): rendered as its body."""
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return GenerationTag
+
+
 @lru_cache(maxsize=8)
 def _compiled_template(source: str) -> Any:
     from jinja2 import TemplateError
@@ -292,7 +306,7 @@ def _compiled_template(source: str) -> Any:
     def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _generation_tag()])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -93,6 +93,16 @@ def test_sliding_window_rejected(tmp_path):
         open_checkpoint(str(tmp_path))
 
 
+def test_other_activation_rejected(tmp_path):
+    """hidden_act other than SiLU: refused (it ran as SiLU: other logits, no error)."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
+        "intermediate_size": 16, "vocab_size": 10, "hidden_act": "gelu",
+    }))
+    with pytest.raises(ModelLoadError, match="hidden_act 'gelu'"):
+        open_checkpoint(str(tmp_path))
+
+
 def _anon_huge_kb(address: int) -> int | None:
     """AnonHugePages of the mapping of this process that holds `address` (None: not found)."""
     inside = False

@@ -103,6 +103,77 @@ def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
 
+def test_gguf_special_tokens_outside_the_byte_alphabet(tmp_path):
+    """A byte-level vocabulary whose special tokens llama.cpp wrote as text outside GPT-2's byte
+    alphabet (DeepSeek-R1-Distill-Llama's "<｜begin▁of▁sentence｜>", "<｜User｜>"): each keeps its
+    own id, matched in text, BOS added where the file says (they were spelled in bytes and lost)."""
+    import tiny_models as tm
+
+    tokens, merges = tm.tiny_vocab(300)
+    extra = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
+    tokens = tokens + extra
+    path = tmp_path / "ds.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([1] * (len(tokens) - 4) + [3, 3, 4, 4])
+    w.add_bos_token_id(len(tokens) - 4)
+    w.add_eos_token_id(len(tokens) - 3)
+    w.add_add_bos_token(True)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = Tokenizer.from_gguf(dict(gguf.GGUFReader(str(path)).fields))
+    bos, eos, user, assistant = range(len(tokens) - 4, len(tokens))
+    assert (tok.bos_token_id, tok.eos_token_id) == (bos, eos)
+    ids = tok.encode("<｜User｜>ab<｜Assistant｜>ba<｜end▁of▁sentence｜>")
+    assert ids[:2] == [bos, user] and ids[-1] == eos and assistant in ids and len(ids) <= 9
+    assert tok.decode(ids, skip_special_tokens=True) == "<｜User｜>ab<｜Assistant｜>ba"
+
+
+def test_folder_templates_render_as_transformers_does(tmp_path):
+    """Against transformers on tiny tokenizer folders: chat_template.jinja wins over
+    tokenizer_config.json's template, special_tokens_map.json over tokenizer_config.json's tokens,
+    tools/documents are None when not given, an unset token renders as "", and
+    {% generation %} blocks render their body."""
+    import shutil
+
+    from tiny_models import add_chat_template, save_tokenizer
+
+    msgs = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]
+    template = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{% if tools is not none %}[T]{{ tools|tojson }}{% endif %}"
+                "{% if documents is not none %}[D]{% endif %}[INST] {{ m.content }}[/INST]{% else %}{% generation %}{{ m.content }}"
+                "{% endgeneration %}{{ eos_token }}{% endif %}{% endfor %}|pad={{ pad_token }}")
+    cases = {}
+    folder = str(tmp_path / "jinja")
+    save_tokenizer(folder, 320)
+    add_chat_template(folder, "OLD")
+    with open(os.path.join(folder, "chat_template.jinja"), "w", encoding="utf-8") as fh:
+        fh.write(template)
+    cases["jinja"] = folder
+    folder = str(tmp_path / "special_map")
+    shutil.copytree(cases["jinja"], folder)
+    for name, change in (("special_tokens_map.json", {"eos_token": "<unk>"}), ("tokenizer_config.json", {})):
+        with open(os.path.join(folder, name), encoding="utf-8") as fh:
+            cfg = json.load(fh)
+        cfg.update(change)
+        cfg.pop("pad_token", None)
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as fh:
+            json.dump(cfg, fh)
+    cases["special_map"] = folder
+    for name, folder in cases.items():
+        hf, ours = transformers.AutoTokenizer.from_pretrained(folder), Tokenizer.from_folder(folder)
+        assert (ours.eos_token, ours.eos_token_id) == (hf.eos_token, hf.eos_token_id), name
+        for kwargs in ({}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
+            want = hf.apply_chat_template(msgs, tokenize=False, **kwargs)
+            assert ours.apply_chat_template(msgs, add_generation_prompt=False, **kwargs) == want, name
+            assert "[INST] Hi[/INST]Yo" in want and "[D]" not in want
+
+
 def test_tokenizer_json_folder(default_llm, hf_tokenizer, tmp_path):
     """The default model's tokenizer saved as a HF folder (tokenizer.json + config) loads identically."""
     hf_tok = hf_tokenizer
