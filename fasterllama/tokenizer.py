@@ -77,12 +77,13 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str | None
     return tok
 
 
-def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], merges: Sequence[str] | None = None) -> BackendTokenizer:
-    """LLaMA-1/2 style sentencepiece BPE with byte fallback, as HF's LlamaTokenizer builds it."""
+def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], merges: Sequence[str] | None = None, legacy: bool = False) -> BackendTokenizer:
+    """LLaMA-1/2 style sentencepiece BPE with byte fallback, as HF's LlamaTokenizer builds it
+    (legacy: as its "legacy": true builds it, with "▁" before the text after each special token)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     merge_pairs = [tuple(m.split(" ")) for m in merges] if merges else merges_from_scores(tokens, scores)
     tok = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=True, byte_fallback=True, unk_token=tokens[0] if tokens else None))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always" if legacy else "first", split=False)
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
     )
@@ -198,7 +199,7 @@ class Tokenizer:
                 raise ModelLoadError(f"{json_path}: cannot read tokenizer ({e})") from None
             add_bos_default = None
         elif os.path.isfile(sp_path):
-            backend = _sentencepiece_file_backend(sp_path)
+            backend = _sentencepiece_file_backend(sp_path, legacy=cfg.get("legacy") is True)
             add_bos_default = True
         else:
             raise ModelLoadError(f"{path}: no tokenizer.json or tokenizer.model")
@@ -262,7 +263,7 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _sentencepiece_file_backend(path: str) -> BackendTokenizer:
+def _sentencepiece_file_backend(path: str, legacy: bool) -> BackendTokenizer:
     """tokenizer.model (sentencepiece BPE) -> the same BPE + byte fallback HF converts it to."""
     import sentencepiece as spm
 
@@ -272,7 +273,7 @@ def _sentencepiece_file_backend(path: str) -> BackendTokenizer:
         raise ModelLoadError(f"{path}: cannot read sentencepiece model ({e})") from None
     tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     scores = [sp.get_score(i) for i in range(sp.get_piece_size())]
-    backend = sentencepiece_bpe(tokens, scores)
+    backend = sentencepiece_bpe(tokens, scores, legacy=legacy)
     backend.add_special_tokens(
         [AddedToken(tokens[i], normalized=False, special=True) for i in range(len(tokens)) if sp.is_control(i) or sp.is_unknown(i)]
     )

@@ -59,16 +59,19 @@ def _assert_same(ours: Tokenizer, hf) -> None:
         assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), s
 
 
-def test_tokenizer_model_folder(sp_model, tmp_path):
+@pytest.mark.parametrize("legacy", [None, True, False])
+def test_tokenizer_model_folder(sp_model, tmp_path, legacy):
+    """A tokenizer.model folder; "legacy": true puts "▁" before the text after each special token."""
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "tokenizer.model").write_bytes(open(sp_model, "rb").read())
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer", "chat_template": LLAMA2_TEMPLATE}
-    ))
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer", "chat_template": LLAMA2_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg if legacy is None else {**cfg, "legacy": legacy}))
     hf = transformers.AutoTokenizer.from_pretrained(str(folder))
     ours = Tokenizer.from_folder(str(folder))
     _assert_same(ours, hf)
+    for text in ("<s>[INST] Hello", "Hi</s>there", "a</s> b<s>c"):
+        assert ours.encode(text) == hf(text)["input_ids"], text
     assert ours.encode("x")[0] == 1  # BOS
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
