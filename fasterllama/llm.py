@@ -135,18 +135,26 @@ class RequestOutput:
 
 class TextStream:
     """One request's text deltas, produced by stepping the engine as they are read; `output`
-    (a RequestOutput) is set when the iteration ends, or is abandoned (then finish_reason abort)."""
+    (a RequestOutput) is set when the iteration ends, or is abandoned (then finish_reason abort).
+    Each delta is the text the sequence has settled since the last one, whoever stepped the engine
+    meanwhile (another stream, generate, compute_logits)."""
 
     def __init__(self, engine: LLMEngine, prompt: Prompt, seq: Sequence) -> None:
         self.engine, self.prompt, self.seq = engine, prompt, seq
         self.output: RequestOutput | None = None
+        self.shown = 0  # characters of the text yielded (a second iteration goes on from there)
 
     def __iter__(self) -> Iterator[str]:
         try:
-            while not self.seq.is_finished:
-                for update in self.engine.step():
-                    if update.seq is self.seq and update.text_delta:
-                        yield update.text_delta
+            while True:
+                settled = self.seq.num_emitted  # (the engine's end of the text that cannot change any more)
+                if settled > self.shown:
+                    yield self.seq.text[self.shown : settled]
+                    self.shown = settled
+                    continue  # (others may have stepped the engine meanwhile)
+                if self.seq.is_finished:
+                    break
+                self.engine.step()
         finally:
             self.engine.abort(self.seq)
             self.output = RequestOutput.from_sequences(self.prompt, [self.seq])

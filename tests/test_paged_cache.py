@@ -308,6 +308,35 @@ def test_more_samples_than_seats_run_in_groups(tiny_folder):
     assert llm.engine.blocks.num_used == 0
 
 
+def test_compute_logits_and_streams_beside_preempting_requests(tiny_folder):
+    """compute_logits while a stream runs in a cache so small that sequences are preempted (its
+    rows once each, not again after every recompute), and streams read in turns, with
+    compute_logits between: each stream yields all its text (it yielded only the pieces of the
+    steps it ran itself)."""
+    roomy = _llm(tiny_folder)
+    per_block = roomy.engine.kv_cache.bytes_per_block(roomy.engine.config, 8, torch.float32)
+    tight = LLM(tiny_folder, progress=False, block_size=8, kv_cache_memory=40 * per_block, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    prompts = [[(3 * i) % 300 + 10 for i in range(100)], [(5 * i) % 300 + 10 for i in range(60)]]
+    want = [o.text for o in roomy.generate(prompts, params)]
+    probe = [(7 * i) % 300 + 10 for i in range(250)]
+    readers = [iter(tight.stream(p, params)) for p in prompts]
+    got, live, rounds = ["", ""], [0, 1], 0
+    while live:
+        for k in list(live):
+            try:
+                got[k] += next(readers[k])
+            except StopIteration:
+                live.remove(k)
+        rounds += 1
+        if rounds == 2:
+            logits = tight.compute_logits(probe)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
+    assert torch.allclose(logits, roomy.compute_logits(probe), atol=1e-4)
+    assert tight.engine.blocks.num_used == 0
+
+
 def test_compute_logits_is_a_request_like_others(tiny_folder):
     """compute_logits runs through the scheduler beside running requests: chunked by the token
     budget, nothing taken from the prefix cache, its blocks freed after, the others unaffected."""

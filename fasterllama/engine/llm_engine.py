@@ -470,6 +470,8 @@ class LLMEngine:
         for item, first in prompt_rows:
             rows_logits = all_logits[first : first + item.num_tokens]
             if item.seq.prompt_logits is not None:
+                if starts[id(item)] == 0:  # (computed again from the start: preempted meanwhile)
+                    item.seq.prompt_logits.clear()
                 item.seq.prompt_logits.append(rows_logits.clone())
             if item.seq.params.prompt_logprobs is not None:
                 self._add_prompt_logprobs(item.seq, starts[id(item)], rows_logits)
