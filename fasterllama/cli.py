@@ -173,6 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if prompt is None or prompt == "-":
         _tolerant_stdin()
         prompt = sys.stdin.read()
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt  # (echo's line end: the same prompt as the argument)
     if not prompt:
         raise FasterLlamaError("empty prompt")
     llm = _load(args)

@@ -43,6 +43,8 @@ def test_generate_streams_greedy_text(default_llm):
     assert proc.returncode == 0, proc.stderr
     expected = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].text
     assert proc.stdout == expected + "\n"
+    piped = run_cli("generate", "-q", "--temperature", "0", "--max-tokens", "16", "--ignore-eos", stdin="The capital of France is\n")  # (echo's)
+    assert piped.returncode == 0 and piped.stdout == proc.stdout, piped.stderr
 
 
 @needs_model
