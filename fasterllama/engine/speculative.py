@@ -11,9 +11,9 @@ samples alike, however many tokens were drafted (the choice follows timings and 
 Drafts only decide the speed. Prompt lookup's are fixed guesses. A draft model's, for a sampled
 sequence, are drawn from its own distribution q with the noise the target's sampler uses at that
 position (an exponential race: Gumbel-max); where q is close to the target's p the two draws
-mostly agree (a Gumbel coupling: in a simulation 90-96% of the acceptance of the standard
-rejection rule, whose outputs are the target's distribution but not its seeded tokens, and change
-with the number drafted).
+mostly agree (a Gumbel coupling: 86-96% of the acceptance of the standard rejection rule in
+benchmarks/speculative_coupling.py's simulation; that rule keeps the target's distribution but
+not its seeded tokens, which then change with the number drafted).
 
 Rejected drafts' K/V were written to slots past the sequence's cached tokens: they are never
 counted as cached (Scheduler.accept counts the accepted ones), so later tokens overwrite them and
