@@ -228,6 +228,18 @@ def test_a_dead_or_hung_worker_is_a_clear_error(paths, monkeypatch, how: str) ->
     _wait_gone(workers, 15)
 
 
+def test_a_worker_exiting_before_it_joins_is_a_clear_error(paths, tmp_path) -> None:
+    """A script without the `__main__` guard: its spawned worker dies importing it, and rank 0
+    says so at once (it waited in the group's rendezvous forever)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(f"from fasterllama import LLM\nLLM({paths['gqa']!r}, tensor_parallel_size=2, progress=False)\nprint('loaded')\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "loaded" not in proc.stdout
+    assert "rank 1 exited with code 1 before joining" in proc.stderr and "__main__" in proc.stderr
+    assert time.monotonic() - start < 60
+
+
 def test_tensor_parallel_cli_and_no_process_left(paths, tmp_path) -> None:
     """`fasterllama generate --tensor-parallel-size 2` prints what one process prints; its workers
     are gone when it exits, and Ctrl-C (SIGINT) ends every process."""

@@ -101,11 +101,28 @@ def start(size: int, device: torch.device, engine_kwargs: dict[str, Any]) -> tup
     for p in workers.processes:
         p.start()
     try:
+        _wait_until_up(store, workers)
         group = TPGroup(0, size, Rendezvous("127.0.0.1", store.port, _timeout()), rank_device(device, 0), store)
     except BaseException:
         workers.stop(0)
         raise
     return group, workers
+
+
+def _wait_until_up(store: dist.TCPStore, workers: Workers, timeout: float = 300.0) -> None:
+    """Until every spawned worker has said it runs (a key in the store): one that exits before (a
+    script without the `__main__` guard, whose import spawns again; an import error) fails here,
+    where the group's rendezvous would wait for it forever."""
+    keys = [f"up/{rank}" for rank in range(1, len(workers.processes) + 1)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        dead = workers.describe_failures(grace=0)
+        if dead:
+            raise FasterLlamaError(f"tensor-parallel worker {dead} before joining (a script that makes an LLM with tensor_parallel_size > 1 "
+                                   "needs the `if __name__ == \"__main__\":` guard; the worker's error is above)")
+        if time.monotonic() > deadline:
+            raise FasterLlamaError(f"tensor-parallel workers did not start within {timeout:.0f} s")
+        multiprocessing.connection.wait([p.sentinel for p in workers.processes], timeout=0.05)
 
 
 def _die_with_parent() -> None:
@@ -125,7 +142,9 @@ def _worker_main(rank: int, size: int, port: int, threads: int, timeout: float, 
 
     device = rank_device(torch.device(device_type), rank)
     try:
-        group = TPGroup(rank, size, Rendezvous("127.0.0.1", port, timeout), device)
+        store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=300))
+        store.set(f"up/{rank}", "1")  # (rank 0 waits for it before the group's rendezvous: _wait_until_up)
+        group = TPGroup(rank, size, Rendezvous("127.0.0.1", port, timeout), device, store)
         engine = LLMEngine(**{**engine_kwargs, "device": str(device), "progress": False})
         engine.join_tensor_parallel(group)
         engine.runner.run_worker()
