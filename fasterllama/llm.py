@@ -143,8 +143,12 @@ class TextStream:
         self.engine, self.prompt, self.seq = engine, prompt, seq
         self.output: RequestOutput | None = None
         self.shown = 0  # characters of the text yielded (a second iteration goes on from there)
+        self.queued = False
 
     def __iter__(self) -> Iterator[str]:
+        if not self.queued:  # queued when first read: a stream never read costs nothing
+            self.engine.scheduler.add(self.seq)
+            self.queued = True
         try:
             while True:
                 settled = self.seq.num_emitted  # (the engine's end of the text that cannot change any more)
@@ -273,7 +277,9 @@ class LLM:
         batch = prompt_list(prompt)
         if len(batch) != 1:
             raise FasterLlamaError(f"stream takes one prompt (a string or a list of token ids), got {len(batch)} prompts")
-        return TextStream(self.engine, batch[0], self.engine.add_request(batch[0], params))
+        if params is not None and isinstance(params, SamplingParams) and (params.n > 1 or params.beam_width > 1):
+            raise FasterLlamaError("stream yields one sequence's text: n must be 1 and beam search does not stream (use generate)")
+        return TextStream(self.engine, batch[0], self.engine.new_sequence(batch[0], params))
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Token ids of one conversation rendered by the model's chat template (messages checked)."""

@@ -81,7 +81,7 @@ def _check_list(name: str, value: Any, single: type | None, allowed: str) -> lis
 class SamplingParams:
     max_tokens: int = 256
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # 0 (or -1) = off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -111,7 +111,8 @@ class SamplingParams:
         """Check every field's type and range, normalizing numbers (numpy ints -> int, 0 -> 0.0)."""
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
         self.temperature = _check_real("temperature", self.temperature, "a finite number >= 0 (0 = greedy)", lambda x: x >= 0)
-        self.top_k = _check_int("top_k", self.top_k, 0, _INT32_MAX, " (0 = off)")
+        self.top_k = _check_int("top_k", self.top_k, -1, _INT32_MAX, " (0 or -1 = off)")
+        self.top_k = max(self.top_k, 0)  # (-1: vLLM's off)
         self.top_p = _check_real("top_p", self.top_p, "a number in (0, 1]", lambda x: 0 < x <= 1)
         self.min_p = _check_real("min_p", self.min_p, "a number in [0, 1]", lambda x: 0 <= x <= 1)
         self.repetition_penalty = _check_real("repetition_penalty", self.repetition_penalty, "a finite number > 0 (1 = off)", lambda x: x > 0)

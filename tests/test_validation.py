@@ -102,6 +102,42 @@ def test_bad_params_and_stream_prompts(llm: LLM) -> None:
         list(llm.stream(None, GREEDY))
     with pytest.raises(FasterLlamaError, match="stream takes one prompt"):
         list(llm.stream(["a", "b"], GREEDY))
+    for params in (SamplingParams(n=2), SamplingParams(beam_width=2)):  # (it streamed one plain sample)
+        with pytest.raises(FasterLlamaError, match="n must be 1 and beam search does not stream"):
+            llm.stream("hi", params)
+
+
+def test_stream_never_read_costs_nothing(llm: LLM) -> None:
+    """A stream is queued when first read: one made and dropped is not decoded by the next call."""
+    engine = llm.engine
+    stream = llm.stream([5, 3, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+    assert not engine.has_unfinished()
+    steps = []
+    real_step = engine.step
+    engine.step = lambda: steps.append(1) or real_step()  # type: ignore[method-assign]
+    try:
+        llm.generate([[7, 8]], SamplingParams(temperature=0, max_tokens=2))
+    finally:
+        engine.step = real_step  # type: ignore[method-assign]
+    assert len(steps) <= 3
+    reader = iter(stream)
+    assert next(reader) and engine.has_unfinished()
+    reader.close()  # (abandoned: aborted)
+    assert not engine.has_unfinished() and engine.blocks.num_used == 0 and stream.output.finish_reason == "abort"
+
+
+def test_min_tokens_holds_stop_strings_back(llm: LLM) -> None:
+    """No stop string ends a sequence before min_tokens (as EOS and stop ids), as in vLLM; one
+    whose text ended before min_tokens is not found later."""
+    free = llm.generate([[5, 3, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    first = llm.tokenizer.decode(free.token_ids[:1])
+    assert first
+    stop = first[-1]
+    cut = llm.generate([[5, 3, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert len(cut.token_ids) == 1 and cut.finish_reason == "stop"
+    held = llm.generate([[5, 3, 7]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=4))[0]
+    assert len(held.token_ids) >= 4 and held.token_ids[:4] == free.token_ids[:4]
+    assert held.text.startswith(llm.tokenizer.decode(free.token_ids[:3]))
 
 
 # -- 4: SamplingParams -------------------------------------------------------------------------
@@ -117,7 +153,7 @@ def test_bad_params_and_stream_prompts(llm: LLM) -> None:
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 10.0}, "max_tokens"),
         ({"max_tokens": "10"}, "max_tokens"),
-        ({"top_k": -1}, "top_k"),
+        ({"top_k": -2}, "top_k"),
         ({"top_k": 2.5}, "top_k"),
         ({"top_k": 2**40}, "top_k"),
         ({"top_p": 0}, "top_p must be a number in (0, 1]"),
@@ -175,6 +211,7 @@ def test_sampling_params_valid_values_still_work() -> None:
     assert p.stop_token_ids == [2] and type(p.stop_token_ids[0]) is int and p.seed == -3
     assert SamplingParams(beam_width=4, n=4, early_stopping=True, length_penalty=-0.5).n == 4
     assert SamplingParams(temperature=2, presence_penalty=-2, frequency_penalty=2, min_p=1, top_p=1).temperature == 2.0
+    assert SamplingParams(top_k=-1).top_k == 0  # (vLLM's "off")
 
 
 # -- 5, 8: LLM arguments -----------------------------------------------------------------------
@@ -186,6 +223,11 @@ def test_llm_arguments(model_path: str) -> None:
         LLM(model=model_path, max_model_len=100_000, progress=False)
     assert "100000" in str(info.value) and "512" in str(info.value)
     assert LLM(model=pathlib.Path(model_path), max_model_len=512, progress=False).engine.max_model_len == 512
+    for kwargs, fragment in (({"enable_prefix_caching": "false"}, "enable_prefix_caching must be True or False"),
+                             ({"progress": "no"}, "progress must be True or False"), ({"dtype": ["x"]}, "unknown dtype"),
+                             ({"kv_cache_memory": "1000TiB"}, "kv_cache_memory of 1024000.0 GiB exceeds")):
+        with pytest.raises(FasterLlamaError, match=fragment):
+            LLM(model=model_path, **{"progress": False, **kwargs})
 
 
 # -- 6: chat messages --------------------------------------------------------------------------

@@ -110,18 +110,29 @@ class BeamSearch:
             for st in states:
                 for s in st.seqs:
                     blocks.free(s)
-        tok = engine.tokenizer
         out = []
         for st in states:
             ranked = sorted(st.finished, key=lambda f: -f[0])[: params.n]
-            out.append([BeamHypothesis(t, _before_stop(tok.decode(t, skip_special_tokens=params.skip_special_tokens), params.stop), lp, sc, reason)
-                        for sc, lp, t, reason in ranked])
+            out.append([BeamHypothesis(t, self._text(t, params), lp, sc, reason) for sc, lp, t, reason in ranked])
         return out
 
-    def _stops(self, tokens: list[int], p: SamplingParams) -> bool:
-        """Whether a beam's text holds one of the stop strings (which may span tokens)."""
-        text = self.engine.tokenizer.decode(tokens, skip_special_tokens=p.skip_special_tokens)
-        return any(s in text for s in p.stop)
+    def _stop_at(self, tokens: list[int], p: SamplingParams) -> tuple[str, int | None]:
+        """A beam's text and where its first stop string starts (None: nowhere), of those ending
+        past min_tokens' first tokens, as a sampled sequence searches them."""
+        decode = self.engine.tokenizer.decode
+        text = decode(tokens, skip_special_tokens=p.skip_special_tokens)
+        if not p.stop:
+            return text, None
+        start = 0
+        if p.min_tokens > 1:
+            start = max(0, len(decode(tokens[: p.min_tokens - 1], skip_special_tokens=p.skip_special_tokens)) - max(map(len, p.stop)) + 1)
+        hits = [i for s in p.stop if (i := text.find(s, start)) >= 0]
+        return text, min(hits) if hits else None
+
+    def _text(self, tokens: list[int], p: SamplingParams) -> str:
+        """A hypothesis' text, cut before its stop string (the sampler's outputs end there too)."""
+        text, cut = self._stop_at(tokens, p)
+        return text if cut is None else text[:cut]
 
     def _advance(self, st: _BeamState, logits: torch.Tensor, p: SamplingParams) -> None:
         """One beam step for one prompt (HF's top-k continuations / running / finished update)."""
@@ -146,7 +157,8 @@ class BeamSearch:
             true_lp = lp.reshape(-1)[flat]
         beam_l, token_l, true_l = beam.tolist(), token.tolist(), true_lp.tolist()
         new_len = cur_len + 1
-        reasons = [("stop" if t in ends or (p.stop and self._stops(st.tokens[b] + [t], p)) else "length" if new_len >= st.max_length else None)
+        strings = p.stop and new_len - prompt_len >= p.min_tokens  # (stop strings count from min_tokens on, as in sampling)
+        reasons = [("stop" if t in ends or (strings and self._stop_at(st.tokens[b] + [t], p)[1] is not None) else "length" if new_len >= st.max_length else None)
                    for b, t in zip(beam_l, token_l)]
         hits = torch.tensor([r is not None for r in reasons])
 
@@ -183,8 +195,3 @@ class BeamSearch:
         open_beam = not (all_finished and p.early_stopping is True)
         st.done = not (st.improvable and open_beam and not bool(hits.all())) or new_len >= st.max_length
 
-
-def _before_stop(text: str, stops: list[str]) -> str:
-    """The text up to its first stop string (the sampler's outputs end there too)."""
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    return text[: min(hits)] if hits else text

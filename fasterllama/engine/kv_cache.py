@@ -76,7 +76,10 @@ def num_blocks_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, m
         budget = int(free_memory(device) * DEFAULT_GPU_FRACTION) if device.type == "cuda" else DEFAULT_CPU_MEMORY
         return max(blocks_per_seq, min(budget // per_block, max_num_seqs * blocks_per_seq))
     memory = parse_memory(memory)
+    free = free_memory(device, with_swap=True)
     budget = int(free_memory(device) * memory) if isinstance(memory, float) else memory
+    if free is not None and budget > free:  # (a host allocation this large may succeed, and fail when the cache fills)
+        raise FasterLlamaError(f"kv_cache_memory of {budget / 2**30:.1f} GiB exceeds the {free / 2**30:.1f} GiB free on {device.type}")
     if budget < per_block:
         raise FasterLlamaError(f"kv_cache_memory of {budget} bytes is less than one KV cache block ({per_block} bytes: "
                                f"{block_size} tokens x {cfg.num_layers} layers)")

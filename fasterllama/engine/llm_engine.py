@@ -99,9 +99,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, backend: Backend) -> torch.dt
         if dtype not in _DTYPES.values():
             raise FasterLlamaError(f"unsupported dtype {dtype}")
         return dtype
-    if dtype in (None, "auto"):
+    if dtype is None or dtype == "auto":
         return backend.default_dtype
-    if dtype not in _DTYPES:
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise FasterLlamaError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
     return _DTYPES[dtype]
 
@@ -179,6 +179,9 @@ class LLMEngine:
         the machine's threads divided between them), or over every process of a torchrun launch.
         speculative_config: speculative decoding (engine/speculative.py), off by default."""
         _check_limits(max_num_seqs, max_num_batched_tokens, block_size)
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("progress", progress)):
+            if not isinstance(flag, bool):  # ("false" would be true)
+                raise FasterLlamaError(f"{name} must be True or False, got {flag!r}")
         spec = speculative.SpeculativeConfig.parse(speculative_config)
         if spec is not None and spec.model is not None:
             resolve_model_path(spec.model)  # a missing draft model fails before the model loads
@@ -300,7 +303,11 @@ class LLMEngine:
             log.warning("the KV cache holds %d tokens: the context (max_model_len) is %d, not %d; raise kv_cache_memory for more",
                         num_blocks * block_size, num_blocks * block_size, self.max_model_len)
             self.max_model_len, self.context_set_by_cache = num_blocks * block_size, True
-        self.kv_cache = KVCache(cache_cfg, num_blocks, block_size, self.dtype, self.device)
+        try:
+            self.kv_cache = KVCache(cache_cfg, num_blocks, block_size, self.dtype, self.device)
+        except (RuntimeError, MemoryError) as e:  # (torch's allocators: "can't allocate memory", CUDA out of memory)
+            raise FasterLlamaError(f"cannot allocate the KV cache ({num_blocks * KVCache.bytes_per_block(cache_cfg, block_size, self.dtype) / 2**30:.1f} GiB"
+                                   f" for {num_blocks * block_size} tokens): lower kv_cache_memory ({str(e).splitlines()[0]})") from None
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, max_num_seqs, self.max_model_len, group, self._whole_step_decode)
         self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_blocks, prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
@@ -379,11 +386,15 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, sample_index: int = 0) -> Sequence:
         """Queue one sequence; sample_index picks an independent random stream for each of n samples."""
-        params = self._check_params(params)
-        ids = self.encode_prompt(prompt)
-        seq = Sequence(ids, params, self.tokenizer, self._seed(params, sample_index))
-        seq.matcher = self.structured.matcher(params)
+        seq = self.new_sequence(prompt, params, sample_index)
         self.scheduler.add(seq)
+        return seq
+
+    def new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None, sample_index: int = 0) -> Sequence:
+        """One sequence, its prompt and params checked, not queued yet (add_request queues it)."""
+        params = self._check_params(params)
+        seq = Sequence(self.encode_prompt(prompt), params, self.tokenizer, self._seed(params, sample_index))
+        seq.matcher = self.structured.matcher(params)
         return seq
 
     def add_group(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> list[Sequence]:
@@ -615,7 +626,10 @@ class LLMEngine:
         if seq.matcher is not None and self.structured.advance(seq.matcher, tok):
             reason = "stop"  # the constraint is complete
         if p.stop and seq.text:  # (also on the token that completes a constraint: the text still ends before a stop string)
-            reason = self._truncate_at_stop(seq) or reason
+            if len(seq.output_token_ids) >= p.min_tokens:
+                reason = self._truncate_at_stop(seq) or reason
+            else:  # no stop string before min_tokens (as vLLM): the text so far is not searched again
+                seq.num_checked = len(seq.text)
         if reason is None:
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = "stop"
