@@ -16,10 +16,11 @@ from .engine.llm_engine import LLMEngine, check_text
 from .engine.sequence import Sequence
 from .errors import FasterLlamaError
 from .sampling_params import SamplingParams
+from .tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # (developer: OpenAI's newer name for system)
 
 
 def _kind(value: object) -> str:
@@ -55,13 +56,22 @@ def prompt_list(prompts: object) -> list[Prompt]:
     return list(prompts)
 
 
+def _either(params: object, sampling_params: object) -> Any:
+    """params, or vLLM's name for it, sampling_params (not both)."""
+    if params is not None and sampling_params is not None:
+        raise FasterLlamaError("give params or sampling_params, not both")
+    return params if sampling_params is None else sampling_params
+
+
 def check_messages(messages: object) -> list[dict[str, Any]]:
-    """One conversation: a non-empty list of {"role": ..., "content": str} dicts. Checked here so
-    a missing content or an unknown role is one clear error, not a KeyError in the chat template."""
+    """One conversation: a non-empty list of {"role": ..., "content": str} dicts (content may be
+    OpenAI's list of text parts, joined; role "developer" is "system"). Checked here so a missing
+    content or an unknown role is one clear error, not a KeyError in the chat template."""
     if not isinstance(messages, (list, tuple)):
         raise FasterLlamaError(f"a conversation must be a list of message dicts, got {_kind(messages)}")
     if not messages:
         raise FasterLlamaError("a conversation must have at least one message, got an empty list")
+    checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise FasterLlamaError(f"message {i} must be a dict with 'role' and 'content', got {_kind(m)}")
@@ -70,10 +80,14 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
             raise FasterLlamaError(f"message {i}: role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
         if "content" not in m:
             raise FasterLlamaError(f"message {i} ({role}) has no 'content'")
-        if not isinstance(m["content"], str):
-            raise FasterLlamaError(f"message {i} ({role}): content must be a string, got {_kind(m['content'])}")
-        check_text(m["content"], f"message {i} ({role})")
-    return list(messages)
+        content = m["content"]
+        if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)  # OpenAI's content parts, text only
+        if not isinstance(content, str):
+            raise FasterLlamaError(f"message {i} ({role}): content must be a string (or a list of text parts), got {_kind(m['content'])}")
+        check_text(content, f"message {i} ({role})")
+        checked.append({**m, "role": "system" if role == "developer" else role, "content": content})
+    return checked
 
 
 @dataclass
@@ -224,8 +238,12 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); one output per prompt."""
+        """Generate for every prompt (a string or a list of token ids); one output per prompt.
+        sampling_params: vLLM's name for params."""
+        params = _either(params, sampling_params)
         prompts = prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
@@ -271,9 +289,10 @@ class LLM:
             outs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outputs))
         return outs
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> TextStream:
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, sampling_params: SamplingParams | None = None) -> TextStream:
         """Generate for one prompt: iterate the result for text deltas as they become printable;
         its `output` is the RequestOutput once the iteration has ended."""
+        params = _either(params, sampling_params)
         batch = prompt_list(prompt)
         if len(batch) != 1:
             raise FasterLlamaError(f"stream takes one prompt (a string or a list of token ids), got {len(batch)} prompts")
@@ -281,20 +300,34 @@ class LLM:
             raise FasterLlamaError("stream yields one sequence's text: n must be 1 and beam search does not stream (use generate)")
         return TextStream(self.engine, batch[0], self.engine.new_sequence(batch[0], params))
 
-    def chat_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Token ids of one conversation rendered by the model's chat template (messages checked)."""
-        return self.tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=True, tokenize=True)
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of one conversation rendered by the model's chat template (messages checked);
+        chat_template_kwargs: more variables for the template (tools, enable_thinking...)."""
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise FasterLlamaError(f"chat_template_kwargs must be a dict, got {_kind(chat_template_kwargs)}")
+        return self.tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=bool(add_generation_prompt), tokenize=True,
+                                                  **(chat_template_kwargs or {}))
 
     def chat(
         self,
         messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        *,
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+        """Apply the model's chat template to one conversation (or a list of them) and generate
+        (the keywords as vLLM's LLM.chat takes them)."""
         if not isinstance(messages, (list, tuple)):
             raise FasterLlamaError(f"messages must be a list of message dicts (or a list of such lists), got {_kind(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.chat_prompt(c) for c in conversations], params)
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, _either(params, sampling_params))
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (vLLM's name; also `llm.tokenizer`)."""
+        return self.tokenizer
 
     def compute_logits(self, token_ids: Seq[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] at every position of one token sequence."""

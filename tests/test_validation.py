@@ -235,9 +235,10 @@ def test_llm_arguments(model_path: str) -> None:
     "messages,fragment",
     [
         ([{"role": "user"}], "message 0 (user) has no 'content'"),
-        ([{"role": "system", "content": "s"}, {"role": "user", "content": None}], "message 1 (user): content must be a string, got None"),
-        ([{"role": "user", "content": ["hi"]}], "content must be a string, got list"),
-        ([{"role": "robot", "content": "hi"}], "role must be one of system, user, assistant, tool, got 'robot'"),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": None}], "message 1 (user): content must be a string (or a list of text parts), got None"),
+        ([{"role": "user", "content": ["hi"]}], "content must be a string (or a list of text parts), got list"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "got list"),
+        ([{"role": "robot", "content": "hi"}], "role must be one of system, developer, user, assistant, tool, got 'robot'"),
         ([{"content": "hi"}], "role must be one of"),
         ([{"role": "user", "content": "hi"}, "hi"], "message 1 must be a dict"),
         ([[{"role": "user", "content": "hi"}], []], "at least one message"),
@@ -257,6 +258,13 @@ def test_good_chat_matches_its_template(llm: LLM) -> None:
     ids = llm.tokenizer.encode("<s>system\nbe brief</s>\n<s>user\nhi</s>\n<s>assistant\n", add_special_tokens=False)
     assert llm.chat_prompt(messages) == ids
     assert llm.chat(messages, GREEDY)[0].token_ids == llm.generate(ids, GREEDY)[0].token_ids
+    # vLLM's spellings: content parts, the developer role, sampling_params=, add_generation_prompt, get_tokenizer()
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}, {"role": "user", "content": "hi"}]
+    assert llm.chat(parts, sampling_params=GREEDY)[0].token_ids == llm.generate(ids, sampling_params=GREEDY)[0].token_ids
+    assert llm.chat_prompt(messages, add_generation_prompt=False) == ids[: -len(llm.tokenizer.encode("<s>assistant\n", add_special_tokens=False))]
+    assert llm.get_tokenizer() is llm.tokenizer
+    with pytest.raises(FasterLlamaError, match="not both"):
+        llm.generate("hi", GREEDY, sampling_params=GREEDY)
 
 
 # -- 7: compute_logits -------------------------------------------------------------------------
