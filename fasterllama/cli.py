@@ -287,8 +287,10 @@ GGUF_MODES = ("q4_k_m", "q4_k", "q5_k", "q6_k", "q2_k", "q8_0", "q5_0", "q5_1", 
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
+    args.mode = args.mode.lower()  # (Q4_K_M as llama.cpp spells it)
     if args.mode in GGUF_MODES:
         return _quantize_gguf(args)
+    from .loading.registry import resolve_model_path
     from .quant import QuantConfig
     from .quant.checkpoint import save_quantized
 
@@ -298,6 +300,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         raise FasterLlamaError(f"{e}; or a GGUF file's mode: {', '.join(GGUF_MODES)}") from None
     if os.path.exists(args.output) and os.listdir(args.output) and not args.force:
         raise FasterLlamaError(f"{args.output} exists and is not empty (use --force to overwrite)")
+    if os.path.exists(args.output) and os.path.samefile(resolve_model_path(args.src), args.output):  # (loaded lazily from it)
+        raise FasterLlamaError(f"{args.output} is the model being quantized: write to another folder")
     llm = _load(args)
     save_quantized(llm.engine, args.output)
     from .quant import weight_bytes
@@ -315,7 +319,11 @@ def _quantize_gguf(args: argparse.Namespace) -> int:
     with open(src, "rb") if os.path.isfile(src) else open(os.devnull, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise FasterLlamaError(f"--mode {args.mode} writes a GGUF file from a GGUF file; {src} is not one")
-    if os.path.isdir(args.output) or (os.path.exists(args.output) and not args.force):
+    if os.path.isdir(args.output):
+        raise FasterLlamaError(f"{args.output} is a folder: give the GGUF file to write")
+    if os.path.exists(args.output) and os.path.samefile(src, args.output):  # (it is read while the output is written)
+        raise FasterLlamaError(f"{args.output} is the file being quantized: write to another path")
+    if os.path.exists(args.output) and not args.force:
         raise FasterLlamaError(f"{args.output} exists (use --force to overwrite a file)")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise FasterLlamaError(f"{args.output}: no such folder to write it in")

@@ -206,7 +206,8 @@ class LLM:
         "gguf-a8": "gguf", and every product rounds activations to int8 per chunk of 32 as
         llama.cpp's dot products do (on CUDA the decode GEMVs' integer dot products too): on the
         CPU prompts 2.2-2.7x the multiplies a second (AVX-512 VNNI),
-        decode steps up to ~1.2x (AVX2: 4 and 6 bits; 5-bit lanes about even); logits ~1e-2 from exact, decode log-probabilities up to ~0.2.
+        decode steps up to ~1.2x (AVX2: 4 and 6 bits; 5-bit lanes about even); logits a few % from
+        exact (the default model: up to ~1.8 on a scale of ~30), decode log-probabilities up to ~0.2.
         kv_cache_memory: the paged KV cache's size, bytes (an int, "2GiB") or a fraction of free
         memory (0.5); by default up to 2 GiB on the CPU and 0.8 of the free memory of a GPU.
         tensor_parallel_size: split the model over this many processes (spawned: a script that

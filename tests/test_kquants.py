@@ -3,8 +3,11 @@ dequantizers to exactly the values the quantizer chose, with less error than nai
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants
@@ -210,6 +213,82 @@ def test_block32_types_delegate_to_gguf(type_name: str) -> None:
         kq.quantize(np.zeros((1, 40), np.float32), type_name)
 
 
+def test_export_types_follow_llama_cpp() -> None:
+    """llama.cpp's per-tensor rules beside tensor_type's: the output matrix (the embedding when
+    tied) Q6_K in every file but q8_0 (Q8_0 where rows are not a multiple of 256: SmolLM2's 576);
+    q2_k's attn_v / attn_output / ffn_down Q3_K (attn_v Q4_K for GQA 4+); q4_k's first 4 attn_v
+    and first eighth of ffn_down Q5_K."""
+    t = kq.export_tensor_type
+    for mode in ("q4_0", "q4_1", "q5_0", "q2_k", "q4_k", "q5_k", "q4_k_m", "iq4_xs"):
+        assert t("token_embd.weight", 512, mode, 32, True) == "q6_k" and t("output.weight", 576, mode, 32, False) == "q8_0", mode
+        assert t("token_embd.weight", 512, mode, 32, False) == kq.tensor_type("token_embd.weight", 512, mode, 32, False)
+    assert t("output.weight", 512, "q8_0", 32, False) == "q8_0"
+    assert [t(f"blk.0.{k}.weight", 512, "q2_k", 32, False) for k in ("attn_v", "attn_output", "ffn_down", "attn_q")] == ["q3_k"] * 3 + ["q2_k"]
+    assert t("blk.0.attn_v.weight", 512, "q2_k", 32, False, n_gqa=4) == "q4_k"
+    assert [t(f"blk.{i}.attn_v.weight", 512, "q4_k", 32, False) for i in (3, 4)] == ["q5_k", "q4_k"]
+    assert [t(f"blk.{i}.ffn_down.weight", 512, "q4_k", 32, False) for i in (3, 4)] == ["q5_k", "q4_k"]
+    assert t("blk.9.ffn_down.weight", 576, "q2_k", 32, False) == "q4_0"  # (the K fallback)
+
+
+def test_quantize_command_keeps_the_alignment_and_never_writes_its_source(tmp_path) -> None:
+    """A source aligned to 64 bytes (general.alignment) gives a file aligned to 64 that reads back
+    (the key was copied and the data padded to 32); the source as the output is refused (writing
+    it truncated the file being read: a bus error and a lost source)."""
+    import subprocess
+    import sys
+
+    import tiny_models as tm
+
+    from fasterllama import LLM
+
+    real = gguf.GGUFWriter.__init__
+
+    def aligned(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        self.add_custom_alignment(64)
+
+    gguf.GGUFWriter.__init__ = aligned
+    try:
+        src = tm.write_gguf(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "src.gguf"))
+    finally:
+        gguf.GGUFWriter.__init__ = real
+    assert gguf.GGUFReader(src).alignment == 64
+    out = str(tmp_path / "out.gguf")
+    cmd = [sys.executable, "-m", "fasterllama", "quantize", src, "--mode", "Q8_0", "-q"]
+    proc = subprocess.run(cmd + ["-o", out], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert gguf.GGUFReader(out).alignment == 64
+    ids = list(range(3, 30))
+    assert torch.allclose(LLM(out, progress=False).compute_logits(ids), LLM(src, progress=False).compute_logits(ids), atol=0.1)  # (Q8_0 rounding)
+    size = os.path.getsize(src)
+    proc = subprocess.run(cmd + ["-o", src, "--force"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "is the file being quantized" in proc.stderr and os.path.getsize(src) == size
+
+
+def test_quantize_over_a_sharded_folder_and_onto_its_source(tmp_path) -> None:
+    """--force over a sharded checkpoint: its index and shards go (the loader read the stale index:
+    "missing embed_tokens..."); the model's own folder as the output is refused."""
+    import shutil
+    import subprocess
+    import sys
+
+    import tiny_models as tm
+
+    from fasterllama import LLM
+
+    src = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "src"), max_shard_size="20KB")
+    assert any(name.endswith(".index.json") for name in os.listdir(src))
+    out = shutil.copytree(src, str(tmp_path / "out"))
+    cmd = [sys.executable, "-m", "fasterllama", "quantize", src, "--mode", "w8", "-q", "--force", "-o"]
+    proc = subprocess.run(cmd + [out], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert not any(name.endswith(".index.json") or "-of-" in name for name in os.listdir(out))
+    ids = list(range(3, 20))
+    assert torch.equal(LLM(out, progress=False).compute_logits(ids), LLM(src, quantization="w8", progress=False).compute_logits(ids))
+    proc = subprocess.run(cmd + [src], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "is the model being quantized" in proc.stderr
+
+
 @pytest.mark.parametrize("mode,types", [("q4_k_m", {"q4_k", "q6_k", "q5_0", "q8_0"}), ("iq4_xs", {"iq4_xs", "iq4_nl", "q6_k"})])
 def test_quantize_command_writes_a_gguf(tmp_path, mode: str, types: set[str]):
     """`fasterllama quantize SRC.gguf --mode q4_k_m -o OUT.gguf` (and iq4_xs): llama.cpp's
@@ -244,7 +323,7 @@ def test_quantize_command_writes_a_gguf(tmp_path, mode: str, types: set[str]):
             assert t.tensor_type == s.tensor_type and np.array_equal(t.data, s.data)
             continue
         rows_k = (int(s.shape[1]), int(s.shape[0]))
-        want_type = kq.tensor_type(t.name, rows_k[1], mode, spec.num_layers, True, spec.num_heads // spec.num_kv_heads)
+        want_type = kq.export_tensor_type(t.name, rows_k[1], mode, spec.num_layers, True, spec.num_heads // spec.num_kv_heads)
         assert t.tensor_type.name == want_type.upper(), t.name
         _, want = kq.quantize_with_values(np.asarray(s.data, dtype=np.float32).reshape(rows_k), want_type)
         got = gguf.quants.dequantize(t.data, t.tensor_type).reshape(rows_k)

@@ -4,6 +4,7 @@ the tokenizer) that LLM() loads back without re-quantizing or re-calibrating."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Iterable
@@ -63,6 +64,8 @@ def save_quantized(engine: Any, out_dir: str) -> None:
     if engine.quant_config is None or isinstance(engine.quant_config, str):
         raise FasterLlamaError("only models quantized with a mode (w8, w4, w8a8...) can be saved")
     os.makedirs(out_dir, exist_ok=True)
+    for stale in glob.glob(os.path.join(out_dir, "*.safetensors.index.json")) + glob.glob(os.path.join(out_dir, "*-of-*.safetensors")):
+        os.remove(stale)  # (a sharded checkpoint overwritten: its index would be read instead of ours)
     tensors: dict[str, torch.Tensor] = {}
     first_name: dict[tuple[str, int], str] = {}
     tied: dict[str, str] = {}

@@ -44,6 +44,9 @@ def requantize(src: str, dst: str, mode: str, progress: Callable[[int], None] | 
     for field in reader.fields.values():  # the metadata as it is, but the file type
         if field.name in skip or field.name.startswith("GGUF."):
             continue
+        if field.name == gguf.Keys.General.ALIGNMENT:  # (the writer pads the data to it: the key alone would misplace every tensor)
+            writer.add_custom_alignment(int(field.contents()))
+            continue
         vtype = gguf.GGUFValueType(field.types[0])
         sub_type = gguf.GGUFValueType(field.types[-1]) if vtype == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), vtype, sub_type=sub_type)
@@ -59,7 +62,7 @@ def requantize(src: str, dst: str, mode: str, progress: Callable[[int], None] | 
             data, qtype = t.data, t.tensor_type
         else:
             w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
-            type_name = kquants.tensor_type(t.name, shape[1], mode, n_layers, tied, n_gqa)
+            type_name = kquants.export_tensor_type(t.name, shape[1], mode, n_layers, tied, n_gqa)
             qtype = gguf.GGMLQuantizationType[type_name.upper()]
             data = kquants.quantize(w, type_name)
         counts[qtype.name] += 1

@@ -445,3 +445,23 @@ def tensor_type(name: str, row_len: int, weight_type: str, n_layers: int, tied: 
     if t in K_FALLBACK and row_len % 256:
         t = K_FALLBACK[t]
     return t
+
+
+def export_tensor_type(name: str, row_len: int, mode: str, n_layers: int, tied: bool, n_gqa: int = 1) -> str:
+    """The type `fasterllama quantize --mode MODE` gives a weight: tensor_type's, and llama.cpp's
+    other per-tensor rules (without an importance matrix): Q6_K for the output matrix (the token
+    embedding when tied) in every file but q8_0 (q2_k's perplexity of the default model on 2,048
+    tokens of GPL-3: 111.6 with a Q4_0 embedding; docs/quantization.md); in "q4_k" (Q4_K_S) files
+    Q5_K for the first 4 layers' attn_v and the first eighth's ffn_down; in "q2_k" files Q3_K for
+    attn_output, ffn_down and attn_v (Q4_K where 4 or more query heads share a KV head). Rows
+    that are not a multiple of 256 fall back as in K_FALLBACK."""
+    parts = name.split(".")
+    kind, layer = (parts[2], int(parts[1])) if parts[0] == "blk" else ("", -1)
+    t = tensor_type(name, row_len, mode, n_layers, tied, n_gqa)
+    if (name == "output.weight" or (tied and name == "token_embd.weight")) and mode != "q8_0":
+        t = "q6_k"
+    elif mode == "q4_k" and ((kind == "attn_v" and layer < 4) or (kind == "ffn_down" and layer < n_layers // 8)):
+        t = "q5_k"
+    elif mode == "q2_k" and kind in ("attn_v", "attn_output", "ffn_down"):
+        t = "q4_k" if kind == "attn_v" and n_gqa >= 4 else "q3_k"
+    return K_FALLBACK[t] if t in K_FALLBACK and row_len % 256 else t
