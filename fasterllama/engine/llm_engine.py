@@ -694,4 +694,3 @@ class LLMEngine:
         finally:
             self.abort(seq)
         return seq
-
