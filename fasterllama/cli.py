@@ -437,8 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     qz = sub.add_parser("quantize", help="quantize a model once and save it (safetensors + config + tokenizer, or a GGUF file)")
     qz.add_argument("src", help="GGUF file, HF folder or known name")
-    qz.add_argument("--mode", required=True, help="default: a GGUF file's Q4_0..Q8_0, Q2_K..Q6_K tensors stay so on the CPU (gguf: exact, the same weights as none); "
-                   "none (float weights), gguf, w8, w8-g32, w4[-g32|-g64|-g128], w8a8, w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA]; "
+    qz.add_argument("--mode", required=True, help="a checkpoint folder in w8, w8-g32, w4[-g32|-g64|-g128], w8a8, "
+                   "w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA]; "
                    "or a GGUF file in llama.cpp's mixes from a GGUF source: " + ", ".join(GGUF_MODES))
     qz.add_argument("--output", "-o", required=True, help="output folder (a .gguf file for the GGUF modes)")
     qz.add_argument("--calibration-file", default=None, help="text to calibrate on (static w8a8 / SmoothQuant; default: a built-in sample)")

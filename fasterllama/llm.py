@@ -45,8 +45,8 @@ def prompt_list(prompts: object) -> list[Prompt]:
         raise FasterLlamaError(f"prompts must be a string, a list of token ids, or a list of those; got {_kind(prompts)}{hint}")
     has_text = any(isinstance(p, str) for p in prompts)
     if any(_is_scalar(p) for p in prompts):
-        if has_text:
-            raise FasterLlamaError("the prompts mix strings and token ids: pass a string, a list of token ids, "
+        if has_text or any(isinstance(p, (list, tuple, torch.Tensor, np.ndarray)) and not _is_scalar(p) for p in prompts):
+            raise FasterLlamaError("the prompts mix token ids with strings or lists: pass a string, a list of token ids, "
                                    "or a list of prompts that are each a string or a list of token ids")
         return [list(prompts)]  # one token-id prompt
     for i, p in enumerate(prompts):
@@ -258,7 +258,12 @@ class LLM:
         else:
             raise FasterLlamaError(f"params must be a SamplingParams, a list of them, or None; got {_kind(params)}")
         engine = self.engine
-        prompt_ids = [engine.encode_prompt(p) for p in prompts]  # every prompt checked before any work
+        prompt_ids = []  # every prompt checked before any work
+        for i, p in enumerate(prompts):
+            try:
+                prompt_ids.append(engine.encode_prompt(p))
+            except FasterLlamaError as e:  # (of several prompts, which one)
+                raise e if len(prompts) == 1 else type(e)(f"prompt {i} of {len(prompts)}: {e}") from None
         results: dict[int, RequestOutput] = {}
         beam_groups: dict[int, list[int]] = {}  # prompts sharing one beam-search params object run batched
         for i, p in enumerate(params_list):

@@ -63,8 +63,10 @@ def one_error_line(stderr: str, *fragments: str) -> None:
         (None, "got None"),
         (5, "got int"),
         (b"hi", "decode bytes"),
-        (["hi", 5], "mix strings and token ids"),
-        ([5, "hi"], "mix strings and token ids"),
+        (["hi", 5], "mix token ids with strings or lists"),
+        ([5, "hi"], "mix token ids with strings or lists"),
+        ([[5, 6], 7], "mix token ids with strings or lists"),  # (was "got [5, 6] (list) at position 0")
+        (["ok", [5, 400]], "prompt 1 of 2: token id 400"),
         (["hi", None], "prompt 1 must be a string or a list of token ids, got None"),
         ([1.5, 2], "integer token ids"),  # was truncated to [1, 2]
         ([True, 2], "integer token ids"),

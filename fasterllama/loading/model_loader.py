@@ -76,7 +76,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
     try:
         if saved_quant is not None:  # written by `fasterllama quantize`: load as saved
             if requested is not None:
-                raise FasterLlamaError("this checkpoint is quantized already; load it without --quantization")
+                raise FasterLlamaError("this checkpoint is quantized already: load it as it is (no --quantization), "
+                                       "and quantize the float checkpoint it came from for another mode")
             if plan is not None:
                 raise FasterLlamaError("tensor parallelism does not load checkpoints saved by `fasterllama quantize` yet: "
                                        "load the float or GGUF model with quantization=...")
