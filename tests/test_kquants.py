@@ -12,6 +12,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType, quants
 
+from fasterllama.quant import gguf_export
 from fasterllama.quant import kquants as kq
 
 K_TYPES = kq.K_QUANT_TYPES  # Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
@@ -228,6 +229,31 @@ def test_export_types_follow_llama_cpp() -> None:
     assert [t(f"blk.{i}.attn_v.weight", 512, "q4_k", 32, False) for i in (3, 4)] == ["q5_k", "q4_k"]
     assert [t(f"blk.{i}.ffn_down.weight", 512, "q4_k", 32, False) for i in (3, 4)] == ["q5_k", "q4_k"]
     assert t("blk.9.ffn_down.weight", 576, "q2_k", 32, False) == "q4_0"  # (the K fallback)
+    assert {t(n, 80, mode, 32, True) for n in ("token_embd.weight", "blk.0.ffn_up.weight") for mode in gguf_export.MODES} == {"f16"}
+
+
+def test_quantize_command_keeps_rows_no_block_fits_in_f16(tmp_path) -> None:
+    """Rows that are not a multiple of 32 (hidden 48, intermediate 80) stay F16 in every mode, as
+    llama.cpp leaves them; the command failed on them ("Q8_0 needs rows whose length is a multiple
+    of 32"). The file computes the source's logits to F16's rounding, greedy equal."""
+    import subprocess
+    import sys
+
+    import tiny_models as tm
+
+    from fasterllama import LLM
+
+    spec = tm.TinySpec(name="odd_rows", hidden_size=48, intermediate_size=80, num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
+    src = tm.write_gguf(tm.build_hf_model(spec), str(tmp_path / "src.gguf"))
+    out = str(tmp_path / "out.gguf")
+    proc = subprocess.run([sys.executable, "-m", "fasterllama", "quantize", src, "--mode", "q4_k_m", "-o", out, "-q"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert types["token_embd.weight"] == types["blk.1.ffn_down.weight"] == "F16"
+    ids = list(range(3, 40))
+    ref, got = LLM(src, progress=False).compute_logits(ids), LLM(out, progress=False).compute_logits(ids)
+    assert (got - ref).abs().max() < 2e-2 and bool((got.argmax(-1) == ref.argmax(-1)).all())
 
 
 def test_quantize_command_keeps_the_alignment_and_never_writes_its_source(tmp_path) -> None:

@@ -64,7 +64,7 @@ def requantize(src: str, dst: str, mode: str, progress: Callable[[int], None] | 
             w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
             type_name = kquants.export_tensor_type(t.name, shape[1], mode, n_layers, tied, n_gqa)
             qtype = gguf.GGMLQuantizationType[type_name.upper()]
-            data = kquants.quantize(w, type_name)
+            data = w.astype(np.float16) if type_name == "f16" else kquants.quantize(w, type_name)
         counts[qtype.name] += 1
         native = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
         writer.add_tensor(t.name, data, raw_dtype=None if native else qtype)

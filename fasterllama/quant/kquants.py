@@ -454,7 +454,8 @@ def export_tensor_type(name: str, row_len: int, mode: str, n_layers: int, tied: 
     tokens of GPL-3: 111.6 with a Q4_0 embedding; docs/quantization.md); in "q4_k" (Q4_K_S) files
     Q5_K for the first 4 layers' attn_v and the first eighth's ffn_down; in "q2_k" files Q3_K for
     attn_output, ffn_down and attn_v (Q4_K where 4 or more query heads share a KV head). Rows
-    that are not a multiple of 256 fall back as in K_FALLBACK."""
+    that are not a multiple of 256 fall back as in K_FALLBACK, and rows no block type fits (not a
+    multiple of 32) stay F16, as llama.cpp leaves them."""
     parts = name.split(".")
     kind, layer = (parts[2], int(parts[1])) if parts[0] == "blk" else ("", -1)
     t = tensor_type(name, row_len, mode, n_layers, tied, n_gqa)
@@ -464,4 +465,6 @@ def export_tensor_type(name: str, row_len: int, mode: str, n_layers: int, tied: 
         t = "q5_k"
     elif mode == "q2_k" and kind in ("attn_v", "attn_output", "ffn_down"):
         t = "q4_k" if kind == "attn_v" and n_gqa >= 4 else "q3_k"
+    if row_len % 32:
+        return "f16"
     return K_FALLBACK[t] if t in K_FALLBACK and row_len % 256 else t
