@@ -11,6 +11,7 @@ raised when the request is added."""
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -26,6 +27,15 @@ if TYPE_CHECKING:
     from ..tokenizer import Tokenizer
 
 
+def _compile_error(kind: str, error: object) -> FasterLlamaError:
+    """llguidance's compile error on one line: its first line and, where it has one, the reason
+    on its "error:" line (its caret diagrams of the internal grammar are left out)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    head = re.sub(r"^at \d+\(\d+\): ", "", lines[0].rstrip(":")) if lines else "unknown error"
+    reason = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), None)
+    return FasterLlamaError(f"cannot compile the {kind} constraint: {head}{f': {reason}' if reason else ''}")
+
+
 @functools.lru_cache(maxsize=256)
 def _grammar(kind: str, text: str) -> str:
     """llguidance's grammar for a constraint (cached: a server sees the same schemas again and again)."""
@@ -38,7 +48,7 @@ def _grammar(kind: str, text: str) -> str:
             return llguidance.LLMatcher.grammar_from_regex(text)
         return llguidance.LLMatcher.grammar_from_lark(text)
     except (ValueError, RuntimeError, TypeError) as e:
-        raise FasterLlamaError(f"cannot compile the {kind} constraint: {e}") from None
+        raise _compile_error(kind, e) from None
 
 
 class StructuredOutput:
@@ -71,7 +81,7 @@ class StructuredOutput:
         grammar = _grammar(*constraint)
         matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
         if matcher.is_error():
-            raise FasterLlamaError(f"cannot compile the {constraint[0]} constraint: {matcher.get_error()}")
+            raise _compile_error(constraint[0], matcher.get_error())
         return matcher
 
     @torch.inference_mode()  # the logits are the model runner's inference tensors
