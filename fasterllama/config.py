@@ -8,6 +8,7 @@ from typing import Any
 from .errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}  # config.json's model_type -> its class
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
@@ -27,6 +28,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
+    sliding_window: int | None = None  # Mistral's window, when it is shorter than max_position_embeddings was
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -44,20 +46,29 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a HF config.json (LlamaForCausalLM / MistralForCausalLM)."""
-        archs = cfg.get("architectures") or ["LlamaForCausalLM"]
-        arch = archs[0]
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-            )
+        """Build from a HF config.json (LlamaForCausalLM / MistralForCausalLM). model_type decides
+        the model, as in transformers' AutoModelForCausalLM; architectures, where given, must agree.
+        Mistral's sliding window (HF's Mistral applies it whatever `use_sliding_window` says) caps the
+        context: within the window full attention is exactly the windowed one."""
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type")
+        if model_type is not None and model_type not in MODEL_TYPES:
+            raise ModelLoadError(f"unsupported model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+        for arch in archs[:1]:
+            if arch not in SUPPORTED_ARCHITECTURES:
+                raise ModelLoadError(
+                    f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+                )
+        arch = MODEL_TYPES[model_type] if model_type is not None else (archs or ["LlamaForCausalLM"])[0]
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # (the MLP is SwiGLU: another activation would run as SiLU, wrongly)
             raise ModelLoadError(f"unsupported hidden_act {act!r} (supported: silu)")
-        if cfg.get("sliding_window") not in (None, 0) and cfg.get("use_sliding_window", True):
-            window = cfg["sliding_window"]
-            if window < cfg.get("max_position_embeddings", window):
-                raise ModelLoadError(f"sliding-window attention (window {window}) is not supported")
+        max_positions = cfg.get("max_position_embeddings", 131072 if arch == "MistralForCausalLM" else 4096)  # (HF's defaults)
+        window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None  # (HF's Llama has none)
+        if window is not None and not (isinstance(window, int) and window > 0):
+            raise ModelLoadError(f"config.json's sliding_window must be a positive integer or null, got {window!r}")
+        if window is not None and window >= max_positions:
+            window = None
         try:
             hidden = cfg["hidden_size"]
             heads = cfg["num_attention_heads"]
@@ -80,10 +91,11 @@ class ModelConfig:
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 rope_theta=float(rope_theta),
                 rope_scaling=rope_scaling,
-                max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+                max_position_embeddings=max_positions if window is None else window,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", False)),
                 mlp_bias=bool(cfg.get("mlp_bias", False)),
+                sliding_window=window,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             )

@@ -116,7 +116,17 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(extra_tokens or {})}
         if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
-            self._set_template(bool(add_bos_token), bool(add_eos_token))
+            adds_bos, adds_eos = self._post_processor_adds()  # (a flag left unset keeps what the file's post-processor does)
+            self._set_template(adds_bos if add_bos_token is None else bool(add_bos_token),
+                               adds_eos if add_eos_token is None else bool(add_eos_token))
+
+    def _post_processor_adds(self) -> tuple[bool, bool]:
+        """Whether the backend's own post-processor puts BOS first / EOS last (False, False without one)."""
+        if self.backend.post_processor is None:
+            return False, False
+        plain, special = (self.backend.encode("a", add_special_tokens=flag).ids for flag in (False, True))
+        bos, eos = (None if t is None else self.backend.token_to_id(t) for t in (self.bos_token, self.eos_token))
+        return (bos is not None and special[:1] == [bos] != plain[:1]), (eos is not None and special[-1:] == [eos] != plain[-1:])
 
     def _set_template(self, add_bos: bool, add_eos: bool) -> None:
         """Make encode(add_special_tokens=True) add BOS/EOS exactly as the model's settings say."""

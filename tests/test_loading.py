@@ -84,13 +84,57 @@ def test_hf_folder_errors(tmp_path):
         open_checkpoint(str(tmp_path))
 
 
-def test_sliding_window_rejected(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({
-        "architectures": ["MistralForCausalLM"], "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
-        "intermediate_size": 16, "vocab_size": 10, "sliding_window": 16, "max_position_embeddings": 64,
-    }))
-    with pytest.raises(ModelLoadError, match="sliding-window"):
-        open_checkpoint(str(tmp_path))
+def test_config_model_type_and_mistral_window() -> None:
+    """model_type decides the model as in transformers (a Gemma config without `architectures`
+    loaded as LLaMA: other logits, no error); Mistral's sliding window caps the context, where
+    full attention is exact, whatever `use_sliding_window` (a Qwen2 key HF's Mistral never reads)
+    says; Llama configs have no window (HF's Llama ignores the key, which was refused)."""
+    from fasterllama.config import ModelConfig
+
+    base = {"hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 16, "vocab_size": 10}
+    for extra in ({"model_type": "gemma"}, {"model_type": "qwen2", "architectures": ["LlamaForCausalLM"]}):
+        with pytest.raises(ModelLoadError, match="unsupported model_type"):
+            ModelConfig.from_hf_dict({**base, **extra})
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'GemmaForCausalLM'"):
+        ModelConfig.from_hf_dict({**base, "architectures": ["GemmaForCausalLM"]})
+    mistral = {**base, "model_type": "mistral", "sliding_window": 16}
+    for extra in ({"max_position_embeddings": 64}, {"max_position_embeddings": 64, "use_sliding_window": False}, {}):
+        cfg = ModelConfig.from_hf_dict({**mistral, **extra})
+        assert (cfg.max_position_embeddings, cfg.sliding_window) == (16, 16), extra
+    assert ModelConfig.from_hf_dict({**mistral, "max_position_embeddings": 16}).sliding_window is None
+    assert ModelConfig.from_hf_dict({**base, "model_type": "mistral"}).max_position_embeddings == 131072  # (HF's default)
+    llama = ModelConfig.from_hf_dict({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 16, "max_position_embeddings": 64})
+    assert (llama.max_position_embeddings, llama.sliding_window) == (64, None)
+    with pytest.raises(ModelLoadError, match="sliding_window must be a positive integer"):
+        ModelConfig.from_hf_dict({**mistral, "sliding_window": -1})
+
+
+def test_mistral_window_is_the_context(tmp_path) -> None:
+    """A Mistral checkpoint whose window (16) is shorter than its positions (64): HF's logits over
+    a full window (its mask and full attention agree there), and a longer prompt or context is a
+    clear error naming the window (it ran with full attention: the logits from position 16 on
+    were not HF's)."""
+    import tiny_models as tm
+    import torch
+    from transformers import MistralForCausalLM
+
+    from fasterllama import LLM
+    from fasterllama.errors import ContextLengthError, FasterLlamaError
+
+    spec = tm.TinySpec(name="mistral_window", arch="mistral", num_kv_heads=2, max_position_embeddings=64)
+    cfg = tm.hf_config(spec)
+    cfg.sliding_window = 16
+    torch.manual_seed(0)
+    hf = MistralForCausalLM(cfg).float().eval()
+    folder = tm.save_hf_checkpoint(hf, str(tmp_path / "m"))
+    llm = LLM(folder, progress=False)
+    assert llm.engine.max_model_len == 16
+    ids = list(range(3, 19))
+    torch.testing.assert_close(llm.compute_logits(ids), tm.hf_logits(hf, ids), rtol=0, atol=1e-4)
+    with pytest.raises(ContextLengthError, match="sliding window"):
+        llm.compute_logits(ids + [5])
+    with pytest.raises(FasterLlamaError, match="sliding window"):
+        LLM(folder, max_model_len=32, progress=False)
 
 
 def test_other_activation_rejected(tmp_path):

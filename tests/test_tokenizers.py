@@ -177,6 +177,27 @@ def test_folder_templates_render_as_transformers_does(tmp_path):
             assert "[INST] Hi[/INST]Yo" in want and "[D]" not in want
 
 
+def test_an_unset_add_flag_keeps_the_post_processors_token(tmp_path):
+    """A tokenizer.json that adds BOS itself (LLaMA-3's) with a tokenizer_config.json setting only
+    add_eos_token: BOS stays, as in transformers (the unset add_bos_token read as False dropped it
+    from every prompt); a flag that is set still decides."""
+    import tiny_models as tm
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import processors
+
+    tm.save_tokenizer(str(tmp_path), 320)
+    backend = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tm.BOS_ID)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    plain = Tokenizer.from_folder(str(tmp_path)).encode("hello", add_special_tokens=False)
+    for flags, want in (({"add_eos_token": False}, [tm.BOS_ID] + plain), ({"add_eos_token": True}, [tm.BOS_ID] + plain + [tm.EOS_ID]),
+                        ({"add_bos_token": False}, plain), ({}, [tm.BOS_ID] + plain)):
+        rest = {k: v for k, v in config.items() if k not in ("add_bos_token", "add_eos_token")}
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps({**rest, **flags}))
+        assert Tokenizer.from_folder(str(tmp_path)).encode("hello") == want, flags
+
+
 def test_tokenizer_json_folder(default_llm, hf_tokenizer, tmp_path):
     """The default model's tokenizer saved as a HF folder (tokenizer.json + config) loads identically."""
     hf_tok = hf_tokenizer

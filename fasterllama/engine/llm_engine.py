@@ -269,8 +269,10 @@ class LLMEngine:
         if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 2:
             raise FasterLlamaError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if max_model_len > cfg.max_position_embeddings:  # past it the positions are untrained (and tables too short)
+            why = ("its sliding window, within which full attention is exact" if cfg.sliding_window is not None
+                   else "max_position_embeddings")
             raise FasterLlamaError(f"max_model_len {max_model_len} exceeds the model's context of {cfg.max_position_embeddings} tokens "
-                                   "(max_position_embeddings); use at most that")
+                                   f"({why}); use at most that")
         self.max_model_len = max_model_len
         self.context_set_by_cache = False  # max_model_len lowered to what the KV cache holds (_build_runtime)
         self.eos_token_ids = set(cfg.eos_token_ids)
@@ -420,7 +422,11 @@ class LLMEngine:
         return params or SamplingParams()
 
     def _context_origin(self) -> str:
-        return ", all the KV cache holds (raise kv_cache_memory for more)" if self.context_set_by_cache else ""
+        if self.context_set_by_cache:
+            return ", all the KV cache holds (raise kv_cache_memory for more)"
+        if self.config.sliding_window == self.max_model_len:
+            return ", the model's sliding window (longer contexts would need windowed attention)"
+        return ""
 
     @staticmethod
     def _seed(params: SamplingParams, sample_index: int) -> int:
