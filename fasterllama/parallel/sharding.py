@@ -8,9 +8,12 @@ embedding's rows all-reduced, the logits gathered on rank 0 for sampling). Split
 (SmolLM2's 3 KV heads over 2 ranks: 2 and 1). Quantized weights are cut along their groups, so each
 rank holds exactly the values a single process holds; a cut that would split a group is an error.
 
-Rows sum in another order than one process sums them, and w8a8's per-token scales of a row-parallel
-input are the maximum over all ranks (one all-reduce of T floats), so the int8 values are the very
-ones a single process makes: logits agree to float rounding."""
+Rows sum in another order than one process sums them: logits agree to float rounding. Under w8a8
+a row-parallel input's per-token scales are the maximum over all ranks (one all-reduce of T
+floats), so the int8 values are the very ones a single process makes, and the ranks sum their
+exact int32 accumulators before the one dequantization: the single process's values bit for bit
+(summing dequantized floats instead differed in the last bits, which int8 rounding in later layers
+amplified to logits ~2 apart on the default model)."""
 
 from __future__ import annotations
 
@@ -210,12 +213,14 @@ def cut_module(plan: ShardPlan, path: str, module: nn.Module) -> nn.Module:
 
 class RowParallel(nn.Module):
     """A linear holding some input columns: its partial outputs summed over the ranks. Under w8a8
-    the int8 input is quantized here with the per-token scale of the whole row (the maximum over
-    the ranks), `quant` = (static scale, clip) of the quantizer it replaces."""
+    (`quant` = (static scale, clip) of the quantizer it replaces, `bias` the whole linear's) the
+    int8 input is quantized here with the per-token scale of the whole row (the maximum over the
+    ranks), and the int32 accumulators are summed before they are dequantized."""
 
-    def __init__(self, inner: nn.Module, group: TPGroup, quant: tuple[torch.Tensor | None, bool] | None = None) -> None:
+    def __init__(self, inner: nn.Module, group: TPGroup, quant: tuple[torch.Tensor | None, bool] | None = None,
+                 bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.inner, self.group, self.quant = inner, group, quant
+        self.inner, self.group, self.quant, self.bias = inner, group, quant, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
@@ -225,7 +230,9 @@ class RowParallel(nn.Module):
         amax = self.group.all_reduce(xf.abs().amax(dim=-1), dist.ReduceOp.MAX)
         scale = ops.quantized.per_token_scales(amax, static, clip)
         xq = torch.round(xf / scale[..., None]).clamp(-127, 127).to(torch.int8)
-        return self.group.all_reduce(self.inner((xq, scale), out_dtype=x.dtype))
+        acc = self.group.all_reduce(ops.int8_gemm(xq.reshape(-1, xq.shape[-1]), self.inner.qweight.t()))
+        y = ops.dequantize_gemm(acc, scale.reshape(-1), self.inner.weight_scale, self.bias, x.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -268,7 +275,8 @@ def shard_model(model: LlamaForCausalLM, group: TPGroup) -> ShardPlan:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = cut_module(plan, f"layers.{i}.self_attn.qkv_proj", attn.qkv_proj)
         o_quant = (attn.o_proj.input_scale, attn.o_proj.clip) if isinstance(attn.o_proj, W8A8Linear) else None
-        attn.o_proj = RowParallel(cut_module(plan, f"layers.{i}.self_attn.o_proj", attn.o_proj), group, o_quant)
+        o_bias = attn.o_proj.bias if o_quant is not None else None
+        attn.o_proj = RowParallel(cut_module(plan, f"layers.{i}.self_attn.o_proj", attn.o_proj), group, o_quant, o_bias)
         attn.num_heads, attn.num_kv_heads = len(plan.q_heads), len(plan.kv_heads)
         attn.q_size, attn.kv_size = len(plan.q_heads) * cfg.head_dim, len(plan.kv_heads) * cfg.head_dim
         mlp.gate_up_proj = cut_module(plan, f"layers.{i}.mlp.gate_up_proj", mlp.gate_up_proj)
@@ -277,7 +285,8 @@ def shard_model(model: LlamaForCausalLM, group: TPGroup) -> ShardPlan:
             down_quant, mlp.act = (mlp.act.static_scale, mlp.act.clip), SiluAndMul()
         elif isinstance(mlp.down_proj, W8A8Linear):
             down_quant = (mlp.down_proj.input_scale, mlp.down_proj.clip)
-        mlp.down_proj = RowParallel(cut_module(plan, f"layers.{i}.mlp.down_proj", mlp.down_proj), group, down_quant)
+        down_bias = mlp.down_proj.bias if down_quant is not None else None
+        mlp.down_proj = RowParallel(cut_module(plan, f"layers.{i}.mlp.down_proj", mlp.down_proj), group, down_quant, down_bias)
     embed = model.embed_tokens
     if isinstance(embed, QuantizedEmbedding):  # its table: a quantized matrix, the lm_head too when tied
         tied = model.lm_head is embed.table
