@@ -77,6 +77,9 @@ def _check_list(name: str, value: Any, single: type | None, allowed: str) -> lis
     return list(value)
 
 
+GREEDY_BELOW = 1e-5  # temperatures under it are greedy
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 256
@@ -111,6 +114,8 @@ class SamplingParams:
         """Check every field's type and range, normalizing numbers (numpy ints -> int, 0 -> 0.0)."""
         self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
         self.temperature = _check_real("temperature", self.temperature, "a finite number >= 0 (0 = greedy)", lambda x: x >= 0)
+        if self.temperature < GREEDY_BELOW:  # (vLLM's rule: below it logits / temperature overflow to inf, and the draw is noise)
+            self.temperature = 0.0
         self.top_k = _check_int("top_k", self.top_k, -1, _INT32_MAX, " (0 or -1 = off)")
         self.top_k = max(self.top_k, 0)  # (-1: vLLM's off)
         self.top_p = _check_real("top_p", self.top_p, "a number in (0, 1]", lambda x: 0 < x <= 1)

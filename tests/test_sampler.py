@@ -112,6 +112,17 @@ def test_greedy_rows_take_argmax_in_mixed_batch():
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
+def test_tiny_temperatures_are_greedy():
+    """Below 1e-5 (vLLM's rule) a temperature is greedy: 1e-40 divided logits into inf, the
+    distribution into NaN, and the draw returned token 0 (the default model wrote noise)."""
+    from fasterllama import SamplingParams
+
+    assert [SamplingParams(temperature=t).temperature for t in (1e-40, 9.9e-6, 0, 1e-5, 0.5)] == [0.0, 0.0, 0.0, 1e-5, 0.5]
+    logits = torch.tensor([[1.0, 3.0, 2.0, -1.0, 0.5]]) * 20
+    b = batch(1, temperature=1e-5)
+    assert sampler.sample(logits, b).tolist() == [1] and sampler.sample_with_probs(logits, b)[0].tolist() == [1]
+
+
 transformers = pytest.importorskip("transformers")
 
 
