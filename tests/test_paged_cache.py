@@ -4,6 +4,8 @@ beams give the tokens they give without any of it."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import tiny_models as tm
 import torch
@@ -364,3 +366,30 @@ def test_compute_logits_is_a_request_like_others(tiny_folder):
         engine.step()
     assert running.output_token_ids == ref_tokens
     assert engine.blocks.num_used == 0
+
+
+def test_aborting_n_samples_before_they_start_ends_each(tiny_folder):
+    """An n=3 request aborted while its prompt is still prefilling (its samples 1 and 2 not forked
+    yet) gives every sample its final "abort" output: only sample 0 got one, and reading the handle
+    hung forever."""
+    import threading
+
+    from fasterllama.engine.async_engine import EngineLoop
+
+    llm = _llm(tiny_folder, max_num_batched_tokens=8)  # 400 prompt tokens: 50 steps of prefill
+    loop = EngineLoop(llm.engine)
+    try:
+        handle = loop.add_request([(7 * i) % 300 + 10 for i in range(400)], SamplingParams(n=3, max_tokens=20, seed=1))
+        deadline = time.monotonic() + 30
+        while loop.stats.steps < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        handle.abort()
+        finals: list[tuple[int, str | None]] = []
+        reader = threading.Thread(target=lambda: finals.extend((o.index, o.finish_reason) for o in handle), daemon=True)
+        reader.start()
+        reader.join(30)
+        assert not reader.is_alive() and handle.finished
+        assert sorted(finals) == [(0, "abort"), (1, "abort"), (2, "abort")]
+        assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()
+    finally:
+        loop.shutdown(timeout=15)

@@ -268,10 +268,11 @@ class EngineLoop:
         req = self._requests.get(request_id)
         if req is None:
             return
-        for k, seq in enumerate(req.seqs):
-            if not seq.is_finished:
-                self.engine.abort(seq)
-                req.handle._push(SequenceOutput(k, "", [], None, "abort", time.monotonic()))
+        open_ = [k for k, seq in enumerate(req.seqs) if not seq.is_finished]  # (before: aborting sample 0 ends the unstarted others)
+        for k in open_:
+            if not req.seqs[k].is_finished:
+                self.engine.abort(req.seqs[k])
+            req.handle._push(SequenceOutput(k, "", [], None, "abort", time.monotonic()))
         self._forget(req)
 
     def _step(self) -> None:
