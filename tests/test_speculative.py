@@ -291,6 +291,37 @@ def test_draft_model_outputs_identical_greedy_and_seeded(paths) -> None:
         assert not spec.engine.speculator.proposer.shadows and draft.blocks.num_used == 0  # finished: twins gone, blocks back
 
 
+def test_small_token_budgets_prompt_logprobs_and_stops(paths) -> None:
+    """Token budgets below the drafts: a draft model verified on fewer drafts than it made (its
+    twin then held every token the model emitted: an IndexError), and a prompt whose last chunk is
+    one token, drafted after, with prompt logprobs (its sampling row was taken from the drafts:
+    an IndexError); outputs and prompt logprobs are plain decoding's. Drafts after a stop string
+    are not counted as accepted (15 of 15 were, for 7 tokens shown)."""
+    plain = LLM(paths["gqa"], progress=False, block_size=16)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [_prompt(40, 3), _prompt(25, 4)]
+    want = _outputs(plain, prompts, greedy)
+    for budget in (2, 3):
+        spec = _always_draft(LLM(paths["gqa"], progress=False, block_size=16, max_num_batched_tokens=budget,
+                                 speculative_config={"method": "draft_model", "model": paths["gqa"], "num_speculative_tokens": 4}))
+        assert _outputs(spec, prompts, greedy) == want, budget
+    repetitive = ([11, 12, 13, 14, 15] * 20)[:97]  # 12 chunks of 8, then 1 token (prompt lookup always drafts)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=1)
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    spec = _always_draft(LLM(paths["gqa"], progress=False, block_size=16, max_num_batched_tokens=8, speculative_config=ngram))
+    chunked = LLM(paths["gqa"], progress=False, block_size=16, max_num_batched_tokens=8)  # (the same chunks: the same rounding)
+    got, ref = spec.generate([repetitive], params)[0], chunked.generate([repetitive], params)[0]
+    assert got.token_ids == ref.token_ids and got.prompt_logprobs == ref.prompt_logprobs
+    stop = plain.generate([repetitive], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    text = stop.outputs[0].text
+    s = spec.engine.speculator
+    before = s.num_accepted_tokens
+    if len(text) > 6:
+        out = spec.generate([repetitive], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[text[3:6]]))[0]
+        assert out.text == text[: text.index(text[3:6])]
+        assert s.num_accepted_tokens - before <= len(out.token_ids)
+
+
 # -- the default model and the CLI ------------------------------------------------------------------
 def test_default_model_greedy_identical(default_llm) -> None:
     """Prompt lookup on SmolLM2-135M: greedy tokens identical to decoding without speculation on the

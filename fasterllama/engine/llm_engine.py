@@ -462,10 +462,10 @@ class LLMEngine:
         for item in batch:
             n = item.num_tokens
             if item.seq.needs_prompt_rows and item.seq.num_cached < len(item.seq.prompt_token_ids):
-                prompt_rows.append((item, len(rows)))
+                prompt_rows.append((item, len(rows)))  # (a last prompt token may come with drafts after it)
                 rows.extend(range(offset, offset + n))
                 if item.samples:
-                    sample_rows.append(len(rows) - 1)
+                    sample_rows.append(len(rows) - 1 - len(item.drafts))
             elif item.samples:
                 sample_rows.append(len(rows))
                 rows.extend(range(offset + n - 1 - len(item.drafts), offset + n))
@@ -485,7 +485,7 @@ class LLMEngine:
             raise WorkerFailure(self.failure) from None
         self.scheduler.advance(batch)
         for item, first in prompt_rows:
-            rows_logits = all_logits[first : first + item.num_tokens]
+            rows_logits = all_logits[first : first + item.num_tokens - len(item.drafts)]
             if item.seq.prompt_logits is not None:
                 if starts[id(item)] == 0:  # (computed again from the start: preempted meanwhile)
                     item.seq.prompt_logits.clear()
@@ -522,6 +522,7 @@ class LLMEngine:
         row = 0
         for seq, d in zip(seqs, drafts):
             emitted = speculative.verify(d, token_ids[row : row + len(d) + 1])
+            shown = 0  # tokens appended before one ended the sequence
             for j, tok in enumerate(emitted):
                 top = None
                 if logprobs is not None and seq.params.logprobs is not None:
@@ -529,11 +530,12 @@ class LLMEngine:
                     seq.logprobs.append(top)
                     seq.cumulative_logprob += top[tok]
                 updates.append(self._append_token(seq, tok, top))
+                shown += 1
                 if seq.is_finished:
                     break
-            if d:
+            if d:  # (drafts past a token that ended the sequence were never shown: not counted as accepted)
                 self.scheduler.accept(seq, len(emitted) - 1)
-                self.speculator.record(seq, len(d), len(emitted) - 1)
+                self.speculator.record(seq, len(d), min(len(emitted) - 1, shown))
             row += len(d) + 1
         return updates
 

@@ -131,7 +131,9 @@ class DraftModelProposer:
 
     def _sync(self, target: Sequence, shadow: _Shadow) -> None:
         """Make the shadow's tokens the target's: keep the drafts the target accepted, roll back
-        the K/V of the rest, add the tokens the target emitted after them."""
+        the K/V of the rest, add the tokens the target emitted after them. The last token's K/V
+        is always computed again (its logits give the first draft), also where the target's
+        tokens are all among the shadow's (fewer drafts verified than it made: a token budget)."""
         seq = shadow.seq
         mine = seq.token_ids(shadow.synced, seq.num_tokens)
         theirs = target.token_ids(shadow.synced, target.num_tokens)
@@ -140,8 +142,8 @@ class DraftModelProposer:
             same += 1
         keep = shadow.synced + same
         del seq.output_token_ids[keep - len(seq.prompt_token_ids) :]
-        self.draft.blocks.rollback(seq, keep)
         seq.output_token_ids += theirs[same:]
+        self.draft.blocks.rollback(seq, min(keep, seq.num_tokens - 1))
         shadow.synced = target.num_tokens
 
     def _catch_up(self, seqs: list[Sequence]) -> None:

@@ -195,10 +195,11 @@ class Speculator:
         self.proposer.release(seq)
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """A verify step's outcome for seq."""
-        st = self._acceptance(seq)
-        st.decay(self.DECAY)
-        st.add(drafted, accepted)
+        """A verify step's outcome for seq (a finished seq's own rate is released already)."""
+        if not seq.is_finished:
+            st = self._acceptance(seq)
+            st.decay(self.DECAY)
+            st.add(drafted, accepted)
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
 
