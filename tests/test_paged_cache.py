@@ -393,3 +393,23 @@ def test_aborting_n_samples_before_they_start_ends_each(tiny_folder):
         assert llm.engine.blocks.num_used == 0 and not llm.engine.has_unfinished()
     finally:
         loop.shutdown(timeout=15)
+
+
+def test_cached_tokens_are_counted_at_first_admission(tiny_folder):
+    """A prompt never seen before, preempted mid-prefill and admitted again, reports 0 prompt
+    tokens from the prefix cache, as alone (it reported the blocks it had computed itself, as
+    vLLM does not); its tokens are those it gets alone."""
+    roomy = _llm(tiny_folder)
+    per_block = roomy.engine.kv_cache.bytes_per_block(roomy.engine.config, 16, torch.float32)
+    engine = _llm(tiny_folder, kv_cache_memory=17 * per_block, max_num_batched_tokens=16).engine
+    greedy = SamplingParams(temperature=0, max_tokens=150, ignore_eos=True)
+    engine.add_request([(3 * i) % 300 + 10 for i in range(100)], greedy)
+    for _ in range(8):
+        engine.step()
+    prompt = [(11 * i) % 290 + 20 for i in range(200)]  # shares nothing with the first
+    late = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.scheduler.num_preemptions >= 1
+    assert late.num_prefix_cached == 0
+    assert late.output_token_ids == roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].token_ids

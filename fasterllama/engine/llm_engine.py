@@ -504,7 +504,7 @@ class LLMEngine:
                     continue
                 self.scheduler.fork(parent, child)
                 child.prompt_logprobs = None if parent.prompt_logprobs is None else list(parent.prompt_logprobs)
-                child.num_prefix_cached = parent.num_prefix_cached
+                child.num_prefix_cached, child.admitted = parent.num_prefix_cached, True
                 seqs.append(child)
                 drafts.append([])
                 sample_rows.append(sample_rows[i])

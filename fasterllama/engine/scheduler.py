@@ -80,8 +80,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             computing.add(self.blocks.next_block_hash(seq, seq.num_cached + n))
-            if not seq.output_token_ids:  # (not a preempted sequence coming back)
-                seq.num_prefix_cached = seq.num_cached
+            if not seq.admitted:  # (not a preempted sequence coming back: what it finds, it computed itself; as vLLM counts)
+                seq.num_prefix_cached, seq.admitted = seq.num_cached, True
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += seq.num_cached
             seq.status = SequenceStatus.RUNNING

@@ -31,7 +31,8 @@ class Sequence:
         self.block_table: list[int] = []  # KV cache blocks (BlockManager); key position p in block_table[p // block_size]
         self.block_hashes: list[int] = []  # prefix-cache hashes of the full blocks
         self.num_cached = 0  # tokens whose K/V are in the cache
-        self.num_prefix_cached = 0  # prompt tokens found in the prefix cache instead of computed
+        self.num_prefix_cached = 0  # prompt tokens found in the prefix cache at its first admission instead of computed
+        self.admitted = False  # scheduled once (a preempted sequence coming back finds blocks it computed itself)
         self.forks: list[Sequence] = []  # the other samples of its request: they share its prompt once prefilled
         self.finish_reason: str | None = None
         self.logprobs: list[dict[int, float]] = []
