@@ -103,6 +103,8 @@ class SamplingParams:
     early_stopping: bool | str = False  # True, False or "never", as in HF generate
     diversity_rate: float = 0.0  # FasterTransformer: r-th best continuation of a beam loses rate * r
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's; -100 / 100 ban / force)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's)
     # structured output (at most one; engine/structured.py): the text follows a JSON schema (a dict
     # or its JSON text), a regular expression, a Lark grammar (llguidance's syntax), or is any JSON object
     json_schema: dict | str | None = None
@@ -145,9 +147,29 @@ class SamplingParams:
             raise FasterLlamaError(f"early_stopping must be True, False or 'never', got {_show(self.early_stopping)}")
         self.diversity_rate = _check_real("diversity_rate", self.diversity_rate, "a finite number >= 0", lambda x: x >= 0)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self._check_token_biases()
         self._check_constraint()
         if self.seed is not None:  # sample k draws with seed + k, packed into int64
             self.seed = _check_int("seed", self.seed, -(2**63), 2**63 - self.n, " (a 64-bit integer; seed + n - 1 must fit too)")
+
+    def _check_token_biases(self) -> None:
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise FasterLlamaError(f"logit_bias must be a dict of token id -> bias, got {_show(self.logit_bias)}")
+            self.logit_bias = {_check_int("each logit_bias token id", t, 0, _INT64_MAX):
+                               _check_real(f"logit_bias[{t}]", b, "a finite number") for t, b in self.logit_bias.items()} or None
+        if self.allowed_token_ids is not None:
+            ids = _check_list("allowed_token_ids", self.allowed_token_ids, None, "a non-empty list of token ids or None")
+            if not ids:
+                raise FasterLlamaError("allowed_token_ids must not be empty (None: every token)")
+            self.allowed_token_ids = [_check_int("each of allowed_token_ids", t, 0, _INT64_MAX) for t in ids]
+        if self.beam_width > 1 and (self.logit_bias or self.allowed_token_ids):
+            raise FasterLlamaError("logit_bias and allowed_token_ids do not combine with beam search")
+
+    @property
+    def biases_tokens(self) -> bool:
+        """Whether logit_bias or allowed_token_ids change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     def _check_constraint(self) -> None:
         if isinstance(self.json_schema, str):

@@ -101,6 +101,36 @@ def test_min_tokens_and_stop_token_ids(default_llm):
     assert cut.token_ids == short.token_ids[:2] and cut.finish_reason == "stop"
 
 
+def test_logit_bias_and_allowed_token_ids(tiny_beam_model):
+    """OpenAI's logit_bias (added to the logits before sampling; -100 bans, +100 forces) and vLLM's
+    allowed_token_ids, greedy and sampled, each row its own beside plain rows in one batch; the
+    logprobs stay the model's; ids outside the vocabulary are errors."""
+    from fasterllama.errors import FasterLlamaError
+
+    _, llm, prompt, eos = tiny_beam_model
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    plain = llm.generate([prompt], greedy)[0]
+    first = plain.token_ids[0]
+    logits = llm.compute_logits(prompt)[-1]
+    second = int(logits.masked_fill(torch.arange(logits.shape[0]) == first, float("-inf")).argmax())
+    banned, forced, allowed, same = llm.generate(
+        [prompt] * 4,
+        [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias={first: -100}, logprobs=1),
+         SamplingParams(temperature=0.8, seed=1, max_tokens=8, ignore_eos=True, logit_bias={77: 100}),
+         SamplingParams(temperature=1.0, seed=2, max_tokens=24, ignore_eos=True, allowed_token_ids=[40, 41, 42]),
+         greedy])
+    assert banned.token_ids[0] == second and first not in banned.token_ids
+    assert banned.logprobs[0][second] == pytest.approx(torch.log_softmax(logits, -1)[second].item(), abs=1e-4)  # (the model's)
+    assert forced.token_ids == [77] * 8
+    assert set(allowed.token_ids) <= {40, 41, 42} and len(set(allowed.token_ids)) > 1
+    assert same.token_ids == plain.token_ids
+    for bad, message in (({"logit_bias": {10**6: 1.0}}, "outside the vocabulary"), ({"allowed_token_ids": [320]}, "outside the vocabulary"),
+                         ({"allowed_token_ids": []}, "must not be empty"), ({"logit_bias": {1: float("inf")}}, "finite"),
+                         ({"logit_bias": {1: 1.0}, "beam_width": 2}, "beam search")):
+        with pytest.raises(FasterLlamaError, match=message):
+            llm.generate([prompt], SamplingParams(max_tokens=2, **bad))
+
+
 # -- beam search --------------------------------------------------------------------------------
 BEAM_CASES = [(1.0, False), (0.6, True), (2.0, "never"), (-0.5, False)]
 

@@ -292,6 +292,12 @@ def test_completion_greedy_matches_offline(server: Server, offline: LLM) -> None
         assert_logprobs_close(lp.token_logprobs, [d[t] for d, t in zip(ref.logprobs, ref.token_ids)])
         assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)
         assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # logit_bias (token ids as strings) and allowed_token_ids: what the engine makes of them
+    banned = ref.token_ids[0]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, logit_bias={str(banned): -100},
+                                  extra_body={"allowed_token_ids": list(range(10, 300))})
+    ref = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=12, logit_bias={banned: -100}, allowed_token_ids=list(range(10, 300))))[0]
+    assert r.choices[0].text == ref.text and banned not in ref.token_ids and all(10 <= t < 300 for t in ref.token_ids)
     # several prompts in one request: choices in prompt order
     prompts = ["Hello world, this is", "Once upon a time"]
     r = client.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0)
@@ -587,6 +593,10 @@ MALFORMED: list[tuple[str, Any, int]] = [
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], "mixed"]}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"abc": 1}}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"5": 101}}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"100000": 1}}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "allowed_token_ids": []}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "seed": 2**70}, 400),
     ("/v1/completions", {"model": "gpt-4", "prompt": "Hi"}, 404),
     ("/v1/chat/completions", {"model": MODEL}, 400),

@@ -183,7 +183,7 @@ class EngineLoop:
 
         The prompt is encoded here, and its structured-output constraint compiled, so a bad prompt
         or constraint raises in the caller's thread."""
-        params = params or SamplingParams()
+        params = self.engine.check_params(params)
         if params.beam_width > 1:
             raise FasterLlamaError("beam search is not supported by the engine loop")
         ids = self.encode(prompt)

@@ -394,7 +394,7 @@ class LLMEngine:
 
     def new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None, sample_index: int = 0) -> Sequence:
         """One sequence, its prompt and params checked, not queued yet (add_request queues it)."""
-        params = self._check_params(params)
+        params = self.check_params(params)
         seq = Sequence(self.encode_prompt(prompt), params, self.tokenizer, self._seed(params, sample_index))
         seq.matcher = self.structured.matcher(params)
         return seq
@@ -404,7 +404,7 @@ class LLMEngine:
         from it (sharing its blocks) and draw their own first tokens from the same logits. A group
         starts only where it has all its seats, so more samples than max_num_seqs go in groups of
         at most max_num_seqs, each group's first prefilling (from the prefix cache, where it is on)."""
-        params = self._check_params(params)
+        params = self.check_params(params)
         ids = self.encode_prompt(prompt)
         seqs = [Sequence(ids, params, self.tokenizer, self._seed(params, k)) for k in range(params.n)]
         for seq in seqs:
@@ -415,11 +415,17 @@ class LLMEngine:
             self.scheduler.add(seqs[first])
         return seqs
 
-    @staticmethod
-    def _check_params(params: object) -> SamplingParams:
+    def check_params(self, params: object) -> SamplingParams:
+        """params (None: the defaults) checked against this model (token ids in its vocabulary)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise FasterLlamaError(f"params must be a SamplingParams (or None for the defaults), got {type(params).__name__}")
-        return params or SamplingParams()
+        params = params or SamplingParams()
+        vocab = self.config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+            outside = [t for t in ids if t >= vocab]
+            if outside:
+                raise FasterLlamaError(f"{name} has token id {outside[0]}, outside the vocabulary (0..{vocab - 1})")
+        return params
 
     def _context_origin(self) -> str:
         if self.context_set_by_cache:

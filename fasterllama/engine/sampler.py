@@ -52,6 +52,7 @@ class SamplingBatch:
     prompt_tokens: torch.Tensor | None  # [B, Lp] padded with -1 (repetition penalty)
     output_tokens: torch.Tensor | None  # [B, Lo] padded with -1 (all penalties)
     suppress: torch.Tensor | None  # [B, V] bool, tokens banned this step (EOS before min_tokens)
+    bias: torch.Tensor | None = None  # [B, V] added to the logits (logit_bias; -inf outside allowed_token_ids)
 
 def penalizes(p: SamplingParams) -> bool:
     """Whether the params' penalties count the tokens drawn so far (repetition, presence, frequency)."""
@@ -60,8 +61,9 @@ def penalizes(p: SamplingParams) -> bool:
 
 def plain_logits(seq: Sequence, extra: int = 0) -> bool:
     """No logits processor changes this sequence's logits at its next token (after `extra` more):
-    no penalty, no ban."""
-    return not penalizes(seq.params) and len(seq.output_token_ids) + extra >= seq.params.min_tokens
+    no penalty, no ban, no bias."""
+    p = seq.params
+    return not penalizes(p) and not p.biases_tokens and len(seq.output_token_ids) + extra >= p.min_tokens
 
 
 def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token_ids: Iterable[int], device: torch.device) -> SamplingBatch:
@@ -86,6 +88,17 @@ def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token
         for i, (n, p) in enumerate(zip(steps, ps)):
             if n < p.min_tokens:
                 suppress[i, [t for t in {*eos_token_ids, *p.stop_token_ids} if t < vocab]] = True
+    bias = None
+    if any(p.biases_tokens for p in ps):
+        bias = torch.zeros(len(rows), vocab, dtype=torch.float32)
+        for i, p in enumerate(ps):
+            if p.allowed_token_ids is not None:
+                bias[i] = float("-inf")
+                bias[i, p.allowed_token_ids] = 0.0
+            if p.logit_bias:
+                ids = list(p.logit_bias)
+                bias[i, ids] += torch.tensor([p.logit_bias[t] for t in ids])
+        bias = bias.to(device, non_blocking=True)
     # the per-row numbers in two copies to the device (one per dtype), not nine
     floats = col([[p.temperature for p in ps], [p.top_p for p in ps], [p.min_p for p in ps], [p.repetition_penalty for p in ps],
                   [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps]], f32)
@@ -103,6 +116,7 @@ def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token
         prompt_tokens=padded([s.prompt_token_ids for s, _ in rows]) if needs_prompt else None,
         output_tokens=padded([s.output_token_ids + extra for s, extra in rows]) if needs_output else None,
         suppress=suppress,
+        bias=bias,
     )
 
 
@@ -170,8 +184,10 @@ def apply_temperature_and_filters(logits: torch.Tensor, b: SamplingBatch) -> tor
 
 
 def penalized(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """fp32 logits after the bans and penalties: what greedy rows take the argmax of."""
+    """fp32 logits after the biases, bans and penalties: what greedy rows take the argmax of."""
     logits = logits.float()
+    if b.bias is not None:
+        logits = logits + b.bias
     if b.suppress is not None:
         logits = logits.masked_fill(b.suppress, float("-inf"))
     return apply_penalties(logits, b)

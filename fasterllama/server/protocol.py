@@ -2,10 +2,10 @@
 
 Strict mode: a string is not a number and 5.0 is not an integer, as in OpenAI's API; NaN and
 infinities are refused; null is as if the field were not sent. Fields we cannot honour (echo,
-suffix, logit_bias, tools, ...) are refused when set rather than silently ignored; unknown fields
+suffix, tools, ...) are refused when set rather than silently ignored; unknown fields
 are ignored, as OpenAI does.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens, and structured output: response_format (json_object,
+min_tokens, stop_token_ids, skip_special_tokens, allowed_token_ids, and structured output: response_format (json_object,
 json_schema) and guided_json, guided_regex, guided_grammar (a Lark grammar)."""
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ class GenerationRequest(_Strict):
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # structured output, vLLM's extension names
     guided_regex: str | None = None
@@ -98,9 +99,18 @@ class GenerationRequest(_Strict):
 
     @field_validator("logit_bias")
     @classmethod
-    def _logit_bias(cls, v: dict[str, float] | None) -> None:
-        if v:
-            raise ValueError("logit_bias is not supported")
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's: token ids (as strings) -> a bias from -100 to 100."""
+        if not v:
+            return None
+        out: dict[int, float] = {}
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases must be from -100 to 100, got {bias} for token {key}")
+            out[int(key)] = bias
+        return out
 
     @property
     def include_usage(self) -> bool:
@@ -125,6 +135,8 @@ class GenerationRequest(_Strict):
             logprobs=logprobs,
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             json_schema=self._json_schema(),
             regex=self.guided_regex,
             grammar=self.guided_grammar,
