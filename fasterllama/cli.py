@@ -65,7 +65,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json-schema", default=None, help="the output follows this JSON schema (its text, or @FILE)")
     g.add_argument("--json", action="store_true", help="the output is a JSON object")
     g.add_argument("--regex", default=None, help="the output matches this regular expression")
-    g.add_argument("--grammar", default=None, help="the output follows this Lark grammar (llguidance's syntax; its text, or @FILE)")
+    g.add_argument("--grammar", default=None, help="the output follows this Lark grammar (llguidance's syntax) or GBNF grammar (llama.cpp's; its text, or @FILE)")
+    g.add_argument("--choice", action="append", default=None, help="the output is one of these strings (repeat the flag)")
 
 
 def _text_or_file(value: str | None, what: str) -> str | None:
@@ -104,6 +105,7 @@ def _sampling_params(args: argparse.Namespace) -> Any:
         json_object=args.json,
         regex=args.regex,
         grammar=_text_or_file(args.grammar, "grammar"),
+        choice=args.choice,
     )
 
 

@@ -176,6 +176,8 @@ class TextStream:
         finally:
             self.engine.abort(self.seq)
             self.output = RequestOutput.from_sequences(self.prompt, [self.seq])
+        if self.seq.error is not None:
+            raise FasterLlamaError(self.seq.error)
 
 
 class LLM:
@@ -284,6 +286,10 @@ class LLM:
             for seq in (s for g in groups.values() for s in g):
                 engine.abort(seq)
             raise
+        failed = [(i, s.error) for i, g in groups.items() for s in g if s.error is not None]
+        if failed:  # (a constraint that failed on the way: the others ran to their ends)
+            i, error = failed[0]
+            raise FasterLlamaError(error if len(prompts) == 1 else f"prompt {i} of {len(prompts)}: {error}")
         for i, g in groups.items():
             results[i] = RequestOutput.from_sequences(prompts[i], g)
         return [results[i] for i in range(len(prompts))]

@@ -77,6 +77,10 @@ def _check_list(name: str, value: Any, single: type | None, allowed: str) -> lis
     return list(value)
 
 
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
 GREEDY_BELOW = 1e-5  # temperatures under it are greedy
 
 
@@ -106,10 +110,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's; -100 / 100 ban / force)
     allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's)
     # structured output (at most one; engine/structured.py): the text follows a JSON schema (a dict
-    # or its JSON text), a regular expression, a Lark grammar (llguidance's syntax), or is any JSON object
+    # or its JSON text), a regular expression, a Lark grammar (llguidance's syntax) or a GBNF one
+    # (llama.cpp's), is one of the choices, or is any JSON object
     json_schema: dict | str | None = None
     regex: str | None = None
     grammar: str | None = None
+    choice: list[str] | None = None
     json_object: bool = False
 
     def __post_init__(self) -> None:
@@ -174,21 +180,31 @@ class SamplingParams:
     def _check_constraint(self) -> None:
         if isinstance(self.json_schema, str):
             try:
-                schema = json.loads(self.json_schema)
+                schema = json.loads(self.json_schema, parse_constant=_refuse_constant)
             except ValueError as e:
                 raise FasterLlamaError(f"json_schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise FasterLlamaError(f"json_schema must be a JSON object, got {_show(self.json_schema)}")
-        elif self.json_schema is not None and not isinstance(self.json_schema, dict):
+        elif isinstance(self.json_schema, dict):
+            try:
+                json.dumps(self.json_schema, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise FasterLlamaError(f"json_schema must hold JSON values only: {e}") from None
+        elif self.json_schema is not None:
             raise FasterLlamaError(f"json_schema must be a dict or its JSON text, got {_show(self.json_schema)}")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise FasterLlamaError(f"{name} must be a non-empty string, got {_show(value)}")
+        if self.choice is not None:
+            choices = _check_list("choice", self.choice, None, "a non-empty list of strings or None")
+            if not choices or not all(isinstance(c, str) for c in choices):
+                raise FasterLlamaError(f"choice must be a non-empty list of strings, got {_show(self.choice)}")
+            self.choice = choices
         self.json_object = _check_bool("json_object", self.json_object)
-        given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None] + (["json_object"] if self.json_object else [])
+        given = [n for n in ("json_schema", "regex", "grammar", "choice") if getattr(self, n) is not None] + (["json_object"] if self.json_object else [])
         if len(given) > 1:
-            raise FasterLlamaError(f"give at most one of json_schema, regex, grammar and json_object, got {', '.join(given)}")
+            raise FasterLlamaError(f"give at most one of json_schema, regex, grammar, choice and json_object, got {', '.join(given)}")
         if given and self.beam_width > 1:
             raise FasterLlamaError("structured output does not combine with beam search")
 
@@ -203,6 +219,8 @@ class SamplingParams:
             return "regex", self.regex
         if self.grammar is not None:
             return "lark", self.grammar
+        if self.choice is not None:  # (JSON string literals are Lark's: quotes, backslashes and newlines escaped)
+            return "lark", "start: " + " | ".join(json.dumps(c) for c in self.choice)
         return ("json", '{"type": "object"}') if self.json_object else None
 
     @property

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -406,6 +407,23 @@ def test_structured_output_over_http(server: Server, offline: LLM) -> None:
                                                 response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}})
     with pytest.raises(openai.BadRequestError, match="at most one"):
         server.client().completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body={"guided_regex": "a", "guided_grammar": 'start: "a"'})
+    # vLLM's guided_choice and structured_outputs (they were ignored: free text)
+    for extra in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
+        c = server.client().completions.create(model=MODEL, prompt="Answer:", max_tokens=20, temperature=0, extra_body=extra)
+        assert c.choices[0].text in ("yes", "no") and c.choices[0].finish_reason == "stop", extra
+    for extra, fragment in (({"structured_outputs": {"structural_tag": "x"}}, "structural_tag"),
+                            ({"guided_choice": ["a"], "structured_outputs": {"regex": "b"}}, "give one of")):
+        with pytest.raises(openai.BadRequestError, match=fragment):
+            server.client().completions.create(model=MODEL, prompt="x", max_tokens=5, extra_body=extra)
+    # a constraint failing after its first token (llguidance's parser limits): a 400 for it alone
+    huge = "start: " + " | ".join(f'"w{i}"' for i in range(2001))
+    with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
+        free = {"model": MODEL, "prompt": "Hello", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            other = pool.submit(client.post, "/v1/completions", json=free)
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 5, "guided_grammar": huge})
+            assert r.status_code == 400 and "structured output failed" in r.json()["error"]["message"], r.text
+            assert other.result().status_code == 200 and other.result().json()["usage"]["completion_tokens"] == 40
     assert slots_free(server)
 
 

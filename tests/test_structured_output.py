@@ -32,6 +32,8 @@ def test_params_take_one_constraint() -> None:
     assert SamplingParams(json_object=True).constraint == ("json", '{"type": "object"}')
     assert SamplingParams(regex="a+").constraint == ("regex", "a+") and SamplingParams().constraint is None
     for kwargs, fragment in (({"regex": "a", "grammar": 'start: "a"'}, "at most one"), ({"json_schema": "{nope"}, "not valid JSON"),
+                             ({"json_schema": {"enum": {1, 2}}}, "JSON values only"), ({"json_schema": '{"maximum": NaN}'}, "NaN is not JSON"),
+                             ({"choice": []}, "non-empty list of strings"), ({"choice": ["a"], "regex": "a"}, "at most one"),
                              ({"json_schema": "[1]"}, "JSON object"), ({"json_schema": 3}, "dict or its JSON text"),
                              ({"regex": ""}, "non-empty"), ({"json_object": 1}, "True or False"),
                              ({"regex": "a", "beam_width": 2}, "beam search")):
@@ -57,7 +59,10 @@ def test_regex_grammar_and_schema_hold_greedy_and_sampled(tiny: LLM) -> None:
     prompts = [[5, 6, 7], [100, 200, 33, 4], [9] * 12]
     cases = [({"regex": r"(yes|no|maybe) [0-9]{2}"}, lambda t: re.fullmatch(r"(yes|no|maybe) [0-9]{2}", t)),
              ({"grammar": 'start: item ("," item)*\nitem: "ab" | "cd" | "e"'}, lambda t: re.fullmatch(r"(ab|cd|e)(,(ab|cd|e))*", t)),
-             ({"json_schema": TINY_SCHEMA}, lambda t: _valid(json.loads(t), TINY_SCHEMA))]
+             ({"json_schema": TINY_SCHEMA}, lambda t: _valid(json.loads(t), TINY_SCHEMA)),
+             ({"choice": ["yes", 'say "hi"\n', "naïve"]}, lambda t: t in ("yes", 'say "hi"\n', "naïve")),
+             ({"grammar": 'root ::= ("ab" | "cd") [0-9]'}, lambda t: re.fullmatch(r"(ab|cd)[0-9]", t))]  # GBNF (llama.cpp's)
+    assert tiny.generate(prompts, SamplingParams(max_tokens=4, json_schema="true"))  # (a boolean schema: any JSON; it failed to compile)
     for constraint, check in cases:
         for extra in ({"temperature": 0}, {"temperature": 1.0, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.2, "seed": 4, "n": 3}):
             params = SamplingParams(max_tokens=48, **constraint, **extra)
@@ -68,6 +73,35 @@ def test_regex_grammar_and_schema_hold_greedy_and_sampled(tiny: LLM) -> None:
                     assert check(c.text), (constraint, c.text)
             if "seed" in extra:
                 assert [[c.text for c in o.outputs] for o in tiny.generate(prompts, params)] == [[c.text for c in o.outputs] for o in outs]
+
+
+def test_a_constraint_failing_mid_way_ends_its_own_sequence(tiny: LLM, monkeypatch) -> None:
+    """A constraint that compiles but passes llguidance's parser limits once a token is taken
+    (2,001 alternatives: "Current row has 2002 items; max is 2000"), or allowed_token_ids it never
+    allows, ends its own sequence with finish_reason "error" and its reason; the others in the
+    step run to their ends (the step raised for the whole batch, and the server answered 500 to
+    every request in it). generate raises it, naming the prompt; the engine is left clean. A
+    constraint is compiled once, then copied for each sequence."""
+    from fasterllama.engine import structured
+
+    engine = tiny.engine
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = tiny.generate([[40, 41]], free)[0].token_ids
+    for constraint in ({"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(2001))},
+                       {"regex": "[a-c]+", "allowed_token_ids": [5, 6, 7]}):
+        seqs = [engine.add_request([40, 41], free), engine.add_request([8, 9], SamplingParams(max_tokens=12, **constraint))]
+        while engine.has_unfinished():
+            engine.step()
+        assert seqs[0].output_token_ids == alone and seqs[0].finish_reason == "length"
+        assert seqs[1].finish_reason == "error" and seqs[1].error.startswith("structured output failed at output token 1: token ")
+        assert engine.blocks.num_used == 0
+        with pytest.raises(FasterLlamaError, match="prompt 1 of 2: structured output failed"):
+            tiny.generate([[40, 41], [8, 9]], [free, SamplingParams(max_tokens=12, **constraint)])
+    compiled = []
+    monkeypatch.setattr(structured, "_grammar", lambda kind, text, real=structured._grammar: compiled.append(text) or real(kind, text))
+    regex = SamplingParams(temperature=1.0, seed=1, n=4, max_tokens=8, regex="(x|y)[0-9]{3}")
+    outs = tiny.generate([[5, 6], [7, 8]], regex)
+    assert compiled == ["(x|y)[0-9]{3}"] and all(re.fullmatch("(x|y)[0-9]{3}", c.text) for o in outs for c in o.outputs)
 
 
 def test_stop_string_cuts_the_text_also_where_the_constraint_ends(tiny: LLM) -> None:
@@ -94,7 +128,8 @@ def test_cli_flags(tiny: LLM, tmp_path) -> None:
     (tmp_path / "s.json").write_text(json.dumps(TINY_SCHEMA))
     for flags, check in ((["--regex", "(yes|no)!"], lambda t: t in ("yes!", "no!")),
                          (["--json-schema", f"@{tmp_path / 's.json'}"], lambda t: _valid(json.loads(t), TINY_SCHEMA)),
-                         (["--grammar", 'start: "a" "b"*'], lambda t: re.fullmatch("ab*", t))):
+                         (["--grammar", 'start: "a" "b"*'], lambda t: re.fullmatch("ab*", t)),
+                         (["--choice", "up", "--choice", "down"], lambda t: t in ("up", "down"))):
         out = subprocess.run(cmd + flags + ["hello"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and check(out.stdout.strip()), (flags, out.stdout, out.stderr)
     bad = subprocess.run(cmd + ["--json-schema", '{"type": "objectx"}', "hello"], capture_output=True, text=True, timeout=120)

@@ -50,6 +50,7 @@ class SequenceOutput:
     finish_reason: str | None
     time: float  # time.monotonic() when the loop produced it
     error: str | None = None
+    request_error: bool = False  # the error is the request's own (its constraint failed), not the engine's
 
 
 @dataclass(frozen=True)
@@ -300,7 +301,10 @@ class EngineLoop:
                 req.handle.cached_tokens = seq.num_prefix_cached
             logprobs = [update.logprobs] if update.logprobs is not None else None
             reason = update.finish_reason  # (a speculative step emits several tokens: only its last may finish)
-            req.handle._push(SequenceOutput(k, update.text_delta, [update.token_id], logprobs, reason, now))
+            if reason == "error":
+                req.handle._push(SequenceOutput(k, "", [], None, reason, now, error=seq.error, request_error=True))
+            else:
+                req.handle._push(SequenceOutput(k, update.text_delta, [update.token_id], logprobs, reason, now))
             if reason is not None:
                 del self._owner[seq.seq_id]
                 if not any(s.seq_id in self._owner for s in req.seqs):  # its last sequence's final output

@@ -637,8 +637,14 @@ class LLMEngine:
         if seq.detokenizer:
             seq.text += seq.detokenizer.add(tok)
         reason = None
-        if seq.matcher is not None and self.structured.advance(seq.matcher, tok):
-            reason = "stop"  # the constraint is complete
+        if seq.matcher is not None:
+            try:
+                if self.structured.advance(seq.matcher, tok):
+                    reason = "stop"  # the constraint is complete
+            except FasterLlamaError as e:  # (this sequence's own failure: the step goes on for the others)
+                seq.error = f"structured output failed at output token {len(seq.output_token_ids)}: {e}"
+                self._finish(seq, "error")
+                return StepUpdate(seq, tok, "", logprobs, "error")
         if p.stop and seq.text:  # (also on the token that completes a constraint: the text still ends before a stop string)
             if len(seq.output_token_ids) >= p.min_tokens:
                 reason = self._truncate_at_stop(seq) or reason

@@ -35,6 +35,7 @@ class Sequence:
         self.admitted = False  # scheduled once (a preempted sequence coming back finds blocks it computed itself)
         self.forks: list[Sequence] = []  # the other samples of its request: they share its prompt once prefilled
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it ended with finish_reason "error" (its constraint failed)
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0  # sum of chosen tokens' logprobs (when logprobs are asked)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -6,11 +6,13 @@ come next. Each step the engine turns the constrained sequences' matchers into o
 sets the disallowed logits to -inf before the sampler, so a constraint composes with every
 sampling setting (penalties, temperature, top-k/p, min-p, n > 1, seeds); the sampled token then
 advances the matcher. A constraint that cannot compile is a FasterLlamaError (a 400 in the server),
-raised when the request is added."""
+raised when the request is added; one that fails later (llguidance's parser limits, such as 2,000
+items a row, or allowed_token_ids the constraint never allows) ends its own sequence with
+finish_reason "error", never the step of the others."""
 
 from __future__ import annotations
 
-import functools
+import collections
 import re
 import threading
 import time
@@ -36,19 +38,27 @@ def _compile_error(kind: str, error: object) -> FasterLlamaError:
     return FasterLlamaError(f"cannot compile the {kind} constraint: {head}{f': {reason}' if reason else ''}")
 
 
-@functools.lru_cache(maxsize=256)
 def _grammar(kind: str, text: str) -> str:
-    """llguidance's grammar for a constraint (cached: a server sees the same schemas again and again)."""
+    """llguidance's grammar for a constraint: a JSON schema, a regex, or a Lark grammar (GBNF, as
+    llama.cpp writes grammars, converted to Lark)."""
     import llguidance
+    from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
     try:
         if kind == "json":  # compact JSON (no free whitespace: fewer tokens, no runs of blanks), unless the schema's x-guidance says otherwise
-            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+            options = {} if text.strip() in ("true", "false") else {"defaults": {"whitespace_flexible": False}}  # (a boolean schema takes none)
+            return llguidance.LLMatcher.grammar_from_json_schema(text, **options)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(text)
-        return llguidance.LLMatcher.grammar_from_lark(text)
-    except (ValueError, RuntimeError, TypeError) as e:
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(text))
+    except (ValueError, RuntimeError, TypeError, GbnfToLarkError) as e:
         raise _compile_error(kind, e) from None
+
+
+# compiled matchers kept (a server sees the same schemas again and again), bounded in number and in
+# constraint text (a compiled matcher holds several times its text)
+COMPILED_CACHE_ENTRIES = 64
+COMPILED_CACHE_CHARS = 4 << 20
 
 
 class StructuredOutput:
@@ -58,6 +68,8 @@ class StructuredOutput:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._ll: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._compiled: collections.OrderedDict[tuple[str, str], llguidance.LLMatcher] = collections.OrderedDict()  # LRU
+        self._compiled_chars = 0
         self.mask_seconds = 0.0  # time spent computing and applying masks (benchmarks/structured.py)
         self.mask_steps = 0
 
@@ -72,16 +84,39 @@ class StructuredOutput:
             return self._ll
 
     def matcher(self, params: SamplingParams) -> llguidance.LLMatcher | None:
-        """A fresh matcher for one sequence of a request (None: unconstrained). Safe from any thread."""
+        """A fresh matcher for one sequence of a request (None: unconstrained): a copy of the
+        constraint's compiled matcher, which is compiled once (seconds for a 50,000-item enum)
+        and kept while the cache holds it. Safe from any thread."""
         constraint = params.constraint
         if constraint is None:
             return None
-        import llguidance
+        with self._lock:
+            compiled = self._compiled.get(constraint)
+            if compiled is not None:
+                self._compiled.move_to_end(constraint)
+                return compiled.deep_copy()
+        compiled = self._compile(*constraint)  # (outside the lock: other requests go on meanwhile)
+        with self._lock:
+            if constraint not in self._compiled:  # (another thread may have compiled it meanwhile)
+                self._compiled[constraint] = compiled
+                self._compiled_chars += len(constraint[1])
+            while len(self._compiled) > 1 and (self._compiled_chars > COMPILED_CACHE_CHARS or len(self._compiled) > COMPILED_CACHE_ENTRIES):
+                (_, text), _ = self._compiled.popitem(last=False)
+                self._compiled_chars -= len(text)
+            return compiled.deep_copy()
 
-        grammar = _grammar(*constraint)
-        matcher = llguidance.LLMatcher(self._ll_tokenizer(), grammar)
+    def _compile(self, kind: str, text: str) -> llguidance.LLMatcher:
+        """The matcher of a constraint at its start. Its first mask is computed here too: a
+        constraint past llguidance's parser limits (2,000 items a row: a 2,500-way anyOf) fails
+        there, as a compile error of the request rather than in a step."""
+        import llguidance
+        import llguidance.torch as ll_torch
+
+        matcher = llguidance.LLMatcher(self._ll_tokenizer(), _grammar(kind, text), log_level=0)
+        if not matcher.is_error():
+            ll_torch.fill_next_token_bitmask(matcher, ll_torch.allocate_token_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
-            raise _compile_error(constraint[0], matcher.get_error())
+            raise _compile_error(kind, matcher.get_error())
         return matcher
 
     @torch.inference_mode()  # the logits are the model runner's inference tensors
@@ -128,5 +163,6 @@ class StructuredOutput:
     def advance(matcher: llguidance.LLMatcher, token: int) -> bool:
         """Feed the sampled token; True once the constraint is complete (the sequence stops)."""
         if not matcher.consume_token(token):
-            raise FasterLlamaError(f"structured output: token {token} is not allowed here ({matcher.get_error()})")
+            why = matcher.get_error().strip().splitlines()[0] if matcher.is_error() else "the constraint allows no token the sampler may draw"
+            raise FasterLlamaError(f"token {token} is not allowed ({why})")
         return matcher.is_stopped()

@@ -69,5 +69,5 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
 
     prompts = await encode_prompts(state.loop, render, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    handles = start_requests(state, prompts, body, body.requested_max_tokens, None, body.num_logprobs, request_id)
+    handles = await start_requests(state, prompts, body, body.requested_max_tokens, None, body.num_logprobs, request_id)
     return await ChatGeneration(state, handles, request_id, body.include_usage).respond(request, body.stream)

@@ -49,5 +49,5 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     check_model(state, body.model)
     prompts = await encode_prompts(state.loop, lambda: body.prompt, "prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    handles = start_requests(state, prompts, body, body.max_tokens, DEFAULT_MAX_TOKENS, body.logprobs, request_id)
+    handles = await start_requests(state, prompts, body, body.max_tokens, DEFAULT_MAX_TOKENS, body.logprobs, request_id)
     return await CompletionGeneration(state, handles, request_id, body.include_usage).respond(request, body.stream)

@@ -6,7 +6,8 @@ suffix, tools, ...) are refused when set rather than silently ignored; unknown f
 are ignored, as OpenAI does.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, allowed_token_ids, and structured output: response_format (json_object,
-json_schema) and guided_json, guided_regex, guided_grammar (a Lark grammar)."""
+json_schema), guided_json, guided_regex, guided_grammar (a Lark or GBNF grammar), guided_choice, and
+structured_outputs (vLLM's newer name for them)."""
 
 from __future__ import annotations
 
@@ -58,6 +59,17 @@ class ResponseFormat(_Strict):
     json_schema: JSONSchemaFormat | None = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs (its newer name for the guided_* fields): one constraint."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)  # (an option we do not have is refused, not ignored)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class GenerationRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -85,7 +97,9 @@ class GenerationRequest(_Strict):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # structured output, vLLM's extension names
     guided_regex: str | None = None
-    guided_grammar: str | None = None  # a Lark grammar (llguidance's syntax)
+    guided_grammar: str | None = None  # a Lark grammar (llguidance's syntax) or a GBNF one
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop")
     @classmethod
@@ -137,21 +151,33 @@ class GenerationRequest(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
-            json_schema=self._json_schema(),
-            regex=self.guided_regex,
-            grammar=self.guided_grammar,
-            json_object=self.response_format is not None and self.response_format.type == "json_object",
+            **self._constraint(),
         )
 
-    def _json_schema(self) -> dict[str, Any] | str | None:
+    def _constraint(self) -> dict[str, Any]:
+        """The SamplingParams fields of the one constraint given by response_format, the guided_*
+        fields or structured_outputs (two of them: an error)."""
+        sources: dict[str, dict[str, Any]] = {}
         fmt = self.response_format
-        if fmt is None or fmt.type != "json_schema":
-            return self.guided_json
-        if self.guided_json is not None:
-            raise FasterLlamaError("give response_format or guided_json, not both")
-        if fmt.json_schema is None:
-            raise FasterLlamaError("response_format of type json_schema needs a json_schema object")
-        return fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
+        if fmt is not None and fmt.type == "json_schema":
+            if fmt.json_schema is None:
+                raise FasterLlamaError("response_format of type json_schema needs a json_schema object")
+            sources["response_format"] = {"json_schema": fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}}
+        elif fmt is not None and fmt.type == "json_object":
+            sources["response_format"] = {"json_object": True}
+        guided = {k: v for k, v in (("json_schema", self.guided_json), ("regex", self.guided_regex), ("grammar", self.guided_grammar),
+                                    ("choice", self.guided_choice)) if v is not None}
+        if guided:
+            sources["guided_*"] = guided
+        so = self.structured_outputs
+        if so is not None:
+            given = {k: v for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
+                                       ("json_object", so.json_object or None)) if v is not None}
+            if given:
+                sources["structured_outputs"] = given
+        if len(sources) > 1:
+            raise FasterLlamaError(f"give one of response_format, the guided_* fields and structured_outputs, got {' and '.join(sources)}")
+        return next(iter(sources.values()), {})
 
 
 Prompt = str | list[int]

@@ -67,10 +67,11 @@ async def encode_prompts(loop: EngineLoop, render: Callable[[], list[list[int] |
         raise APIError(400, str(e), param=param, code="invalid_value") from None
 
 
-def start_requests(state: ServerState, prompts: Seq[list[int]], body: GenerationRequest, max_tokens: int | None,
-                   default_max_tokens: int | None, logprobs: int | None, request_id: str) -> list[RequestHandle]:
+async def start_requests(state: ServerState, prompts: Seq[list[int]], body: GenerationRequest, max_tokens: int | None,
+                         default_max_tokens: int | None, logprobs: int | None, request_id: str) -> list[RequestHandle]:
     """Check each prompt's max_tokens against the context, then queue one engine request per
-    prompt. max_tokens None: default_max_tokens (None: the rest of the context), cut to fit."""
+    prompt (off the event loop: a large constraint takes seconds to compile). max_tokens None:
+    default_max_tokens (None: the rest of the context), cut to fit."""
     loop = state.loop
     params: list[SamplingParams] = []
     for ids in prompts:
@@ -88,9 +89,16 @@ def start_requests(state: ServerState, prompts: Seq[list[int]], body: Generation
         except FasterLlamaError as e:
             raise APIError(400, str(e), code="invalid_value") from None
     handles: list[RequestHandle] = []
-    try:
+
+    def add_all() -> None:
         for i, (ids, p) in enumerate(zip(prompts, params)):
             handles.append(loop.add_request(ids, p, request_id=f"{request_id}-{i}"))
+
+    try:
+        await run_in_threadpool(add_all)
+    except asyncio.CancelledError:  # (the client left meanwhile)
+        _abort(handles)
+        raise
     except EngineLoopClosed:
         _abort(handles)
         raise APIError(503, SHUTDOWN_MESSAGE, code="service_unavailable") from None
@@ -108,7 +116,12 @@ def _abort(handles: Seq[RequestHandle]) -> None:
 
 # -- running -----------------------------------------------------------------------------------
 class GenerationFailed(Exception):
-    """An output ended a sequence with an error (engine failure, shutdown)."""
+    """An output ended a sequence with an error (engine failure, shutdown; or the request's own:
+    its constraint failed, `request_error`)."""
+
+    def __init__(self, message: str, request_error: bool = False) -> None:
+        super().__init__(message)
+        self.request_error = request_error
 
 
 @dataclass
@@ -214,7 +227,7 @@ class Generation:
         handle = self.handles[prompt_index]
         choice = self.choices[prompt_index * self.n + out.index]
         if out.finish_reason in ("error", "abort"):
-            raise GenerationFailed(out.error or "the request was aborted")
+            raise GenerationFailed(out.error or "the request was aborted", out.request_error)
         self.state.metrics.observe(handle, out, choice.last_time)
         if out.token_ids:
             choice.last_time = out.time
@@ -242,8 +255,11 @@ class Generation:
             status = "ok"
             yield sse("[DONE]")
         except GenerationFailed as e:
-            status = "error"
-            yield sse(error_body(str(e), "server_error", code="service_unavailable" if str(e) == SHUTDOWN_MESSAGE else None))
+            status = "rejected" if e.request_error else "error"
+            if e.request_error:
+                yield sse(error_body(str(e), "invalid_request_error", code="invalid_value"))
+            else:
+                yield sse(error_body(str(e), "server_error", code="service_unavailable" if str(e) == SHUTDOWN_MESSAGE else None))
             yield sse("[DONE]")
         except Exception:
             logger.exception("streaming %s failed", self.id)
@@ -282,6 +298,8 @@ class Generation:
         try:
             body = collect.result()
         except GenerationFailed as e:
+            if e.request_error:
+                raise APIError(400, str(e), code="invalid_value") from None
             shutdown = str(e) == SHUTDOWN_MESSAGE
             raise APIError(503 if shutdown else 500, str(e), code="service_unavailable" if shutdown else None) from None
         self.state.metrics.count("ok")
