@@ -677,6 +677,15 @@ def test_null_fields_and_more_samples_than_seats(server_one: Server, offline: LL
     wait_for(lambda: slots_free(server_one), what="no used KV blocks")
 
 
+def test_engine_errors_name_their_param(server: Server) -> None:
+    """Errors the engine raises on a request's values name the field, as OpenAI's `param` does."""
+    with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
+        for extra, param in (({"logit_bias": {"100000": 1}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+                             ({"guided_regex": "(a"}, "guided_regex"), ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs")):
+            r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, **extra})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+
+
 def test_openai_client_sees_typed_errors(server: Server) -> None:
     client = server.client()
     with pytest.raises(openai.NotFoundError):

@@ -154,6 +154,17 @@ class GenerationRequest(_Strict):
             **self._constraint(),
         )
 
+    def param_of(self, message: str) -> str | None:
+        """The request field an engine error is about, as OpenAI names `param`: the field its
+        message starts with, or the one that gave a constraint that cannot compile."""
+        first = message.split(" ", 1)[0]
+        if first in type(self).model_fields:
+            return first
+        if message.startswith(("cannot compile", "structured output")):
+            return next((name for name in ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
+                                           "structured_outputs") if getattr(self, name) is not None), None)
+        return None
+
     def _constraint(self) -> dict[str, Any]:
         """The SamplingParams fields of the one constraint given by response_format, the guided_*
         fields or structured_outputs (two of them: an error)."""

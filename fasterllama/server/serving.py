@@ -87,7 +87,7 @@ async def start_requests(state: ServerState, prompts: Seq[list[int]], body: Gene
         try:
             params.append(body.sampling_params(budget, logprobs))
         except FasterLlamaError as e:
-            raise APIError(400, str(e), code="invalid_value") from None
+            raise APIError(400, str(e), param=body.param_of(str(e)), code="invalid_value") from None
     handles: list[RequestHandle] = []
 
     def add_all() -> None:
@@ -104,7 +104,7 @@ async def start_requests(state: ServerState, prompts: Seq[list[int]], body: Gene
         raise APIError(503, SHUTDOWN_MESSAGE, code="service_unavailable") from None
     except FasterLlamaError as e:
         _abort(handles)
-        raise APIError(400, str(e), code="invalid_value") from None
+        raise APIError(400, str(e), param=body.param_of(str(e)), code="invalid_value") from None
     state.metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))
     return handles
 
