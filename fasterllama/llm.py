@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch
 
 from .engine.beam_search import BeamSearch
 from .engine.llm_engine import LLMEngine, check_text
-from .engine.sequence import Sequence
+from .engine.sequence import Logprob, Sequence
 from .errors import FasterLlamaError
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
@@ -38,8 +39,12 @@ def prompt_list(prompts: object) -> list[Prompt]:
 
     Without this a dict generated from its keys, None/int/bytes raised raw TypeErrors, and a list
     mixing strings and ids failed deep inside; token ids themselves are checked by the engine."""
+    if isinstance(prompts, dict):  # vLLM's TextPrompt / TokensPrompt
+        return [_prompt_of_dict(prompts, "the prompt")]
     if isinstance(prompts, str) or (isinstance(prompts, (torch.Tensor, np.ndarray)) and prompts.ndim == 1):
         return [prompts]
+    if isinstance(prompts, (list, tuple)) and any(isinstance(p, dict) for p in prompts):
+        prompts = [_prompt_of_dict(p, f"prompt {i}") if isinstance(p, dict) else p for i, p in enumerate(prompts)]
     if not isinstance(prompts, (list, tuple)):
         hint = " (decode bytes to a string first)" if isinstance(prompts, (bytes, bytearray)) else ""
         raise FasterLlamaError(f"prompts must be a string, a list of token ids, or a list of those; got {_kind(prompts)}{hint}")
@@ -54,6 +59,15 @@ def prompt_list(prompts: object) -> list[Prompt]:
             hint = " (decode bytes to a string first)" if isinstance(p, (bytes, bytearray)) else ""
             raise FasterLlamaError(f"prompt {i} must be a string or a list of token ids, got {_kind(p)}{hint}")
     return list(prompts)
+
+
+def _prompt_of_dict(prompt: dict, what: str) -> Prompt:
+    """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as a prompt."""
+    keys = set(prompt) & {"prompt", "prompt_token_ids"}
+    if len(keys) != 1 or set(prompt) - {"prompt", "prompt_token_ids"}:
+        raise FasterLlamaError(f"{what} as a dict must be {{'prompt': text}} or {{'prompt_token_ids': [ids]}} "
+                               f"(no other keys), got the keys {sorted(map(str, prompt))}")
+    return prompt[keys.pop()]
 
 
 def _either(params: object, sampling_params: object) -> Any:
@@ -97,15 +111,19 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None: EOS, length)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     @classmethod
     def from_sequence(cls, index: int, seq: Sequence) -> CompletionOutput:
         asked = seq.params.logprobs is not None
-        return cls(index, seq.text, list(seq.output_token_ids), seq.finish_reason,
-                   seq.logprobs if asked else None, seq.cumulative_logprob if asked else None)
+        return cls(index, seq.text, list(seq.output_token_ids), seq.cumulative_logprob if asked else None,
+                   seq.logprobs if asked else None, seq.finish_reason, seq.stop_reason)
 
 
 @dataclass
@@ -115,7 +133,9 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    request_id: str = ""
+    finished: bool = True
 
     @property
     def text(self) -> str:
@@ -144,6 +164,8 @@ class RequestOutput:
             prompt_token_ids=seqs[0].prompt_token_ids,
             outputs=[CompletionOutput.from_sequence(i, s) for i, s in enumerate(seqs)],
             prompt_logprobs=seqs[0].prompt_logprobs,
+            request_id=str(seqs[0].seq_id),
+            finished=all(s.is_finished for s in seqs),
         )
 
 
@@ -153,15 +175,17 @@ class TextStream:
     Each delta is the text the sequence has settled since the last one, whoever stepped the engine
     meanwhile (another stream, generate, compute_logits)."""
 
-    def __init__(self, engine: LLMEngine, prompt: Prompt, seq: Sequence) -> None:
+    def __init__(self, engine: LLMEngine, prompt: Prompt, seq: Sequence, lock: threading.RLock | None = None) -> None:
         self.engine, self.prompt, self.seq = engine, prompt, seq
+        self.lock = lock or threading.RLock()  # (the LLM's: threads take turns stepping its engine)
         self.output: RequestOutput | None = None
         self.shown = 0  # characters of the text yielded (a second iteration goes on from there)
         self.queued = False
 
     def __iter__(self) -> Iterator[str]:
         if not self.queued:  # queued when first read: a stream never read costs nothing
-            self.engine.scheduler.add(self.seq)
+            with self.lock:
+                self.engine.scheduler.add(self.seq)
             self.queued = True
         try:
             while True:
@@ -172,9 +196,11 @@ class TextStream:
                     continue  # (others may have stepped the engine meanwhile)
                 if self.seq.is_finished:
                     break
-                self.engine.step()
+                with self.lock:
+                    self.engine.step()
         finally:
-            self.engine.abort(self.seq)
+            with self.lock:
+                self.engine.abort(self.seq)
             self.output = RequestOutput.from_sequences(self.prompt, [self.seq])
         if self.seq.error is not None:
             raise FasterLlamaError(self.seq.error)
@@ -199,6 +225,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
         speculative_config: dict | str | None = None,
+        seed: int | None = None,
     ) -> None:
         """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q4_0..Q8_0 / Q2_K..Q6_K
         tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
@@ -217,7 +244,11 @@ class LLM:
         speculative_config: speculative decoding, as vLLM's: {"method": "ngram",
         "num_speculative_tokens": 4} drafts from the prompt, {"method": "draft_model", "model": PATH,
         "num_speculative_tokens": 4} with a smaller model of the same tokenizer; outputs stay the
-        model's (greedy ones identical), only faster when the drafts are right."""
+        model's (greedy ones identical), only faster when the drafts are right.
+        seed: requests without a seed draw theirs from a generator of this seed (vLLM's), so a
+        script's sampled outputs repeat from run to run."""
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise FasterLlamaError(f"seed must be an integer or None, got {_kind(seed)}")
         self.engine = LLMEngine(
             model,
             dtype=dtype,
@@ -236,17 +267,30 @@ class LLM:
         )
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
+        self._lock = threading.RLock()  # one caller steps the engine at a time (threads take turns)
+        if seed is not None:
+            self.engine.rng.seed(seed)
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name; also `llm.engine`)."""
+        return self.engine
 
     def generate(
         self,
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
         *,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); one output per prompt.
-        sampling_params: vLLM's name for params."""
-        params = _either(params, sampling_params)
+        """Generate for every prompt (a string, a list of token ids, or vLLM's {"prompt": ...} /
+        {"prompt_token_ids": ...}); one output per prompt. sampling_params: vLLM's name for params;
+        use_tqdm: a progress bar of the prompts done. Calls from several threads take turns."""
+        with self._lock:
+            return self._generate(prompts, _either(params, sampling_params), use_tqdm)
+
+    def _generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
         prompts = prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
@@ -276,16 +320,26 @@ class LLM:
             for i, out in zip(idx, outs):
                 results[i] = out
         groups: dict[int, list[Sequence]] = {}
+        bar = None
         try:
             for i, (ids, p) in enumerate(zip(prompt_ids, params_list)):
                 if p.beam_width == 1:
                     groups[i] = engine.add_group(ids, p)
+            if use_tqdm:
+                from tqdm import tqdm
+
+                bar = tqdm(total=len(prompts), initial=len(results), desc="Processed prompts", unit="prompt")
             while engine.has_unfinished():
                 engine.step()
+                if bar is not None:
+                    bar.update(len(results) + sum(all(s.is_finished for s in g) for g in groups.values()) - bar.n)
         except BaseException:
             for seq in (s for g in groups.values() for s in g):
                 engine.abort(seq)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         failed = [(i, s.error) for i, g in groups.items() for s in g if s.error is not None]
         if failed:  # (a constraint that failed on the way: the others ran to their ends)
             i, error = failed[0]
@@ -297,7 +351,7 @@ class LLM:
     def _beam_search(self, prompts: list[Prompt], ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         outs = []
         for prompt, prompt_ids, beams in zip(prompts, ids, BeamSearch(self.engine).run(ids, params)):
-            outputs = [CompletionOutput(k, b.text, b.token_ids, b.finish_reason, None, b.cumulative_logprob) for k, b in enumerate(beams)]
+            outputs = [CompletionOutput(k, b.text, b.token_ids, b.cumulative_logprob, None, b.finish_reason) for k, b in enumerate(beams)]
             outs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outputs))
         return outs
 
@@ -310,7 +364,7 @@ class LLM:
             raise FasterLlamaError(f"stream takes one prompt (a string or a list of token ids), got {len(batch)} prompts")
         if params is not None and isinstance(params, SamplingParams) and (params.n > 1 or params.beam_width > 1):
             raise FasterLlamaError("stream yields one sequence's text: n must be 1 and beam search does not stream (use generate)")
-        return TextStream(self.engine, batch[0], self.engine.new_sequence(batch[0], params))
+        return TextStream(self.engine, batch[0], self.engine.new_sequence(batch[0], params), self._lock)
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of one conversation rendered by the model's chat template (messages checked);
@@ -343,4 +397,5 @@ class LLM:
 
     def compute_logits(self, token_ids: Seq[int]) -> torch.Tensor:
         """fp32 logits [len, vocab] at every position of one token sequence."""
-        return self.engine.compute_logits(token_ids)
+        with self._lock:
+            return self.engine.compute_logits(token_ids)

@@ -6,6 +6,7 @@ TypeError deep in the sampler, or a silently wrong result such as temperature="0
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import operator
@@ -86,7 +87,7 @@ GREEDY_BELOW = 1e-5  # temperatures under it are greedy
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = 256
+    max_tokens: int | None = 256  # None: until the context is full (vLLM's)
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 (or -1) = off
     top_p: float = 1.0
@@ -97,6 +98,7 @@ class SamplingParams:
     seed: int | None = None
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)  # a string, a list of strings, or None (no stop strings)
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) at the end of the text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N log-probabilities per generated token
@@ -107,6 +109,9 @@ class SamplingParams:
     early_stopping: bool | str = False  # True, False or "never", as in HF generate
     diversity_rate: float = 0.0  # FasterTransformer: r-th best continuation of a beam loses rate * r
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # (vLLM's; HF's fast tokenizers, whose decoding this is, have no such choice)
+    detokenize: bool = True  # False: token ids only, text ""
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's; -100 / 100 ban / force)
     allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's)
     # structured output (at most one; engine/structured.py): the text follows a JSON schema (a dict
@@ -120,7 +125,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         """Check every field's type and range, normalizing numbers (numpy ints -> int, 0 -> 0.0)."""
-        self.max_tokens = _check_int("max_tokens", self.max_tokens, 1)
+        self.max_tokens = _INT32_MAX if self.max_tokens is None else _check_int("max_tokens", self.max_tokens, 1, note=" or None")
         self.temperature = _check_real("temperature", self.temperature, "a finite number >= 0 (0 = greedy)", lambda x: x >= 0)
         if self.temperature < GREEDY_BELOW:  # (vLLM's rule: below it logits / temperature overflow to inf, and the draw is noise)
             self.temperature = 0.0
@@ -138,6 +143,7 @@ class SamplingParams:
         ids = _check_list("stop_token_ids", self.stop_token_ids, None, "a list of integers >= 0 or None")
         self.stop_token_ids = [_check_int("each of stop_token_ids", t, 0, _INT64_MAX) for t in ids]
         self.ignore_eos = _check_bool("ignore_eos", self.ignore_eos)
+        self.include_stop_str_in_output = _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         if self.logprobs is not None:
             self.logprobs = _check_int("logprobs", self.logprobs, 0, 20, " or None")
         if self.prompt_logprobs is not None:
@@ -153,8 +159,16 @@ class SamplingParams:
             raise FasterLlamaError(f"early_stopping must be True, False or 'never', got {_show(self.early_stopping)}")
         self.diversity_rate = _check_real("diversity_rate", self.diversity_rate, "a finite number >= 0", lambda x: x >= 0)
         self.skip_special_tokens = _check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.spaces_between_special_tokens = _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
+        self.detokenize = _check_bool("detokenize", self.detokenize)
+        if not self.detokenize and self.stop:
+            raise FasterLlamaError("stop strings need detokenize=True (they are searched for in the text)")
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, note=" or None")
         self._check_token_biases()
         self._check_constraint()
+        if self.seed == -1 and not isinstance(self.seed, bool):  # (vLLM's: -1 is no seed)
+            self.seed = None
         if self.seed is not None:  # sample k draws with seed + k, packed into int64
             self.seed = _check_int("seed", self.seed, -(2**63), 2**63 - self.n, " (a 64-bit integer; seed + n - 1 must fit too)")
 
@@ -162,7 +176,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise FasterLlamaError(f"logit_bias must be a dict of token id -> bias, got {_show(self.logit_bias)}")
-            self.logit_bias = {_check_int("each logit_bias token id", t, 0, _INT64_MAX):
+            self.logit_bias = {_check_int("each logit_bias token id", int(t) if isinstance(t, str) and t.isdigit() else t, 0, _INT64_MAX):
                                _check_real(f"logit_bias[{t}]", b, "a finite number") for t, b in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
             ids = _check_list("allowed_token_ids", self.allowed_token_ids, None, "a non-empty list of token ids or None")
@@ -171,6 +185,10 @@ class SamplingParams:
             self.allowed_token_ids = [_check_int("each of allowed_token_ids", t, 0, _INT64_MAX) for t in ids]
         if self.beam_width > 1 and (self.logit_bias or self.allowed_token_ids):
             raise FasterLlamaError("logit_bias and allowed_token_ids do not combine with beam search")
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's)."""
+        return copy.deepcopy(self)
 
     @property
     def biases_tokens(self) -> bool:

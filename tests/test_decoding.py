@@ -131,6 +131,55 @@ def test_logit_bias_and_allowed_token_ids(tiny_beam_model):
             llm.generate([prompt], SamplingParams(max_tokens=2, **bad))
 
 
+def test_vllm_spellings_and_stop_rules(tiny_beam_model):
+    """vLLM's behaviours a ported script relies on: the token that ends a sequence (a stop token
+    id) keeps its id but not its text, unless include_stop_str_in_output, and stop_reason names it
+    (or the stop string); Logprob objects (.logprob, .rank, .decoded_token) that are also floats;
+    {"prompt": ...} / {"prompt_token_ids": ...} prompts; max_tokens=None runs to the context;
+    seed=-1 is no seed; LLM(seed=) repeats unseeded samples; clone, truncate_prompt_tokens,
+    detokenize=False, use_tqdm; threads take turns (they crashed inside attention)."""
+    import threading
+
+    from fasterllama import Logprob
+
+    _, llm, prompt, _ = tiny_beam_model
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    stop_id = free.token_ids[3]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id]))[0].outputs[0]
+    first = free.token_ids.index(stop_id)
+    assert out.token_ids == free.token_ids[: first + 1] and out.stop_reason == stop_id and out.finish_reason == "stop"
+    assert out.text == llm.tokenizer.decode(free.token_ids[:first])
+    kept = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_id],
+                                                 include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text.startswith(out.text) and kept.stop_reason == stop_id  # (the stop token's text after it, where it has a whole character)
+    stop = free.text[2:4]
+    cut, kept = (llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop], include_stop_str_in_output=inc))[0].outputs[0]
+                 for inc in (False, True))
+    assert (cut.text, kept.text, cut.stop_reason) == (free.text[:2], free.text[:4], stop)
+    lp = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, logprobs=3))[0].logprobs[0]
+    top = max(lp, key=lambda t: lp[t])
+    assert isinstance(lp[top], Logprob) and lp[top].rank == 1 and lp[top].logprob == float(lp[top]) and lp[top].decoded_token == llm.tokenizer.decode([top])
+    assert sorted(v.rank for v in lp.values()) == list(range(1, len(lp) + 1))
+    text = llm.tokenizer.decode(prompt)
+    assert llm.generate([{"prompt": text}], SamplingParams(temperature=0, max_tokens=3), True)[0].prompt == text
+    full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
+    assert full.finish_reason == "length" and len(prompt) + len(full.token_ids) == llm.engine.max_model_len
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(n=2).clone() == SamplingParams(n=2)
+    short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=4, detokenize=False))[0]
+    assert short.prompt_token_ids == prompt[-4:] and short.text == "" and len(short.token_ids) == 3
+    sampled = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    runs = [LLM(llm.engine.model_path, progress=False, seed=5).generate([prompt], sampled)[0].token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+    results: dict[int, list[int]] = {}
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, llm.generate([prompt], greedy)[0].token_ids)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert list(results.values()) == [llm.generate([prompt], greedy)[0].token_ids] * 3
+
+
 # -- beam search --------------------------------------------------------------------------------
 BEAM_CASES = [(1.0, False), (0.6, True), (2.0, "never"), (-0.5, False)]
 

@@ -59,7 +59,7 @@ def one_error_line(stderr: str, *fragments: str) -> None:
 @pytest.mark.parametrize(
     "prompts,fragment",
     [
-        ({"a": 1}, "got dict"),  # generated from its key "a" before
+        ({"a": 1}, "no other keys"),  # generated from its key "a" before
         (None, "got None"),
         (5, "got int"),
         (b"hi", "decode bytes"),

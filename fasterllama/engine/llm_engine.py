@@ -35,7 +35,7 @@ from .block_manager import BlockManager
 from .kv_cache import KVCache, num_blocks_for
 from .model_runner import ModelRunner, decode_inputs
 from .scheduler import ScheduledSeq, Scheduler
-from .sequence import Sequence
+from .sequence import Logprob, Sequence
 from .structured import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -275,6 +275,7 @@ class LLMEngine:
                                    f"({why}); use at most that")
         self.max_model_len = max_model_len
         self.context_set_by_cache = False  # max_model_len lowered to what the KV cache holds (_build_runtime)
+        self.rng = random.Random()  # the seeds of requests without one (LLM(seed=...) fixes it: runs repeat)
         self.eos_token_ids = set(cfg.eos_token_ids)
         self.structured = StructuredOutput(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self._limits = (max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size or backend.kv_block_size, prefix_caching)
@@ -395,7 +396,7 @@ class LLMEngine:
     def new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None, sample_index: int = 0) -> Sequence:
         """One sequence, its prompt and params checked, not queued yet (add_request queues it)."""
         params = self.check_params(params)
-        seq = Sequence(self.encode_prompt(prompt), params, self.tokenizer, self._seed(params, sample_index))
+        seq = Sequence(self._prompt_ids(prompt, params), params, self._detokenizer_of(params), self._seed(params, sample_index))
         seq.matcher = self.structured.matcher(params)
         return seq
 
@@ -405,8 +406,8 @@ class LLMEngine:
         starts only where it has all its seats, so more samples than max_num_seqs go in groups of
         at most max_num_seqs, each group's first prefilling (from the prefix cache, where it is on)."""
         params = self.check_params(params)
-        ids = self.encode_prompt(prompt)
-        seqs = [Sequence(ids, params, self.tokenizer, self._seed(params, k)) for k in range(params.n)]
+        ids = self._prompt_ids(prompt, params)
+        seqs = [Sequence(ids, params, self._detokenizer_of(params), self._seed(params, k)) for k in range(params.n)]
         for seq in seqs:
             seq.matcher = self.structured.matcher(params)
         size = self.scheduler.max_num_seqs
@@ -414,6 +415,13 @@ class LLMEngine:
             seqs[first].forks = seqs[first + 1 : first + size]
             self.scheduler.add(seqs[first])
         return seqs
+
+    def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        ids = self.encode_prompt(prompt)
+        return ids[-params.truncate_prompt_tokens :] if params.truncate_prompt_tokens else ids
+
+    def _detokenizer_of(self, params: SamplingParams) -> Tokenizer | None:
+        return self.tokenizer if params.detokenize else None
 
     def check_params(self, params: object) -> SamplingParams:
         """params (None: the defaults) checked against this model (token ids in its vocabulary)."""
@@ -434,9 +442,8 @@ class LLMEngine:
             return ", the model's sliding window (longer contexts would need windowed attention)"
         return ""
 
-    @staticmethod
-    def _seed(params: SamplingParams, sample_index: int) -> int:
-        return params.seed + sample_index if params.seed is not None else random.getrandbits(62)
+    def _seed(self, params: SamplingParams, sample_index: int) -> int:
+        return params.seed + sample_index if params.seed is not None else self.rng.getrandbits(62)
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
@@ -634,6 +641,7 @@ class LLMEngine:
     def _append_token(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None = None) -> StepUpdate:
         seq.output_token_ids.append(tok)
         p = seq.params
+        text_before = seq.text
         if seq.detokenizer:
             seq.text += seq.detokenizer.add(tok)
         reason = None
@@ -653,6 +661,9 @@ class LLMEngine:
         if reason is None:
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = "stop"
+                seq.stop_reason = tok if tok in p.stop_token_ids else None  # (vLLM's: the stop token id; None for EOS)
+                if not p.include_stop_str_in_output:  # the ending token's text is not the output's (vLLM)
+                    seq.text = text_before
             elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
@@ -666,22 +677,29 @@ class LLMEngine:
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> str | None:
-        """Cut seq.text before the first stop string (which may span tokens); "stop" if found."""
+        """Cut seq.text before the first stop string (which may span tokens; after it with
+        include_stop_str_in_output); "stop" if found, the string in seq.stop_reason."""
         longest = max(len(s) for s in seq.params.stop)
         start = max(0, seq.num_checked - longest + 1)
-        hits = [i for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+        hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
         seq.num_checked = len(seq.text)
         if not hits:
             return None
-        seq.text = seq.text[: min(hits)]
+        at, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+        seq.text = seq.text[: at + (len(stop) if seq.params.include_stop_str_in_output else 0)]
+        seq.stop_reason = stop
         return "stop"
 
-    @staticmethod
-    def _top_logprobs(row: torch.Tensor, tok: int, n: int) -> dict[int, float]:
-        out = {tok: float(row[tok])}
+    def _top_logprobs(self, row: torch.Tensor, tok: int, n: int) -> dict[int, Logprob]:
+        """The token's log-probability and the top n's, each with its rank in the vocabulary and
+        its text (vLLM's Logprob)."""
+        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        out = {tok: Logprob(float(row[tok]), int((row > row[tok]).sum()) + 1, text(tok))}
         if n:
             values, idx = row.topk(n)
-            out.update({int(i): float(v) for v, i in zip(values, idx)})
+            for rank, (v, i) in enumerate(zip(values.tolist(), idx.tolist()), start=1):
+                if i != tok:
+                    out[i] = Logprob(v, rank, text(i))
         return out
 
     # -- research / tests -------------------------------------------------------------------

@@ -11,6 +11,28 @@ from ..sampling_params import SamplingParams
 from ..tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+class Logprob(float):
+    """A token's log-probability: a float, with vLLM's Logprob fields besides (.logprob, .rank:
+    1 for the most likely token of the vocabulary, .decoded_token)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank}, decoded_token={self.decoded_token!r})"
+
+
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -36,6 +58,7 @@ class Sequence:
         self.forks: list[Sequence] = []  # the other samples of its request: they share its prompt once prefilled
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended with finish_reason "error" (its constraint failed)
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0  # sum of chosen tokens' logprobs (when logprobs are asked)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
