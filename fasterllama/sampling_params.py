@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from numbers import Real
@@ -237,8 +238,8 @@ class SamplingParams:
             return "regex", self.regex
         if self.grammar is not None:
             return "lark", self.grammar
-        if self.choice is not None:  # (JSON string literals are Lark's: quotes, backslashes and newlines escaped)
-            return "lark", "start: " + " | ".join(json.dumps(c) for c in self.choice)
+        if self.choice is not None:  # a regex alternation (a Lark rule of 2,000 alternatives passes llguidance's parser limits)
+            return "regex", "|".join(re.sub(r"([\\.+*?()|\[\]{}^$#&~-])", r"\\\1", c) for c in self.choice)
         return ("json", '{"type": "object"}') if self.json_object else None
 
     @property

@@ -678,12 +678,24 @@ def test_null_fields_and_more_samples_than_seats(server_one: Server, offline: LL
 
 
 def test_engine_errors_name_their_param(server: Server) -> None:
-    """Errors the engine raises on a request's values name the field, as OpenAI's `param` does."""
+    """Errors the engine raises on a request's values name the field, as OpenAI's `param` does;
+    a client that leaves while still sending its body is an aborted request, not a server error
+    (it was counted as a 500, with two tracebacks in the log)."""
     with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
         for extra, param in (({"logit_bias": {"100000": 1}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+                             ({"allowed_token_ids": [-1]}, "allowed_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                             ({"guided_choice": []}, "guided_choice"), ({"guided_json": "{not json"}, "guided_json"),
+                             ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
                              ({"guided_regex": "(a"}, "guided_regex"), ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs")):
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    before = server.metrics()
+    host, port = server.base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+    wait_for(lambda: metric(server.metrics(), "fasterllama_requests_total", 'status="aborted"')
+             == metric(before, "fasterllama_requests_total", 'status="aborted"') + 1, what="the abort")
+    assert metric(server.metrics(), "fasterllama_requests_total", 'status="error"') == metric(before, "fasterllama_requests_total", 'status="error"')
 
 
 def test_openai_client_sees_typed_errors(server: Server) -> None:

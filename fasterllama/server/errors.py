@@ -11,9 +11,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,10 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
         on_error(400)
         return JSONResponse(error_body(f"Invalid request: {exc}", "invalid_request_error"), status_code=400)
 
+    async def client_left(_: Request, exc: Exception) -> Response:
+        on_error(499)  # (the client closed the connection while still sending its request: no one to answer)
+        return Response(status_code=499)
+
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error", exc_info=exc)
         on_error(500)
@@ -87,4 +92,5 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> Non
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(RequestValidationError, request_validation_error)
+    app.add_exception_handler(ClientDisconnect, client_left)
     app.add_exception_handler(Exception, internal_error)

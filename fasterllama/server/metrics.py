@@ -56,7 +56,7 @@ class ServerMetrics:
         self.requests.labels(status=status).inc()
 
     def count_http_error(self, status: int) -> None:
-        self.count("error" if status >= 500 else "rejected")
+        self.count("aborted" if status == 499 else "error" if status >= 500 else "rejected")
 
     def observe(self, handle: RequestHandle, out: SequenceOutput, last_time: float | None) -> None:
         """One output of a sequence whose previous token came at last_time (None: first)."""

@@ -11,6 +11,7 @@ structured_outputs (vLLM's newer name for them)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -119,7 +120,7 @@ class GenerationRequest(_Strict):
             return None
         out: dict[int, float] = {}
         for key, bias in v.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids (integers >= 0 as strings), got {key!r}")
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases must be from -100 to 100, got {bias} for token {key}")
@@ -157,13 +158,14 @@ class GenerationRequest(_Strict):
     def param_of(self, message: str) -> str | None:
         """The request field an engine error is about, as OpenAI names `param`: the field its
         message starts with, or the one that gave a constraint that cannot compile."""
-        first = message.split(" ", 1)[0]
-        if first in type(self).model_fields:
-            return first
-        if message.startswith(("cannot compile", "structured output")):
+        words = re.findall(r"\w+", message)
+        if words and words[0] in type(self).model_fields:
+            return words[0]
+        constraint = {"json_schema", "regex", "grammar", "choice", "json_object", "compile", "structured"}
+        if constraint & set(words[:4]):  # (SamplingParams' names for it, or its compile error)
             return next((name for name in ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
                                            "structured_outputs") if getattr(self, name) is not None), None)
-        return None
+        return next((w for w in words[:4] if w in type(self).model_fields), None)
 
     def _constraint(self) -> dict[str, Any]:
         """The SamplingParams fields of the one constraint given by response_format, the guided_*
