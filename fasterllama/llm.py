@@ -78,9 +78,12 @@ def _either(params: object, sampling_params: object) -> Any:
 
 
 def check_messages(messages: object) -> list[dict[str, Any]]:
-    """One conversation: a non-empty list of {"role": ..., "content": str} dicts (content may be
-    OpenAI's list of text parts, joined; role "developer" is "system"). Checked here so a missing
-    content or an unknown role is one clear error, not a KeyError in the chat template."""
+    """One conversation: a non-empty list of {"role": ..., "content": ...} dicts, as transformers
+    hands them to a chat template: keys set to None dropped (the OpenAI client sends
+    "tool_calls": None), "reasoning" / "thinking" as "reasoning_content"; content a string, OpenAI's
+    list of text parts (joined), or absent / None on an assistant's tool calls (a tool's result may
+    be JSON); role "developer" is "system". Checked here so a missing content is one clear error,
+    not a KeyError in the chat template."""
     if not isinstance(messages, (list, tuple)):
         raise FasterLlamaError(f"a conversation must be a list of message dicts, got {_kind(messages)}")
     if not messages:
@@ -89,14 +92,24 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise FasterLlamaError(f"message {i} must be a dict with 'role' and 'content', got {_kind(m)}")
+        m = {k: v for k, v in m.items() if v is not None}
         role = m.get("role")
-        if role not in CHAT_ROLES:
-            raise FasterLlamaError(f"message {i}: role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
+        if not isinstance(role, str) or not role:
+            raise FasterLlamaError(f"message {i}: role must be a non-empty string ({', '.join(CHAT_ROLES)}, ...), got {role!r}")
+        for alias in ("reasoning", "thinking"):
+            if alias in m and "reasoning_content" not in m:
+                m["reasoning_content"] = m.pop(alias)
         if "content" not in m:
+            if role == "assistant" and m.get("tool_calls"):
+                checked.append(m)
+                continue
             raise FasterLlamaError(f"message {i} ({role}) has no 'content'")
         content = m["content"]
         if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             content = "".join(p["text"] for p in content)  # OpenAI's content parts, text only
+        if role in ("tool", "ipython") and isinstance(content, (dict, list)):
+            checked.append({**m, "content": content})  # (a tool's JSON result: templates tojson it)
+            continue
         if not isinstance(content, str):
             raise FasterLlamaError(f"message {i} ({role}): content must be a string (or a list of text parts), got {_kind(m['content'])}")
         check_text(content, f"message {i} ({role})")
@@ -366,30 +379,43 @@ class LLM:
             raise FasterLlamaError("stream yields one sequence's text: n must be 1 and beam search does not stream (use generate)")
         return TextStream(self.engine, batch[0], self.engine.new_sequence(batch[0], params), self._lock)
 
-    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        """Token ids of one conversation rendered by the model's chat template (messages checked);
-        chat_template_kwargs: more variables for the template (tools, enable_thinking...)."""
+    def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+                    *, chat_template: str | None = None, continue_final_message: bool = False, tools: list[Any] | None = None) -> list[int]:
+        """Token ids of one conversation rendered by the model's chat template, or `chat_template`
+        (messages checked); chat_template_kwargs: more variables for the template (enable_thinking...);
+        continue_final_message: the last message's turn left open (add_generation_prompt=False)."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise FasterLlamaError(f"chat_template_kwargs must be a dict, got {_kind(chat_template_kwargs)}")
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise FasterLlamaError(f"chat_template must be the template's text, got {_kind(chat_template)}")
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            extra["tools"] = tools
         return self.tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=bool(add_generation_prompt), tokenize=True,
-                                                  **(chat_template_kwargs or {}))
+                                                  chat_template=chat_template, continue_final_message=bool(continue_final_message), **extra)
 
     def chat(
         self,
         messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
         *,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate
-        (the keywords as vLLM's LLM.chat takes them)."""
+        """Apply the model's chat template (or `chat_template`) to one conversation (or a list of
+        them) and generate (the keywords as vLLM's LLM.chat takes them; continue_final_message
+        leaves the last turn open, and needs add_generation_prompt=False)."""
         if not isinstance(messages, (list, tuple)):
             raise FasterLlamaError(f"messages must be a list of message dicts (or a list of such lists), got {_kind(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, _either(params, sampling_params))
+        prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs, chat_template=chat_template,
+                                    continue_final_message=continue_final_message, tools=tools) for c in conversations]
+        return self.generate(prompts, _either(params, sampling_params), use_tqdm)
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (vLLM's name; also `llm.tokenizer`)."""

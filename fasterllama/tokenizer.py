@@ -259,17 +259,35 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render messages with the model's template (as transformers does); ids if tokenize."""
-        if not self.chat_template:
+        """Render messages with the model's template, or `chat_template` (as transformers does);
+        ids if tokenize. continue_final_message: the text ends where the last message's content
+        does, its turn left open for the model to go on (transformers' rule)."""
+        template = chat_template if chat_template is not None else self.chat_template
+        if not template:
             raise FasterLlamaError("this model has no chat template; use plain generation instead")
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise FasterLlamaError("each chat message must be a dict with 'role' and 'content'")
+        if continue_final_message and add_generation_prompt:
+            raise FasterLlamaError("continue_final_message and add_generation_prompt do not combine (the last turn is the one continued)")
         special = {k: v for k, v in self.special_tokens.items() if v is not None}  # (an unset token is undefined: renders as "")
         variables = {"tools": None, "documents": None, **special, **kwargs}  # (transformers passes tools and documents, None if not given)
-        text = _compiled_template(self.chat_template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        try:
+            text = _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        except FasterLlamaError:
+            raise
+        except Exception as e:  # (jinja2's UndefinedError, a TypeError on a value the template does not expect...)
+            raise FasterLlamaError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
+        if continue_final_message:
+            final = messages[-1].get("content") if messages else None
+            if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+                raise FasterLlamaError("continue_final_message needs a last message whose text content the template renders")
+            end = final if final in text else final.strip()
+            text = text[: text.rindex(end) + len(end)]
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

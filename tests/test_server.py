@@ -665,6 +665,10 @@ def test_null_fields_and_more_samples_than_seats(server_one: Server, offline: LL
                 "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none", **nulls}
         r = client.post("/v1/chat/completions", json=chat)
         assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
+        turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "Go"}]
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": turns, "max_tokens": 1})
+        empty = [{**m, "content": m["content"] or ""} for m in turns]  # (null content rendered as "None")
+        assert r.json()["usage"]["prompt_tokens"] == len(offline.chat_prompt(empty)), r.text
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "echo": None, "suffix": None, **nulls})
         assert r.status_code == 200 and len(r.json()["choices"]) == 1, r.text
         n = MAX_NUM_SEQS + 3

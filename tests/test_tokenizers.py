@@ -198,6 +198,40 @@ def test_an_unset_add_flag_keeps_the_post_processors_token(tmp_path):
         assert Tokenizer.from_folder(str(tmp_path)).encode("hello") == want, flags
 
 
+def test_tool_conversations_render_as_transformers_does(tmp_path):
+    """Messages as the OpenAI client sends them (keys set to None, an assistant's tool calls
+    without content, a tool's JSON result, Llama 3.1's ipython role, "reasoning" for
+    reasoning_content) render as transformers renders them (they were refused or raised a raw
+    TypeError); continue_final_message and a chat_template argument too (both were ignored); a
+    template that fails on a message is one clear error."""
+    transformers = pytest.importorskip("transformers")
+    import tiny_models as tm
+
+    from fasterllama.errors import FasterLlamaError
+    from fasterllama.llm import check_messages
+
+    template = ("{% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls is defined %}{{ m.tool_calls | tojson }}{% endif %}"
+                "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+                "{% if m.content is defined %}{% if m.content is string %}{{ m.content }}{% else %}{{ m.content | tojson }}{% endif %}{% endif %}"
+                "<|end|>{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tm.save_tokenizer(str(tmp_path), 320)
+    tm.add_chat_template(str(tmp_path), template)
+    ours, hf = Tokenizer.from_folder(str(tmp_path)), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    call = {"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}
+    messages = [{"role": "user", "content": "hi", "tool_calls": None, "name": None},
+                {"role": "assistant", "content": None, "tool_calls": [call], "reasoning": "look it up"},
+                {"role": "tool", "content": {"x": 1}}, {"role": "ipython", "content": "r"},
+                {"role": "assistant", "content": "So"}]
+    for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False, "continue_final_message": True}):
+        want = hf.apply_chat_template(messages, tokenize=False, **kwargs)
+        assert ours.apply_chat_template(check_messages(messages), **kwargs) == want, kwargs
+    assert want.endswith("<|assistant|>So")
+    other = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
+    assert ours.apply_chat_template(check_messages(messages[:1]), chat_template=other) == "[user]hi"
+    with pytest.raises(FasterLlamaError, match="cannot render these messages: UndefinedError"):
+        ours.apply_chat_template(check_messages(messages), chat_template="{% for m in messages %}{{ m.content + '!' }}{% endfor %}")
+
+
 def test_tokenizer_json_folder(default_llm, hf_tokenizer, tmp_path):
     """The default model's tokenizer saved as a HF folder (tokenizer.json + config) loads identically."""
     hf_tok = hf_tokenizer

@@ -270,8 +270,9 @@ class ChatMessage(_Strict):
         return "".join(part.text or "" for part in v)
 
     def template_dict(self) -> dict[str, str]:
-        """What the chat template sees ('developer' is OpenAI's new name for 'system')."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": str(self.content)}
+        """What the chat template sees ('developer' is OpenAI's new name for 'system'; content
+        sent as null or left out is empty, as transformers renders it, not "None")."""
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
 
 
 class ChatCompletionRequest(GenerationRequest):
