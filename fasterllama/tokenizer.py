@@ -115,6 +115,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self.chat_template = chat_template
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(extra_tokens or {})}
+        self.named_templates: dict[str, str] = {}  # a folder's other chat templates by name ("tool_use")
         if add_bos_token is not None or add_eos_token is not None or backend.post_processor is None:
             adds_bos, adds_eos = self._post_processor_adds()  # (a flag left unset keeps what the file's post-processor does)
             self._set_template(adds_bos if add_bos_token is None else bool(add_bos_token),
@@ -214,22 +215,32 @@ class Tokenizer:
         else:
             raise ModelLoadError(f"{path}: no tokenizer.json or tokenizer.model")
         template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+        named: dict[str, str] = {}
+        if isinstance(template, list):  # named templates ("default", "tool_use", ...)
+            named = {t["name"]: t["template"] for t in template if isinstance(t, dict) and "name" in t and "template" in t}
+            template = named.get("default", template[0]["template"])
         jinja_path = os.path.join(path, "chat_template.jinja")
         if os.path.isfile(jinja_path):  # (the newer place: it wins, as in transformers)
             with open(jinja_path, encoding="utf-8") as fh:
                 template = fh.read()
+        more = os.path.join(path, "additional_chat_templates")  # (transformers' folder of named ones: NAME.jinja)
+        if os.path.isdir(more):
+            for name in sorted(os.listdir(more)):
+                if name.endswith(".jinja"):
+                    with open(os.path.join(more, name), encoding="utf-8") as fh:
+                        named[name.removesuffix(".jinja")] = fh.read()
         add_bos = cfg.get("add_bos_token", add_bos_default)
-        return cls(
+        tok = cls(
             backend,
             bos_token=_token_str(cfg.get("bos_token")),
             eos_token=_token_str(cfg.get("eos_token")),
             chat_template=template,
             add_bos_token=add_bos,
             add_eos_token=cfg.get("add_eos_token"),
-            extra_tokens={"unk_token": _token_str(cfg.get("unk_token")), "pad_token": _token_str(cfg.get("pad_token"))},
+            extra_tokens={k: _token_str(cfg.get(k)) for k in ("unk_token", "pad_token", "sep_token", "cls_token", "mask_token")},
         )
+        tok.named_templates = named
+        return tok
 
     # -- encode / decode --------------------------------------------------------------------
     @property
@@ -266,7 +277,10 @@ class Tokenizer:
         """Render messages with the model's template, or `chat_template` (as transformers does);
         ids if tokenize. continue_final_message: the text ends where the last message's content
         does, its turn left open for the model to go on (transformers' rule)."""
-        template = chat_template if chat_template is not None else self.chat_template
+        template = chat_template
+        if template is None:  # (with tools, a "tool_use" template where the model has one, as transformers picks)
+            template = self.named_templates.get("tool_use") if kwargs.get("tools") else None
+            template = template or self.chat_template
         if not template:
             raise FasterLlamaError("this model has no chat template; use plain generation instead")
         for m in messages:

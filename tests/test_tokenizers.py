@@ -230,6 +230,22 @@ def test_tool_conversations_render_as_transformers_does(tmp_path):
     assert ours.apply_chat_template(check_messages(messages[:1]), chat_template=other) == "[user]hi"
     with pytest.raises(FasterLlamaError, match="cannot render these messages: UndefinedError"):
         ours.apply_chat_template(check_messages(messages), chat_template="{% for m in messages %}{{ m.content + '!' }}{% endfor %}")
+    # named templates: "tool_use" when tools are given (a list in tokenizer_config.json, or additional_chat_templates/),
+    # and every special token the config sets is a template variable
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config.update(chat_template=[{"name": "default", "template": "D{{ sep_token }}"}, {"name": "tool_use", "template": "T{{ tools | length }}"}],
+                  sep_token="<s>")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    for folder_template in (False, True):
+        if folder_template:  # (transformers' saved layout: chat_template.jinja, additional_chat_templates/NAME.jinja)
+            (tmp_path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "chat_template"}))
+            (tmp_path / "chat_template.jinja").write_text("J{{ sep_token }}")
+            (tmp_path / "additional_chat_templates").mkdir()
+            (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("F{{ tools | length }}")
+        ours, hf = Tokenizer.from_folder(str(tmp_path)), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+        for tools in (None, [{"type": "function", "function": {"name": "f"}}]):
+            want = hf.apply_chat_template(messages[:1], tools=tools, tokenize=False)
+            assert ours.apply_chat_template(check_messages(messages[:1]), tools=tools) == want, (folder_template, tools, want)
 
 
 def test_tokenizer_json_folder(default_llm, hf_tokenizer, tmp_path):
