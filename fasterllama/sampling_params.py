@@ -115,6 +115,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's; -100 / 100 ban / force)
     allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's)
+    bad_words: list[str] | None = None  # words never generated (vLLM's: a word's last token is banned after its others)
     # structured output (at most one; engine/structured.py): the text follows a JSON schema (a dict
     # or its JSON text), a regular expression, a Lark grammar (llguidance's syntax) or a GBNF one
     # (llama.cpp's), is one of the choices, or is any JSON object
@@ -184,8 +185,13 @@ class SamplingParams:
             if not ids:
                 raise FasterLlamaError("allowed_token_ids must not be empty (None: every token)")
             self.allowed_token_ids = [_check_int("each of allowed_token_ids", t, 0, _INT64_MAX) for t in ids]
-        if self.beam_width > 1 and (self.logit_bias or self.allowed_token_ids):
-            raise FasterLlamaError("logit_bias and allowed_token_ids do not combine with beam search")
+        if self.bad_words is not None:
+            words = _check_list("bad_words", self.bad_words, str, "a list of non-empty strings or None")
+            if not all(isinstance(w, str) and w for w in words):
+                raise FasterLlamaError(f"bad_words must be a list of non-empty strings, got {_show(self.bad_words)}")
+            self.bad_words = words or None
+        if self.beam_width > 1 and (self.logit_bias or self.allowed_token_ids or self.bad_words):
+            raise FasterLlamaError("logit_bias, allowed_token_ids and bad_words do not combine with beam search")
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's)."""
@@ -193,8 +199,8 @@ class SamplingParams:
 
     @property
     def biases_tokens(self) -> bool:
-        """Whether logit_bias or allowed_token_ids change the logits."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        """Whether logit_bias, allowed_token_ids or bad_words change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def _check_constraint(self) -> None:
         if isinstance(self.json_schema, str):

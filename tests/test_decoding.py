@@ -136,7 +136,7 @@ def test_vllm_spellings_and_stop_rules(tiny_beam_model):
     id) keeps its id but not its text, unless include_stop_str_in_output, and stop_reason names it
     (or the stop string); Logprob objects (.logprob, .rank, .decoded_token) that are also floats;
     {"prompt": ...} / {"prompt_token_ids": ...} prompts; max_tokens=None runs to the context;
-    seed=-1 is no seed; LLM(seed=) repeats unseeded samples; clone, truncate_prompt_tokens,
+    seed=-1 is no seed; bad_words; LLM(seed=) repeats unseeded samples; clone, truncate_prompt_tokens,
     detokenize=False, use_tqdm; threads take turns (they crashed inside attention)."""
     import threading
 
@@ -165,6 +165,10 @@ def test_vllm_spellings_and_stop_rules(tiny_beam_model):
     full = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert full.finish_reason == "length" and len(prompt) + len(full.token_ids) == llm.engine.max_model_len
     assert SamplingParams(seed=-1).seed is None and SamplingParams(n=2).clone() == SamplingParams(n=2)
+    word = llm.tokenizer.decode(free.token_ids[1:3])
+    ids = llm.tokenizer.encode(word, add_special_tokens=False)
+    banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]))[0].token_ids
+    assert banned[0] == free.token_ids[0] and not any(banned[i : i + len(ids)] == ids for i in range(len(banned)))
     short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=4, detokenize=False))[0]
     assert short.prompt_token_ids == prompt[-4:] and short.text == "" and len(short.token_ids) == 3
     sampled = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)

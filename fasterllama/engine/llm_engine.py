@@ -397,6 +397,7 @@ class LLMEngine:
         """One sequence, its prompt and params checked, not queued yet (add_request queues it)."""
         params = self.check_params(params)
         seq = Sequence(self._prompt_ids(prompt, params), params, self._detokenizer_of(params), self._seed(params, sample_index))
+        seq.bad_words_ids = self._bad_words_ids(params)
         seq.matcher = self.structured.matcher(params)
         return seq
 
@@ -408,6 +409,9 @@ class LLMEngine:
         params = self.check_params(params)
         ids = self._prompt_ids(prompt, params)
         seqs = [Sequence(ids, params, self._detokenizer_of(params), self._seed(params, k)) for k in range(params.n)]
+        bad = self._bad_words_ids(params)
+        for seq in seqs:
+            seq.bad_words_ids = bad
         for seq in seqs:
             seq.matcher = self.structured.matcher(params)
         size = self.scheduler.max_num_seqs
@@ -419,6 +423,15 @@ class LLMEngine:
     def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
         ids = self.encode_prompt(prompt)
         return ids[-params.truncate_prompt_tokens :] if params.truncate_prompt_tokens else ids
+
+    def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids, as written and after a space (vLLM's two spellings)."""
+        if not params.bad_words:
+            return []
+        if self.tokenizer is None:
+            raise FasterLlamaError("bad_words need the model's tokenizer")
+        spellings = {tuple(self.tokenizer.encode(text, add_special_tokens=False)) for w in params.bad_words for text in (w, " " + w.lstrip())}
+        return [list(ids) for ids in spellings if ids]
 
     def _detokenizer_of(self, params: SamplingParams) -> Tokenizer | None:
         return self.tokenizer if params.detokenize else None
@@ -564,7 +577,7 @@ class LLMEngine:
             seq, p = item.seq, item.seq.params
             if item.num_tokens != 1 or item.drafts or seq.forks or seq.needs_prompt_rows or seq.matcher is not None:
                 return False
-            if p.logprobs is not None or sampler.penalizes(p):
+            if p.logprobs is not None or sampler.penalizes(p) or seq.bad_words_ids:  # (bad words read the tokens drawn before)
                 return False
         return True
 

@@ -83,11 +83,13 @@ def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token
     needs_output = any(penalizes(p) for p in ps)
     needs_prompt = any(p.repetition_penalty != 1 for p in ps)
     suppress = None
-    if any(n < p.min_tokens for n, p in zip(steps, ps)):
-        suppress = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    banned = [_bad_word_ends(s, extra) for s, extra in rows]
+    if any(n < p.min_tokens for n, p in zip(steps, ps)) or any(banned):
+        suppress = torch.zeros(len(rows), vocab, dtype=torch.bool)
         for i, (n, p) in enumerate(zip(steps, ps)):
-            if n < p.min_tokens:
-                suppress[i, [t for t in {*eos_token_ids, *p.stop_token_ids} if t < vocab]] = True
+            ids = banned[i] | ({*eos_token_ids, *p.stop_token_ids} if n < p.min_tokens else set())
+            suppress[i, [t for t in ids if 0 <= t < vocab]] = True
+        suppress = suppress.to(device, non_blocking=True)
     bias = None
     if any(p.biases_tokens for p in ps):
         bias = torch.zeros(len(rows), vocab, dtype=torch.float32)
@@ -118,6 +120,15 @@ def sampling_batch(rows: list[tuple[Sequence, list[int]]], vocab: int, eos_token
         suppress=suppress,
         bias=bias,
     )
+
+
+def _bad_word_ends(seq: Sequence, extra: list[int]) -> set[int]:
+    """The tokens that would finish one of seq's bad words after its output and `extra`: a word's
+    last token where the output ends with the word's others (vLLM's rule)."""
+    if not seq.bad_words_ids:
+        return set()
+    out = seq.output_token_ids + extra
+    return {w[-1] for w in seq.bad_words_ids if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1 :] == w[:-1])}
 
 
 def _seen_mask(tokens: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -59,6 +59,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended with finish_reason "error" (its constraint failed)
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
+        self.bad_words_ids: list[list[int]] = []  # params.bad_words as token ids (each with and without a leading space)
         self.logprobs: list[dict[int, float]] = []
         self.cumulative_logprob = 0.0  # sum of chosen tokens' logprobs (when logprobs are asked)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
