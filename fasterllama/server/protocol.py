@@ -5,7 +5,8 @@ infinities are refused; null is as if the field were not sent. Fields we cannot 
 suffix, tools, ...) are refused when set rather than silently ignored; unknown fields
 are ignored, as OpenAI does.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, stop_token_ids, skip_special_tokens, allowed_token_ids, and structured output: response_format (json_object,
+min_tokens, stop_token_ids, skip_special_tokens, allowed_token_ids, bad_words, include_stop_str_in_output,
+and structured output: response_format (json_object,
 json_schema), guided_json, guided_regex, guided_grammar (a Lark or GBNF grammar), guided_choice, and
 structured_outputs (vLLM's newer name for them)."""
 
@@ -95,6 +96,8 @@ class GenerationRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # structured output, vLLM's extension names
     guided_regex: str | None = None
@@ -152,6 +155,8 @@ class GenerationRequest(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             **self._constraint(),
         )
 
