@@ -47,16 +47,17 @@ def _prefill_seconds(llm: Any, ids: list[int]) -> float:
 
 
 def _decode_rate(llm: Any, prompts: list[list[int]], steps: int) -> float:
-    """Generated tokens per second once every request is prefilled (greedy, no early stop)."""
+    """Generated tokens per second once every request is prefilled (greedy, no early stop): the
+    tokens made after that moment over the time they took."""
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=steps + 1, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while any(not s.output_token_ids for s in seqs):
         engine.step()
-    t = time.perf_counter()
+    t, before = time.perf_counter(), sum(len(s.output_token_ids) for s in seqs)
     while engine.has_unfinished():
         engine.step()
-    return len(seqs) * steps / (time.perf_counter() - t)
+    return (sum(len(s.output_token_ids) for s in seqs) - before) / (time.perf_counter() - t)
 
 
 def run_bench(llm: Any, prompt_lens: list[int], batch_sizes: list[int], decode_steps: int, repeats: int) -> dict[str, Any]:
@@ -68,6 +69,12 @@ def run_bench(llm: Any, prompt_lens: list[int], batch_sizes: list[int], decode_s
         raise FasterLlamaError(f"{decode_steps} decode steps leave no room for a prompt in a context of "
                                f"{llm.engine.max_model_len} tokens: lower --decode-steps or raise --max-model-len")
     result: dict[str, Any] = {"prompt_ids_seed": 0, "decode_steps": decode_steps, "repeats": repeats}
+    base = fixed_prompt_ids(min(128, limit), vocab)
+    blocks = llm.engine.blocks
+    per_seq = -(-(len(base) + decode_steps + 1) // blocks.block_size)
+    if max(batch_sizes, default=1) * per_seq > blocks.num_blocks:  # (a batch that does not fit runs in waves: not that batch's speed)
+        raise FasterLlamaError(f"a batch of {max(batch_sizes, default=1)} does not fit the KV cache at once ({blocks.num_blocks // per_seq} sequences "
+                               f"of {len(base) + decode_steps + 1} tokens do): raise --kv-cache-memory or lower --batch-sizes")
     _prefill_seconds(llm, fixed_prompt_ids(min(16, limit), vocab))  # warm-up
     prefill = {}
     for n in prompt_lens:
@@ -75,7 +82,6 @@ def run_bench(llm: Any, prompt_lens: list[int], batch_sizes: list[int], decode_s
         secs = statistics.median(_prefill_seconds(llm, ids) for _ in range(repeats))
         prefill[n] = {"prompt_tokens": len(ids), "tokens_per_s": len(ids) / secs, "time_to_first_token_s": secs}
     result["prefill"] = prefill
-    base = fixed_prompt_ids(min(128, limit), vocab)
     throughput = {}
     for b in batch_sizes:
         prompts = [fixed_prompt_ids(len(base), vocab, seed=i) for i in range(b)]

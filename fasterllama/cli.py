@@ -69,6 +69,27 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--choice", action="append", default=None, help="the output is one of these strings (repeat the flag)")
 
 
+def _port(text: str) -> int:
+    """--port: 0..65535 (the system would take 99999 modulo 65536: port 34463, quietly)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
+    return port
+
+
+def _json_output(path: str | None) -> None:
+    """--json FILE checked before the work whose result it keeps: a folder that exists, not a folder itself."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise FasterLlamaError(f"--json {path} is a folder: give a file name")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise FasterLlamaError(f"--json {path}: no such folder to write it in")
+
+
 def _text_or_file(value: str | None, what: str) -> str | None:
     """--json-schema / --grammar / --speculative-config: the text itself, or @FILE for a file's."""
     if value is None or not value.startswith("@"):
@@ -78,6 +99,8 @@ def _text_or_file(value: str | None, what: str) -> str | None:
             return fh.read()
     except OSError as e:
         raise FasterLlamaError(f"cannot read the {what} file {value[1:]}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise FasterLlamaError(f"the {what} file {value[1:]} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
 def _sampling_params(args: argparse.Namespace) -> Any:
@@ -129,7 +152,7 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
         max_num_seqs=max_num_seqs or 16,
         kv_cache_memory=getattr(args, "kv_cache_memory", None),  # (`quantize` has no cache flags)
         enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
-        progress=not args.quiet,
+        progress=not args.quiet and sys.stderr.isatty(),  # (bars in a log or a pipe are \r frames)
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         speculative_config=_text_or_file(getattr(args, "speculative_config", None), "speculative config"),
     )
@@ -272,16 +295,17 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
             text = fh.read()
     except OSError as e:
         raise FasterLlamaError(f"cannot read {args.file}: {e.strerror}") from None
+    _json_output(args.json)
     llm = _load(args)
     ids = llm.tokenizer.encode(text)
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
-    result = perplexity(llm, ids, args.context, args.stride, progress=not args.quiet)
+    result = perplexity(llm, ids, args.context, args.stride, progress=not args.quiet and sys.stderr.isatty())
     result.update(model=llm.engine.model_path, quantization=str(llm.engine.quant_config) if llm.engine.quant_config else "none", file=args.file)
+    print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens ({result['quantization']})", flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=2)
-    print(f"perplexity {result['perplexity']:.4f} over {result['tokens']} tokens ({result['quantization']})")
     return 0
 
 
@@ -300,6 +324,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         args.model, args.quantization = args.src, str(QuantConfig.parse(args.mode))  # validate first
     except FasterLlamaError as e:
         raise FasterLlamaError(f"{e}; or a GGUF file's mode: {', '.join(GGUF_MODES)}") from None
+    if os.path.exists(args.output) and not os.path.isdir(args.output):
+        raise FasterLlamaError(f"{args.output} is a file: -o names the folder to write (a GGUF mode writes a file)")
     if os.path.exists(args.output) and os.listdir(args.output) and not args.force:
         raise FasterLlamaError(f"{args.output} exists and is not empty (use --force to overwrite)")
     if os.path.exists(args.output) and os.path.samefile(resolve_model_path(args.src), args.output):  # (loaded lazily from it)
@@ -330,7 +356,7 @@ def _quantize_gguf(args: argparse.Namespace) -> int:
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise FasterLlamaError(f"{args.output}: no such folder to write it in")
     bar = None
-    if not args.quiet:
+    if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
 
         bar = tqdm(desc="Quantizing", unit="tensor", file=sys.stderr, leave=False)
@@ -362,8 +388,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.decode_steps < 1 or args.repeats < 1:
         raise FasterLlamaError("--decode-steps and --repeats must be >= 1")
-    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-        raise FasterLlamaError(f"--json {args.json}: no such folder to write it in")
+    _json_output(args.json)
     t = time.perf_counter()
     llm = _load(args, max_num_seqs=max(args.batch_sizes))
     load_s = time.perf_counter() - t
@@ -462,7 +487,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /metrics")
     _add_model_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free one)")
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $FASTERLLAMA_API_KEY, else none)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model, or the default model's name)")
     sv.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default 16)")
@@ -483,8 +508,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    except BrokenPipeError:
-        return 0
+    except BrokenPipeError:  # a reader that stopped early (| head): fine, unless stdout still works (stderr broke: the output was cut)
+        try:
+            sys.stdout.flush()
+        except (BrokenPipeError, ValueError):
+            return 0
+        return 141
     except Exception as e:
         if debug:
             raise
