@@ -158,16 +158,22 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
     )
 
 
-def _print_reply(llm: Any, prompt: Any, params: Any) -> Any:
-    """Stream the reply to stdout (beam search prints it whole); returns its RequestOutput."""
+def _print_reply(llm: Any, prompt: Any, params: Any, interruptible: bool = False) -> Any:
+    """Stream the reply to stdout (beam search prints it whole); returns its RequestOutput.
+    interruptible: Ctrl-C ends the reply where it is (an interactive chat goes on, as llama-cli's)."""
     if params.beam_width > 1:
         output = llm.generate([prompt], params)[0]
         sys.stdout.write(output.text)
     else:
         stream = llm.stream(prompt, params)
-        for delta in stream:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
+        try:
+            for delta in stream:
+                sys.stdout.write(delta)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            if not interruptible:
+                raise
+            print(" (interrupted)", file=sys.stderr, end="")
         output = stream.output
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -253,7 +259,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history.pop()
             failed = True
             continue
-        history.append({"role": "assistant", "content": _print_reply(llm, prompt_ids, params).text})
+        history.append({"role": "assistant", "content": _print_reply(llm, prompt_ids, params, interruptible=interactive).text})
     return 1 if failed else 0
 
 
