@@ -702,6 +702,21 @@ def test_engine_errors_name_their_param(server: Server) -> None:
     assert metric(server.metrics(), "fasterllama_requests_total", 'status="error"') == metric(before, "fasterllama_requests_total", 'status="error"')
 
 
+def test_choices_carry_stop_reason(server: Server) -> None:
+    """vLLM's stop_reason: the stop string (or stop token id) that ended a choice, null otherwise;
+    on the whole response and on the last chunk of a stream."""
+    with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        free = client.post("/v1/completions", json=body).json()["choices"][0]
+        assert free["stop_reason"] is None and free["finish_reason"] == "length"
+        stop = free["text"][2:4]
+        cut = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+        assert (cut["finish_reason"], cut["stop_reason"], cut["text"]) == ("stop", stop, free["text"][: free["text"].index(stop)])
+        with client.stream("POST", "/v1/completions", json={**body, "stop": [stop], "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["stop_reason"] == stop
+
+
 def test_openai_client_sees_typed_errors(server: Server) -> None:
     client = server.client()
     with pytest.raises(openai.NotFoundError):

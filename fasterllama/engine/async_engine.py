@@ -51,6 +51,7 @@ class SequenceOutput:
     time: float  # time.monotonic() when the loop produced it
     error: str | None = None
     request_error: bool = False  # the error is the request's own (its constraint failed), not the engine's
+    stop_reason: int | str | None = None  # on the last output: the stop token id or stop string that ended it
 
 
 @dataclass(frozen=True)
@@ -304,7 +305,7 @@ class EngineLoop:
             if reason == "error":
                 req.handle._push(SequenceOutput(k, "", [], None, reason, now, error=seq.error, request_error=True))
             else:
-                req.handle._push(SequenceOutput(k, update.text_delta, [update.token_id], logprobs, reason, now))
+                req.handle._push(SequenceOutput(k, update.text_delta, [update.token_id], logprobs, reason, now, stop_reason=seq.stop_reason))
             if reason is not None:
                 del self._owner[seq.seq_id]
                 if not any(s.seq_id in self._owner for s in req.seqs):  # its last sequence's final output

@@ -43,12 +43,12 @@ class ChatGeneration(Generation):
             return None
         delta = {"content": out.text} if out.text else {}
         return {"index": choice.index, "delta": delta, "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": out.finish_reason}
+                "finish_reason": out.finish_reason, **({"stop_reason": out.stop_reason} if out.finish_reason else {})}
 
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
         logprobs = {"content": choice.extra or []} if handle.params.logprobs is not None else None
         return {"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": logprobs, "finish_reason": choice.finish_reason}
+                "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:

@@ -35,13 +35,15 @@ class CompletionGeneration(Generation):
     def chunk_choice(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> dict[str, Any] | None:
         if not out.text and logprobs is None and out.finish_reason is None:
             return None
-        return {"index": choice.index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        return {"index": choice.index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                **({"stop_reason": out.stop_reason} if out.finish_reason else {})}
 
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
         logprobs = None
         if handle.params.logprobs is not None:
             logprobs = (choice.extra or CompletionLogprobs(self.state.tokens)).all
-        return {"index": choice.index, "text": "".join(choice.text), "logprobs": logprobs, "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "text": "".join(choice.text), "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason}
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:

@@ -130,6 +130,7 @@ class Choice:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # (vLLM's: the stop token id or string that ended the choice)
     last_time: float | None = None
     extra: Any = None  # per-format state (logprobs accumulators)
 
@@ -233,7 +234,7 @@ class Generation:
             choice.last_time = out.time
             choice.num_tokens += len(out.token_ids)
         choice.text.append(out.text)
-        choice.finish_reason = out.finish_reason
+        choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
         return choice, self.add_logprobs(choice, handle, out) if out.logprobs is not None else None
 
     # -- streaming ---------------------------------------------------------------------------------
