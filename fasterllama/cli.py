@@ -505,9 +505,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command parser the arguments chose: `fasterllama eval perplexity` -> its own."""
+    while parser._subparsers is not None:
+        action = next(a for a in parser._subparsers._group_actions if isinstance(a, argparse._SubParsersAction))
+        chosen = action.choices.get(getattr(args, action.dest, None) or "")
+        if chosen is None:
+            break
+        parser = chosen
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # (said by the subcommand's parser: its --help is the one to read)
+        hint = " (quote a prompt of several words)" if getattr(args, "prompt", None) and not any(e.startswith("-") for e in extra) else ""
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     debug = getattr(args, "debug", False) or os.environ.get("FASTERLLAMA_DEBUG") == "1"
     try:
         return args.func(args)

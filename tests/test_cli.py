@@ -121,6 +121,9 @@ def test_outputs_and_flags_checked_before_the_work(tmp_path):
     assert_clean_error(run_cli("generate", "--json-schema", f"@{tmp_path / 's.json'}", "hi"), "is not UTF-8 text")
     proc = run_cli("serve", "--port", "99999")
     assert proc.returncode == 2 and "a port is 0..65535" in proc.stderr
+    proc = run_cli("generate", "The", "capital", "of")  # (the subcommand's help, and why)
+    assert proc.returncode == 2 and "quote a prompt of several words" in proc.stderr and "'fasterllama generate --help'" in proc.stderr
+    assert "'fasterllama eval perplexity --help'" in run_cli("eval", "perplexity", "--bogus", str(text)).stderr
 
 
 def test_bench_refuses_a_batch_the_cache_cannot_hold(tmp_path):
