@@ -320,7 +320,7 @@ class LLM:
         prompt_ids = []  # every prompt checked before any work
         for i, p in enumerate(prompts):
             try:
-                prompt_ids.append(engine.encode_prompt(p))
+                prompt_ids.append(engine.encode_prompt(p, params_list[i].truncate_prompt_tokens))
             except FasterLlamaError as e:  # (of several prompts, which one)
                 raise e if len(prompts) == 1 else type(e)(f"prompt {i} of {len(prompts)}: {e}") from None
         results: dict[int, RequestOutput] = {}
@@ -364,7 +364,7 @@ class LLM:
     def _beam_search(self, prompts: list[Prompt], ids: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         outs = []
         for prompt, prompt_ids, beams in zip(prompts, ids, BeamSearch(self.engine).run(ids, params)):
-            outputs = [CompletionOutput(k, b.text, b.token_ids, b.cumulative_logprob, None, b.finish_reason) for k, b in enumerate(beams)]
+            outputs = [CompletionOutput(k, b.text, b.token_ids, b.cumulative_logprob, None, b.finish_reason, b.stop_reason) for k, b in enumerate(beams)]
             outs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outputs))
         return outs
 

@@ -171,6 +171,16 @@ def test_vllm_spellings_and_stop_rules(tiny_beam_model):
     assert banned[0] == free.token_ids[0] and not any(banned[i : i + len(ids)] == ids for i in range(len(banned)))
     short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=4, detokenize=False))[0]
     assert short.prompt_token_ids == prompt[-4:] and short.text == "" and len(short.token_ids) == 3
+    long = prompt * 40  # (past the context: truncated first, then checked)
+    beams, sampled = (llm.generate([long], SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=5, **b))[0]
+                      for b in ({"beam_width": 2}, {}))
+    assert beams.prompt_token_ids == sampled.prompt_token_ids == long[-5:]
+    for ending in ({"stop_token_ids": [stop_id]}, {"stop": [stop]}):  # beams end as sampled sequences do
+        for inc in (False, True):
+            beam = llm.generate([prompt], SamplingParams(beam_width=2, max_tokens=8, ignore_eos=True, include_stop_str_in_output=inc, **ending))[0].outputs[0]
+            want = stop_id if "stop_token_ids" in ending else stop
+            if beam.finish_reason == "stop":
+                assert beam.stop_reason == want and (want in beam.token_ids if isinstance(want, int) else (stop in beam.text) == inc), (ending, inc, beam)
     sampled = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
     runs = [LLM(llm.engine.model_path, progress=False, seed=5).generate([prompt], sampled)[0].token_ids for _ in range(2)]
     assert runs[0] == runs[1]

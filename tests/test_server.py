@@ -689,7 +689,8 @@ def test_engine_errors_name_their_param(server: Server) -> None:
         for extra, param in (({"logit_bias": {"100000": 1}}, "logit_bias"), ({"allowed_token_ids": []}, "allowed_token_ids"),
                              ({"allowed_token_ids": [-1]}, "allowed_token_ids"), ({"stop_token_ids": [-1]}, "stop_token_ids"),
                              ({"guided_choice": []}, "guided_choice"), ({"guided_json": "{not json"}, "guided_json"),
-                             ({"logit_bias": {"\u0663": 1}}, "logit_bias"),
+                             ({"logit_bias": {"\u0663": 1}}, "logit_bias"), ({"guided_json": {}, "guided_regex": "a"}, "guided_json"),
+                             ({"guided_choice": ["a"], "structured_outputs": {"regex": "b"}}, "guided_choice"),
                              ({"guided_regex": "(a"}, "guided_regex"), ({"structured_outputs": {"json": {"type": "nope"}}}, "structured_outputs")):
             r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, **extra})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)

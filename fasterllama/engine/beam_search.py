@@ -26,6 +26,7 @@ NEG = -1.0e9
 class BeamHypothesis:
     token_ids: list[int]
     text: str
+    stop_reason: int | str | None  # the stop string or stop token id that ended it
     cumulative_logprob: float  # sum of the tokens' log-probabilities
     score: float  # what beams are ranked by (cumulative logprob / length ** length_penalty)
     finish_reason: str
@@ -113,26 +114,41 @@ class BeamSearch:
         out = []
         for st in states:
             ranked = sorted(st.finished, key=lambda f: -f[0])[: params.n]
-            out.append([BeamHypothesis(t, self._text(t, params), lp, sc, reason) for sc, lp, t, reason in ranked])
+            out.append([BeamHypothesis(t, *self._final_text(t, reason, params), cumulative_logprob=lp, score=sc, finish_reason=reason)
+                        for sc, lp, t, reason in ranked])
         return out
 
-    def _stop_at(self, tokens: list[int], p: SamplingParams) -> tuple[str, int | None]:
-        """A beam's text and where its first stop string starts (None: nowhere), of those ending
-        past min_tokens' first tokens, as a sampled sequence searches them."""
+    def _stop_at(self, tokens: list[int], p: SamplingParams) -> tuple[str, int | None, str | None]:
+        """A beam's text, where its first stop string starts (None: nowhere) and which string, of
+        those ending past min_tokens' first tokens, as a sampled sequence searches them."""
         decode = self.engine.tokenizer.decode
         text = decode(tokens, skip_special_tokens=p.skip_special_tokens)
         if not p.stop:
-            return text, None
+            return text, None, None
         start = 0
         if p.min_tokens > 1:
             start = max(0, len(decode(tokens[: p.min_tokens - 1], skip_special_tokens=p.skip_special_tokens)) - max(map(len, p.stop)) + 1)
-        hits = [i for s in p.stop if (i := text.find(s, start)) >= 0]
-        return text, min(hits) if hits else None
+        hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
+        if not hits:
+            return text, None, None
+        at, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+        return text, at, stop
 
-    def _text(self, tokens: list[int], p: SamplingParams) -> str:
-        """A hypothesis' text, cut before its stop string (the sampler's outputs end there too)."""
-        text, cut = self._stop_at(tokens, p)
-        return text if cut is None else text[:cut]
+    def _final_text(self, tokens: list[int], reason: str, p: SamplingParams) -> tuple[str, int | str | None]:
+        """A hypothesis' text and stop_reason by a sampled sequence's rules (LLMEngine._append_token):
+        cut before its stop string (after it with include_stop_str_in_output), its ending stop
+        token's text left out (kept with include_stop_str_in_output); "" without detokenize."""
+        if not p.detokenize:
+            return "", tokens[-1] if reason == "stop" and tokens and tokens[-1] in p.stop_token_ids else None
+        text, at, stop = self._stop_at(tokens, p)
+        if reason == "stop" and at is not None:
+            return text[: at + (len(stop) if p.include_stop_str_in_output else 0)], stop
+        last = tokens[-1] if tokens else None
+        if reason == "stop" and (last in p.stop_token_ids or (not p.ignore_eos and last in self.engine.eos_token_ids)):
+            if not p.include_stop_str_in_output:
+                text = self.engine.tokenizer.decode(tokens[:-1], skip_special_tokens=p.skip_special_tokens)
+            return text, last if last in p.stop_token_ids else None
+        return text, None
 
     def _advance(self, st: _BeamState, logits: torch.Tensor, p: SamplingParams) -> None:
         """One beam step for one prompt (HF's top-k continuations / running / finished update)."""
@@ -158,7 +174,7 @@ class BeamSearch:
         beam_l, token_l, true_l = beam.tolist(), token.tolist(), true_lp.tolist()
         new_len = cur_len + 1
         strings = p.stop and new_len - prompt_len >= p.min_tokens  # (stop strings count from min_tokens on, as in sampling)
-        reasons = [("stop" if t in ends or (strings and self._stop_at(st.tokens[b] + [t], p)[1] is not None) else "length" if new_len >= st.max_length else None)
+        reasons = [("stop" if t in ends or (strings and self._stop_at(st.tokens[b] + [t], p)[2] is not None) else "length" if new_len >= st.max_length else None)
                    for b, t in zip(beam_l, token_l)]
         hits = torch.tensor([r is not None for r in reasons])
 

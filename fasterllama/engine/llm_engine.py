@@ -350,14 +350,17 @@ class LLMEngine:
         self.quant_config = qcfg
 
     # -- requests -------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | Seq[int]) -> list[int]:
-        """Token ids of a prompt (a string, or token ids checked against the vocabulary)."""
+    def encode_prompt(self, prompt: str | Seq[int], keep_last: int | None = None) -> list[int]:
+        """Token ids of a prompt (a string, or token ids checked against the vocabulary); only
+        its last keep_last tokens where given (truncate_prompt_tokens), before the context check."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
         elif isinstance(prompt, (bytes, bytearray)):
             raise FasterLlamaError("a prompt must be a string or a list of token ids, got bytes (decode them to a string first)")
         else:
             ids = self.check_token_ids(prompt, "prompt")
+        if keep_last:
+            ids = ids[-keep_last:]
         if not ids:
             raise FasterLlamaError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -421,8 +424,7 @@ class LLMEngine:
         return seqs
 
     def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
-        ids = self.encode_prompt(prompt)
-        return ids[-params.truncate_prompt_tokens :] if params.truncate_prompt_tokens else ids
+        return self.encode_prompt(prompt, params.truncate_prompt_tokens)
 
     def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as written and after a space (vLLM's two spellings)."""

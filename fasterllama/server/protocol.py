@@ -166,10 +166,10 @@ class GenerationRequest(_Strict):
         words = re.findall(r"\w+", message)
         if words and words[0] in type(self).model_fields:
             return words[0]
-        constraint = {"json_schema", "regex", "grammar", "choice", "json_object", "compile", "structured"}
-        if constraint & set(words[:4]):  # (SamplingParams' names for it, or its compile error)
-            return next((name for name in ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice",
-                                           "structured_outputs") if getattr(self, name) is not None), None)
+        sources = ("response_format", "guided_json", "guided_regex", "guided_grammar", "guided_choice", "structured_outputs")
+        constraint = {"json_schema", "regex", "grammar", "choice", "json_object", "compile", "structured", *sources}
+        if constraint & set(words):  # (SamplingParams' names for it, its compile error, or two of them given)
+            return next((name for name in sources if getattr(self, name) is not None), None)
         return next((w for w in words[:4] if w in type(self).model_fields), None)
 
     def _constraint(self) -> dict[str, Any]:
