@@ -703,6 +703,26 @@ def test_engine_errors_name_their_param(server: Server) -> None:
     assert metric(server.metrics(), "fasterllama_requests_total", 'status="error"') == metric(before, "fasterllama_requests_total", 'status="error"')
 
 
+def test_chat_template_extras_over_http(server: Server, offline: LLM) -> None:
+    """vLLM's chat extras: continue_final_message (with add_generation_prompt false), chat_template,
+    chat_template_kwargs; an assistant turn's tool_calls and a tool turn's tool_call_id reach the
+    template (they were dropped); the prompt is what LLM.chat_prompt renders."""
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "content": "42", "tool_call_id": "c1"}, {"role": "assistant", "content": "The answer"}]
+    template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}"
+                "{% if m.tool_call_id %}<{{ m.tool_call_id }}>{% endif %}{{ mark }}{% endfor %}")
+    with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
+        body = {"model": MODEL, "messages": turns, "max_tokens": 4, "temperature": 0, "add_generation_prompt": False,
+                "continue_final_message": True, "chat_template": template, "chat_template_kwargs": {"mark": "|"}}
+        r = client.post("/v1/chat/completions", json=body)
+        ids = offline.chat_prompt(turns, False, {"mark": "|"}, chat_template=template, continue_final_message=True)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+        assert offline.tokenizer.decode(ids).endswith('<c1>|[assistant]The answer') and '"name": "f"' in offline.tokenizer.decode(ids)
+        r = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": True}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+
+
 def test_choices_carry_stop_reason(server: Server) -> None:
     """vLLM's stop_reason: the stop string (or stop token id) that ended a choice, null otherwise;
     on the whole response and on the last chunk of a stream."""

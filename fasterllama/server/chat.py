@@ -63,7 +63,9 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         if tokenizer is None:
             raise FasterLlamaError("this model has no tokenizer, so it cannot chat")
         try:  # as LLM.chat_prompt does
-            return [tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)]
+            return [tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                                                  chat_template=body.chat_template, continue_final_message=body.continue_final_message,
+                                                  **(body.chat_template_kwargs or {}))]
         except TemplateError as e:  # the template refused these messages
             raise FasterLlamaError(f"chat template: {e}") from None
 

@@ -253,6 +253,8 @@ class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, and the tool's answers' ids: the template renders them
+    tool_call_id: str | None = None
 
     @field_validator("role")
     @classmethod
@@ -274,10 +276,12 @@ class ChatMessage(_Strict):
                 raise ValueError("a content part of type 'text' needs its 'text'")
         return "".join(part.text or "" for part in v)
 
-    def template_dict(self) -> dict[str, str]:
+    def template_dict(self) -> dict[str, Any]:
         """What the chat template sees ('developer' is OpenAI's new name for 'system'; content
-        sent as null or left out is empty, as transformers renders it, not "None")."""
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+        sent as null or left out is empty, as transformers renders it, not "None"; the tool
+        fields where given)."""
+        extra = {k: v for k, v in (("name", self.name), ("tool_calls", self.tool_calls), ("tool_call_id", self.tool_call_id)) if v is not None}
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.content or "", **extra}
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -288,6 +292,19 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
+    # vLLM's extras for the chat template
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & {"messages", "add_generation_prompt", "tokenize", "chat_template", "continue_final_message"})
+        if taken:
+            raise ValueError(f"{', '.join(taken)} are fields of the request, not template variables")
+        return v
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
