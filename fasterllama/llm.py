@@ -239,6 +239,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         speculative_config: dict | str | None = None,
         seed: int | None = None,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q4_0..Q8_0 / Q2_K..Q6_K
         tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
@@ -259,9 +260,18 @@ class LLM:
         "num_speculative_tokens": 4} with a smaller model of the same tokenizer; outputs stay the
         model's (greedy ones identical), only faster when the drafts are right.
         seed: requests without a seed draw theirs from a generator of this seed (vLLM's), so a
-        script's sampled outputs repeat from run to run."""
+        script's sampled outputs repeat from run to run.
+        gpu_memory_utilization: vLLM's knob, on a GPU the share of its free memory (after the
+        weights) the KV cache takes where kv_cache_memory is not given; a CPU has no GPU memory
+        to share, and keeps its kv_cache_memory default."""
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise FasterLlamaError(f"seed must be an integer or None, got {_kind(seed)}")
+        if gpu_memory_utilization is not None:
+            if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+                raise FasterLlamaError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
+            on_gpu = str(device).startswith("cuda") if device is not None else torch.cuda.is_available()
+            if kv_cache_memory is None and on_gpu:
+                kv_cache_memory = float(gpu_memory_utilization)
         self.engine = LLMEngine(
             model,
             dtype=dtype,

@@ -141,6 +141,7 @@ def test_vllm_spellings_and_stop_rules(tiny_beam_model):
     import threading
 
     from fasterllama import Logprob
+    from fasterllama.errors import FasterLlamaError
 
     _, llm, prompt, _ = tiny_beam_model
     free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
@@ -182,8 +183,10 @@ def test_vllm_spellings_and_stop_rules(tiny_beam_model):
             if beam.finish_reason == "stop":
                 assert beam.stop_reason == want and (want in beam.token_ids if isinstance(want, int) else (stop in beam.text) == inc), (ending, inc, beam)
     sampled = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
-    runs = [LLM(llm.engine.model_path, progress=False, seed=5).generate([prompt], sampled)[0].token_ids for _ in range(2)]
-    assert runs[0] == runs[1]
+    runs = [LLM(llm.engine.model_path, progress=False, seed=5, gpu_memory_utilization=0.5).generate([prompt], sampled)[0].token_ids for _ in range(2)]
+    assert runs[0] == runs[1]  # (gpu_memory_utilization: taken, and on the CPU the cache keeps its default)
+    with pytest.raises(FasterLlamaError, match="gpu_memory_utilization must be a number in"):
+        LLM(llm.engine.model_path, progress=False, gpu_memory_utilization=1.5)
     results: dict[int, list[int]] = {}
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, llm.generate([prompt], greedy)[0].token_ids)) for k in range(3)]
