@@ -399,9 +399,7 @@ class LLM:
         if chat_template is not None and not isinstance(chat_template, str):
             raise FasterLlamaError(f"chat_template must be the template's text, got {_kind(chat_template)}")
         extra = dict(chat_template_kwargs or {})
-        taken = sorted(set(extra) & {"messages", "add_generation_prompt", "tokenize", "chat_template", "continue_final_message"})
-        if taken:
-            raise FasterLlamaError(f"chat_template_kwargs: {', '.join(taken)} are arguments of chat, not template variables")
+        Tokenizer.check_template_variables(extra, "chat_template_kwargs")
         if tools is not None:
             extra["tools"] = tools
         return self.tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=bool(add_generation_prompt), tokenize=True,

@@ -265,6 +265,14 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     # -- chat templates ---------------------------------------------------------------------
+    @staticmethod
+    def check_template_variables(variables: dict[str, Any], what: str) -> None:
+        """Extra template variables (chat_template_kwargs) that would name an argument of
+        apply_chat_template are refused: passed on, they raised a TypeError."""
+        taken = sorted(set(variables) & {"messages", "add_generation_prompt", "tokenize", "chat_template", "continue_final_message"})
+        if taken:
+            raise FasterLlamaError(f"{what}: {', '.join(taken)} are arguments of the chat call, not template variables")
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],

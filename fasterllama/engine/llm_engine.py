@@ -10,7 +10,7 @@ import logging
 import os
 import random
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -398,11 +398,7 @@ class LLMEngine:
 
     def new_sequence(self, prompt: str | Seq[int], params: SamplingParams | None = None, sample_index: int = 0) -> Sequence:
         """One sequence, its prompt and params checked, not queued yet (add_request queues it)."""
-        params = self.check_params(params)
-        seq = Sequence(self._prompt_ids(prompt, params), params, self._detokenizer_of(params), self._seed(params, sample_index))
-        seq.bad_words_ids = self._bad_words_ids(params)
-        seq.matcher = self.structured.matcher(params)
-        return seq
+        return self._sequences(prompt, self.check_params(params), [sample_index])[0]
 
     def add_group(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> list[Sequence]:
         """Queue a request's params.n samples: the first prefills the prompt, the others then fork
@@ -410,21 +406,24 @@ class LLMEngine:
         starts only where it has all its seats, so more samples than max_num_seqs go in groups of
         at most max_num_seqs, each group's first prefilling (from the prefix cache, where it is on)."""
         params = self.check_params(params)
-        ids = self._prompt_ids(prompt, params)
-        seqs = [Sequence(ids, params, self._detokenizer_of(params), self._seed(params, k)) for k in range(params.n)]
-        bad = self._bad_words_ids(params)
-        for seq in seqs:
-            seq.bad_words_ids = bad
-        for seq in seqs:
-            seq.matcher = self.structured.matcher(params)
+        seqs = self._sequences(prompt, params, range(params.n))
         size = self.scheduler.max_num_seqs
         for first in range(0, len(seqs), size):
             seqs[first].forks = seqs[first + 1 : first + size]
             self.scheduler.add(seqs[first])
         return seqs
 
-    def _prompt_ids(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
-        return self.encode_prompt(prompt, params.truncate_prompt_tokens)
+    def _sequences(self, prompt: str | Seq[int], params: SamplingParams, sample_indices: Iterable[int]) -> list[Sequence]:
+        """A prompt's sequences (encoded once), each with its sample's seed, the bad words' ids and
+        its own constraint matcher."""
+        ids = self.encode_prompt(prompt, params.truncate_prompt_tokens)
+        bad = self._bad_words_ids(params)
+        seqs = []
+        for k in sample_indices:
+            seq = Sequence(ids, params, self.tokenizer if params.detokenize else None, self._seed(params, k))
+            seq.bad_words_ids, seq.matcher = bad, self.structured.matcher(params)
+            seqs.append(seq)
+        return seqs
 
     def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
         """Each bad word's token ids, as written and after a space (vLLM's two spellings)."""
@@ -434,9 +433,6 @@ class LLMEngine:
             raise FasterLlamaError("bad_words need the model's tokenizer")
         spellings = {tuple(self.tokenizer.encode(text, add_special_tokens=False)) for w in params.bad_words for text in (w, " " + w.lstrip())}
         return [list(ids) for ids in spellings if ids]
-
-    def _detokenizer_of(self, params: SamplingParams) -> Tokenizer | None:
-        return self.tokenizer if params.detokenize else None
 
     def check_params(self, params: object) -> SamplingParams:
         """params (None: the defaults) checked against this model (token ids in its vocabulary)."""

@@ -20,6 +20,7 @@ from pydantic_core import PydanticCustomError
 
 from ..errors import FasterLlamaError
 from ..sampling_params import SamplingParams
+from ..tokenizer import Tokenizer
 
 MAX_N = 128  # sequences per prompt
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -301,9 +302,10 @@ class ChatCompletionRequest(GenerationRequest):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(v or {}) & {"messages", "add_generation_prompt", "tokenize", "chat_template", "continue_final_message"})
-        if taken:
-            raise ValueError(f"{', '.join(taken)} are fields of the request, not template variables")
+        try:
+            Tokenizer.check_template_variables(v or {}, "chat_template_kwargs")
+        except FasterLlamaError as e:
+            raise ValueError(str(e)) from None
         return v
 
     @model_validator(mode="after")
