@@ -7,7 +7,9 @@ so the drift of a shared machine hits both alike (separate processes on this VM 
 BASE, HEAD: git revisions (HEAD defaults to the working tree). Measures prefill (128, 512 and
 2,000 tokens), decode at batch 1 and 8 after 128-token prompts, and decode at batch 1 and 4 after
 2,000-token prompts (--only: those whose names start with one of the comma-separated prefixes);
-prints each commit's weight bytes as loaded, its median and the median of the per-round ratios."""
+prints each commit's weight bytes as loaded, its median and the median of the per-round ratios.
+Both commits are timed by the working tree's fasterllama/bench.py (a change to how it counts is
+not a change of speed)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def extract(rev: str | None, into: Path, name: str) -> str:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "fasterllama"], check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
         (into / "fasterllama").rename(dest)
+    shutil.copy(ROOT / "fasterllama" / "bench.py", dest / "bench.py")  # one measurement for both (each with its own package's classes)
     return name
 
 
