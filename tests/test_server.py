@@ -880,3 +880,87 @@ def test_release_openmp_threads_frees_the_idle_team_and_torch_still_runs() -> No
         pytest.skip("no OpenMP runtime with omp_pause_resource_all loaded")
     if threads > 1:
         assert n1 <= n0 - (threads - 1), (n0, n1)  # the team's workers are gone
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                                          "required": ["city"], "additionalProperties": False}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+
+
+def streamed_tool_calls(stream: Any) -> tuple[str, list[dict[str, str]], str | None]:
+    """(content, calls as {"id", "name", "arguments"}, finish_reason) put together from a chat stream's deltas."""
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for call in c.delta.tool_calls or []:
+                if call.index == len(calls):
+                    calls.append({"id": call.id, "name": call.function.name, "arguments": ""})
+                calls[call.index]["arguments"] += call.function.arguments or ""
+            finish = c.finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_calls_over_http(server_one: Server, offline: LLM) -> None:
+    """OpenAI tool calling: a named tool_choice or "required" constrains the reply to the call's
+    JSON (any model calls it: arguments as the offline engine constrained to the same schema
+    writes them); "auto" reads calls from the reply (here a Hermes-style call the regex makes the
+    model write); streamed deltas put together give the same calls; the template is shown the tools."""
+    client = server_one.client()
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    weather = TOOLS[0]["function"]["parameters"]
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40, json_schema=weather), tools=TOOLS)[0]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=40, temperature=0)
+    message = r.choices[0].message
+    assert message.content is None and r.choices[0].finish_reason == ref.finish_reason == "stop"
+    assert [(c.type, c.function.name, c.function.arguments) for c in message.tool_calls] == [("function", "get_weather", ref.text)]
+    assert isinstance(json.loads(ref.text)["city"], str) and message.tool_calls[0].id.startswith("call_")
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice=named, max_tokens=40,
+                                            temperature=0, stream=True)
+    content, calls, finish = streamed_tool_calls(stream)
+    assert (content, [(c["name"], c["arguments"]) for c in calls], finish) == ("", [("get_weather", ref.text)], "stop")
+
+    from fasterllama.server.tools import forced_call_schema
+
+    schema = forced_call_schema({t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}, "required", False)
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=80, json_schema=schema), tools=TOOLS)[0]
+    want = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(ref.text)]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                       max_tokens=80, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    assert [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls] == want and len(want) == 1
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                                            max_tokens=80, temperature=0, stream=True)
+    content, calls, finish = streamed_tool_calls(stream)
+    assert (content, [(c["name"], c["arguments"]) for c in calls], finish) == ("", want, "tool_calls")
+
+    regex = r'Checking\.\n<tool_call>\{"name": "add", "arguments": \{"a": [1-9], "b": [1-9]\}\}</tool_call>'
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=200, temperature=0,
+                                       extra_body={"guided_regex": regex})
+    assert r.choices[0].message.tool_calls, r
+    (call,) = r.choices[0].message.tool_calls
+    assert (r.choices[0].message.content, call.function.name, r.choices[0].finish_reason) == ("Checking.\n", "add", "tool_calls")
+    assert set(json.loads(call.function.arguments)) == {"a", "b"}
+    stream = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, max_tokens=200, temperature=0, stream=True,
+                                            extra_body={"guided_regex": regex})
+    assert streamed_tool_calls(stream)[::2] == ("Checking.\n", "tool_calls")
+    free = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, tool_choice="auto", max_tokens=8, temperature=0)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert free.choices[0].message.content == plain.choices[0].message.content and not free.choices[0].message.tool_calls
+
+    with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as http:
+        template = "{{ tools | tojson }}{% for m in messages %}{{ m.content }}{% endfor %}"
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 1, "chat_template": template})
+        assert r.json()["usage"]["prompt_tokens"] == len(offline.chat_prompt(messages, chat_template=template, tools=TOOLS)), r.text
+        for extra, fragment in (({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+                                ({"tool_choice": "required", "tools": None}, "needs tools"),
+                                ({"tool_choice": "sometimes"}, "tool_choice"),
+                                ({"tool_choice": named, "response_format": {"type": "json_object"}}, "does not combine"),
+                                ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools")):
+            r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 4, **extra})
+            assert r.status_code == 400 and fragment in r.text, (extra, r.text)
+            assert r.json()["error"]["param"].split(".")[0] in ("tool_choice", "tools"), r.text

@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages through the model's chat template, `chat.completion` out."""
+"""POST /v1/chat/completions: messages through the model's chat template, `chat.completion` out
+(with tool calls read from the reply when the request gives tools: tools.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,21 @@ from .serving import (
     encode_prompts,
     start_requests,
 )
+from .tools import ToolCallReader
 
 
 class ChatGeneration(Generation):
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
+
+    def __init__(self, state: ServerState, handles: list[RequestHandle], response_id: str, include_usage: bool,
+                 tool_mode: str | None, tool_names: list[str]) -> None:
+        super().__init__(state, handles, response_id, include_usage)
+        self.tool_mode, self.tool_names = tool_mode, tool_names
+        self.readers: dict[int, ToolCallReader] = {}  # (streaming: each choice's, as it goes)
+
+    def reader(self) -> ToolCallReader | None:
+        return ToolCallReader(self.tool_mode, self.tool_names) if self.tool_mode else None
 
     def start_chunks(self) -> list[dict[str, Any]]:
         return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -38,17 +49,36 @@ class ChatGeneration(Generation):
         choice.extra.extend(entries)
         return entries
 
-    def chunk_choice(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> dict[str, Any] | None:
-        if not out.text and logprobs is None and out.finish_reason is None:
-            return None
-        delta = {"content": out.text} if out.text else {}
-        return {"index": choice.index, "delta": delta, "logprobs": {"content": logprobs} if logprobs is not None else None,
-                "finish_reason": out.finish_reason, **({"stop_reason": out.stop_reason} if out.finish_reason else {})}
+    def chunk_choices(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> list[dict[str, Any]]:
+        reader = self.readers.setdefault(choice.index, self.reader()) if self.tool_mode else None
+        if reader is None:
+            deltas = [{"content": out.text}] if out.text else []
+        else:
+            deltas = reader.feed(out.text) + (reader.finish() if out.finish_reason else [])
+        if not deltas and (logprobs is not None or out.finish_reason is not None):
+            deltas = [{}]
+        pieces = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if pieces and logprobs is not None:
+            pieces[0]["logprobs"] = {"content": logprobs}
+        if pieces and out.finish_reason is not None:
+            called = reader.finish_reason_for_calls if reader else None
+            pieces[-1].update(finish_reason=called or out.finish_reason, stop_reason=out.stop_reason)
+        return pieces
 
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
         logprobs = {"content": choice.extra or []} if handle.params.logprobs is not None else None
-        return {"index": choice.index, "message": {"role": "assistant", "content": "".join(choice.text)},
-                "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
+        finish_reason = choice.finish_reason
+        reader = self.reader()
+        if reader is not None:  # (the whole reply read as the stream reads it)
+            reader.feed(message["content"])
+            reader.finish()
+            message["content"] = "".join(reader.content) if reader.content or not reader.calls else None
+            if reader.calls:
+                message["tool_calls"] = reader.calls
+                finish_reason = reader.finish_reason_for_calls or finish_reason
+        return {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason}
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -56,6 +86,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     check_model(state, body.model)
     tokenizer = state.loop.engine.tokenizer
     messages = [m.template_dict() for m in body.messages]
+    tools = {"tools": body.template_tools()} if body.tools else {}
 
     def render() -> list[list[int] | str]:
         from jinja2 import TemplateError
@@ -65,11 +96,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         try:  # as LLM.chat_prompt does
             return [tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
                                                   chat_template=body.chat_template, continue_final_message=body.continue_final_message,
-                                                  **(body.chat_template_kwargs or {}))]
+                                                  **{**(body.chat_template_kwargs or {}), **tools})]
         except TemplateError as e:  # the template refused these messages
             raise FasterLlamaError(f"chat template: {e}") from None
 
     prompts = await encode_prompts(state.loop, render, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     handles = await start_requests(state, prompts, body, body.requested_max_tokens, None, body.num_logprobs, request_id)
-    return await ChatGeneration(state, handles, request_id, body.include_usage).respond(request, body.stream)
+    generation = ChatGeneration(state, handles, request_id, body.include_usage, body.tool_mode, [t.function.name for t in body.tools or []])
+    return await generation.respond(request, body.stream)

@@ -32,11 +32,11 @@ class CompletionGeneration(Generation):
             choice.extra = CompletionLogprobs(self.state.tokens)
         return choice.extra.add(out.token_ids, out.logprobs or [])
 
-    def chunk_choice(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> dict[str, Any] | None:
+    def chunk_choices(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> list[dict[str, Any]]:
         if not out.text and logprobs is None and out.finish_reason is None:
-            return None
-        return {"index": choice.index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason,
-                **({"stop_reason": out.stop_reason} if out.finish_reason else {})}
+            return []
+        return [{"index": choice.index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                 **({"stop_reason": out.stop_reason} if out.finish_reason else {})}]
 
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
         logprobs = None

@@ -2,8 +2,8 @@
 
 Strict mode: a string is not a number and 5.0 is not an integer, as in OpenAI's API; NaN and
 infinities are refused; null is as if the field were not sent. Fields we cannot honour (echo,
-suffix, tools, ...) are refused when set rather than silently ignored; unknown fields
-are ignored, as OpenAI does.
+suffix, ...) are refused when set rather than silently ignored; unknown fields
+are ignored, as OpenAI does. Tools and tool_choice: see tools.py.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, allowed_token_ids, bad_words, include_stop_str_in_output,
 and structured output: response_format (json_object,
@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 from ..errors import FasterLlamaError
 from ..sampling_params import SamplingParams
 from ..tokenizer import Tokenizer
+from .tools import forced_call_schema
 
 MAX_N = 128  # sequences per prompt
 MAX_PROMPTS = 256  # prompts in one completions request
@@ -250,6 +251,27 @@ class ContentPart(_Strict):
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object (absent: no arguments)
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
@@ -291,13 +313,25 @@ class ChatCompletionRequest(GenerationRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # vLLM's extras for the chat template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any) -> Any:
+        """One message for every wrong shape (the union's own errors named the wrong member)."""
+        if v in ("none", "auto", "required"):
+            return v
+        function = v.get("function") if isinstance(v, dict) else None
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(function, dict) and isinstance(function.get("name"), str):
+            return v
+        raise ValueError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -310,11 +344,42 @@ class ChatCompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
-        if self.tools and self.tool_choice != "none":  # ("none": the model calls no tool, so they need no support)
-            raise _refuse("tools", "tools are not supported (only with tool_choice \"none\")")
+        if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
+            names = [t.function.name for t in self.tools or []]
+            if not names:
+                raise _refuse("tool_choice", "tool_choice \"required\" or a named function needs tools")
+            if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+                raise _refuse("tool_choice", f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise _refuse("top_logprobs", "top_logprobs requires logprobs to be true")
         return self
+
+    @property
+    def tool_mode(self) -> str | None:
+        """How tools are called: None (no tools, or tool_choice "none"), "auto", "required", or the
+        name of the function tool_choice forces."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.function.name
+        return self.tool_choice or "auto"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (OpenAI's shape, unset fields left out)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def _constraint(self) -> dict[str, Any]:
+        """A forced call ("required" or a named function) constrains the reply to the call's JSON
+        (tools.py), which no other constraint may change."""
+        given = super()._constraint()
+        mode = self.tool_mode
+        if mode is None or mode == "auto":
+            return given
+        if given:
+            raise FasterLlamaError("tool_choice \"required\" or a named function does not combine with response_format, "
+                                   "the guided_* fields or structured_outputs")
+        parameters = {t.function.name: t.function.parameters for t in self.tools or []}
+        return {"json_schema": forced_call_schema(parameters, mode, self.parallel_tool_calls)}
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -164,8 +164,8 @@ class Generation:
         """Keep this output's logprobs in the choice (choice.extra) and return them for a chunk."""
         return None
 
-    def chunk_choice(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> dict[str, Any] | None:
-        """The streamed choice for one output, or None when it carries nothing to send."""
+    def chunk_choices(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> list[dict[str, Any]]:
+        """The streamed choices for one output (a chunk each), none when it carries nothing to send."""
         raise NotImplementedError
 
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
@@ -248,8 +248,7 @@ class Generation:
             async with aclosing(self.outputs()) as outputs:
                 async for i, out in outputs:
                     choice, logprobs = self._apply(i, out)
-                    piece = self.chunk_choice(choice, out, logprobs)
-                    if piece is not None:
+                    for piece in self.chunk_choices(choice, out, logprobs):
                         yield sse(self.chunk([piece]))
             if self.include_usage:
                 yield sse({**self.envelope(self.chunk_object, []), "usage": self.usage()})

@@ -1,0 +1,117 @@
+"""Tool calls read from a model's reply (server/tools.py): the formats chat templates teach, text
+that is not a call left as content, and the stream (any split of the reply) agreeing with the whole."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from fasterllama.server.tools import ToolCallReader, forced_call_schema
+
+NAMES = ["get_weather", "add"]
+
+
+def read(text: str, mode: str = "auto", pieces: list[str] | None = None) -> tuple[str | None, list[tuple[str, dict]], list[dict]]:
+    """(content, [(name, arguments)], deltas) of a reply fed whole or in `pieces`."""
+    reader = ToolCallReader(mode, NAMES)
+    deltas = [d for piece in (pieces if pieces is not None else [text]) for d in reader.feed(piece)] + reader.finish()
+    content = "".join(reader.content) if reader.content or not reader.calls else None
+    return content, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in reader.calls], deltas
+
+
+CASES = [
+    # Hermes / Qwen / SmolLM2: tagged calls, one or several, text around them, the last tag left open at the stop
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', None, [("get_weather", {"city": "Paris"})]),
+    ('Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+     '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>',
+     "Let me check.\n", [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]),
+    ('<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 2}}]', None, [("add", {"a": 1, "b": 2})]),
+    # Llama 3.1 (`parameters`), Mistral (a list after [TOOL_CALLS], which the detokenizer drops), several joined by ';'
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}', None, [("get_weather", {"city": "Oslo"})]),
+    (' [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]',
+     None, [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Rome"})]),
+    ('{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"a": 2}}', None, [("add", {"a": 1}), ("add", {"a": 2})]),
+    ('{"name": "add", "arguments": "{\\"a\\": 3}"}', None, [("add", {"a": 3})]),  # arguments as a JSON string
+    ('{"name": "add"}', None, [("add", {})]),
+    # not calls: content, whole
+    ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+    ('{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call
+    ('{"name": "delete_everything", "arguments": {}}', '{"name": "delete_everything", "arguments": {}}', []),  # not a tool of the request
+    ('{"name": "add", "arguments": {"a": 1}} and more', '{"name": "add", "arguments": {"a": 1}} and more', []),
+    ('{"name": "add", "arguments": {"a": 1', '{"name": "add", "arguments": {"a": 1', []),  # cut off
+    ('<tool_call>{"name": "add", "arguments": [1]}</tool_call>', '<tool_call>{"name": "add", "arguments": [1]}</tool_call>', []),
+    ("a < b and <tool", "a < b and <tool", []),
+    ("", "", []),
+]
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), CASES)
+def test_reply_read_for_calls(text: str, content: str | None, calls: list) -> None:
+    got_content, got_calls, _ = read(text)
+    assert (got_content, got_calls) == (content, calls)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_stream_in_any_pieces_agrees_with_the_whole(seed: int) -> None:
+    """Content and calls are the same however the reply is split; the content deltas are the content."""
+    rng = random.Random(seed)
+    for text, _, _ in CASES:
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        content, calls, deltas = read(text, pieces=pieces)
+        assert (content, calls) == read(text)[:2], pieces
+        assert "".join(d.get("content", "") for d in deltas) == (content or "")
+        sent = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in sent] == calls
+
+
+def test_content_streams_before_a_call_is_seen() -> None:
+    """Plain text goes out as it comes (only a possible tag start is held back); a call's text does not."""
+    reader = ToolCallReader("auto", NAMES)
+    assert reader.feed("Sure, ") == [{"content": "Sure, "}]
+    assert reader.feed("one moment <tool") == [{"content": "one moment "}]
+    assert reader.feed('_call>{"name": "add", ') == []
+    assert reader.feed('"arguments": {"a": 1}}</tool_call>') == []
+    deltas = reader.finish()
+    assert [c["function"]["name"] for c in deltas[-1]["tool_calls"]] == ["add"] and reader.finish_reason_for_calls == "tool_calls"
+    reader = ToolCallReader("auto", NAMES)
+    assert reader.feed("  ") == [] and reader.feed("{") == [] and reader.feed("}") == []
+    assert reader.finish() == [{"content": "  {}"}] and reader.finish_reason_for_calls is None
+
+
+def test_named_function_streams_its_arguments() -> None:
+    reader = ToolCallReader("add", NAMES)
+    first = reader.feed('{"a": ')
+    assert first[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": '}
+    assert first[0]["tool_calls"][0]["id"].startswith("call_") and first[0]["tool_calls"][0]["type"] == "function"
+    assert reader.feed("1}") == [{"tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]}]
+    assert reader.finish() == [] and reader.calls[0]["function"]["arguments"] == '{"a": 1}'
+    assert reader.finish_reason_for_calls is None  # (a forced call finishes as "stop", as OpenAI's does)
+
+
+def test_required_reads_the_constrained_array() -> None:
+    content, calls, _ = read('[{"name": "add", "parameters": {"a": 1, "b": 2}}]', mode="required")
+    assert content is None and calls == [("add", {"a": 1, "b": 2})]
+    content, calls, _ = read('[{"name": "add", "parameters": {"a": 1', mode="required")  # cut off before a call is whole
+    assert content == '[{"name": "add", "parameters": {"a": 1' and calls == []
+
+
+def test_forced_call_schemas() -> None:
+    params = {"add": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "get_weather": None}
+    assert forced_call_schema(params, "add", True) == params["add"]
+    assert forced_call_schema(params, "get_weather", True) == {"type": "object", "properties": {}, "additionalProperties": False}
+    schema = forced_call_schema(params, "required", False)
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == [["add"], ["get_weather"]]
+    assert "maxItems" not in forced_call_schema(params, "required", True)
+
+
+def test_required_cut_off_keeps_the_calls_written_whole() -> None:
+    """max_tokens ending a "required" array: the whole calls are returned, the finish stays "length"."""
+    reader = ToolCallReader("required", NAMES)
+    reader.feed('[{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", "parameters": {"city": "Par')
+    deltas = reader.finish()
+    assert [c["function"]["name"] for c in deltas[0]["tool_calls"]] == ["add"] and not reader.content
+    assert reader.finish_reason_for_calls is None
