@@ -349,3 +349,29 @@ def test_weights_that_cannot_fit_fail_before_loading(tmp_path, monkeypatch):
     assert LLM(folder, progress=False).generate([[1, 2, 3]])[0].token_ids and loaded
     monkeypatch.setattr(ml, "free_memory", lambda device, **kw: kw.get("unknown", 0))  # a host that does not say (not Linux)
     assert LLM(folder, progress=False).generate([[1, 2, 3]])[0].token_ids
+
+
+def test_gguf_metadata_llama_cpp_requires_or_refuses(tmp_path) -> None:
+    """Files without `vocab_size` (older converters) take the token list's length; what llama.cpp
+    refuses, or what is another kind of model, is a one-line ModelLoadError: a shard of a split
+    file (it lacked tensors), a mixture of experts (ran as dense), rotary over part of the head
+    (ran over all of it), no RMSNorm epsilon (HF and we guessed different defaults)."""
+    import tiny_models as tm
+    import torch
+
+    from fasterllama import LLM
+
+    model = tm.build_hf_model(tm.SPECS["gqa"])
+    full = LLM(tm.write_gguf(model, str(tmp_path / "full.gguf")), progress=False)
+    lean = LLM(tm.write_gguf(model, str(tmp_path / "lean.gguf"), metadata={"llama.vocab_size": None}), progress=False)
+    ids = [5, 6, 7, 8]
+    assert torch.equal(lean.compute_logits(ids), full.compute_logits(ids))
+    head_dim = tm.SPECS["gqa"].real_head_dim
+    for metadata, message in (({"split.count": 3, "split.no": 0}, "shard 1 of a GGUF split into 3 files; merge them"),
+                              ({"llama.expert_count": 4}, "mixture-of-experts"),
+                              ({"llama.rope.dimension_count": head_dim // 2}, f"rotary embedding over {head_dim // 2} of {head_dim}"),
+                              ({"llama.attention.layer_norm_rms_epsilon": None}, "lacks llama.attention.layer_norm_rms_epsilon")):
+        path = tm.write_gguf(model, str(tmp_path / "odd.gguf"), metadata=metadata)
+        with pytest.raises(ModelLoadError, match=message):
+            open_checkpoint(path)
+    assert open_checkpoint(tm.write_gguf(model, str(tmp_path / "dense.gguf"), metadata={"llama.expert_count": 0})).config.vocab_size > 0

@@ -269,3 +269,37 @@ def test_incremental_detokenizer_never_breaks_utf8(default_llm):
     assert "".join(deltas) == tok.decode(ids) == text
     assert not any("\ufffd" in d for d in deltas)
     assert any(d == "" for d in deltas)  # some tokens were partial characters and were held back
+
+
+@pytest.mark.parametrize("pre", ["tekken", "llama-bpe", "default"])
+def test_gguf_byte_level_splits_as_transformers(tmp_path, pre):
+    """A byte-level GGUF vocabulary splits text as its `tokenizer.ggml.pre` says, as transformers
+    reads the file: Mistral-Nemo's "tekken" one digit a piece and CamelCase apart (it was split
+    as GPT-2 does: 6 of 22 texts gave other ids)."""
+    import tiny_models as tm
+
+    tokens, merges = tm.tiny_vocab(400)
+    tokens, merges = tokens + ["Ġ2", "20", "lC"], merges + ["Ġ 2", "2 0", "l C"]  # (merges across the splits GPT-2's and tekken's differ on)
+    path = tmp_path / "bpe.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types([3 if t in tm.SPECIAL_TOKENS else 1 for t in tokens])
+    w.add_bos_token_id(tm.BOS_ID)
+    w.add_eos_token_id(tm.EOS_ID)
+    w.add_add_bos_token(False)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="bpe.gguf")
+    ours = Tokenizer.from_gguf(dict(gguf.GGUFReader(str(path)).fields))
+    texts = [*STRINGS, "CamelCaseWords and HTTPServer", "x=12345/67;\n\n\ny", "Ünïcödé ÀB", " 2024-11-30 "]
+    for s in texts:
+        assert ours.encode(s) == hf(s)["input_ids"], (pre, s)
+        assert ours.decode(ours.encode(s)) == s
+    if pre == "tekken":
+        assert [ours.decode([i]) for i in ours.encode(" 2024")] == [" ", "2", "0", "2", "4"]

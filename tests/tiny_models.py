@@ -394,8 +394,9 @@ def quantize_roundtrip_(model: torch.nn.Module, weight_type: str) -> torch.nn.Mo
     return model
 
 
-def write_gguf(model: torch.nn.Module, path: str, weight_type: str = "f32") -> str:
-    """Export a HF LLaMA/Mistral model to GGUF as llama.cpp's converter does (arch "llama")."""
+def write_gguf(model: torch.nn.Module, path: str, weight_type: str = "f32", metadata: dict[str, Any] | None = None) -> str:
+    """Export a HF LLaMA/Mistral model to GGUF as llama.cpp's converter does (arch "llama");
+    `metadata`: keys to set (ints as uint32, floats, strings) or, given None, to leave out."""
     import gguf
 
     cfg = model.config
@@ -435,6 +436,12 @@ def write_gguf(model: torch.nn.Module, path: str, weight_type: str = "f32") -> s
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, float(rope_theta), rope))
     elif rope_type not in ("default", None):
         raise ValueError(f"write_gguf: rope type {rope_type!r} not supported by this helper")
+
+    for key, value in (metadata or {}).items():
+        w.kv_data[0].pop(key, None)
+        if value is not None:
+            kind = {int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32, str: gguf.GGUFValueType.STRING}[type(value)]
+            w.add_key_value(key, value, kind)
 
     state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:

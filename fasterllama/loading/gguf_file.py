@@ -170,6 +170,13 @@ def open_gguf(path: str) -> GGUFCheckpoint:
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+    shards = _field(reader, "split.count")
+    if shards is not None and int(shards) > 1:
+        raise ModelLoadError(f"{path}: shard {int(_field(reader, 'split.no', 0)) + 1} of a GGUF split into {int(shards)} files; "
+                             "merge them into one first (llama.cpp's `llama-gguf-split --merge FIRST-SHARD OUT.gguf`)")
+    if int(_field(reader, f"{arch}.expert_count", 0) or 0) > 0:
+        raise ModelLoadError(f"{path}: a mixture-of-experts model ({arch}.expert_count = {_field(reader, f'{arch}.expert_count')}); "
+                             "only dense models are supported")
     metadata = dict(reader.fields.items())
     config = _config_from_gguf(reader, arch, path)
     return GGUFCheckpoint(path=path, config=config, metadata=metadata, reader=reader)
@@ -187,8 +194,8 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
         ffn = int(get("feed_forward_length"))
     except TypeError:
         raise ModelLoadError(f"{path}: GGUF metadata lacks the {arch} hyperparameters") from None
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = get("vocab_size") or (len(tokens.data) if tokens is not None else None)
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    vocab = get("vocab_size") or (len(tokens) if tokens is not None else None)
     names = {t.name for t in reader.tensors}
     if vocab is None:
         vocab = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
@@ -201,6 +208,13 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:  # llama.cpp writes llama3 scaling as per-frequency divisors
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(rope_freqs.data)]}
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rotary = get("rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:  # (llama.cpp refuses these llama files too)
+        raise ModelLoadError(f"{path}: rotary embedding over {int(rotary)} of {head_dim} head dimensions is not supported")
+    eps = get("attention.layer_norm_rms_epsilon")
+    if eps is None:  # (llama.cpp requires it; HF and we would each guess a different default)
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.attention.layer_norm_rms_epsilon")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
@@ -211,8 +225,8 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(get("attention.key_length", hidden // heads)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        head_dim=head_dim,
+        rms_norm_eps=float(eps),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(get("context_length", 4096)),
