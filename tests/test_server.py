@@ -960,7 +960,24 @@ def test_tool_calls_over_http(server_one: Server, offline: LLM) -> None:
                                 ({"tool_choice": "required", "tools": None}, "needs tools"),
                                 ({"tool_choice": "sometimes"}, "tool_choice"),
                                 ({"tool_choice": named, "response_format": {"type": "json_object"}}, "does not combine"),
-                                ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools")):
+                                ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+                                ({"tools": [TOOLS[0], TOOLS[0]]}, "twice"),
+                                ({"tools": [{"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}]}, "type 'object'"),
+                                ({"tools": None, "functions": [TOOLS[0]["function"]]}, "deprecated")):
             r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 4, **extra})
             assert r.status_code == 400 and fragment in r.text, (extra, r.text)
-            assert r.json()["error"]["param"].split(".")[0] in ("tool_choice", "tools"), r.text
+            assert r.json()["error"]["param"].split(".")[0] in ("tool_choice", "tools", "functions"), r.text
+        # the stream's shape, as OpenAI's: a forced call's first delta has null content; the finish comes in a chunk of its own
+        body = {"model": MODEL, "messages": messages, "tools": TOOLS, "tool_choice": "required", "max_tokens": 80, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = [e["choices"][0] for e in sse_events(r) if e != "[DONE]"]
+        assert events[0]["delta"] == {"role": "assistant", "content": None}
+        assert "tool_calls" in events[-2]["delta"] and (events[-2]["finish_reason"], events[-1]["delta"], events[-1]["finish_reason"]) == (None, {}, "tool_calls")
+        # a pydantic tool's $defs (a 400 under "required": its references did not resolve), objects closed to their properties
+        address = {"type": "object", "properties": {"street": {"type": "string", "maxLength": 10}}, "required": ["street"]}
+        move = {"type": "function", "function": {"name": "move", "parameters": {
+            "type": "object", "properties": {"to": {"$ref": "#/$defs/Address"}}, "required": ["to"], "$defs": {"Address": address}}}}
+        r = http.post("/v1/chat/completions", json={**body, "tools": [move], "stream": False, "max_tokens": 200, "parallel_tool_calls": False})
+        assert r.status_code == 200 and "tool_calls" in r.json()["choices"][0]["message"], r.text
+        (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+        assert json.loads(call["function"]["arguments"]).keys() == {"to"} and json.loads(call["function"]["arguments"])["to"].keys() == {"street"}

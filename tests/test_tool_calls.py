@@ -99,13 +99,46 @@ def test_required_reads_the_constrained_array() -> None:
 
 
 def test_forced_call_schemas() -> None:
-    params = {"add": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}, "get_weather": None}
-    assert forced_call_schema(params, "add", True) == params["add"]
+    """A named call follows its function's schema and "required" an array of calls, objects closed
+    to their own properties; each function's schema moves under $defs with its references rebased
+    ("$defs" of a pydantic tool could not be found from the array's root: a 400)."""
+    import llguidance
+
+    add = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    params = {"add": add, "get_weather": None}
+    assert forced_call_schema(params, "add", True) == {**add, "additionalProperties": False}
     assert forced_call_schema(params, "get_weather", True) == {"type": "object", "properties": {}, "additionalProperties": False}
     schema = forced_call_schema(params, "required", False)
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     assert [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == [["add"], ["get_weather"]]
+    assert [s["properties"]["parameters"] for s in schema["items"]["anyOf"]] == [{"$ref": "#/$defs/tool_0"}, {"$ref": "#/$defs/tool_1"}]
+    assert schema["$defs"]["tool_0"] == {**add, "additionalProperties": False}
     assert "maxItems" not in forced_call_schema(params, "required", True)
+    pydantic_tool = {"type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+                     "required": ["home"], "$defs": {"Address": {"type": "object", "properties": {"street": {"type": "string"}}}}}
+    schema = forced_call_schema({"move": pydantic_tool}, "required", True)
+    tool = schema["$defs"]["tool_0"]
+    assert tool["properties"]["home"] == {"$ref": "#/$defs/tool_0/$defs/Address"}
+    assert tool["properties"]["next"]["anyOf"][0] == {"$ref": "#/$defs/tool_0"}
+    assert tool["$defs"]["Address"]["additionalProperties"] is False
+    for s in (schema, forced_call_schema({"move": pydantic_tool}, "move", True)):
+        assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(s))) == ""
+
+
+def test_closed_objects_reads_schema_keywords_only() -> None:
+    """Properties named like keywords stay properties; open or pattern objects stay open; allOf
+    members stay open at their own level (closed, each would refuse the others' keys)."""
+    from fasterllama.server.tools import closed_objects
+
+    schema = {"type": "object", "properties": {"properties": {"type": "string"}, "type": {"type": "object", "properties": {}}},
+              "allOf": [{"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {"type": "object"}}}],
+              "$defs": {"Open": {"type": "object", "additionalProperties": True}, "Map": {"type": "object", "patternProperties": {"^a": {}}}}}
+    out = closed_objects(schema)
+    assert out["additionalProperties"] is False and out["properties"]["properties"] == {"type": "string"}
+    assert out["properties"]["type"] == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert [set(m) for m in out["allOf"]] == [{"properties"}, {"properties"}]
+    assert out["allOf"][1]["properties"]["y"] == {"type": "object", "additionalProperties": False}
+    assert out["$defs"] == schema["$defs"] and "additionalProperties" not in schema  # (a copy)
 
 
 def test_required_cut_off_keeps_the_calls_written_whole() -> None:

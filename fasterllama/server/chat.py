@@ -39,7 +39,8 @@ class ChatGeneration(Generation):
         return ToolCallReader(self.tool_mode, self.tool_names) if self.tool_mode else None
 
     def start_chunks(self) -> list[dict[str, Any]]:
-        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        content = None if self.tool_mode not in (None, "auto") else ""  # (a forced call has no content, as OpenAI's)
+        return [{"index": c.index, "delta": {"role": "assistant", "content": content}, "logprobs": None, "finish_reason": None}
                 for c in self.choices]
 
     def add_logprobs(self, choice: Choice, handle: RequestHandle, out: SequenceOutput) -> list[dict[str, Any]]:
@@ -55,7 +56,9 @@ class ChatGeneration(Generation):
             deltas = [{"content": out.text}] if out.text else []
         else:
             deltas = reader.feed(out.text) + (reader.finish() if out.finish_reason else [])
-        if not deltas and (logprobs is not None or out.finish_reason is not None):
+        if out.finish_reason is not None and (not deltas or "tool_calls" in deltas[-1]):
+            deltas.append({})  # (the finish on a chunk of its own, as OpenAI sends it: the SDK's stream helper closes calls there)
+        if not deltas and logprobs is not None:
             deltas = [{}]
         pieces = [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
         if pieces and logprobs is not None:

@@ -257,6 +257,13 @@ class FunctionDefinition(_Strict):
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object (absent: no arguments)
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _object(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(f"a function's parameters must be a JSON schema of type 'object', got type {v.get('type')!r}")
+        return v
+
 
 class Tool(_Strict):
     type: Literal["function"]
@@ -316,6 +323,8 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    functions: Any = None  # (OpenAI's deprecated form of tools: refused, below)
+    function_call: Any = None
     # vLLM's extras for the chat template
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -344,8 +353,13 @@ class ChatCompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
+        if self.functions is not None or self.function_call is not None:
+            raise _refuse("functions" if self.functions is not None else "function_call",
+                          "functions and function_call (OpenAI's deprecated form) are not supported: use tools and tool_choice")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) < len(names):
+            raise _refuse("tools", f"tools name a function twice: {sorted({n for n in names if names.count(n) > 1})}")
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
-            names = [t.function.name for t in self.tools or []]
             if not names:
                 raise _refuse("tool_choice", "tool_choice \"required\" or a named function needs tools")
             if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
@@ -363,6 +377,13 @@ class ChatCompletionRequest(GenerationRequest):
         if isinstance(self.tool_choice, NamedToolChoice):
             return self.tool_choice.function.name
         return self.tool_choice or "auto"
+
+    def param_of(self, message: str) -> str | None:
+        """As for any request; a forced call's constraint that cannot compile is the tools' fault."""
+        param = super().param_of(message)
+        if param is None and self.tool_mode not in (None, "auto") and "constraint" in message:
+            return "tools"
+        return param
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template sees them (OpenAI's shape, unset fields left out)."""
