@@ -31,7 +31,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
     p.add_argument("--quantization", default=None, help="default: a GGUF file's Q4_0..Q8_0, Q2_K..Q6_K tensors stay so on the CPU (gguf: exact, the same weights as none); "
                    "none (float weights), gguf, gguf-a8 (gguf, with int8 activations as llama.cpp's), "
-                   "w8, w8-g32, w4[-g32|-g64|-g128], w8a8, w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA]")
+                   "w8, w8-g32, w4[-g32|-g64|-g128][-noimatrix][-head4], w8a8[-nosq], "
+                   "w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA|-nosq]")
     p.add_argument("--calibration-file", default=None, help="text to calibrate static activation scales on (default: a built-in sample)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes such as 2GiB or 512MB, or a fraction of free memory "
                    "such as 0.5 (default: up to 2GiB on the CPU, 0.8 of free GPU memory)")
@@ -470,12 +471,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     qz = sub.add_parser("quantize", help="quantize a model once and save it (safetensors + config + tokenizer, or a GGUF file)")
     qz.add_argument("src", help="GGUF file, HF folder or known name")
-    qz.add_argument("--mode", required=True, help="a checkpoint folder in w8, w8-g32, w4[-g32|-g64|-g128], w8a8, "
-                   "w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA]; "
+    qz.add_argument("--mode", required=True, help="a checkpoint folder in w8, w8-g32, w4[-g32|-g64|-g128][-noimatrix][-head4], w8a8[-nosq], "
+                   "w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA|-nosq]; "
                    "or a GGUF file in llama.cpp's mixes from a GGUF source: " + ", ".join(GGUF_MODES))
     qz.add_argument("--output", "-o", required=True, help="output folder (a .gguf file for the GGUF modes)")
     qz.add_argument("--calibration-file", default=None, help="text to calibrate on (static w8a8 / SmoothQuant; default: a built-in sample)")
-    qz.add_argument("--dtype", default=None)
+    qz.add_argument("--dtype", default=None, help="dtype the model is loaded in to be quantized: float32 (CPU default), bfloat16 or float16")
     qz.add_argument("--force", action="store_true", help="overwrite a non-empty output folder")
     qz.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     qz.set_defaults(func=cmd_quantize, device="cpu", max_model_len=None)

@@ -163,6 +163,10 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
     def logprobs(self) -> list[dict[int, float]] | None:
         return self.outputs[0].logprobs
 

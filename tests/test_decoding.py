@@ -157,6 +157,8 @@ def test_vllm_spellings_and_stop_rules(tiny_beam_model):
     cut, kept = (llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop], include_stop_str_in_output=inc))[0].outputs[0]
                  for inc in (False, True))
     assert (cut.text, kept.text, cut.stop_reason) == (free.text[:2], free.text[:4], stop)
+    whole = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop]))[0]
+    assert (whole.stop_reason, free.stop_reason) == (stop, None)  # (the best output's, as .text is)
     lp = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=2, logprobs=3))[0].logprobs[0]
     top = max(lp, key=lambda t: lp[t])
     assert isinstance(lp[top], Logprob) and lp[top].rank == 1 and lp[top].logprob == float(lp[top]) and lp[top].decoded_token == llm.tokenizer.decode([top])

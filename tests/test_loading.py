@@ -375,3 +375,13 @@ def test_gguf_metadata_llama_cpp_requires_or_refuses(tmp_path) -> None:
         with pytest.raises(ModelLoadError, match=message):
             open_checkpoint(path)
     assert open_checkpoint(tm.write_gguf(model, str(tmp_path / "dense.gguf"), metadata={"llama.expert_count": 0})).config.vocab_size > 0
+
+
+def test_no_progress_frames_in_a_pipe(tmp_path) -> None:
+    """LLM() draws its loading bar on a terminal only: in a pipe or a log it was \\r frames."""
+    import tiny_models as tm
+
+    path = tm.write_gguf(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "m.gguf"))
+    code = f"from fasterllama import LLM; LLM({path!r}).generate(['Hi'])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Loading model" not in proc.stderr, proc.stderr

@@ -71,7 +71,8 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False)
+        bar = tqdm(total=len(ckpt.tensor_names), desc="Loading model", unit="tensor", file=sys.stderr, leave=False,
+                   disable=None)  # (None: only on a terminal; in a log or a pipe a bar is \r frames)
     quant_config = None
     try:
         if saved_quant is not None:  # written by `fasterllama quantize`: load as saved
