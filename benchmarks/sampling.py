@@ -85,7 +85,7 @@ def draw_alone(llm: LLM, prompts: list[list[int]], params: list[tuple[str, Sampl
         rows = [(Sequence(prompts[0], p, None, p.seed + i), []) for i in range(len(prompts))]
         b = sampler.sampling_batch(rows, V, [], logits.device)
         ways = {"kernel": lambda b=b: fused(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps),
-                "PyTorch": lambda b=b: sampler.sample_with_probs(logits, b)[0]}
+                "PyTorch": lambda b=b: sampler.reference_sample(logits, b)}
         same = torch.equal(ways["kernel"](), ways["PyTorch"]())
         times: dict[str, list[float]] = {w: [] for w in ways}
         for _ in range(max(5, rounds)):

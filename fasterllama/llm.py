@@ -1,4 +1,5 @@
-"""LLM: the offline Python API, a thin layer over LLMEngine."""
+"""LLM: the offline Python API over LLMEngine (vLLM's spellings): prompts and chat messages
+checked and rendered, sampling parameters per prompt, beam search, results as RequestOutputs."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from .engine.beam_search import BeamSearch
-from .engine.llm_engine import LLMEngine, check_text
+from .engine.llm_engine import LLMEngine, check_text, resolve_device
 from .engine.sequence import Logprob, Sequence
 from .errors import FasterLlamaError
 from .sampling_params import SamplingParams
@@ -273,8 +274,7 @@ class LLM:
         if gpu_memory_utilization is not None:
             if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
                 raise FasterLlamaError(f"gpu_memory_utilization must be a number in (0, 1], got {gpu_memory_utilization!r}")
-            on_gpu = str(device).startswith("cuda") if device is not None else torch.cuda.is_available()
-            if kv_cache_memory is None and on_gpu:
+            if kv_cache_memory is None and resolve_device(device).type == "cuda":
                 kv_cache_memory = float(gpu_memory_utilization)
         self.engine = LLMEngine(
             model,

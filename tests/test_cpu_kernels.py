@@ -751,7 +751,7 @@ def test_sample_rows_draws_the_reference_samplers_tokens():
         logits.append(torch.randn(V, generator=g) * (0.01 if i % 6 == 5 else 4.0))  # every sixth flat: top-p falls back to the full sort
     logits = torch.stack(logits)
     b = sampler.sampling_batch(rows, V, [2], logits.device)
-    want = sampler.sample_with_probs(logits, b)[0]
+    want = sampler.reference_sample(logits, b)
     got = ck.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
     probs = sampler.probabilities(logits, b)
     scores = (probs / -torch.log(sampler.hashed_uniform(b.seeds, b.steps, V)).float()).topk(2, dim=-1).values

@@ -120,7 +120,7 @@ def test_tiny_temperatures_are_greedy():
     assert [SamplingParams(temperature=t).temperature for t in (1e-40, 9.9e-6, 0, 1e-5, 0.5)] == [0.0, 0.0, 0.0, 1e-5, 0.5]
     logits = torch.tensor([[1.0, 3.0, 2.0, -1.0, 0.5]]) * 20
     b = batch(1, temperature=1e-5)
-    assert sampler.sample(logits, b).tolist() == [1] and sampler.sample_with_probs(logits, b)[0].tolist() == [1]
+    assert sampler.sample(logits, b).tolist() == [1] and sampler.reference_sample(logits, b).tolist() == [1]
 
 
 transformers = pytest.importorskip("transformers")

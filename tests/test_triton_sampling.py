@@ -75,7 +75,7 @@ def test_triton_sample_rows_draws_the_reference_samplers_tokens(seed: int) -> No
     nucleus' boundary falls inside a run of equal logits (rows in few distinct values: at the
     GPU's vocabulary the reference keeps 26 of 48 tokens tied there, the kernel all 48)."""
     logits, b = _rows(ROWS, seed)
-    want = sampler.sample_with_probs(logits, b)[0]
+    want = sampler.reference_sample(logits, b)
     got = triton_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
     scores = (sampler.probabilities(logits, b) / -torch.log(sampler.hashed_uniform(b.seeds, b.steps, V)).float()).topk(2, dim=-1).values
     near_tie = (scores[:, 0] - scores[:, 1]) <= 1e-5 * scores[:, 0]
@@ -107,7 +107,7 @@ def test_triton_sample_rows_on_random_shapes_and_filters(monkeypatch) -> None:
             logits.append(row)
         logits = torch.stack(logits).to(DEVICE)
         b = sampler.sampling_batch(rows, vocab, [2], logits.device)
-        want = sampler.sample_with_probs(logits, b)[0]
+        want = sampler.reference_sample(logits, b)
         got = triton_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
         assert ((got == want) | (got == _tie_inclusive_draw(logits, b))).all(), (case, vocab, got, want)
 
@@ -121,7 +121,7 @@ def test_triton_sample_rows_takes_signed_zeros_as_equal() -> None:
     params = [SamplingParams(temperature=1.0, top_k=k, seed=3) for k in (2, 70)]
     b = sampler.sampling_batch([(Sequence([1, 2, 3], prm, None, prm.seed), []) for prm in params], V, [2], DEVICE)
     logits = logits.to(DEVICE)
-    want = sampler.sample_with_probs(logits, b)[0]
+    want = sampler.reference_sample(logits, b)
     got = triton_sampling.sample_rows(logits, b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
     assert torch.equal(got, want), (got, want)
 
@@ -152,7 +152,7 @@ def test_triton_sample_rows_reads_only_the_chunks_candidates_where_they_suffice(
                              seed=i) for i in range(rows)]
     seqs = [(Sequence([1, 2, 3], prm, None, prm.seed), []) for prm in params]
     b = sampler.sampling_batch(seqs, V, [2], logits.device)
-    want = sampler.sample_with_probs(logits, b)[0]
+    want = sampler.reference_sample(logits, b)
     chunk_kernel = triton_sampling._chunk_kernel
 
     class RealRowForTheChunks:  # the chunk kernel launched over the real logits, whatever sample_rows was given

@@ -1,7 +1,9 @@
 """One backend object per device type. A backend registers its ops with the op layer, says its
 default dtype and how a GGUF file's quantized tensors load, prepares a loaded model for its
 kernels, and offers a whole-step decode that the model runner uses where it covers the step.
-Nothing outside `backends/` asks which device it runs on."""
+The model and the decode path have no device branches; a few remain elsewhere, for memory and
+layouts: the KV cache's default budget, freeing CUDA's cache, loading's memory check, GGUF and
+quantization layouts, the reference int8 GEMM's padding for cuBLASLt."""
 
 from __future__ import annotations
 

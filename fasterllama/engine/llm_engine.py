@@ -28,6 +28,7 @@ from ..parallel import workers as tp_workers
 from ..parallel.group import TPGroup, WorkerFailure
 from ..parallel.sharding import ShardPlan, shard_model
 from ..quant import QuantConfig, quantize_model
+from ..quant.calibrate import calibration_chunks
 from ..sampling_params import SamplingParams, integer_value
 from ..tokenizer import Tokenizer
 from . import sampler, speculative
@@ -115,14 +116,6 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
                 best = n
                 break
     return best
-
-
-def default_calibration_text() -> str:
-    """A few paragraphs of mixed English prose, dialogue and code shipped with the package."""
-    import os
-
-    with open(os.path.join(os.path.dirname(__file__), "..", "quant", "calibration.txt"), encoding="utf-8") as fh:
-        return fh.read()
 
 
 def _stop_workers(runner: ModelRunner, workers: tp_workers.Workers) -> None:
@@ -245,7 +238,7 @@ class LLMEngine:
         backend = get_backend(weight.device)
         backend.register_ops()
         engine = cls.__new__(cls)
-        loaded = LoadedModel(model, model.config, tokenizer, None, getattr(model, "quant_config", None), 0.0)
+        loaded = LoadedModel(model, model.config, tokenizer, None, getattr(model, "quant_config", None))
         engine._start(loaded, backend, weight.dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
                       enable_prefix_caching)
         spec = speculative.SpeculativeConfig.parse(speculative_config)
@@ -261,7 +254,7 @@ class LLMEngine:
         no whole-step decode, which runs a whole model)."""
         self.backend, self.device, self.dtype = backend, backend.device, dtype
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        self.model_path, self.load_seconds = loaded.path, loaded.seconds
+        self.model_path = loaded.path
         self.quant_config: QuantConfig | str | None = loaded.quant_config
         cfg = self.config
         if max_model_len is None:
@@ -338,12 +331,7 @@ class LLMEngine:
             raise FasterLlamaError(f"the model is quantized already ({self.quant_config}); load it with quantization='none' to quantize it another way")
         chunks = None
         if qcfg.needs_calibration:
-            text = calibration_text if calibration_text is not None else default_calibration_text()
-            ids = self.tokenizer.encode(text)[:calibration_tokens]
-            if len(ids) < 16:
-                raise FasterLlamaError("the calibration text is too short (need at least 16 tokens)")
-            step = min(512, self.max_model_len)
-            chunks = [ids[i : i + step] for i in range(0, len(ids), step)]
+            chunks = calibration_chunks(self.tokenizer, calibration_text, calibration_tokens, min(512, self.max_model_len))
         quantize_model(self.model, qcfg, self.run_prompt, chunks, progress=progress)
         self.blocks.reset_prefix_cache()  # the calibration passes' K/V came from the float weights
         self.runner.refresh_decode_plan()
@@ -539,7 +527,7 @@ class LLMEngine:
         logits = all_logits if gather == list(range(len(rows))) else all_logits[gather]
         if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
             self.structured.mask(logits, [(s.matcher, extra) for s, extra in row_seqs])
-        token_ids, _ = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
+        token_ids = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         updates = []

@@ -92,7 +92,7 @@ class ModelRunner:
     @property
     def max_verify_rows(self) -> int:
         """The most rows a speculative verify step should have: what the whole-step decode covers
-        (past it a step falls back to the slower op-by-op path), else the token budget."""
+        (past it a step falls back to the slower op-by-op path), else 64."""
         return self.decode_plan.max_rows if self.decode_plan is not None else 64
 
     def refresh_decode_plan(self) -> None:

@@ -87,13 +87,13 @@ class DraftModelProposer:
 
     def __init__(self, draft: LLMEngine) -> None:
         self.draft = draft
-        self.shadows: dict[int, tuple[Sequence, _Shadow]] = {}
+        self.shadows: dict[int, _Shadow] = {}  # by the target sequence's id
 
     def release(self, seq: Sequence) -> None:
         """seq finished: its twin's blocks go back to the draft engine's cache."""
         entry = self.shadows.pop(seq.seq_id, None)
         if entry is not None:
-            self.draft.blocks.free(entry[1].seq)
+            self.draft.blocks.free(entry.seq)
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
         engine = self.draft
@@ -102,9 +102,9 @@ class DraftModelProposer:
             seq.draft_token_ids = []
             if k <= 0:
                 continue
-            if seq.seq_id not in self.shadows:
-                self.shadows[seq.seq_id] = (seq, _Shadow(seq))
-            shadow = self.shadows[seq.seq_id][1]
+            shadow = self.shadows.get(seq.seq_id)
+            if shadow is None:
+                shadow = self.shadows[seq.seq_id] = _Shadow(seq)
             self._sync(seq, shadow)
             # K/V for the tokens it has not seen and k - 1 drafts (the last draft is never fed)
             if engine.blocks.reserve(shadow.seq, shadow.seq.num_tokens + k - 1):
@@ -119,7 +119,7 @@ class DraftModelProposer:
             logits = engine.runner.execute(batch, self._last_rows(batch))
             engine.scheduler.advance(batch)
             rows = [(active[i][0], drafts[i]) for i in live]
-            tokens, _ = sampler.next_tokens(logits, rows, self.draft.eos_token_ids)
+            tokens = sampler.next_tokens(logits, rows, self.draft.eos_token_ids)
             for j, i in enumerate(live):
                 drafts[i].append(tokens[j])
             live = [i for i in live if len(drafts[i]) < active[i][2]]

@@ -1,7 +1,7 @@
 """Sampler: logits processors and draws over the whole batch's logits at once.
 
-Order (as HF generate): repetition penalty, presence/frequency penalties, temperature, top-k,
-top-p, min-p, then a draw. Draws use a counter-based hash of (seed, step, token), so a seeded
+Order (as HF generate, after the request's logit biases and banned tokens): repetition penalty,
+presence/frequency penalties, temperature, top-k, top-p, min-p, then a draw. Draws use a counter-based hash of (seed, step, token), so a seeded
 request gets the same tokens whatever else is in its batch."""
 
 from __future__ import annotations
@@ -216,34 +216,32 @@ def draw(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch
     return ops.argmax(probs / noise)
 
 
-def sample_with_probs(logits: torch.Tensor, b: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Next token per row (argmax for greedy rows, a seeded draw otherwise) and the distributions
-    the sampled rows drew from (None when every row is greedy)."""
+def reference_sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """Next token per row (argmax for greedy rows, a seeded draw otherwise) in PyTorch ops: what
+    the backends' one-kernel samplers are checked against."""
     logits = penalized(logits, b)
     greedy = b.temperature == 0
     if bool(greedy.all()):
-        return ops.argmax(logits), None
+        return ops.argmax(logits)
     probs = apply_temperature_and_filters(logits, b).softmax(dim=-1)
-    return torch.where(greedy, ops.argmax(logits), draw(probs, b.seeds, b.steps)), probs
+    return torch.where(greedy, ops.argmax(logits), draw(probs, b.seeds, b.steps))
 
 
 def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     """Next token per row: argmax for greedy rows, a seeded draw otherwise; in one kernel where the
-    backend has one (ops `sample_rows`: the same draw as sample_with_probs, up to rounding)."""
+    backend has one (ops `sample_rows`: the same draw as reference_sample, up to rounding)."""
     fused = ops.registered("sample_rows", logits.device)
     if fused is not None and logits.dim() == 2:
         return fused(penalized(logits, b), b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
-    return sample_with_probs(logits, b)[0]
+    return reference_sample(logits, b)
 
 
-def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eos_token_ids: Iterable[int]) -> tuple[list[int], SamplingBatch | None]:
+def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eos_token_ids: Iterable[int]) -> list[int]:
     """The token each row draws (rows as in sampling_batch): a plain argmax where every row is
-    greedy with unprocessed logits (no per-row tensors), else `sample` on the rows' batch.
-    Returns the tokens and the batch (None on the argmax path)."""
+    greedy with unprocessed logits (no per-row tensors), else `sample` on the rows' batch."""
     if all(s.params.greedy and plain_logits(s, len(extra)) for s, extra in rows):
-        return ops.argmax_tokens(logits), None
-    b = sampling_batch(rows, logits.shape[-1], eos_token_ids, logits.device)
-    return sample(logits, b).tolist(), b
+        return ops.argmax_tokens(logits)
+    return sample(logits, sampling_batch(rows, logits.shape[-1], eos_token_ids, logits.device)).tolist()
 
 
 def token_tensor(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int], ahead: int = 0) -> torch.Tensor:

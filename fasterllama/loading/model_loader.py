@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +24,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Tokenizer | None
     path: str | None
-    quant_config: object  # None (float), "gguf" (the file's blocks) or the saved QuantConfig
-    seconds: float
+    quant_config: object  # None (float), "gguf" / "gguf-a8" (the file's blocks) or the QuantConfig
 
 
 GGUF_NATIVE = ("gguf", "gguf-a8")  # quantization values that keep a GGUF file's blocks
@@ -52,7 +50,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
     from ..quant.gguf_native import load_gguf_native
     from ..quant.linear import Int4Linear, Int8Linear, PackedLinear
 
-    t0 = time.perf_counter()
     ckpt = open_checkpoint(model)
     plan = None
     if shard is not None:  # build only this rank's part, and fill it with the parts of the tensors
@@ -100,7 +97,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
     if plan is not None:
         net.config, net.tp_plan = ckpt.config, plan  # a whole model's config over its parts (parallel.sharding.shard_model)
     net.eval()
-    return LoadedModel(net, ckpt.config, ckpt.tokenizer, ckpt.path, quant_config, time.perf_counter() - t0)
+    return LoadedModel(net, ckpt.config, ckpt.tokenizer, ckpt.path, quant_config)
 
 
 def _check_memory(ckpt, config: ModelConfig, dtype: torch.dtype, device: torch.device, kept_quantized: bool, ranks: int) -> None:

@@ -164,7 +164,6 @@ def silu_and_mul_quant(gate_up, static_scale=None, clip=False):
 
 
 pack_int4 = quantized.pack_int4
-unpack_int4 = quantized.unpack_int4
 unpack_int4_rows = quantized.unpack_int4_rows
 to_panels, from_panels, panel_rows = quantized.to_panels, quantized.from_panels, quantized.panel_rows
 int8_to_panels, int8_panel_rows = quantized.int8_to_panels, quantized.int8_panel_rows

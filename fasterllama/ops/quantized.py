@@ -514,48 +514,6 @@ def add_rms_norm_quant(
     return rms_norm_quant(h, weight, eps, static_scale, clip), h
 
 
-def dequantize_residual(acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """DequantizedResidual: int32 GEMM output -> float, plus the residual stream."""
-    return residual + dequantize_gemm(acc, x_scale, w_scale, None, residual.dtype)
-
-
-def dequantize_residual_rms_norm_quant(
-    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-    static_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DequantizedResidualResNormQuantized: dequantize O, add the residual, RMSNorm, quantize.
-    Returns (new residual, int8 normed activations, their scales)."""
-    h = dequantize_residual(acc, x_scale, w_scale, residual)
-    q, s = rms_norm_quant(h, weight, eps, static_scale)
-    return h, q, s
-
-
-def dequantize_qkv_rope(
-    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """QKRoteEmbeddingTranspose + DequantizedVTranspose: dequantize the fused QKV GEMM output,
-    rotate Q and K, and lay out [T, heads, head_dim] (our packed layout needs no transpose)."""
-    T = acc.shape[0]
-    qkv = dequantize_gemm(acc, x_scale, w_scale, None, dtype)
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    q = reference.apply_rope(q.reshape(T, num_heads, head_dim), cos, sin)
-    k = reference.apply_rope(k.reshape(T, num_kv_heads, head_dim), cos, sin)
-    return q, k, v.reshape(T, num_kv_heads, head_dim)
-
-
 def silu_and_mul_quant(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """SiLU(gate)*up then per-token quantization (the float half of DequantizedSiluMultifyQuantized)."""
     return quantize_per_token(reference.silu_and_mul(gate_up), static_scale, clip)
-
-
-def dequantize_silu_and_mul_quant(
-    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, static_scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DequantizedSiluMultifyQuantized: dequantize the W1|W3 GEMM, SiLU(w1)*w3, quantize."""
-    return silu_and_mul_quant(dequantize_gemm(acc, x_scale, w_scale, None, torch.float32), static_scale)
-
-
-def attention_output_quant(attn: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """AttnQuantizedTranspose: attention output [T, heads, d] -> [T, heads*d] int8 per token."""
-    return quantize_per_token(attn.reshape(attn.shape[0], -1), static_scale)

@@ -4,14 +4,31 @@ with max, percentile, MSE-minimizing or entropy (KL) calibration. Also SmoothQua
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
 from torch import nn
 
+from ..errors import FasterLlamaError
+from ..tokenizer import Tokenizer
+
 SAMPLES_PER_BATCH = 1 << 15
 HIST_BINS = 2048
+CALIBRATION_FILE = os.path.join(os.path.dirname(__file__), "calibration.txt")  # mixed English prose, dialogue and code
+
+
+def calibration_chunks(tokenizer: Tokenizer, text: str | None, max_tokens: int, chunk: int) -> list[list[int]]:
+    """The calibration prompts: the text's first max_tokens tokens (the shipped sample's by
+    default) in chunks of `chunk`."""
+    if text is None:
+        with open(CALIBRATION_FILE, encoding="utf-8") as fh:
+            text = fh.read()
+    ids = tokenizer.encode(text)[:max_tokens]
+    if len(ids) < 16:
+        raise FasterLlamaError("the calibration text is too short (need at least 16 tokens)")
+    return [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
 
 
 class ActivationStats:

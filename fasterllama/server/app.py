@@ -38,7 +38,6 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
     The loop is the caller's: the app does not shut it down."""
     state = ServerState(loop, model_name, ServerMetrics(loop), TokenTexts(loop.engine.tokenizer), max_body_bytes)
     app = FastAPI(title="fasterllama", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.fasterllama = state
     install_error_handlers(app, state.metrics.count_http_error)
 
     @app.get("/health")

@@ -392,7 +392,7 @@ def argmax_tokens(x: torch.Tensor) -> list[int]:
 def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                 seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """The next token of each row of fp32 logits [B, V] (penalties already applied): the reference
-    sampler's draw (engine/sampler.py: sample_with_probs) in one C pass per row."""
+    sampler's draw (engine/sampler.py: reference_sample) in one C pass per row."""
     B, V = logits.shape
     assert logits.dtype == torch.float32 and 0 < V < 1 << 31
     args = [t.contiguous() for t in (temperature.float(), top_k.long(), top_p.float(), min_p.float(), seeds.long(), steps.long())]
