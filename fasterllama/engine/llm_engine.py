@@ -167,10 +167,12 @@ class LLMEngine:
         calibration_tokens: int = 2048,
         tensor_parallel_size: int = 1,
         speculative_config: speculative.SpeculativeConfig | dict | str | None = None,
+        tp_group: TPGroup | None = None,
     ) -> None:
         """tensor_parallel_size N > 1: the model split over N processes (N-1 workers spawned here,
         the machine's threads divided between them), or over every process of a torchrun launch.
-        speculative_config: speculative decoding (engine/speculative.py), off by default."""
+        speculative_config: speculative decoding (engine/speculative.py), off by default.
+        tp_group: a spawned worker's group (parallel/workers.py): it loads its part as rank 0 does."""
         _check_limits(max_num_seqs, max_num_batched_tokens, block_size)
         for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("progress", progress)):
             if not isinstance(flag, bool):  # ("false" would be true)
@@ -192,8 +194,10 @@ class LLMEngine:
                 raise FasterLlamaError(f"{e}; or none (float weights), gguf (a GGUF file's quantized tensors as they are) "
                                        "or gguf-a8 (and int8 activations)") from None
         dev = resolve_device(device)
-        group = workers = None
-        if tensor_parallel_size > 1 or tp_workers.torchrun_env() is not None:
+        group, workers = tp_group, None
+        if group is not None:
+            dev = group.device
+        elif tensor_parallel_size > 1 or tp_workers.torchrun_env() is not None:
             if tp_workers.torchrun_env() is None:  # a size that cannot split this model fails before any worker starts
                 ShardPlan.build(read_config(model), 0, tensor_parallel_size)
             same = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -221,7 +225,7 @@ class LLMEngine:
             if workers is not None:
                 workers.stop(0)
             raise
-        if group is not None and not group.is_first:  # a torchrun rank other than the first: a worker until rank 0 stops
+        if group is not None and not group.is_first and tp_group is None:  # a torchrun rank other than the first: a worker until rank 0 stops
             self.runner.run_worker()
             raise SystemExit(0)
 

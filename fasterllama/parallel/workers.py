@@ -134,7 +134,7 @@ def _die_with_parent() -> None:
 
 
 def _worker_main(rank: int, size: int, port: int, threads: int, timeout: float, device_type: str, engine_kwargs: dict[str, Any]) -> None:
-    """A spawned worker: join the group, build the engine as rank 0 does, keep its shard, serve steps."""
+    """A spawned worker: join the group, build the engine on it as rank 0 does (loading its shard), serve steps."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it stops us
     torch.set_num_threads(threads)
@@ -145,8 +145,7 @@ def _worker_main(rank: int, size: int, port: int, threads: int, timeout: float, 
         store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=datetime.timedelta(seconds=300))
         store.set(f"up/{rank}", "1")  # (rank 0 waits for it before the group's rendezvous: _wait_until_up)
         group = TPGroup(rank, size, Rendezvous("127.0.0.1", port, timeout), device, store)
-        engine = LLMEngine(**{**engine_kwargs, "device": str(device), "progress": False})
-        engine.join_tensor_parallel(group)
+        engine = LLMEngine(**{**engine_kwargs, "device": str(device), "progress": False, "tp_group": group})
         engine.runner.run_worker()
     except FasterLlamaError as e:
         print(f"fasterllama tensor-parallel rank {rank}: {e}", file=sys.stderr)
