@@ -621,7 +621,8 @@ MALFORMED: list[tuple[str, Any, int]] = [
     ("/v1/chat/completions", {"model": MODEL, "messages": "Hi"}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "Hi"}]}, 400),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "Hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "", "content": "Hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 21}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 10**6}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function"}]}, 400),
@@ -721,6 +722,13 @@ def test_chat_template_extras_over_http(server: Server, offline: LLM) -> None:
         assert offline.tokenizer.decode(ids).endswith('<c1>|[assistant]The answer') and '"name": "f"' in offline.tokenizer.decode(ids)
         r = client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"tokenize": True}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template_kwargs", r.text
+        # one path with LLM.chat (conversation.py): any role, and the reasoning alias, reach the template (they were refused / dropped)
+        turns = [{"role": "narrator", "content": "Once"}, {"role": "assistant", "content": "Yes", "reasoning": "think"}]
+        template = "{% for m in messages %}[{{ m.role }}]{{ m.reasoning_content }}{{ m.content }}{% endfor %}"
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": turns, "max_tokens": 1, "chat_template": template})
+        ids = offline.chat_prompt(turns, chat_template=template)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
+        assert offline.tokenizer.decode(ids) == "[narrator]Once[assistant]thinkYes"
 
 
 def test_choices_carry_stop_reason(server: Server) -> None:

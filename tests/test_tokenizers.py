@@ -207,8 +207,8 @@ def test_tool_conversations_render_as_transformers_does(tmp_path):
     transformers = pytest.importorskip("transformers")
     import tiny_models as tm
 
+    from fasterllama.conversation import check_messages
     from fasterllama.errors import FasterLlamaError
-    from fasterllama.llm import check_messages
 
     template = ("{% for m in messages %}<|{{ m.role }}|>{% if m.tool_calls is defined %}{{ m.tool_calls | tojson }}{% endif %}"
                 "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"

@@ -9,8 +9,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from ..conversation import chat_prompt_ids
 from ..engine.async_engine import RequestHandle, SequenceOutput
-from ..errors import FasterLlamaError
 from .body import read_json
 from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest
@@ -87,21 +87,12 @@ class ChatGeneration(Generation):
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     body = await read_json(request, ChatCompletionRequest, state.max_body_bytes)
     check_model(state, body.model)
-    tokenizer = state.loop.engine.tokenizer
     messages = [m.template_dict() for m in body.messages]
-    tools = {"tools": body.template_tools()} if body.tools else {}
+    tools = body.template_tools()
 
     def render() -> list[list[int] | str]:
-        from jinja2 import TemplateError
-
-        if tokenizer is None:
-            raise FasterLlamaError("this model has no tokenizer, so it cannot chat")
-        try:  # as LLM.chat_prompt does
-            return [tokenizer.apply_chat_template(messages, add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                                                  chat_template=body.chat_template, continue_final_message=body.continue_final_message,
-                                                  **{**(body.chat_template_kwargs or {}), **tools})]
-        except TemplateError as e:  # the template refused these messages
-            raise FasterLlamaError(f"chat template: {e}") from None
+        return [chat_prompt_ids(state.loop.engine.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                chat_template=body.chat_template, continue_final_message=body.continue_final_message, tools=tools)]
 
     prompts = await encode_prompts(state.loop, render, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -248,9 +248,6 @@ class ContentPart(_Strict):
     text: str | None = None
 
 
-_ROLES = {"system", "developer", "user", "assistant", "tool"}
-
-
 class FunctionDefinition(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
@@ -280,18 +277,12 @@ class NamedToolChoice(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: str
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls, and the tool's answers' ids: the template renders them
-    tool_call_id: str | None = None
+    """One message; fields beyond OpenAI's (name, tool_calls, tool_call_id, reasoning_content...)
+    are kept for the template, which conversation.py checks and renders as LLM.chat does."""
 
-    @field_validator("role")
-    @classmethod
-    def _role(cls, v: str) -> str:
-        if v not in _ROLES:
-            raise ValueError(f"role must be one of {', '.join(sorted(_ROLES))}")
-        return v
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+    role: str = Field(min_length=1)
+    content: str | list[ContentPart] | None = None
 
     @field_validator("content")
     @classmethod
@@ -307,11 +298,9 @@ class ChatMessage(_Strict):
         return "".join(part.text or "" for part in v)
 
     def template_dict(self) -> dict[str, Any]:
-        """What the chat template sees ('developer' is OpenAI's new name for 'system'; content
-        sent as null or left out is empty, as transformers renders it, not "None"; the tool
-        fields where given)."""
-        extra = {k: v for k, v in (("name", self.name), ("tool_calls", self.tool_calls), ("tool_call_id", self.tool_call_id)) if v is not None}
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.content or "", **extra}
+        """The message for conversation.py (content sent as null or left out is empty, as
+        transformers renders it, not "None")."""
+        return {**self.model_dump(exclude_none=True), "content": self.content or ""}
 
 
 class ChatCompletionRequest(GenerationRequest):

@@ -1,0 +1,77 @@
+"""Chat conversations: checked and normalized as transformers hands messages to a chat template,
+then rendered to prompt ids. One path for the Python API (LLM.chat) and the server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engine.llm_engine import check_text
+from .errors import FasterLlamaError
+from .tokenizer import Tokenizer
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # (developer: OpenAI's newer name for system)
+
+
+def _kind(value: object) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def check_messages(messages: object) -> list[dict[str, Any]]:
+    """One conversation: a non-empty list of {"role": ..., "content": ...} dicts, as transformers
+    hands them to a chat template: keys set to None dropped (the OpenAI client sends
+    "tool_calls": None), "reasoning" / "thinking" as "reasoning_content"; content a string, OpenAI's
+    list of text parts (joined), or absent / None on an assistant's tool calls (a tool's result may
+    be JSON); role "developer" is "system". Checked here so a missing content is one clear error,
+    not a KeyError in the chat template."""
+    if not isinstance(messages, (list, tuple)):
+        raise FasterLlamaError(f"a conversation must be a list of message dicts, got {_kind(messages)}")
+    if not messages:
+        raise FasterLlamaError("a conversation must have at least one message, got an empty list")
+    checked = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise FasterLlamaError(f"message {i} must be a dict with 'role' and 'content', got {_kind(m)}")
+        m = {k: v for k, v in m.items() if v is not None}
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise FasterLlamaError(f"message {i}: role must be a non-empty string ({', '.join(CHAT_ROLES)}, ...), got {role!r}")
+        for alias in ("reasoning", "thinking"):
+            if alias in m and "reasoning_content" not in m:
+                m["reasoning_content"] = m.pop(alias)
+        if "content" not in m:
+            if role == "assistant" and m.get("tool_calls"):
+                checked.append(m)
+                continue
+            raise FasterLlamaError(f"message {i} ({role}) has no 'content'")
+        content = m["content"]
+        if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)  # OpenAI's content parts, text only
+        if role in ("tool", "ipython") and isinstance(content, (dict, list)):
+            checked.append({**m, "content": content})  # (a tool's JSON result: templates tojson it)
+            continue
+        if not isinstance(content, str):
+            raise FasterLlamaError(f"message {i} ({role}): content must be a string (or a list of text parts), got {_kind(m['content'])}")
+        check_text(content, f"message {i} ({role})")
+        checked.append({**m, "role": "system" if role == "developer" else role, "content": content})
+    return checked
+
+
+def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object, add_generation_prompt: bool = True,
+                    chat_template_kwargs: dict[str, Any] | None = None, *, chat_template: str | None = None,
+                    continue_final_message: bool = False, tools: list[Any] | None = None) -> list[int]:
+    """Token ids of one conversation rendered by the model's chat template, or `chat_template`
+    (messages checked); chat_template_kwargs: more variables for the template (enable_thinking...);
+    continue_final_message: the last message's turn left open (add_generation_prompt=False);
+    tools: the functions the template describes to the model."""
+    if tokenizer is None:
+        raise FasterLlamaError("this model has no tokenizer, so it cannot chat")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise FasterLlamaError(f"chat_template_kwargs must be a dict, got {_kind(chat_template_kwargs)}")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise FasterLlamaError(f"chat_template must be the template's text, got {_kind(chat_template)}")
+    extra = dict(chat_template_kwargs or {})
+    Tokenizer.check_template_variables(extra, "chat_template_kwargs")
+    if tools is not None:
+        extra["tools"] = tools
+    return tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=bool(add_generation_prompt), tokenize=True,
+                                         chat_template=chat_template, continue_final_message=bool(continue_final_message), **extra)
