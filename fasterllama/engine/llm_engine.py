@@ -126,6 +126,17 @@ def _stop_workers(runner: ModelRunner, workers: tp_workers.Workers) -> None:
     workers.stop(10 if stopping else 0)
 
 
+@dataclass(frozen=True)
+class EngineLimits:
+    """The sizes the runtime is built to (a draft model's engine takes the target's)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_cache_memory: float | str | None
+    block_size: int
+    prefix_caching: bool
+
+
 @dataclass
 class StepUpdate:
     """One token a sequence emitted in a step (a speculative step may emit several)."""
@@ -275,7 +286,7 @@ class LLMEngine:
         self.rng = random.Random()  # the seeds of requests without one (LLM(seed=...) fixes it: runs repeat)
         self.eos_token_ids = set(cfg.eos_token_ids)
         self.structured = StructuredOutput(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
-        self._limits = (max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size or backend.kv_block_size, prefix_caching)
+        self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size or backend.kv_block_size, prefix_caching)
         self.tp_group: TPGroup | None = None
         self._workers: tp_workers.Workers | None = None
         self.failure: str | None = None  # why the engine cannot run steps any more (a tensor-parallel rank died)
@@ -291,9 +302,10 @@ class LLMEngine:
     def _build_runtime(self, cache_cfg: ModelConfig) -> None:
         """The KV cache (of cache_cfg's heads), block manager, scheduler and model runner; under
         tensor parallelism every rank's cache has as many blocks as rank 0's."""
-        max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size, prefix_caching = self._limits
-        group = self.tp_group
-        num_blocks = num_blocks_for(cache_cfg, self.dtype, self.device, kv_cache_memory, block_size, max_num_seqs, self.max_model_len)
+        limits, group = self.limits, self.tp_group
+        block_size = limits.block_size
+        num_blocks = num_blocks_for(cache_cfg, self.dtype, self.device, limits.kv_cache_memory, block_size, limits.max_num_seqs,
+                                    self.max_model_len)
         if group is not None:
             num_blocks = group.send(num_blocks) if group.is_first else group.receive()
         self.kv_cache = self.runner = None  # the old cache goes before the new one comes
@@ -308,9 +320,9 @@ class LLMEngine:
         except (RuntimeError, MemoryError) as e:  # (torch's allocators: "can't allocate memory", CUDA out of memory)
             raise FasterLlamaError(f"cannot allocate the KV cache ({num_blocks * KVCache.bytes_per_block(cache_cfg, block_size, self.dtype) / 2**30:.1f} GiB"
                                    f" for {num_blocks * block_size} tokens): lower kv_cache_memory ({str(e).splitlines()[0]})") from None
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, max_num_seqs, self.max_model_len, group, self._whole_step_decode)
-        self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_blocks, prefix_caching)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, limits.max_num_seqs, self.max_model_len, group, self._whole_step_decode)
+        self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_blocks, limits.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, limits.max_num_seqs, limits.max_num_batched_tokens)
 
     def join_tensor_parallel(self, group: TPGroup, workers: tp_workers.Workers | None = None) -> None:
         """Keep this rank's shard of the (loaded, quantized) model and a KV cache of its heads."""

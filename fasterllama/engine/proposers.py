@@ -173,7 +173,6 @@ def load_draft_model(model: str, quantization: str | None, target: LLMEngine, pr
 
     loaded = load_model(model, target.dtype, target.device, None if quantization is None else "none",
                         target.backend.keeps_gguf_quantized(target.dtype), progress)
-    max_num_seqs, max_num_batched_tokens, _, block_size, _ = target._limits
     if loaded.config.vocab_size != target.config.vocab_size:
         raise FasterLlamaError(f"the draft model's vocabulary has {loaded.config.vocab_size} tokens, the model's {target.config.vocab_size}: "
                                "a draft model must share the model's tokenizer")
@@ -182,8 +181,9 @@ def load_draft_model(model: str, quantization: str | None, target: LLMEngine, pr
     if loaded.config.max_position_embeddings < target.max_model_len:
         raise FasterLlamaError(f"the draft model's context ({loaded.config.max_position_embeddings} tokens) is shorter than max_model_len "
                                f"{target.max_model_len}; lower max_model_len")
-    draft = LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=target.max_model_len, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens, block_size=block_size)
+    limits = target.limits
+    draft = LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=target.max_model_len, max_num_seqs=limits.max_num_seqs,
+                                 max_num_batched_tokens=limits.max_num_batched_tokens, block_size=limits.block_size)
     if quantization is not None:
         draft.quantize(quantization)
     return draft
