@@ -292,10 +292,10 @@ def test_bench_fixed_prompt_ids_are_deterministic():
 
 
 def test_help_does_not_import_torch() -> None:
-    """`fasterllama --help` (and each subcommand's) answers without loading torch."""
+    """`fasterllama --help` (and each subcommand's), and `fasterllama models`, answer without loading torch."""
     code = (
         "import sys\nfrom fasterllama import cli\n"
-        "for argv in (['--help'], ['serve', '--help'], ['generate', '--help']):\n"
+        "for argv in (['--help'], ['serve', '--help'], ['generate', '--help'], ['models']):\n"
         "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

@@ -7,16 +7,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..config import ModelConfig
 from ..errors import ModelLoadError
-from ..tokenizer import Tokenizer
-from .gguf_file import open_gguf
-from .hf_folder import open_hf_folder
 from .registry import DEFAULT_MODEL, KNOWN_MODELS, resolve_model_path
+
+if TYPE_CHECKING:  # (the formats' readers import torch: `fasterllama models` needs none of them)
+    import torch
+
+    from ..config import ModelConfig
+    from ..tokenizer import Tokenizer
 
 
 @dataclass
@@ -32,6 +32,8 @@ class Checkpoint:
 
 def open_checkpoint(model: str | None) -> Checkpoint:
     """Open a model by path or known name; tensors are read lazily by `iter_tensors()`."""
+    from ..tokenizer import Tokenizer
+
     path, fmt, ckpt = _open_format(model)
     if fmt == "hf":
         tokenizer = Tokenizer.from_folder(path)
@@ -52,6 +54,9 @@ def read_config(model: str | None) -> ModelConfig:
 
 
 def _open_format(model: str | None) -> tuple[str, str, Any]:
+    from .gguf_file import open_gguf
+    from .hf_folder import open_hf_folder
+
     path = resolve_model_path(model)
     if os.path.isdir(path):
         return path, "hf", open_hf_folder(path)
