@@ -42,6 +42,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, metavar="JSON", help="speculative decoding, as vLLM's (JSON text or @FILE): "
                    "'{\"method\": \"ngram\", \"num_speculative_tokens\": 8}' drafts from the prompt; "
                    "'{\"method\": \"draft_model\", \"model\": PATH, \"num_speculative_tokens\": 4}' with a smaller model (default: off)")
+    p.add_argument("--enforce-eager", action="store_true", help="on a GPU, launch decode steps kernel by kernel instead of replaying CUDA graphs")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -156,6 +157,7 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
         progress=not args.quiet and sys.stderr.isatty(),  # (bars in a log or a pipe are \r frames)
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         speculative_config=_text_or_file(getattr(args, "speculative_config", None), "speculative config"),
+        enforce_eager=getattr(args, "enforce_eager", False),
     )
 
 

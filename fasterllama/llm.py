@@ -205,6 +205,8 @@ class LLM:
         speculative_config: dict | str | None = None,
         seed: int | None = None,
         gpu_memory_utilization: float | None = None,
+        enforce_eager: bool = False,
+        trust_remote_code: bool = False,
     ) -> None:
         """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q4_0..Q8_0 / Q2_K..Q6_K
         tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
@@ -228,7 +230,11 @@ class LLM:
         script's sampled outputs repeat from run to run.
         gpu_memory_utilization: vLLM's knob, on a GPU the share of its free memory (after the
         weights) the KV cache takes where kv_cache_memory is not given; a CPU has no GPU memory
-        to share, and keeps its kv_cache_memory default."""
+        to share, and keeps its kv_cache_memory default.
+        enforce_eager: vLLM's, no CUDA graphs (decode steps launch kernel by kernel; the CPU is unchanged).
+        trust_remote_code: vLLM's, accepted for its scripts: fasterllama runs no code from a model folder."""
+        if not isinstance(trust_remote_code, bool):
+            raise FasterLlamaError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise FasterLlamaError(f"seed must be an integer or None, got {_kind(seed)}")
         if gpu_memory_utilization is not None:
@@ -251,6 +257,7 @@ class LLM:
             calibration_text=calibration_text,
             tensor_parallel_size=tensor_parallel_size,
             speculative_config=speculative_config,
+            enforce_eager=enforce_eager,
         )
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config

@@ -147,6 +147,10 @@ def test_cuda_graph_decode_same_as_eager(models, dtype: str, quantization) -> No
         for lg, le in zip(g.logprobs, e.logprobs):
             tol = 1e-4 if dtype == "float32" else 5e-2
             assert all(abs(lg[t] - le[t]) < tol for t in le if t in lg)
+    if quantization is None and dtype == "bfloat16":  # vLLM's enforce_eager: no graphs, the same tokens
+        no_graphs = LLM(model=path, device="cuda", dtype=dtype, progress=False, enforce_eager=True)
+        assert no_graphs.engine.runner.decode_plan is None
+        assert [o.token_ids for o in no_graphs.generate(BATCH, params)] == [o.token_ids for o in eager]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

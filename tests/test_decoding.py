@@ -189,6 +189,9 @@ def test_vllm_spellings_and_stop_rules(tiny_beam_model):
     assert runs[0] == runs[1]  # (gpu_memory_utilization: taken, and on the CPU the cache keeps its default)
     with pytest.raises(FasterLlamaError, match="gpu_memory_utilization must be a number in"):
         LLM(llm.engine.model_path, progress=False, gpu_memory_utilization=1.5)
+    eager = LLM(llm.engine.model_path, progress=False, enforce_eager=True, trust_remote_code=True)  # (vLLM scripts pass them)
+    assert (eager.engine.runner.decode_plan is None) == (llm.engine.runner.decode_plan is None)  # the CPU's one-call decode is no graph: kept
+    assert eager.generate([prompt], greedy_params := SamplingParams(temperature=0, max_tokens=6))[0].token_ids == llm.generate([prompt], greedy_params)[0].token_ids
     results: dict[int, list[int]] = {}
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     threads = [threading.Thread(target=lambda k=k: results.__setitem__(k, llm.generate([prompt], greedy)[0].token_ids)) for k in range(3)]

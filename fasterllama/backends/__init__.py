@@ -47,6 +47,7 @@ class Backend:
     # whether the engine launches a decode step before reading the last one's tokens: it pays where
     # kernels run queued behind the host (a GPU), which then prepares step n+1 while step n runs
     chains_steps = False
+    decode_plan_is_graph = False  # its whole-step decode replays captured CUDA graphs (vLLM's enforce_eager turns them off)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -178,14 +178,16 @@ class LLMEngine:
         calibration_tokens: int = 2048,
         tensor_parallel_size: int = 1,
         speculative_config: speculative.SpeculativeConfig | dict | str | None = None,
+        enforce_eager: bool = False,
         tp_group: TPGroup | None = None,
     ) -> None:
         """tensor_parallel_size N > 1: the model split over N processes (N-1 workers spawned here,
         the machine's threads divided between them), or over every process of a torchrun launch.
         speculative_config: speculative decoding (engine/speculative.py), off by default.
+        enforce_eager: no CUDA graphs (vLLM's flag; the CPU's one-call decode step is no graph and stays).
         tp_group: a spawned worker's group (parallel/workers.py): it loads its part as rank 0 does."""
         _check_limits(max_num_seqs, max_num_batched_tokens, block_size)
-        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("progress", progress)):
+        for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("progress", progress), ("enforce_eager", enforce_eager)):
             if not isinstance(flag, bool):  # ("false" would be true)
                 raise FasterLlamaError(f"{name} must be True or False, got {flag!r}")
         spec = speculative.SpeculativeConfig.parse(speculative_config)
@@ -212,7 +214,7 @@ class LLMEngine:
             if tp_workers.torchrun_env() is None:  # a size that cannot split this model fails before any worker starts
                 ShardPlan.build(read_config(model), 0, tensor_parallel_size)
             same = dict(model=model, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                        kv_cache_memory=kv_cache_memory, block_size=block_size, enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager,
                         quantization=quantization, calibration_text=calibration_text, calibration_tokens=calibration_tokens)
             group, workers = tp_workers.start(tensor_parallel_size, dev, same)
             dev = group.device
@@ -225,7 +227,7 @@ class LLMEngine:
                                 # in parts as it loads, unless a quantization mode needs the whole model first (calibration)
                                 (group.rank, group.size) if group is not None and quantization in FILE_MODES else None)
             self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
-                        enable_prefix_caching, tensor_parallel=group is not None)
+                        enable_prefix_caching, tensor_parallel=group is not None, enforce_eager=enforce_eager)
             if quantization not in FILE_MODES:
                 self.quantize(quantization, calibration_text, calibration_tokens, progress)
             if group is not None:
@@ -263,10 +265,10 @@ class LLMEngine:
 
     def _start(self, loaded: LoadedModel, backend: Backend, dtype: torch.dtype, max_model_len: int | None, max_num_seqs: int,
                max_num_batched_tokens: int, kv_cache_memory: float | str | None, block_size: int | None, prefix_caching: bool,
-               tensor_parallel: bool = False) -> None:
+               tensor_parallel: bool = False, enforce_eager: bool = False) -> None:
         """Size the KV cache and set up the scheduler and the model runner around a loaded model
         (tensor_parallel: one that join_tensor_parallel will cut, or whose modules loading cut:
-        no whole-step decode, which runs a whole model)."""
+        no whole-step decode, which runs a whole model; enforce_eager: none that is a CUDA graph)."""
         self.backend, self.device, self.dtype = backend, backend.device, dtype
         self.model, self.config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path = loaded.path
@@ -290,7 +292,7 @@ class LLMEngine:
         self.tp_group: TPGroup | None = None
         self._workers: tp_workers.Workers | None = None
         self.failure: str | None = None  # why the engine cannot run steps any more (a tensor-parallel rank died)
-        self._whole_step_decode = not tensor_parallel
+        self._whole_step_decode = not tensor_parallel and not (enforce_eager and backend.decode_plan_is_graph)
         # Chained decode steps (where the backend's kernels queue behind the host): step n+1 is
         # launched with step n's sampled ids as its input, on the device, before the host reads
         # them, so the device never idles while the host reads, detokenizes and schedules

@@ -68,6 +68,7 @@ def kernel_ops() -> dict | None:
 class CUDABackend(Backend):
     default_dtype = torch.bfloat16
     chains_steps = True
+    decode_plan_is_graph = True
 
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
