@@ -85,16 +85,18 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str | None
     return tok
 
 
-def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], merges: Sequence[str] | None = None, legacy: bool = False) -> BackendTokenizer:
+def sentencepiece_bpe(tokens: Sequence[str], scores: Sequence[float], merges: Sequence[str] | None = None, legacy: bool = False,
+                      space_prefix: bool = True) -> BackendTokenizer:
     """LLaMA-1/2 style sentencepiece BPE with byte fallback, as HF's LlamaTokenizer builds it
-    (legacy: as its "legacy": true builds it, with "▁" before the text after each special token)."""
+    (legacy: as its "legacy": true builds it, with "▁" before the text after each special token;
+    space_prefix false: no "▁" before the text at all, as a GGUF's add_space_prefix = false says)."""
     vocab = {t: i for i, t in enumerate(tokens)}
     merge_pairs = [tuple(m.split(" ")) for m in merges] if merges else merges_from_scores(tokens, scores)
     tok = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=True, byte_fallback=True, unk_token=tokens[0] if tokens else None))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always" if legacy else "first", split=False)
-    tok.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(content=" ", left=1)]
-    )
+    scheme = ("always" if legacy else "first") if space_prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    strip = [decoders.Strip(content=" ", left=1)] if space_prefix else []  # (the prefix's space, taken off again)
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip])
     return tok
 
 
@@ -174,7 +176,8 @@ class Tokenizer:
             backend = byte_level_bpe(tokens, merges or [], get("tokenizer.ggml.pre"), raw=added)
             add_bos_default = False
         elif kind == "llama":
-            backend = sentencepiece_bpe(tokens, get("tokenizer.ggml.scores") or [0.0] * len(tokens), merges)
+            backend = sentencepiece_bpe(tokens, get("tokenizer.ggml.scores") or [0.0] * len(tokens), merges,
+                                        space_prefix=bool(get("tokenizer.ggml.add_space_prefix", True)))
             add_bos_default = True
         else:
             raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")

@@ -76,16 +76,18 @@ def test_tokenizer_model_folder(sp_model, tmp_path, legacy):
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
 
-def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
+def _sentencepiece_gguf(sp_model: str, path, space_prefix: bool | None = None):
+    """A GGUF file holding a sentencepiece model's vocabulary, as llama.cpp's converter writes it."""
     import sentencepiece as spm
 
     sp = spm.SentencePieceProcessor(model_file=sp_model)
     n = sp.get_piece_size()
     tokens = [sp.id_to_piece(i) for i in range(n)]
     types = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1 for i in range(n)]
-    path = tmp_path / "sp.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("llama")
+    if space_prefix is not None:
+        w.add_add_space_prefix(space_prefix)
     w.add_token_list(tokens)
     w.add_token_scores([sp.get_score(i) for i in range(n)])
     w.add_token_types(types)
@@ -98,12 +100,28 @@ def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return Tokenizer.from_gguf(dict(gguf.GGUFReader(str(path)).fields))
+
+
+def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
+    ours = _sentencepiece_gguf(sp_model, tmp_path / "sp.gguf")
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
-    reader = gguf.GGUFReader(str(path))
-    ours = Tokenizer.from_gguf(dict(reader.fields))
     _assert_same(ours, hf)
     assert ours.encode("x")[0] == 1  # llama.cpp adds BOS to sentencepiece vocabularies by default
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
+
+
+def test_sentencepiece_gguf_without_space_prefix(sp_model, tmp_path):
+    """`tokenizer.ggml.add_space_prefix = false` (as llama.cpp reads it): no "▁" before the text,
+    which decodes back as it was, leading spaces included (the key was ignored: every prompt
+    began with a "▁" the model never saw)."""
+    plain = _sentencepiece_gguf(sp_model, tmp_path / "a.gguf", space_prefix=True)
+    bare = _sentencepiece_gguf(sp_model, tmp_path / "b.gguf", space_prefix=False)
+    pieces = [bare.backend.id_to_token(i) for i in bare.encode("Hello world", add_special_tokens=False)]
+    assert "".join(pieces) == "Hello▁world"
+    assert "".join(plain.backend.id_to_token(i) for i in plain.encode("Hello world", add_special_tokens=False)) == "▁Hello▁world"
+    for text in STRINGS:
+        assert bare.decode(bare.encode(text, add_special_tokens=False)) == text, text
 
 
 def test_gguf_special_tokens_outside_the_byte_alphabet(tmp_path):
