@@ -272,8 +272,66 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int] | int, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+
+    # -- transformers' spellings (what scripts call on vLLM's get_tokenizer()) ----------------
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoding:
+        """{"input_ids", "attention_mask"} of a text (or of each of a list of texts)."""
+        if isinstance(text, str):
+            ids = self.encode(text, add_special_tokens)
+            return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+        ids_list = [self.encode(t, add_special_tokens) for t in text]
+        return Encoding(input_ids=ids_list, attention_mask=[[1] * len(ids) for ids in ids_list])
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
+        return [self.decode(ids, skip_special_tokens) for ids in sequences]
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[str]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
+
+    def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
+        return self.backend.id_to_token(ids) if isinstance(ids, int) else [self.backend.id_to_token(i) for i in ids]
+
+    def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
+        return self.token_to_id(tokens) if isinstance(tokens, str) else [self.token_to_id(t) for t in tokens]
+
+    def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
+        return self.backend.decoder.decode(list(tokens)) if self.backend.decoder is not None else "".join(tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend.get_vocab(with_added_tokens=True)
+
+    @property
+    def pad_token(self) -> str | None:
+        return self.special_tokens.get("pad_token")
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return None if self.pad_token is None else self.token_to_id(self.pad_token)
+
+    @property
+    def unk_token(self) -> str | None:
+        return self.special_tokens.get("unk_token")
+
+    @property
+    def unk_token_id(self) -> int | None:
+        return None if self.unk_token is None else self.token_to_id(self.unk_token)
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        return {k: v for k, v in self.special_tokens.items() if v is not None}
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        return list(dict.fromkeys(self.special_tokens_map.values()))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return [i for t in self.all_special_tokens if (i := self.token_to_id(t)) is not None]
 
     # -- chat templates ---------------------------------------------------------------------
     @staticmethod
@@ -287,15 +345,15 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tokenize: bool = False,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render messages with the model's template, or `chat_template` (as transformers does);
-        ids if tokenize. continue_final_message: the text ends where the last message's content
-        does, its turn left open for the model to go on (transformers' rule)."""
+        """Render messages with the model's template, or `chat_template` (as transformers does,
+        with its defaults); ids if tokenize. continue_final_message: the text ends where the last
+        message's content does, its turn left open for the model to go on (transformers' rule)."""
         template = chat_template
         if template is None:  # (with tools, a "tool_use" template where the model has one, as transformers picks)
             template = self.named_templates.get("tool_use") if kwargs.get("tools") else None
@@ -322,6 +380,16 @@ class Tokenizer:
             end = final if final in text else final.strip()
             text = text[: text.rindex(end) + len(end)]
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class Encoding(dict):
+    """What calling a tokenizer returns, as transformers' BatchEncoding: a dict, also read as attributes."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
 
 def _sentencepiece_file_backend(path: str, legacy: bool) -> BackendTokenizer:

@@ -50,10 +50,31 @@ def test_chat_template_matches_hf(default_llm, hf_tokenizer):
     for messages in CHAT_PROMPTS + [CHAT_PROMPTS[0] + [{"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}]]:
         for gen in (True, False):
             expected = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
-            assert default_llm.tokenizer.apply_chat_template(messages, add_generation_prompt=gen) == expected
+            assert default_llm.tokenizer.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False) == expected
         ids = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         assert default_llm.chat_prompt(messages) == list(ids)
+
+
+def test_tokenizer_speaks_transformers(default_llm, hf_tokenizer):
+    """What scripts written for vLLM call on llm.get_tokenizer(), as transformers' tokenizer answers
+    (apply_chat_template's defaults: ids, no generation prompt)."""
+    ours, hf = default_llm.get_tokenizer(), hf_tokenizer
+    texts = ["Hello world", "  two\n\nlines 12345 ünï <|im_end|>"]
+    assert ours(texts[0]).input_ids == hf(texts[0])["input_ids"] and ours(texts)["input_ids"] == hf(texts)["input_ids"]
+    assert ours(texts[1])["attention_mask"] == [1] * len(ours.encode(texts[1]))
+    ids = ours.encode(texts[1])
+    assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids) and ours.convert_ids_to_tokens(ids[0]) == hf.convert_ids_to_tokens(ids[0])
+    assert ours.tokenize(texts[1]) == hf.tokenize(texts[1])
+    assert ours.convert_tokens_to_ids(ours.tokenize(texts[1])) == hf.convert_tokens_to_ids(hf.tokenize(texts[1]))
+    assert ours.convert_tokens_to_string(ours.tokenize(texts[1])) == hf.convert_tokens_to_string(hf.tokenize(texts[1]))
+    assert ours.batch_decode([ids, ids[:3]]) == hf.batch_decode([ids, ids[:3]]) and ours.decode(ids[0]) == hf.decode(ids[0])
+    assert len(ours) == len(hf) and ours.get_vocab() == hf.get_vocab()
+    assert (ours.eos_token_id, ours.bos_token_id, ours.unk_token_id, ours.pad_token_id) == (hf.eos_token_id, hf.bos_token_id, hf.unk_token_id, hf.pad_token_id)
+    assert set(ours.all_special_ids) <= set(hf.all_special_ids) and ours.eos_token_id in ours.all_special_ids
+    chat = CHAT_PROMPTS[0]
+    want = hf.apply_chat_template(chat)
+    assert ours.apply_chat_template(chat) == list(want["input_ids"] if hasattr(want, "keys") else want)
 
 
 @pytest.fixture(params=["default", "fp32"])

@@ -73,7 +73,7 @@ def test_tokenizer_model_folder(sp_model, tmp_path, legacy):
     for text in ("<s>[INST] Hello", "Hi</s>there", "a</s> b<s>c"):
         assert ours.encode(text) == hf(text)["input_ids"], text
     assert ours.encode("x")[0] == 1  # BOS
-    assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
+    assert ours.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
 
 def _sentencepiece_gguf(sp_model: str, path, space_prefix: bool | None = None):
@@ -108,7 +108,7 @@ def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
     _assert_same(ours, hf)
     assert ours.encode("x")[0] == 1  # llama.cpp adds BOS to sentencepiece vocabularies by default
-    assert ours.apply_chat_template(CHAT, add_generation_prompt=False) == hf.apply_chat_template(CHAT, tokenize=False)
+    assert ours.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
 
 def test_sentencepiece_gguf_without_space_prefix(sp_model, tmp_path):
@@ -191,7 +191,7 @@ def test_folder_templates_render_as_transformers_does(tmp_path):
         assert (ours.eos_token, ours.eos_token_id) == (hf.eos_token, hf.eos_token_id), name
         for kwargs in ({}, {"tools": [{"type": "function", "function": {"name": "f"}}]}):
             want = hf.apply_chat_template(msgs, tokenize=False, **kwargs)
-            assert ours.apply_chat_template(msgs, add_generation_prompt=False, **kwargs) == want, name
+            assert ours.apply_chat_template(msgs, tokenize=False, **kwargs) == want, name
             assert "[INST] Hi[/INST]Yo" in want and "[D]" not in want
 
 
@@ -242,10 +242,10 @@ def test_tool_conversations_render_as_transformers_does(tmp_path):
                 {"role": "assistant", "content": "So"}]
     for kwargs in ({"add_generation_prompt": True}, {"add_generation_prompt": False, "continue_final_message": True}):
         want = hf.apply_chat_template(messages, tokenize=False, **kwargs)
-        assert ours.apply_chat_template(check_messages(messages), **kwargs) == want, kwargs
+        assert ours.apply_chat_template(check_messages(messages), tokenize=False, **kwargs) == want, kwargs
     assert want.endswith("<|assistant|>So")
     other = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
-    assert ours.apply_chat_template(check_messages(messages[:1]), chat_template=other) == "[user]hi"
+    assert ours.apply_chat_template(check_messages(messages[:1]), chat_template=other, tokenize=False) == "[user]hi"
     with pytest.raises(FasterLlamaError, match="cannot render these messages: UndefinedError"):
         ours.apply_chat_template(check_messages(messages), chat_template="{% for m in messages %}{{ m.content + '!' }}{% endfor %}")
     # named templates: "tool_use" when tools are given (a list in tokenizer_config.json, or additional_chat_templates/),
@@ -263,7 +263,7 @@ def test_tool_conversations_render_as_transformers_does(tmp_path):
         ours, hf = Tokenizer.from_folder(str(tmp_path)), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
         for tools in (None, [{"type": "function", "function": {"name": "f"}}]):
             want = hf.apply_chat_template(messages[:1], tools=tools, tokenize=False)
-            assert ours.apply_chat_template(check_messages(messages[:1]), tools=tools) == want, (folder_template, tools, want)
+            assert ours.apply_chat_template(check_messages(messages[:1]), tools=tools, tokenize=False) == want, (folder_template, tools, want)
 
 
 def test_tokenizer_json_folder(default_llm, hf_tokenizer, tmp_path):
@@ -275,7 +275,7 @@ def test_tokenizer_json_folder(default_llm, hf_tokenizer, tmp_path):
     ours = Tokenizer.from_folder(str(tmp_path))
     _assert_same(ours, hf)
     msgs = CHAT[1:]
-    assert ours.apply_chat_template(msgs) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
 def test_incremental_detokenizer_never_breaks_utf8(default_llm):
