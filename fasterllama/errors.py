@@ -1,8 +1,9 @@
 """User-facing errors: the CLI prints these as one line, without a traceback."""
 
 
-class FasterLlamaError(Exception):
-    """Bad input or an unsupported model: something the user can fix."""
+class FasterLlamaError(ValueError):
+    """Bad input or an unsupported model: something the user can fix (a ValueError, as vLLM raises
+    for bad parameters, so scripts written for it catch these too)."""
 
 
 class ModelLoadError(FasterLlamaError):

@@ -3,6 +3,7 @@ checked and rendered, sampling parameters per prompt, beam search, results as Re
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
@@ -18,8 +19,9 @@ from .engine.beam_search import BeamSearch
 from .engine.llm_engine import LLMEngine, resolve_device
 from .engine.sequence import Logprob, Sequence
 from .errors import FasterLlamaError
-from .sampling_params import SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams
 from .tokenizer import Tokenizer
+from .vllm_compat import BeamSearchOutput, BeamSearchSequence, check_engine_options, check_unused
 
 Prompt = str | list[int]
 
@@ -207,6 +209,8 @@ class LLM:
         gpu_memory_utilization: float | None = None,
         enforce_eager: bool = False,
         trust_remote_code: bool = False,
+        tokenizer: str | None = None,
+        **vllm_options: Any,
     ) -> None:
         """quantization: None (the default: a GGUF file on the CPU in fp32 keeps its Q4_0..Q8_0 / Q2_K..Q6_K
         tensors as they are, "gguf", and every other checkpoint loads as float), "none" (float
@@ -232,9 +236,19 @@ class LLM:
         weights) the KV cache takes where kv_cache_memory is not given; a CPU has no GPU memory
         to share, and keeps its kv_cache_memory default.
         enforce_eager: vLLM's, no CUDA graphs (decode steps launch kernel by kernel; the CPU is unchanged).
-        trust_remote_code: vLLM's, accepted for its scripts: fasterllama runs no code from a model folder."""
+        trust_remote_code: vLLM's, accepted for its scripts: fasterllama runs no code from a model folder.
+        tokenizer: another tokenizer, a local HF folder (vLLM's; by default the model's own).
+        vllm_options: vLLM's engine options with no effect here (vllm_compat.py: swap_space,
+        disable_log_stats, kv_cache_dtype="auto"...); a value that would change anything is refused."""
         if not isinstance(trust_remote_code, bool):
             raise FasterLlamaError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
+        check_engine_options(vllm_options)
+        own_tokenizer = None
+        if tokenizer is not None:
+            if not isinstance(tokenizer, str) or not os.path.isdir(tokenizer):
+                raise FasterLlamaError(f"tokenizer={tokenizer!r}: not a local folder (fasterllama never downloads; "
+                                       "leave it out to use the model's own tokenizer)")
+            own_tokenizer = Tokenizer.from_folder(tokenizer)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise FasterLlamaError(f"seed must be an integer or None, got {_kind(seed)}")
         if gpu_memory_utilization is not None:
@@ -259,6 +273,8 @@ class LLM:
             speculative_config=speculative_config,
             enforce_eager=enforce_eager,
         )
+        if own_tokenizer is not None:
+            self.engine.use_tokenizer(own_tokenizer)
         self.tokenizer = self.engine.tokenizer
         self.config = self.engine.config
         self._lock = threading.RLock()  # one caller steps the engine at a time (threads take turns)
@@ -277,10 +293,15 @@ class LLM:
         use_tqdm: bool = False,
         *,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: None = None,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or vLLM's {"prompt": ...} /
         {"prompt_token_ids": ...}); one output per prompt. sampling_params: vLLM's name for params;
-        use_tqdm: a progress bar of the prompts done. Calls from several threads take turns."""
+        use_tqdm: a progress bar of the prompts done. Calls from several threads take turns.
+        (lora_request and priority: vLLM's, taken at their defaults.)"""
+        check_unused("lora_request", lora_request)
+        check_unused("priority", None if priority is None or not any(priority) else priority)
         with self._lock:
             return self._generate(prompts, _either(params, sampling_params), use_tqdm)
 
@@ -379,16 +400,40 @@ class LLM:
         chat_template: str | None = None,
         continue_final_message: bool = False,
         tools: list[Any] | None = None,
+        lora_request: None = None,
+        chat_template_content_format: str = "auto",
+        mm_processor_kwargs: None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or `chat_template`) to one conversation (or a list of
         them) and generate (the keywords as vLLM's LLM.chat takes them; continue_final_message
-        leaves the last turn open, and needs add_generation_prompt=False)."""
+        leaves the last turn open, and needs add_generation_prompt=False). Each output's prompt
+        is the rendered text."""
+        check_unused("lora_request", lora_request)
+        check_unused("mm_processor_kwargs", mm_processor_kwargs)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise FasterLlamaError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {chat_template_content_format!r}")
         if not isinstance(messages, (list, tuple)):
             raise FasterLlamaError(f"messages must be a list of message dicts (or a list of such lists), got {_kind(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs, chat_template=chat_template,
                                     continue_final_message=continue_final_message, tools=tools) for c in conversations]
-        return self.generate(prompts, _either(params, sampling_params), use_tqdm)
+        outs = self.generate(prompts, _either(params, sampling_params), use_tqdm)
+        for out in outs:
+            out.prompt = self.tokenizer.decode(out.prompt_token_ids)
+        return outs
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam-search call: generate with params.beam_width beams, each prompt's best
+        beams as BeamSearchSequences whose tokens and text include the prompt's, as vLLM's do."""
+        if not isinstance(params, BeamSearchParams):
+            raise FasterLlamaError(f"params must be a BeamSearchParams, got {_kind(params)}")
+        results = []
+        for out in self.generate(prompts, params.sampling_params(), use_tqdm):
+            beams = [BeamSearchSequence(tokens := out.prompt_token_ids + c.token_ids, cum_logprob=c.cumulative_logprob,
+                                        text=self.tokenizer.decode(tokens), finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                     for c in out.outputs]
+            results.append(BeamSearchOutput(beams))
+        return results
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (vLLM's name; also `llm.tokenizer`)."""

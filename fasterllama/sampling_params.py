@@ -87,6 +87,66 @@ GREEDY_BELOW = 1e-5  # temperatures under it are greedy
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's way to ask for structured output, `SamplingParams(structured_outputs=...)` (and, as
+    GuidedDecodingParams, `guided_decoding=...`): one of json (a schema as a dict, its JSON text
+    or a pydantic model class), regex, choice, grammar, json_object. Compact JSON is ours already
+    (disable_any_whitespace); disable_additional_properties closes objects to their properties."""
+
+    json: dict | str | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+    backend: str | None = None  # (vLLM's per-request backend: there is one here, llguidance)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields it stands for."""
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise FasterLlamaError(f"structured outputs: {name} is not supported (json, regex, choice, grammar or json_object)")
+        schema = _schema_of(self.json)
+        if schema is not None and self.disable_additional_properties:
+            from .json_schemas import closed_objects
+
+            schema = closed_objects(json.loads(schema) if isinstance(schema, str) else schema)
+        return {"json_schema": schema, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                "json_object": bool(self.json_object)}
+
+
+GuidedDecodingParams = StructuredOutputsParams  # (vLLM's older name)
+
+
+def _schema_of(value: Any) -> Any:
+    """A JSON schema, or a pydantic model class's (vLLM takes both)."""
+    return value.model_json_schema() if isinstance(value, type) and hasattr(value, "model_json_schema") else value
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's parameters of `LLM.beam_search`: beam_width beams for max_tokens tokens, ranked by
+    cumulative log-probability / length ** length_penalty (temperature 0: the model's own)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        if self.temperature != 0:
+            raise FasterLlamaError(f"beam search ranks beams by the model's log-probabilities: temperature must be 0, got {_show(self.temperature)}")
+        return SamplingParams(beam_width=self.beam_width, n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+                              length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int | None = 256  # None: until the context is full (vLLM's)
     temperature: float = 1.0  # 0 = greedy
@@ -124,9 +184,12 @@ class SamplingParams:
     grammar: str | None = None
     choice: list[str] | None = None
     json_object: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # vLLM's spelling of the five above
+    guided_decoding: StructuredOutputsParams | None = None  # (vLLM's older name)
 
     def __post_init__(self) -> None:
         """Check every field's type and range, normalizing numbers (numpy ints -> int, 0 -> 0.0)."""
+        self._take_structured_outputs()
         self.max_tokens = _INT32_MAX if self.max_tokens is None else _check_int("max_tokens", self.max_tokens, 1, note=" or None")
         self.temperature = _check_real("temperature", self.temperature, "a finite number >= 0 (0 = greedy)", lambda x: x >= 0)
         if self.temperature < GREEDY_BELOW:  # (vLLM's rule: below it logits / temperature overflow to inf, and the draw is noise)
@@ -173,6 +236,23 @@ class SamplingParams:
             self.seed = None
         if self.seed is not None:  # sample k draws with seed + k, packed into int64
             self.seed = _check_int("seed", self.seed, -(2**63), 2**63 - self.n, " (a 64-bit integer; seed + n - 1 must fit too)")
+
+    def _take_structured_outputs(self) -> None:
+        """vLLM's structured_outputs / guided_decoding, written into the constraint fields."""
+        self.json_schema = _schema_of(self.json_schema)
+        for name in ("structured_outputs", "guided_decoding"):
+            given = getattr(self, name)
+            if given is None:
+                continue
+            if not isinstance(given, StructuredOutputsParams):
+                raise FasterLlamaError(f"{name} must be a StructuredOutputsParams, got {_show(given)}")
+            for key, value in given.sampling_fields().items():
+                if value is None or value is False:
+                    continue
+                if getattr(self, key) not in (None, False):
+                    raise FasterLlamaError(f"give the constraint once: {name} and {key} both set it")
+                setattr(self, key, value)
+            setattr(self, name, None)
 
     def _check_token_biases(self) -> None:
         if self.logit_bias is not None:

@@ -3,6 +3,8 @@ logprobs, beam search against HF, and the finish conditions."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import tiny_models as tm
 import torch
@@ -299,3 +301,59 @@ def test_sequence_token_ids_span_prompt_and_output():
     seq.output_token_ids += [15, 16, 17]
     full = [11, 12, 13, 14, 15, 16, 17]
     assert all(seq.token_ids(a, b) == full[a:b] for a in range(8) for b in range(a, 8))
+
+
+def test_vllm_script_spellings(tiny_beam_model, tmp_path):
+    """What scripts written for vLLM pass: structured_outputs / guided_decoding (a pydantic class as
+    the schema too), LLM.beam_search with BeamSearchParams (tokens and text include the prompt's),
+    engine options with no effect here (taken) or with one (refused in one line), unknown ones
+    (TypeError), lora_request=None, a local tokenizer folder, errors that are ValueErrors, and
+    chat outputs whose prompt is the rendered text."""
+    import pydantic
+
+    from fasterllama import BeamSearchParams, GuidedDecodingParams, StructuredOutputsParams
+    from fasterllama.errors import FasterLlamaError
+
+    _, llm, prompt, _ = tiny_beam_model
+    for params in (SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                   SamplingParams(temperature=0, max_tokens=12, guided_decoding=GuidedDecodingParams(regex="(yes|no)"))):
+        assert llm.generate([prompt], params)[0].text in ("yes", "no")
+
+    class Answer(pydantic.BaseModel):
+        ok: bool
+
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=Answer, disable_additional_properties=True))
+    assert params.json_schema["additionalProperties"] is False
+    assert Answer.model_validate_json(llm.generate([prompt], params)[0].text)
+    with pytest.raises(FasterLlamaError, match="give at most one of"):
+        SamplingParams(regex="a", structured_outputs=StructuredOutputsParams(choice=["b"]))
+    with pytest.raises(ValueError, match="temperature"):  # (FasterLlamaError is a ValueError, as vLLM raises)
+        SamplingParams(temperature=-1)
+
+    (beams,) = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6))
+    ref = llm.generate([prompt], SamplingParams(beam_width=3, n=3, max_tokens=6))[0]
+    assert [b.tokens for b in beams.sequences] == [prompt + o.token_ids for o in ref.outputs]
+    assert [b.cum_logprob for b in beams.sequences] == [o.cumulative_logprob for o in ref.outputs]
+    assert beams.sequences[0].text == llm.tokenizer.decode(prompt + ref.outputs[0].token_ids)
+    with pytest.raises(FasterLlamaError, match="temperature must be 0"):
+        llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
+
+    path = llm.engine.model_path
+    taken = LLM(path, progress=False, swap_space=4, disable_log_stats=True, kv_cache_dtype="auto", enable_chunked_prefill=True)
+    assert taken.generate([prompt], greedy := SamplingParams(temperature=0, max_tokens=4), lora_request=None)[0].token_ids == \
+        llm.generate([prompt], greedy)[0].token_ids
+    with pytest.raises(FasterLlamaError, match="kv_cache_dtype='fp8' is not supported here"):
+        LLM(path, progress=False, kv_cache_dtype="fp8")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
+        LLM(path, progress=False, no_such_option=1)
+    with pytest.raises(FasterLlamaError, match="not a local folder"):
+        LLM(path, progress=False, tokenizer="TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    folder = tmp_path / "tok"  # the model's tokenizer files, with a chat template
+    folder.mkdir()
+    for name in os.listdir(path):
+        if name.startswith(("tokenizer", "special_tokens")):
+            (folder / name).write_bytes(open(os.path.join(path, name), "rb").read())
+    tm.add_chat_template(str(folder), "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    chatty = LLM(path, progress=False, tokenizer=str(folder))
+    out = chatty.chat([{"role": "user", "content": "abc"}], greedy)[0]
+    assert out.prompt == "<user>abc" and out.prompt_token_ids == chatty.chat_prompt([{"role": "user", "content": "abc"}])

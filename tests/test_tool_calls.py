@@ -128,7 +128,7 @@ def test_forced_call_schemas() -> None:
 def test_closed_objects_reads_schema_keywords_only() -> None:
     """Properties named like keywords stay properties; open or pattern objects stay open; allOf
     members stay open at their own level (closed, each would refuse the others' keys)."""
-    from fasterllama.server.tools import closed_objects
+    from fasterllama.json_schemas import closed_objects
 
     schema = {"type": "object", "properties": {"properties": {"type": "string"}, "type": {"type": "object", "properties": {}}},
               "allOf": [{"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {"type": "object"}}}],

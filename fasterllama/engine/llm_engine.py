@@ -326,6 +326,13 @@ class LLMEngine:
         self.blocks = BlockManager(num_blocks, block_size, self.runner.copy_blocks, limits.prefix_caching)
         self.scheduler = Scheduler(self.blocks, limits.max_num_seqs, limits.max_num_batched_tokens)
 
+    def use_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Take another tokenizer than the checkpoint's (LLM(tokenizer=...)): its ids must be the model's."""
+        if tokenizer.vocab_size > self.config.vocab_size:
+            raise FasterLlamaError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's {self.config.vocab_size}")
+        self.tokenizer = tokenizer
+        self.structured = StructuredOutput(tokenizer, self.config.vocab_size, sorted(self.eos_token_ids))
+
     def join_tensor_parallel(self, group: TPGroup, workers: tp_workers.Workers | None = None) -> None:
         """Keep this rank's shard of the (loaded, quantized) model and a KV cache of its heads."""
         self.runner.decode_plan = None
