@@ -148,7 +148,7 @@ class BeamSearchParams:
 
 @dataclass
 class SamplingParams:
-    max_tokens: int | None = 256  # None: until the context is full (vLLM's)
+    max_tokens: int | None = 16  # vLLM's default (and OpenAI's); None: until the context is full
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 (or -1) = off
     top_p: float = 1.0
