@@ -65,7 +65,9 @@ def prompt_list(prompts: object) -> list[Prompt]:
 
 
 def _prompt_of_dict(prompt: dict, what: str) -> Prompt:
-    """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as a prompt."""
+    """vLLM's {"prompt": text} or {"prompt_token_ids": ids} as a prompt (its other keys taken only
+    unset, and cache_salt, which only keeps users' cached prefixes apart)."""
+    prompt = {k: v for k, v in prompt.items() if v is not None and k != "cache_salt"}
     keys = set(prompt) & {"prompt", "prompt_token_ids"}
     if len(keys) != 1 or set(prompt) - {"prompt", "prompt_token_ids"}:
         raise FasterLlamaError(f"{what} as a dict must be {{'prompt': text}} or {{'prompt_token_ids': [ids]}} "

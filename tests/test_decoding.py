@@ -330,6 +330,8 @@ def test_vllm_script_spellings(tiny_beam_model, tmp_path):
     with pytest.raises(ValueError, match="temperature"):  # (FasterLlamaError is a ValueError, as vLLM raises)
         SamplingParams(temperature=-1)
 
+    salted = {"prompt_token_ids": prompt, "multi_modal_data": None, "cache_salt": "user-1"}  # (vLLM prompt keys unset, or with no effect)
+    assert llm.generate(salted, greedy0 := SamplingParams(temperature=0, max_tokens=3))[0].token_ids == llm.generate([prompt], greedy0)[0].token_ids
     (beams,) = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6))
     ref = llm.generate([prompt], SamplingParams(beam_width=3, n=3, max_tokens=6))[0]
     assert [b.tokens for b in beams.sequences] == [prompt + o.token_ids for o in ref.outputs]
