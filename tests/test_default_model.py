@@ -113,7 +113,8 @@ def test_decode_logprobs_match_hf(default_llm, hf_default):
 
 def _hf_greedy(model, ids, n):
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)  # (the mask given: a prompt's token 0 is no padding)
     return out[0, len(ids):].tolist()
 
 
