@@ -3,6 +3,7 @@ then rendered to prompt ids. One path for the Python API (LLM.chat) and the serv
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from .engine.llm_engine import check_text
@@ -21,7 +22,7 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
     hands them to a chat template: keys set to None dropped (the OpenAI client sends
     "tool_calls": None), "reasoning" / "thinking" as "reasoning_content"; content a string, OpenAI's
     list of text parts (joined), or absent / None on an assistant's tool calls (a tool's result may
-    be JSON); role "developer" is "system". Checked here so a missing content is one clear error,
+    be JSON; a call's arguments sent as JSON text are parsed); role "developer" is "system". Checked here so a missing content is one clear error,
     not a KeyError in the chat template."""
     if not isinstance(messages, (list, tuple)):
         raise FasterLlamaError(f"a conversation must be a list of message dicts, got {_kind(messages)}")
@@ -38,6 +39,8 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
         for alias in ("reasoning", "thinking"):
             if alias in m and "reasoning_content" not in m:
                 m["reasoning_content"] = m.pop(alias)
+        if isinstance(m.get("tool_calls"), list):
+            m["tool_calls"] = [_call_with_parsed_arguments(c) for c in m["tool_calls"]]
         if "content" not in m:
             if role == "assistant" and m.get("tool_calls"):
                 checked.append(m)
@@ -54,6 +57,21 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
         check_text(content, f"message {i} ({role})")
         checked.append({**m, "role": "system" if role == "developer" else role, "content": content})
     return checked
+
+
+def _call_with_parsed_arguments(call: Any) -> Any:
+    """An earlier tool call with its arguments as an object: OpenAI's clients send them back as the
+    JSON text the API returned, and templates write them with `tojson` (as text they rendered
+    twice encoded, a form the model never saw); vLLM parses them likewise."""
+    function = call.get("function") if isinstance(call, dict) else None
+    arguments = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
 def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object, add_generation_prompt: bool = True,

@@ -7,39 +7,75 @@ from typing import Any
 
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
-_SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "contains", "propertyNames", "not", "if", "then", "else")
+_SCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedItems", "contains", "propertyNames")
+# Sub-schemas that add to their parent's own (allOf members, conditionals, negations, dependent
+# schemas): closed, each would refuse the properties the others bring. A parent that has them, or a
+# $ref, takes properties from elsewhere and is left open too.
+_PARTIAL_LISTS = ("allOf",)
+_PARTIAL = ("not", "if", "then", "else")
+_ADDS_PROPERTIES = ("allOf", "anyOf", "oneOf", "if", "then", "else", "not", "$ref", "dependentSchemas")
+_OPEN_ALREADY = ("additionalProperties", "patternProperties", "unevaluatedProperties")
 
 
-def closed_objects(schema: Any, close: bool = True) -> Any:
-    """A copy of a JSON schema in which every object schema without additionalProperties (or
-    patternProperties / unevaluatedProperties) has additionalProperties false; allOf members are
-    left open at their own level (closed, each would refuse the others' properties)."""
+def closed_objects(schema: Any) -> Any:
+    """A copy of a JSON schema in which every plain object schema (its properties all its own, no
+    additionalProperties said) has additionalProperties false; definitions that allOf combines with
+    others stay open."""
+    return _closed(schema, True, _combined_definitions(schema))
+
+
+def _closed(schema: Any, close: bool, open_defs: set[str]) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
-    for key in _SCHEMA_LISTS:
+            partial = key == "dependentSchemas"
+            out[key] = {name: _closed(sub, not partial and not (key in ("$defs", "definitions") and name in open_defs), open_defs)
+                        for name, sub in out[key].items()}
+    alternatives_whole = "properties" not in out  # (anyOf / oneOf beside the parent's own properties only add to them)
+    for key in _SCHEMA_LISTS + _PARTIAL_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed_objects(sub) for sub in out[key]]
-    if isinstance(out.get("allOf"), list):
-        out["allOf"] = [closed_objects(sub, close=False) for sub in out["allOf"]]
-    for key in _SCHEMAS:
+            whole = key == "prefixItems" or (key not in _PARTIAL_LISTS and alternatives_whole)
+            out[key] = [_closed(sub, whole, open_defs) for sub in out[key]]
+    for key in _SCHEMAS + _PARTIAL:
         if isinstance(out.get(key), list):  # (items as a list: the old prefixItems)
-            out[key] = [closed_objects(sub) for sub in out[key]]
+            out[key] = [_closed(sub, True, open_defs) for sub in out[key]]
         elif isinstance(out.get(key), dict):
-            out[key] = closed_objects(out[key])
+            out[key] = _closed(out[key], key not in _PARTIAL, open_defs)
     is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) or "properties" in out
-    if close and is_object and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out):
+    if close and is_object and not set(_OPEN_ALREADY + _ADDS_PROPERTIES) & set(out):
         out["additionalProperties"] = False
     return out
 
 
+def _combined_definitions(schema: Any) -> set[str]:
+    """Names of $defs / definitions some allOf refers to directly (each only a part of its object)."""
+    names: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            members = node.get("allOf") if isinstance(node.get("allOf"), list) else []
+            for member in members:
+                ref = member.get("$ref") if isinstance(member, dict) else None
+                if isinstance(ref, str) and ref.startswith(("#/$defs/", "#/definitions/")):
+                    names.add(ref.rsplit("/", 1)[1])
+            for value in node.values():
+                walk(value)
+
+    walk(schema)
+    return names
+
+
 def rebased(schema: Any, base: str) -> Any:
-    """A copy of a schema moved to `base`: its local references ("#", "#/$defs/X") point under it."""
+    """A copy of a schema moved to `base`: its local references ("#", "#/$defs/X") point under it
+    (an anchor, "#name", is found wherever the schema sits)."""
     if isinstance(schema, list):
         return [rebased(x, base) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else rebased(v, base) for k, v in schema.items()}
+    return {k: base + v[1:] if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")) else rebased(v, base)
+            for k, v in schema.items()}

@@ -142,7 +142,7 @@ class BeamSearchParams:
     def sampling_params(self) -> SamplingParams:
         if self.temperature != 0:
             raise FasterLlamaError(f"beam search ranks beams by the model's log-probabilities: temperature must be 0, got {_show(self.temperature)}")
-        return SamplingParams(beam_width=self.beam_width, n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos,
+        return SamplingParams(beam_width=self.beam_width, n=self.beam_width, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos, temperature=0,
                               length_penalty=self.length_penalty, include_stop_str_in_output=self.include_stop_str_in_output)
 
 

@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
+from numbers import Integral
 from typing import Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
@@ -273,7 +274,8 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int] | int, skip_special_tokens: bool = False) -> str:
-        return self.backend.decode([ids] if isinstance(ids, int) else list(ids), skip_special_tokens=skip_special_tokens)
+        ids = [int(ids)] if isinstance(ids, Integral) else [int(i) for i in ids]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- transformers' spellings (what scripts call on vLLM's get_tokenizer()) ----------------
     def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoding:
@@ -294,7 +296,7 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).tokens
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
-        return self.backend.id_to_token(ids) if isinstance(ids, int) else [self.backend.id_to_token(i) for i in ids]
+        return self.backend.id_to_token(int(ids)) if isinstance(ids, Integral) else [self.backend.id_to_token(int(i)) for i in ids]
 
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
         return self.token_to_id(tokens) if isinstance(tokens, str) else [self.token_to_id(t) for t in tokens]

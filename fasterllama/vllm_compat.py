@@ -28,7 +28,7 @@ ENGINE_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cpu_offload_gb": (_one_of(0, None), "0"),
     "disable_log_stats": (_any, "any"),
     "disable_custom_all_reduce": (_any, "any"),
-    "enable_chunked_prefill": (_one_of(True, None), "True (prompts are always chunked)"),
+    "enable_chunked_prefill": (_any, "any"),  # (prompts are chunked past max_num_batched_tokens: the same tokens)
     "max_seq_len_to_capture": (_any, "any"),
     "max_logprobs": (_any, "any"),  # (logprobs are capped at 20)
     "kv_cache_dtype": (_one_of("auto", None), "'auto' (the model's dtype)"),

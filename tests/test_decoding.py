@@ -339,6 +339,8 @@ def test_vllm_script_spellings(tiny_beam_model, tmp_path):
     assert beams.sequences[0].text == llm.tokenizer.decode(prompt + ref.outputs[0].token_ids)
     with pytest.raises(FasterLlamaError, match="temperature must be 0"):
         llm.beam_search([prompt], BeamSearchParams(beam_width=2, max_tokens=4, temperature=0.7))
+    one = [llm.beam_search([prompt], BeamSearchParams(beam_width=1, max_tokens=6))[0].sequences[0].tokens for _ in range(3)]
+    assert one[0] == one[1] == one[2] == prompt + llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].token_ids  # (it sampled)
 
     path = llm.engine.model_path
     taken = LLM(path, progress=False, swap_space=4, disable_log_stats=True, kv_cache_dtype="auto", enable_chunked_prefill=True)

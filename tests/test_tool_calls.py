@@ -126,19 +126,71 @@ def test_forced_call_schemas() -> None:
 
 
 def test_closed_objects_reads_schema_keywords_only() -> None:
-    """Properties named like keywords stay properties; open or pattern objects stay open; allOf
-    members stay open at their own level (closed, each would refuse the others' keys)."""
-    from fasterllama.json_schemas import closed_objects
+    """Properties named like keywords stay properties; open or pattern objects stay open; what
+    takes properties from elsewhere stays open: allOf members at their own level (closed, each
+    would refuse the others' keys), a parent with allOf / anyOf / if / $ref, definitions an allOf
+    combines (they made valid tool schemas unsatisfiable); checked on llguidance's matcher."""
+    import llguidance
+
+    from fasterllama.json_schemas import closed_objects, rebased
 
     schema = {"type": "object", "properties": {"properties": {"type": "string"}, "type": {"type": "object", "properties": {}}},
-              "allOf": [{"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {"type": "object"}}}],
               "$defs": {"Open": {"type": "object", "additionalProperties": True}, "Map": {"type": "object", "patternProperties": {"^a": {}}}}}
     out = closed_objects(schema)
     assert out["additionalProperties"] is False and out["properties"]["properties"] == {"type": "string"}
     assert out["properties"]["type"] == {"type": "object", "properties": {}, "additionalProperties": False}
-    assert [set(m) for m in out["allOf"]] == [{"properties"}, {"properties"}]
-    assert out["allOf"][1]["properties"]["y"] == {"type": "object", "additionalProperties": False}
     assert out["$defs"] == schema["$defs"] and "additionalProperties" not in schema  # (a copy)
+
+    def accepts(schema: dict, text: str) -> bool:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults={"whitespace_flexible": False})
+        except ValueError:
+            return False
+        return llguidance.LLMatcher.validate_grammar(grammar) == "" and _matches(grammar, text)
+
+    combined = [({"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]}]}, '{"a":1}'),
+                ({"type": "object", "properties": {"a": {"type": "integer"}}, "allOf": [{"properties": {"b": {"type": "integer"}}}]}, '{"a":1,"b":2}'),
+                ({"allOf": [{"$ref": "#/$defs/Base"}, {"properties": {"extra": {"type": "integer"}}}],
+                  "$defs": {"Base": {"type": "object", "properties": {"a": {"type": "integer"}}}}}, '{"a":1,"extra":2}'),
+                ({"type": "object", "properties": {"a": {"type": "integer"}}, "anyOf": [{"properties": {"b": {"type": "integer"}}}]}, '{"a":1,"b":2}')]
+    for schema, text in combined:
+        assert accepts(schema, text) and accepts(closed_objects(schema), text), schema
+    plain = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    optional = {"anyOf": [plain, {"type": "null"}]}  # (alternatives whole in themselves: closed)
+    assert closed_objects(optional)["anyOf"][0]["additionalProperties"] is False
+    assert accepts(plain, '{"a":1,"z":2}') and not accepts(closed_objects(plain), '{"a":1,"z":2}') and accepts(closed_objects(plain), '{"a":1}')
+    assert rebased({"$ref": "#node", "items": {"$ref": "#/$defs/X"}, "not": {"$ref": "#"}}, "#/$defs/t") == \
+        {"$ref": "#node", "items": {"$ref": "#/$defs/t/$defs/X"}, "not": {"$ref": "#/$defs/t"}}
+
+
+def _matches(grammar: str, text: str) -> bool:
+    """Whether llguidance's matcher over a byte tokenizer takes text whole."""
+    import llguidance
+
+    tok = _byte_tokenizer()
+    matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
+    for b in text.encode():
+        if not matcher.consume_token(b):
+            return False
+    return matcher.is_accepting()
+
+
+def _byte_tokenizer():
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
+
+
+class _Bytes:
+    """A tokenizer of 256 byte tokens and an EOS, for llguidance."""
+
+    eos_token_id = 256
+    bos_token_id = None
+    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+    special_token_ids = [256]
+
+    def __call__(self, text: str) -> list[int]:
+        return list(text.encode())
 
 
 def test_required_cut_off_keeps_the_calls_written_whole() -> None:
@@ -148,3 +200,24 @@ def test_required_cut_off_keeps_the_calls_written_whole() -> None:
     deltas = reader.finish()
     assert [c["function"]["name"] for c in deltas[0]["tool_calls"]] == ["add"] and not reader.content
     assert reader.finish_reason_for_calls is None
+
+
+def test_one_call_without_parallel_tool_calls() -> None:
+    """parallel_tool_calls false: the first of the calls a model wrote ("required" says it in the schema)."""
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+    reader = ToolCallReader("auto", NAMES, parallel=False)
+    reader.feed(text)
+    reader.finish()
+    assert [json.loads(c["function"]["arguments"]) for c in reader.calls] == [{"a": 1}]
+
+
+def test_earlier_calls_reach_the_template_as_objects() -> None:
+    """OpenAI clients send a call's arguments back as JSON text: the template is given the object
+    (its `tojson` wrote the text encoded twice), as vLLM does; other text is left as it was."""
+    from fasterllama.conversation import check_messages
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}},
+             {"id": "c2", "type": "function", "function": {"name": "add", "arguments": "not json"}}]
+    (message,) = check_messages([{"role": "assistant", "content": None, "tool_calls": calls}])
+    assert [c["function"]["arguments"] for c in message["tool_calls"]] == [{"a": 1}, "not json"]
+    assert calls[0]["function"]["arguments"] == '{"a": 1}'  # (the caller's messages untouched)

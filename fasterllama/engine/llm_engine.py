@@ -331,6 +331,8 @@ class LLMEngine:
         if tokenizer.vocab_size > self.config.vocab_size:
             raise FasterLlamaError(f"the tokenizer has {tokenizer.vocab_size} tokens, more than the model's {self.config.vocab_size}")
         self.tokenizer = tokenizer
+        if tokenizer.eos_token_id is not None:  # (its end-of-text ends sequences too, as in vLLM)
+            self.eos_token_ids.add(tokenizer.eos_token_id)
         self.structured = StructuredOutput(tokenizer, self.config.vocab_size, sorted(self.eos_token_ids))
 
     def join_tensor_parallel(self, group: TPGroup, workers: tp_workers.Workers | None = None) -> None:

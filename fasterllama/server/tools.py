@@ -54,9 +54,10 @@ class ToolCallReader:
     whitespace, a reply that begins as JSON, a partial `<tool_call>` tag; from a call's start on,
     the rest is read at the end (content again if it holds no valid call)."""
 
-    def __init__(self, mode: str, names: Collection[str]) -> None:
+    def __init__(self, mode: str, names: Collection[str], parallel: bool = True) -> None:
         self.mode = mode
         self.names = set(names)
+        self.parallel = parallel  # (False: the first call only, where the model wrote several)
         self.content: list[str] = []
         self.calls: list[dict[str, Any]] = []
         self._held = ""
@@ -88,7 +89,7 @@ class ToolCallReader:
             return self._send(held)
         calls, outside = found
         deltas = self._send(outside) if outside.strip() else []
-        self.calls = [new_call(name, arguments) for name, arguments in calls]
+        self.calls = [new_call(name, arguments) for name, arguments in calls[: None if self.parallel else 1]]
         return [*deltas, {"tool_calls": [{"index": i, **call} for i, call in enumerate(self.calls)]}]
 
     # -- internals ---------------------------------------------------------------------------------
