@@ -9,7 +9,7 @@ tool_choice decides how a call is made (vLLM's semantics):
   its reply is read for calls in the formats templates teach: `<tool_call>{...}</tool_call>`
   blocks (Hermes, Qwen, SmolLM2) or a reply that is only JSON objects or lists of
   `{"name", "arguments" | "parameters"}` (Llama 3.1's, Mistral's after its [TOOL_CALLS] token),
-  naming a function of the request's tools;
+  naming a function of the request's tools (the first only with parallel_tool_calls false);
 - "none": no call (the template is still shown the tools).
 Forced calls work with any model (the constraint writes them); "auto" works with models whose
 template describes the tools."""
