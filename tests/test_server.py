@@ -981,6 +981,13 @@ def test_tool_calls_over_http(server_one: Server, offline: LLM) -> None:
             events = [e["choices"][0] for e in sse_events(r) if e != "[DONE]"]
         assert events[0]["delta"] == {"role": "assistant", "content": None}
         assert "tool_calls" in events[-2]["delta"] and (events[-2]["finish_reason"], events[-1]["delta"], events[-1]["finish_reason"]) == (None, {}, "tool_calls")
+        # functions named like the modes are forced by name ("auto" was read as the mode: no call; "required" as that mode)
+        for name in ("auto", "required"):
+            tool = {"type": "function", "function": {"name": name, "parameters": TOOLS[1]["function"]["parameters"]}}
+            r = http.post("/v1/chat/completions", json={**body, "stream": False, "tools": [tool], "max_tokens": 200,
+                                                        "tool_choice": {"type": "function", "function": {"name": name}}})
+            choice = r.json()["choices"][0]
+            assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == [name] and choice["finish_reason"] == "stop", r.text
         # a pydantic tool's $defs (a 400 under "required": its references did not resolve), objects closed to their properties
         address = {"type": "object", "properties": {"street": {"type": "string", "maxLength": 10}}, "required": ["street"]}
         move = {"type": "function", "function": {"name": "move", "parameters": {

@@ -82,7 +82,7 @@ def test_content_streams_before_a_call_is_seen() -> None:
 
 
 def test_named_function_streams_its_arguments() -> None:
-    reader = ToolCallReader("add", NAMES)
+    reader = ToolCallReader("named", NAMES, function="add")
     first = reader.feed('{"a": ')
     assert first[0]["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": '}
     assert first[0]["tool_calls"][0]["id"].startswith("call_") and first[0]["tool_calls"][0]["type"] == "function"
@@ -106,8 +106,8 @@ def test_forced_call_schemas() -> None:
 
     add = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     params = {"add": add, "get_weather": None}
-    assert forced_call_schema(params, "add", True) == {**add, "additionalProperties": False}
-    assert forced_call_schema(params, "get_weather", True) == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert forced_call_schema(params, "named", True, "add") == {**add, "additionalProperties": False}
+    assert forced_call_schema(params, "named", True, "get_weather") == {"type": "object", "properties": {}, "additionalProperties": False}
     schema = forced_call_schema(params, "required", False)
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     assert [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == [["add"], ["get_weather"]]
@@ -121,7 +121,7 @@ def test_forced_call_schemas() -> None:
     assert tool["properties"]["home"] == {"$ref": "#/$defs/tool_0/$defs/Address"}
     assert tool["properties"]["next"]["anyOf"][0] == {"$ref": "#/$defs/tool_0"}
     assert tool["$defs"]["Address"]["additionalProperties"] is False
-    for s in (schema, forced_call_schema({"move": pydantic_tool}, "move", True)):
+    for s in (schema, forced_call_schema({"move": pydantic_tool}, "named", True, "move")):
         assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_json_schema(json.dumps(s))) == ""
 
 

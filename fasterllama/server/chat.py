@@ -30,13 +30,14 @@ class ChatGeneration(Generation):
     response_object = "chat.completion"
 
     def __init__(self, state: ServerState, handles: list[RequestHandle], response_id: str, include_usage: bool,
-                 tool_mode: str | None, tool_names: list[str], parallel_tool_calls: bool = True) -> None:
+                 body: ChatCompletionRequest) -> None:
         super().__init__(state, handles, response_id, include_usage)
-        self.tool_mode, self.tool_names, self.parallel_tool_calls = tool_mode, tool_names, parallel_tool_calls
+        self.tool_mode, self.forced_function, self.parallel_tool_calls = body.tool_mode, body.forced_function, body.parallel_tool_calls
+        self.tool_names = [t.function.name for t in body.tools or []]
         self.readers: dict[int, ToolCallReader] = {}  # (streaming: each choice's, as it goes)
 
     def reader(self) -> ToolCallReader | None:
-        return ToolCallReader(self.tool_mode, self.tool_names, self.parallel_tool_calls) if self.tool_mode else None
+        return ToolCallReader(self.tool_mode, self.tool_names, self.parallel_tool_calls, self.forced_function) if self.tool_mode else None
 
     def start_chunks(self) -> list[dict[str, Any]]:
         content = None if self.tool_mode not in (None, "auto") else ""  # (a forced call has no content, as OpenAI's)
@@ -97,6 +98,5 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     prompts = await encode_prompts(state.loop, render, "messages")
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     handles = await start_requests(state, prompts, body, body.requested_max_tokens, None, body.num_logprobs, request_id)
-    generation = ChatGeneration(state, handles, request_id, body.include_usage, body.tool_mode, [t.function.name for t in body.tools or []],
-                                body.parallel_tool_calls)
+    generation = ChatGeneration(state, handles, request_id, body.include_usage, body)
     return await generation.respond(request, body.stream)

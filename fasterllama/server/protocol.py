@@ -359,13 +359,17 @@ class ChatCompletionRequest(GenerationRequest):
 
     @property
     def tool_mode(self) -> str | None:
-        """How tools are called: None (no tools, or tool_choice "none"), "auto", "required", or the
-        name of the function tool_choice forces."""
+        """How tools are called: None (no tools, or tool_choice "none"), "auto", "required", or
+        "named" (the function forced_function names: one may be called "auto")."""
         if not self.tools or self.tool_choice == "none":
             return None
         if isinstance(self.tool_choice, NamedToolChoice):
-            return self.tool_choice.function.name
+            return "named"
         return self.tool_choice or "auto"
+
+    @property
+    def forced_function(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def param_of(self, message: str) -> str | None:
         """As for any request; a forced call's constraint that cannot compile is the tools' fault."""
@@ -389,7 +393,7 @@ class ChatCompletionRequest(GenerationRequest):
             raise FasterLlamaError("tool_choice \"required\" or a named function does not combine with response_format, "
                                    "the guided_* fields or structured_outputs")
         parameters = {t.function.name: t.function.parameters for t in self.tools or []}
-        return {"json_schema": forced_call_schema(parameters, mode, self.parallel_tool_calls)}
+        return {"json_schema": forced_call_schema(parameters, mode, self.parallel_tool_calls, self.forced_function)}
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -27,13 +27,13 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-def forced_call_schema(parameters: Mapping[str, dict[str, Any] | None], mode: str, parallel: bool) -> dict[str, Any]:
-    """The JSON schema a forced call's reply follows: the named function's arguments, or ("required")
-    an array of calls to any of the functions (`parameters`: name -> arguments schema). Objects that
+def forced_call_schema(parameters: Mapping[str, dict[str, Any] | None], mode: str, parallel: bool, function: str | None = None) -> dict[str, Any]:
+    """The JSON schema a forced call's reply follows: ("named") the function's arguments, or
+    ("required") an array of calls to any of the functions (`parameters`: name -> arguments schema). Objects that
     do not say otherwise take no properties beyond their own (as OpenAI's strict mode, vLLM's default
     backend and llama.cpp read them: a small model otherwise invents arguments)."""
-    if mode != "required":
-        return closed_objects(parameters[mode] or NO_ARGUMENTS)
+    if mode == "named":
+        return closed_objects(parameters[function] or NO_ARGUMENTS)
     # each function's schema under $defs, its own "#..." references rebased there
     defs = {f"tool_{i}": rebased(closed_objects(schema or NO_ARGUMENTS), f"#/$defs/tool_{i}") for i, schema in enumerate(parameters.values())}
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": {"$ref": f"#/$defs/tool_{i}"}},
@@ -54,8 +54,9 @@ class ToolCallReader:
     whitespace, a reply that begins as JSON, a partial `<tool_call>` tag; from a call's start on,
     the rest is read at the end (content again if it holds no valid call)."""
 
-    def __init__(self, mode: str, names: Collection[str], parallel: bool = True) -> None:
-        self.mode = mode
+    def __init__(self, mode: str, names: Collection[str], parallel: bool = True, function: str | None = None) -> None:
+        self.mode = mode  # "auto", "required" or "named" (the function given)
+        self.function = function
         self.names = set(names)
         self.parallel = parallel  # (False: the first call only, where the model wrote several)
         self.content: list[str] = []
@@ -72,13 +73,13 @@ class ToolCallReader:
     def feed(self, text: str) -> list[dict[str, Any]]:
         if not text:
             return []
-        if self.mode not in ("auto", "required"):
+        if self.mode == "named":
             return self._arguments(text)
         self._held += text
         return [] if self.mode == "required" or self._in_call else self._release()
 
     def finish(self) -> list[dict[str, Any]]:
-        if self.mode not in ("auto", "required"):
+        if self.mode == "named":
             return [] if self.calls else self._arguments("")
         held, self._held = self._held, ""
         found = _read_calls(held, self.names) if self._in_call or self.mode == "required" else None
@@ -96,7 +97,7 @@ class ToolCallReader:
     def _arguments(self, text: str) -> list[dict[str, Any]]:
         """A named function's reply: its arguments, streamed into its one call."""
         if not self.calls:
-            self.calls.append(new_call(self.mode, text))
+            self.calls.append(new_call(self.function, text))
             return [{"tool_calls": [{"index": 0, **self.calls[0]}]}]
         self.calls[0]["function"]["arguments"] += text
         return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
