@@ -259,16 +259,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
 
     @property
     def bos_token_id(self) -> int | None:
-        return None if self.bos_token is None else self.token_to_id(self.bos_token)
+        return self.token_to_id(self.bos_token)
 
     @property
     def eos_token_id(self) -> int | None:
-        return None if self.eos_token is None else self.token_to_id(self.eos_token)
+        return self.token_to_id(self.eos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -313,7 +313,7 @@ class Tokenizer:
 
     @property
     def pad_token_id(self) -> int | None:
-        return None if self.pad_token is None else self.token_to_id(self.pad_token)
+        return self.token_to_id(self.pad_token)
 
     @property
     def unk_token(self) -> str | None:
@@ -321,7 +321,7 @@ class Tokenizer:
 
     @property
     def unk_token_id(self) -> int | None:
-        return None if self.unk_token is None else self.token_to_id(self.unk_token)
+        return self.token_to_id(self.unk_token)
 
     @property
     def special_tokens_map(self) -> dict[str, str]:
