@@ -525,14 +525,18 @@ def _int8_gemm_kernel(
 
 # W8A8 prefill tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) that tune_prefill() times per weight
 # shape at 2,048 rows (sm_90: all wgmma with cp.async pipelines, no spills; 115, 195 and 208
-# registers); a GEMM of PREFILL_ROWS rows or more takes the fastest, smaller ones _dot_config's.
-PREFILL_INT8_CONFIGS = ((128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3))
+# registers), and CUBLAS: cuBLASLt's int8 GEMM (torch._int_mm) into int32, then the reduce kernel's
+# dequantization (an [M, N] int32 write and read more: ~2% of the GEMM's time at 7B's shapes); a
+# GEMM of PREFILL_ROWS rows or more takes the fastest, smaller ones _dot_config's.
+CUBLAS = "cublas"
+PREFILL_INT8_CONFIGS: tuple[tuple[int, int, int, int, int] | str, ...] = (
+    (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), CUBLAS)
 PREFILL_ROWS = 512
-_PREFILL_INT8: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}  # (N, K) -> the fastest of PREFILL_INT8_CONFIGS
+_PREFILL_INT8: dict[tuple[int, int], tuple[int, int, int, int, int] | str] = {}  # (N, K) -> the fastest of PREFILL_INT8_CONFIGS
 
 
 def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                      config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                      config: tuple[int, int, int, int, int] | str | None = None) -> torch.Tensor:
     """(int8 xq [M, K] @ int8 qweight [N, K]^T, exact in int32) * x_scale[m] * w_scale[n] (+ bias[n])
     -> out_dtype [M, N], for any M: dequantize_gemm(int8_gemm(xq, qweight.t()), ...) in one kernel."""
     M, K = xq.shape
@@ -542,6 +546,10 @@ def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Te
     xq, qweight = xq.contiguous(), qweight.contiguous()
     x_scale, w_scale = x_scale.float().contiguous(), w_scale.float().contiguous()
     config = config or (_PREFILL_INT8.get((N, K)) if M >= PREFILL_ROWS else None) or _dot_config(M, int8_operands=True)
+    if config == CUBLAS:  # (M > 16, K and N multiples of 8: tune_prefill rejects it where not)
+        out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+        _reduce(torch._int_mm(xq, qweight.t()).unsqueeze(0), out, bias, x_scale, w_scale)
+        return out
     block_m, block_n, block_k, warps, stages = config
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     per, splits = _split_k(tiles, triton.cdiv(K, block_k), 2 * _num_sms(xq.device))
