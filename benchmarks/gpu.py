@@ -366,7 +366,7 @@ def main() -> None:
                 entry["decode_b1_sampled_cli_defaults_tok_s"] = engine_decode(model, cfg, 1, ctx, steps, temperature=0.8)
             if a8:
                 return
-            tok_s = engine_prefill(model, cfg, n, 3)
+            tok_s = engine_prefill(model, cfg, n, 8)
             entry["prefill_tok_s"] = tok_s
             entry["prefill_of_matmul_peak"] = prefill_flops(cfg, n) * tok_s / n / (peak * 1e12)
             entry["weight_bytes_read_per_step"] = weight_bytes_read(model)

@@ -65,4 +65,23 @@ fi
 if [ "${ATTN_SWEEP:-1}" = 1 ]; then
   timeout "${ATTN_SWEEP_TIMEOUT:-90}" python3 benchmarks/gpu_attention_sweep.py >> "$OUT/sweeps.log" 2>&1; grep -E "engine's" "$OUT/sweeps.log" | tail -8
 fi
+# 6. the quantizing SiLU·mul of a 2,048-token prefill row block: the chunked kernel against the one-block
+# one, and the plain SiLU·mul (µs, from CUDA graphs, no programmatic launch waits in the way)
+if [ "${SILU_AB:-1}" = 1 ]; then
+  timeout 60 python3 -c "
+import torch
+from fasterllama.backends.cuda import triton_norm as tn
+from fasterllama.backends.cuda.gemv import _time
+gu = torch.randn(2048, 22016, device='cuda', dtype=torch.bfloat16)
+chunked = _time(lambda: tn.silu_and_mul_quant(gu))
+tn.SILU_QUANT_ROWS = 10**9
+print(f'silu quant 2048x11008: chunked {chunked*1e3:.1f} us, one block {_time(lambda: tn.silu_and_mul_quant(gu))*1e3:.1f}, plain {_time(lambda: tn.silu_and_mul(gu))*1e3:.1f}')
+" 2>&1 | tee -a "$OUT/sweeps.log" | tail -3
+fi
+# 7. the decode GEMVs under Nsight Compute (benchmarks/gpu_ncu.py: why the quantized ones stop short of the bandwidth)
+if [ "${NCU:-1}" = 1 ] && command -v ncu >/dev/null; then
+  timeout "${NCU_TIMEOUT:-90}" ncu --clock-control none --nvtx --nvtx-include "gemv/" --section SpeedOfLight --section WarpStateStats \
+    --section SchedulerStats --section Occupancy --section LaunchStats python3 benchmarks/gpu_ncu.py >> "$OUT/sweeps.log" 2>&1
+  grep -E "us a call|Duration|Memory Throughput|DRAM Throughput|Issued Warp|No Eligible|Registers Per|Achieved Occupancy" "$OUT/sweeps.log" | tail -60
+fi
 echo "total: $(( $(date +%s) - T0 )) s"

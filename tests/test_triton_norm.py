@@ -95,6 +95,23 @@ def test_triton_norm_quant(dtype, static) -> None:
     _assert_int8_close(*tn.quantize_per_token(x, scale, clip), *quantized.quantize_per_token(x, scale, clip), loose)
 
 
+@pytest.mark.parametrize("static", [None, "scale", "clip"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_silu_and_mul_quant_in_chunks(monkeypatch, dtype, static) -> None:
+    """The chunked kernel of many rows (a prefill's) quantizes as the reference does: rows of
+    several chunks and a partial last one, a row whose absmax lies in a late chunk."""
+    M, K = (6, 3 * 32 + 8) if DEVICE == "cpu" else (300, 11008)
+    monkeypatch.setattr(tn, "SILU_QUANT_ROWS", 1)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(tn, "SILU_QUANT_BLOCK", 32)
+    gu = _rand(M, 2 * K, dtype=dtype, scale=2)
+    gu[1, K - 3] = 40.0  # (gate) the second row's absmax in its last chunk
+    scale = None if static is None else torch.tensor(0.02, device=DEVICE)
+    q, s = tn.silu_and_mul_quant(gu, scale, static == "clip")
+    assert tn.SILU_QUANT_ROWS == 1 and q.shape == (M, K) and s.shape == (M,)
+    _assert_int8_close(q, s, *quantized.silu_and_mul_quant(gu, scale, static == "clip"), dtype != torch.float32)
+
+
 def test_triton_round_half_even() -> None:
     """Ties of x / scale round to even as torch.round does (1.5 -> 2, 2.5 -> 2, -0.5 -> 0)."""
     row = torch.tensor([[127.0, 1.5, 2.5, -0.5, -1.5, 3.5, 0.49, -126.5, 200.0]], device=DEVICE)
