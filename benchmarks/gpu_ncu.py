@@ -1,10 +1,13 @@
 """The decode GEMVs a 7B layer's qkv and gate_up projections take at batch 1 (bf16, 4-bit w4-g32,
 4-bit with x rounded to int8 as "gguf-a8", int8 w8-g32), each the kernel and config tune() chose,
-launched eagerly inside an NVTX range "gemv" for Nsight Compute: why the quantized GEMVs stop at
-47-66% of the copy bandwidth where bf16's reach ~99% (docs/gpu.md). Under ncu:
+launched eagerly between cudaProfilerStart and Stop for Nsight Compute: why the quantized GEMVs stop
+at 47-66% of the copy bandwidth where bf16's reach ~99% (docs/gpu.md). Under ncu:
 
-    ncu --clock-control none --nvtx --nvtx-include "gemv/" --section SpeedOfLight --section WarpStateStats \
+    ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
         --section SchedulerStats --section Occupancy --section LaunchStats python3 benchmarks/gpu_ncu.py
+
+(An NVTX range filter, tried on 2026-11-30, let ncu profile the quantization's and tune()'s kernels
+outside the range too, and its 80 s ran out there.)
 
 Without ncu it prints each call's time (µs, CUDA events over 50 calls: a check that it runs)."""
 
@@ -39,10 +42,10 @@ def main() -> None:
                 if device.type == "cpu":
                     continue
                 torch.cuda.synchronize()
-                torch.cuda.nvtx.range_push("gemv")
-                for _ in range(2):
-                    linear(x)
-                torch.cuda.nvtx.range_pop()
+                torch.cuda.profiler.start()
+                linear(x)
+                torch.cuda.synchronize()
+                torch.cuda.profiler.stop()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 for _ in range(50):

@@ -80,7 +80,7 @@ print(f'silu quant 2048x11008: chunked {chunked*1e3:.1f} us, one block {_time(la
 fi
 # 7. the decode GEMVs under Nsight Compute (benchmarks/gpu_ncu.py: why the quantized ones stop short of the bandwidth)
 if [ "${NCU:-1}" = 1 ] && command -v ncu >/dev/null; then
-  timeout "${NCU_TIMEOUT:-90}" ncu --clock-control none --nvtx --nvtx-include "gemv/" --section SpeedOfLight --section WarpStateStats \
+  timeout "${NCU_TIMEOUT:-90}" ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section Occupancy --section LaunchStats python3 benchmarks/gpu_ncu.py >> "$OUT/sweeps.log" 2>&1
   grep -E "us a call|Duration|Memory Throughput|DRAM Throughput|Issued Warp|No Eligible|Registers Per|Achieved Occupancy" "$OUT/sweeps.log" | tail -60
 fi

@@ -524,15 +524,14 @@ def _int8_gemm_kernel(
 
 
 # W8A8 prefill tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) that tune_prefill() times per weight
-# shape at 2,048 rows (sm_90: all wgmma with cp.async pipelines, no spills; 96-192 KB of shared
-# memory, 115-212 registers; on an H200 on 2026-11-30 the first won every 7B shape, at ~1.3 POP/s),
-# and CUBLAS: cuBLASLt's int8 GEMM (torch._int_mm) into int32, then the reduce kernel's
-# dequantization (an [M, N] int32 write and read more: ~2% of the GEMM's time at 7B's shapes); a
-# GEMM of PREFILL_ROWS rows or more takes the fastest, smaller ones _dot_config's.
+# shape at 2,048 rows (sm_90: all wgmma with cp.async pipelines, no spills; 115, 195 and 208
+# registers), and CUBLAS: cuBLASLt's int8 GEMM (torch._int_mm) into int32, then the reduce kernel's
+# dequantization; a GEMM of PREFILL_ROWS rows or more takes the fastest, smaller ones _dot_config's.
+# On an H200 (2026-11-30) the first tile won every 7B shape (~1.3 POP/s; cuBLAS took 1.6-1.8x its
+# time, and 4-5 stages or 4 warps 1.15-1.7x) and cuBLAS three of SmolLM2-135M's four (0.6-0.9x).
 CUBLAS = "cublas"
 PREFILL_INT8_CONFIGS: tuple[tuple[int, int, int, int, int] | str, ...] = (
-    (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4),
-    (128, 128, 64, 4, 5), CUBLAS)
+    (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), CUBLAS)
 PREFILL_ROWS = 512
 _PREFILL_INT8: dict[tuple[int, int], tuple[int, int, int, int, int] | str] = {}  # (N, K) -> the fastest of PREFILL_INT8_CONFIGS
 
