@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One lent-GPU session (one device call, ~9-10 minutes): the end-to-end CUDA tests and the Triton kernel
 # tests at real shapes (in parallel), then benchmarks/gpu.py, then benchmarks/gpu_profile.py, with
-# programmatic dependent launch and without.
+# programmatic dependent launch and without; then diagnostics: the sampler and attention sweeps, the
+# quantizing SiLU·mul's timings, the decode GEMVs under Nsight Compute (each step's variable turns it off).
 # Logs and the benchmark's JSON go to $OUT. Runs under the GPU image's python3 (torch, triton,
 # transformers there); gguf, which it lacks, travels as a wheel in .whl/ (see docs/gpu.md).
 set -uo pipefail
