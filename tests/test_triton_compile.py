@@ -75,6 +75,11 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
                                      {"gu_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "static_ptr": "*fp32", "K": "i32",
                                       "BLOCK": "constexpr", "HAS_STATIC": "constexpr", "CLIP": "constexpr", "PDL": "constexpr"},
                                      {"BLOCK": 2048, "HAS_STATIC": True, "CLIP": False, "PDL": True}, 8),
+    "W8A8 GEMM, persistent, TMA": ("triton_linear", "_int8_gemm_tma_kernel",
+                                   {"a_desc": "tensordesc<i8[128, 128]>", "w_desc": "tensordesc<i8[256, 128]>", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
+                                    "b_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
+                                    **dict.fromkeys(("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "PROGRAMS", "HAS_BIAS", "PDL"), "constexpr")},
+                                   {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "GROUP_M": 8, "PROGRAMS": 132, "HAS_BIAS": True, "PDL": True}, 8),
     "4-bit words GEMV": ("gemv", "_int4_words_gemv_kernel", WORDS, {"GS": 32, "GPB": 32, "BLOCK_N": 32, "TWO": False, "PDL": True}, 4),
     "float GEMV": ("gemv", "_float_gemv_kernel", FLOAT_GEMV, {"BLOCK_N": 8, "BLOCK_K": 512, "TWO": False, "PDL": True}, 4),
     "int8 words GEMV": ("gemv", "_int8_words_gemv_kernel", INT8_WORDS,
@@ -140,7 +145,8 @@ first_store = next((i for i, o in enumerate(ops) if o.startswith("STG")), len(op
 late_loads = sum(o.startswith("LDG") for o in ops[first_store:])  # (a load after a store waits for it: it may alias)
 print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
                   "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced,
-                  "loads_after_a_store": late_loads, "dp4a": sum(o.startswith("IDP.4A") for o in ops)}))
+                  "loads_after_a_store": late_loads, "dp4a": sum(o.startswith("IDP.4A") for o in ops),
+                  "tma": sum(o.startswith("UTMALDG") for o in ops), "wgmma": sum(o.startswith(("HGMMA", "IGMMA")) for o in ops)}))
 """
 
 
@@ -164,6 +170,8 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
         assert got["before_wait"] and all(o.startswith("LDG") for o in got["before_wait"]), got["before_wait"]
     else:  # nothing read or written before it
         assert got["before_wait"] == [], got["before_wait"]
+    if "TMA" in name:  # operand tiles by the TMA engine into int8 wgmma
+        assert got["tma"] > 0 and got["wgmma"] > 0, got
     if "IDP4A" in name:  # the inline PTX dp4a: an integer dot product a word
         assert got["dp4a"] > 0, got
     if name == "sampler":

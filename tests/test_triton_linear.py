@@ -122,6 +122,19 @@ def test_int8_gemm_prefill_configs_are_exact(config) -> None:
     assert torch.equal(out, ref.int8_gemm(xq, q.t()).float())
 
 
+@pytest.mark.parametrize("K", [208, 200])  # 208: two K tiles, the last partial (TMA reads 0 past K); 200: rows not 16-byte aligned
+def test_int8_gemm_tma_walks_every_tile(monkeypatch, K: int) -> None:
+    """The persistent TMA kernel: two programs walk six output tiles (partial ones at M's and N's
+    ends) with the bias; a K whose rows TMA cannot address takes the tiled kernel. Exact either way."""
+    monkeypatch.setattr(tlin, "_num_sms", lambda device: 2)
+    M, N = 300, 200
+    xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE)
+    bias = torch.randint(-8, 8, (N,), device=DEVICE).float()
+    out = tlin.int8_gemm_dequant(xq, torch.ones(M, device=DEVICE), q, torch.ones(N, device=DEVICE), bias, torch.float32, (128, 128, 128, 8, 3, tlin.TMA))
+    assert torch.equal(out, ref.int8_gemm(xq, q.t()).float() + bias)
+
+
 def test_tune_prefill_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     """tune_prefill() times each config once per distinct W8A8 shape (timings faked: the choice,
     not the clock), and GEMMs of PREFILL_ROWS rows or more take the fastest, smaller ones the defaults."""

@@ -523,21 +523,65 @@ def _int8_gemm_kernel(
         tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _int8_gemm_tma_kernel(
+    a_desc, w_desc, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):
+    """_int8_gemm_kernel's product and epilogue, persistent: PROGRAMS programs (one an SM) walk the
+    output tiles, their operand tiles brought by the TMA engine (tensor descriptors: one copy
+    instruction a tile, rows past M, N or K read as 0) and the K loop pipelined across a program's
+    tiles (flatten), so one tile's loads overlap the last one's epilogue."""
+    pdl.wait_prior(PDL)
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+        pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+            acc = tl.dot(a, w.T, acc, out_dtype=tl.int32)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y = acc.to(tl.float32) * tl.load(xs_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+        y = y * tl.load(ws_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        _store(out_ptr, y, offs_m, offs_n, M, N, b_ptr, HAS_BIAS)
+
+
+def _int8_gemm_tma(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                   out: torch.Tensor, config: tuple[int, int, int, int, int]) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (M, K), N = xq.shape, qweight.shape[0]
+    block_m, block_n, block_k, warps, stages = config
+    programs = min(_num_sms(xq.device), triton.cdiv(M, block_m) * triton.cdiv(N, block_n))
+    _int8_gemm_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(xq, [block_m, block_k]), TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
+        x_scale, w_scale, w_scale if bias is None else bias, out, M, N, K,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, PROGRAMS=programs, HAS_BIAS=bias is not None,
+        num_warps=warps, num_stages=stages, **pdl.launch_args(xq),
+    )
+
+
 # W8A8 prefill tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) that tune_prefill() times per weight
 # shape at 2,048 rows (sm_90: all wgmma with cp.async pipelines, no spills; 115, 195 and 208
 # registers), and CUBLAS: cuBLASLt's int8 GEMM (torch._int_mm) into int32, then the reduce kernel's
 # dequantization; a GEMM of PREFILL_ROWS rows or more takes the fastest, smaller ones _dot_config's.
 # On an H200 (2026-11-30) the first tile won every 7B shape (~1.3 POP/s; cuBLAS took 1.6-1.8x its
 # time, and 4-5 stages or 4 warps 1.15-1.7x) and cuBLAS three of SmolLM2-135M's four (0.6-0.9x).
-CUBLAS = "cublas"
-PREFILL_INT8_CONFIGS: tuple[tuple[int, int, int, int, int] | str, ...] = (
-    (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), CUBLAS)
+# A config ending in TMA runs _int8_gemm_tma_kernel (persistent, operands by the TMA engine; not yet
+# timed on a GPU), where K and the operands' addresses allow it (16-byte aligned rows).
+CUBLAS, TMA = "cublas", "tma"
+PrefillConfig = tuple[int, int, int, int, int] | tuple[int, int, int, int, int, str] | str
+PREFILL_INT8_CONFIGS: tuple[PrefillConfig, ...] = (
+    (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (256, 128, 128, 8, 3), CUBLAS, (128, 128, 128, 8, 3, TMA), (128, 256, 128, 8, 3, TMA))
 PREFILL_ROWS = 512
-_PREFILL_INT8: dict[tuple[int, int], tuple[int, int, int, int, int] | str] = {}  # (N, K) -> the fastest of PREFILL_INT8_CONFIGS
+_PREFILL_INT8: dict[tuple[int, int], PrefillConfig] = {}  # (N, K) -> the fastest of PREFILL_INT8_CONFIGS
 
 
 def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                      config: tuple[int, int, int, int, int] | str | None = None) -> torch.Tensor:
+                      config: PrefillConfig | None = None) -> torch.Tensor:
     """(int8 xq [M, K] @ int8 qweight [N, K]^T, exact in int32) * x_scale[m] * w_scale[n] (+ bias[n])
     -> out_dtype [M, N], for any M: dequantize_gemm(int8_gemm(xq, qweight.t()), ...) in one kernel."""
     M, K = xq.shape
@@ -551,6 +595,12 @@ def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Te
         out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
         _reduce(torch._int_mm(xq, qweight.t()).unsqueeze(0), out, bias, x_scale, w_scale)
         return out
+    if config[-1] == TMA:
+        config = config[:5]
+        if K % 16 == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0:
+            out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+            _int8_gemm_tma(xq, x_scale, qweight, w_scale, bias, out, config)
+            return out
     block_m, block_n, block_k, warps, stages = config
     tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
     per, splits = _split_k(tiles, triton.cdiv(K, block_k), 2 * _num_sms(xq.device))
