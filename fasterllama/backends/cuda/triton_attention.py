@@ -369,13 +369,17 @@ def _decode_block_n(head_dim: int, use_dot: bool, dtype: torch.dtype, programs: 
 
 def _decode_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device: torch.device) -> int:
     """How many splits a sequence's keys are cut into, from shapes and the cache capacity only, so
-    a captured graph stays valid: enough for ~16 programs per SM with the batch's (sequence, KV
-    head) pairs, at most 64 and no more than the capacity has tiles. Each program's share follows
+    a captured graph stays valid: enough for ~4 programs per SM with the batch's (sequence, KV
+    head) pairs, at most 64 and no more than half the capacity's tiles. Each program's share follows
     the actual length at run time (_split_chunk); a batch filling the grid on its own runs one split
-    and skips the combine."""
+    and skips the combine. (On an H200, kernel + combine, `gpu_attention_sweep.py` on 2026-11-30:
+    ~16 programs an SM and one tile a split took 7.1 / 13.4 µs at 7B's heads, batch 1, 512 / 2,048
+    keys, against 6.4 / 12.3 for 16 splits; batch 8, 27.0 / 74.7 for 9 splits against 23.4-25.3 /
+    69.9-73.5 for 2-4; the default model's heads 3.9 / 5.8 at 512 keys, batch 1 / 8, against 3.6 /
+    4.5 for 16 splits.)"""
     if _INTERPRET:  # small tests: two-tile splits exercise both the split and the tile loop
         return triton.cdiv(max_len, 2 * block_n)
-    return max(1, min(64, triton.cdiv(max_len, block_n), triton.cdiv(16 * _num_sms(device.index or 0), batch * kv_heads)))
+    return max(1, min(64, triton.cdiv(max_len, 2 * block_n), triton.cdiv(4 * _num_sms(device.index or 0), batch * kv_heads)))
 
 
 def decode_attention(
