@@ -95,7 +95,8 @@ def main() -> None:
               for c in distinct(gemv.INT8_WORD_CONFIGS)]
     a8 = dict(common, K_SPLIT="i32", G="i32", xw_ptr="*i32", xs_ptr="*fp32", xsum_ptr="*fp32", **dict.fromkeys(
         ("BITS", "E", "GS", "WB", "PER_GROUP", "HAS_MINS", "BLOCK_N", "TWO", "ASM", "ROUND_IN_LOOP"), "constexpr"))
-    cases += [(f"int{bits} a8{', x rounded in the loop' if c.round_in_loop else ''}", gemv_a8._a8_gemv_kernel, dict(a8, w_ptr="*i8" if bits == 8 else "*u8"), c)
+    how = lambda c: ", x rounded in the loop" if c.round_in_loop else ", x rounded before" if c.round_first else ""  # noqa: E731
+    cases += [(f"int{bits} a8{how(c)}", gemv_a8._a8_gemv_kernel, dict(a8, w_ptr="*i8" if bits == 8 else "*u8", X_ROUNDED="constexpr"), c)
               for bits in (4, 8) for c in distinct(gemv_a8.A8_CONFIGS)]
     print("| kernel | rows, tile bytes, warps, prefetch | loop instructions | weights a thread | a weight | loads behind a barrier |"
           " registers, stack |\n|---|---|---:|---:|---:|---:|---|")
@@ -106,7 +107,7 @@ def main() -> None:
             bits = 8 if "int8" in name else 4
             consts = {k: v for k, v in consts.items() if k != "GPB"}
             consts.update(BITS=bits, E=min(g, 32), WB=cfg.tile_bytes // 4, PER_GROUP=True, HAS_MINS=bits == 4, ASM=True,
-                          ROUND_IN_LOOP=cfg.round_in_loop)
+                          ROUND_IN_LOOP=cfg.round_in_loop, X_ROUNDED=cfg.round_first)
             gpb = cfg.tile_bytes * 8 // bits // g
         elif "int8" in name:
             consts.update(PER_GROUP=True, HAS_MINS=False)

@@ -114,13 +114,21 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "4-bit a8 GEMV (IDP4A), x rounded in the loop, two rows": ("gemv_a8", "_a8_gemv_kernel", dict(A8, w_ptr="*u8"),
                                                               {"BITS": 4, "E": 32, "GS": 32, "WB": 32, "PER_GROUP": True, "HAS_MINS": True,
                                                                "BLOCK_N": 128, "TWO": True, "PDL": True, "ASM": True, "ROUND_IN_LOOP": True}, 4),
+    "4-bit a8 GEMV (IDP4A), x rounded by the kernel before": ("gemv_a8", "_a8_gemv_kernel", dict(A8, w_ptr="*u8", X_ROUNDED="constexpr"),
+                                                            {"BITS": 4, "E": 32, "GS": 32, "WB": 64, "PER_GROUP": True, "HAS_MINS": True,
+                                                             "BLOCK_N": 64, "TWO": False, "PDL": True, "ASM": True, "ROUND_IN_LOOP": False,
+                                                             "X_ROUNDED": True}, 4),
+    "x rounded to int8 for the a8 kernels": ("gemv_a8", "_round_x_kernel",
+                                {"x_ptr": "*bf16", "xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
+                                 "E": "constexpr", "QB": "constexpr", "BITS": "constexpr", "PDL": "constexpr"},
+                                {"E": 32, "QB": 8, "BITS": 4, "PDL": True}, 4),
     "int8 a8 GEMV (IDP4A), groups of 16 with mins, two rows, split-K merged by the last": (
         "gemv_a8", "_a8_gemv_kernel", dict(A8, w_ptr="*i8", s_ptr="*fp32", mn_ptr="*fp32"),
         {"BITS": 8, "E": 16, "GS": 16, "WB": 32, "PER_GROUP": True, "HAS_MINS": True, "BLOCK_N": 128, "TWO": True, "PDL": True, "ASM": True,
          "ROUND_IN_LOOP": False, "SPLITS_PAD": 4, "HAS_BIAS": True}, 4),
 }
 for _module, _kernel, _sig, _consts, _warps in CASES.values():  # a GEMV's launch says whether it splits K (the compile takes no defaults)
-    if _module in ("gemv", "gemv_a8"):
+    if _module in ("gemv", "gemv_a8") and _kernel.endswith("gemv_kernel"):
         _sig.update(SPLITS_PAD="constexpr", HAS_BIAS="constexpr")
         _consts.setdefault("SPLITS_PAD", 1)
         _consts.setdefault("HAS_BIAS", False)

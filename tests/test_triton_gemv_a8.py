@@ -21,7 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 # (N, K): N not a multiple of any row block, a K tail past one tile, split-K
 SHAPES = [(40, 96), (70, 1088)] if DEVICE == "cpu" else [(4096, 4096), (12288, 4096), (4096, 11008), (1728, 576)]
 IN_LOOP = [c for c in gemv_a8.A8_CONFIGS if c.round_in_loop]  # (x rounded tile by tile in the K loop)
-CONFIGS = ([*gemv_a8.A8_CONFIGS[:4:2], IN_LOOP[0], IN_LOOP[-1]] if DEVICE == "cpu" else [gemv_a8.A8_CONFIGS[0], IN_LOOP[0]])
+FIRST = [c for c in gemv_a8.A8_CONFIGS if c.round_first]  # (x rounded by a kernel of its own before the GEMV)
+CONFIGS = ([*gemv_a8.A8_CONFIGS[:4:2], IN_LOOP[0], IN_LOOP[-1], FIRST[-1]] if DEVICE == "cpu" else [gemv_a8.A8_CONFIGS[0], IN_LOOP[0], FIRST[0]])
 
 
 def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -69,6 +69,7 @@ class Config(NamedTuple):
     programs_per_sm: int  # split-K until the grid has this many programs per multiprocessor (0: no split, no reduce)
     prefetch: bool = False  # (the word-wise kernels) the next tile's loads go out before this tile's arithmetic
     round_in_loop: bool = False  # (the integer GEMVs, gemv_a8.py) round each tile's x in the K loop, not a slice before it
+    round_first: bool = False  # (the integer GEMVs) x rounded once by a kernel of its own before the GEMV
 
 
 # (no split: small matrices, whose GEMV is latency-bound, skip the split-K reduce's second launch;

@@ -17,7 +17,11 @@ programs sharing a slice write the same bits; a barrier orders a program's write
 threads read them, as gemv._normed_rows does). That work is repeated by every row block (~1/BLOCK_N
 of the weights' work, the reason the configs own 64-256 rows), and saves a launch a linear. The
 round_in_loop configs round each tile's columns inside the K loop instead (no buffers, no serial
-start before the loop); tune() times both.
+start before the loop), and the round_first ones launch a kernel that rounds x once, for every
+program of the GEMV after it (a launch more, no rounding in the GEMV); tune() times all three.
+On an H200 (2026-11-30) the first two lost to the float-activation GEMVs at K = 4,096 (4-bit qkv
+18.3 µs against 10.4) and won at 11,008 (down, 9.8 against 11.2): the serial rounding before the
+K loop is the suspect that round_first takes away.
 
 The interpreter has no inline assembly: there (ASM False) a byte-by-byte product stands in for
 IDP4A, so CI checks everything but the one PTX instruction (compiled for sm_90 in
@@ -38,10 +42,12 @@ from .triton_norm import INTERPRET
 # rounding of x, redone by every row block, costs 1/BLOCK_N of the weights' work; more programs an SM
 # (split-K): shorter slices of x to round before a program's K loop starts, while its first weight
 # tile is on its way (at 7B shapes one program's tile is ~2 us of its SM's share of the bandwidth);
-# round_in_loop: each tile's columns rounded inside the K loop instead, no serial start. Six: each
-# config is a compile a shape (seconds) when tune() times it, and the benchmark's budget is minutes.
+# round_in_loop: each tile's columns rounded inside the K loop instead, no serial start; round_first:
+# by a kernel of its own before (the fastest two slice configs' tiles). Eight: each config is a
+# compile a shape (seconds) when tune() times it, and the benchmark's budget is minutes.
 A8_CONFIGS = (Config(64, 256, 4, 2), Config(128, 128, 4, 2), Config(256, 64, 4, 2), Config(128, 128, 4, 4),
-              Config(64, 256, 4, 2, round_in_loop=True), Config(128, 128, 4, 2, round_in_loop=True))
+              Config(64, 256, 4, 2, round_in_loop=True), Config(128, 128, 4, 2, round_in_loop=True),
+              Config(64, 256, 4, 2, round_first=True), Config(128, 128, 4, 4, round_first=True))
 DEFAULT_A8_CONFIG = A8_CONFIGS[0]
 QUANT_BLOCK = tl.constexpr(32)  # chunks of x a program rounds at a time
 RCP_127 = tl.constexpr(0.007874015718698502)  # 1 / 127 in fp32, correctly rounded (numpy: float32(1) / float32(127))
@@ -126,6 +132,18 @@ def _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E: tl
             tl.store(xs_ptr + m * (K // E) + ch, scale, mask=ok)
             tl.store(xsum_ptr + m * (K // E) + ch, xsum, mask=ok)
     tl.debug_barrier()
+
+
+ROUND_CHUNKS = 8  # chunks of x a program of _round_x_kernel rounds
+
+
+@triton.jit
+def _round_x_kernel(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, E: tl.constexpr, QB: tl.constexpr, BITS: tl.constexpr,
+                    PDL: tl.constexpr):
+    """x rounded once, QB chunks a program, into the buffers the GEMV after it reads (round_first)."""
+    pdl.wait_prior(PDL)
+    first = tl.program_id(0) * QB * E
+    _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, tl.minimum(first + QB * E, K), E, QB, BITS)
 
 
 @triton.jit
@@ -213,11 +231,12 @@ def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s
 def _a8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, xw_ptr, xs_ptr, xsum_ptr,
                     BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
                     BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, ROUND_IN_LOOP: tl.constexpr = False,
-                    part_ptr=None, bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                    X_ROUNDED: tl.constexpr = False, part_ptr=None, bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
     """y = W x^ over 32-bit words of W's rows (BITS 8: int8 [N, K]; 4: pack_int4's bytes [N, K/2]),
     WB words a row a tile; x^ = x rounded to int8 per chunk of E columns, by _round_x into the xw /
     xs / xsum buffers before the K loop, or (ROUND_IN_LOOP) tile by tile inside it: the same work,
-    a few more instructions a tile, no serial start. K_SPLIT: columns a program's split owns."""
+    a few more instructions a tile, no serial start; X_ROUNDED: the buffers filled by
+    _round_x_kernel before. K_SPLIT: columns a program's split owns."""
     VPW: tl.constexpr = 32 // BITS  # values a word
     UNITS: tl.constexpr = WB * VPW // E  # chunks of x a tile
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -232,7 +251,7 @@ def _a8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_
     f = tl.multiple_of(first // VPW, 4) + offs_f  # (first: a multiple of a tile's columns)
     w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
-    if not ROUND_IN_LOOP:
+    if not ROUND_IN_LOOP and not X_ROUNDED:
         _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E, QUANT_BLOCK, BITS)
     acc0, acc1 = _a8_tile(w, f, first, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E, GS,
                           WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM, ROUND_IN_LOOP)
@@ -260,12 +279,15 @@ def _a8_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins:
         xw = torch.empty(M, K // 4, dtype=torch.int32, device=x.device)  # x rounded: four int8 a word
         xs = torch.empty(M, K // E, dtype=torch.float32, device=x.device)
         xsum = torch.empty_like(xs)
+        if cfg.round_first and M:
+            _round_x_kernel[(triton.cdiv(K // E, ROUND_CHUNKS),)](x2, xw, xs, xsum, M, K, x2.stride(0), E=E, QB=ROUND_CHUNKS, BITS=bits,
+                                                                   num_warps=4, **pdl.launch_args(x2))
     wb = cfg.tile_bytes // 4
     s = scale.reshape(N, -1)
     args = (weight.contiguous(), s.contiguous(), s if mins is None else mins.contiguous())
     out = _launch(_a8_gemv_kernel, cfg, x2, N, K, K, wb * 32 // bits, bias, x.dtype, args, G=s.shape[1], xw_ptr=xw, xs_ptr=xs,
                   xsum_ptr=xsum, BITS=bits, E=E, GS=group_size or E, WB=wb, PER_GROUP=group_size is not None,
-                  HAS_MINS=mins is not None, ASM=not INTERPRET and x.is_cuda, ROUND_IN_LOOP=cfg.round_in_loop)
+                  HAS_MINS=mins is not None, ASM=not INTERPRET and x.is_cuda, ROUND_IN_LOOP=cfg.round_in_loop, X_ROUNDED=cfg.round_first)
     return out.view(*x.shape[:-1], N)
 
 
