@@ -116,8 +116,8 @@ def _silu_and_mul_quant_rows_kernel(
 ):
     """Quantizing SiLU·mul of one row in column chunks: each chunk's SiLU·mul (in the model dtype)
     goes to y_ptr as the row's absmax grows, then comes back (from L2) to be quantized. The
-    one-block kernel holds a prefill row of 11,008 in 16 warps at 88 registers: one program an
-    SM, 16 waves at 2,048 rows."""
+    one-block kernel holds a prefill row of 11,008 in 16 warps at 88 registers, one program an SM;
+    this one 8 warps at 40. On an H200 at 2,048 x 11,008: 54.4 µs against 58.6 (2026-11-30)."""
     pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = gu_ptr.dtype.element_ty
