@@ -18,6 +18,7 @@ import torch
 from ..sampling_params import SamplingParams
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
+from .stop_strings import cut_at_stop, find_stop
 
 NEG = -1.0e9
 
@@ -128,10 +129,7 @@ class BeamSearch:
         start = 0
         if p.min_tokens > 1:
             start = max(0, len(decode(tokens[: p.min_tokens - 1], skip_special_tokens=p.skip_special_tokens)) - max(map(len, p.stop)) + 1)
-        hits = [(i, s) for s in p.stop if (i := text.find(s, start)) >= 0]
-        if not hits:
-            return text, None, None
-        at, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+        at, stop = find_stop(text, p.stop, start) or (None, None)
         return text, at, stop
 
     def _final_text(self, tokens: list[int], reason: str, p: SamplingParams) -> tuple[str, int | str | None]:
@@ -142,7 +140,7 @@ class BeamSearch:
             return "", tokens[-1] if reason == "stop" and tokens and tokens[-1] in p.stop_token_ids else None
         text, at, stop = self._stop_at(tokens, p)
         if reason == "stop" and at is not None:
-            return text[: at + (len(stop) if p.include_stop_str_in_output else 0)], stop
+            return cut_at_stop(text, at, stop, p.include_stop_str_in_output), stop
         last = tokens[-1] if tokens else None
         if reason == "stop" and (last in p.stop_token_ids or (not p.ignore_eos and last in self.engine.eos_token_ids)):
             if not p.include_stop_str_in_output:

@@ -37,6 +37,7 @@ from .kv_cache import KVCache, num_blocks_for
 from .model_runner import ModelRunner, decode_inputs
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Logprob, Sequence
+from .stop_strings import cut_at_stop, find_stop, stop_prefix_len
 from .structured import StructuredOutput
 
 log = logging.getLogger(__name__)
@@ -105,17 +106,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, backend: Backend) -> torch.dt
     if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise FasterLlamaError(f"unknown dtype {dtype!r} (use float32, bfloat16 or float16)")
     return _DTYPES[dtype]
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of a stop string."""
-    best = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), best, -1):
-            if text.endswith(stop[:n]):
-                best = n
-                break
-    return best
 
 
 def _stop_workers(runner: ModelRunner, workers: tp_workers.Workers) -> None:
@@ -696,7 +686,7 @@ class LLMEngine:
             self._finish(seq, reason)
             safe_end = len(seq.text)
         else:  # hold back a tail that may still grow into a stop string
-            safe_end = len(seq.text) - _stop_prefix_len(seq.text, p.stop)
+            safe_end = len(seq.text) - stop_prefix_len(seq.text, p.stop)
         delta = seq.text[seq.num_emitted : safe_end]
         seq.num_emitted = max(seq.num_emitted, safe_end)
         return StepUpdate(seq, tok, delta, logprobs, reason)
@@ -706,14 +696,12 @@ class LLMEngine:
         """Cut seq.text before the first stop string (which may span tokens; after it with
         include_stop_str_in_output); "stop" if found, the string in seq.stop_reason."""
         longest = max(len(s) for s in seq.params.stop)
-        start = max(0, seq.num_checked - longest + 1)
-        hits = [(i, s) for s in seq.params.stop if (i := seq.text.find(s, start)) >= 0]
+        found = find_stop(seq.text, seq.params.stop, max(0, seq.num_checked - longest + 1))
         seq.num_checked = len(seq.text)
-        if not hits:
+        if found is None:
             return None
-        at, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
-        seq.text = seq.text[: at + (len(stop) if seq.params.include_stop_str_in_output else 0)]
-        seq.stop_reason = stop
+        seq.text = cut_at_stop(seq.text, *found, seq.params.include_stop_str_in_output)
+        seq.stop_reason = found[1]
         return "stop"
 
     def _top_logprobs(self, row: torch.Tensor, tok: int, n: int) -> dict[int, Logprob]:
