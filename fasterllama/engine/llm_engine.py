@@ -475,6 +475,7 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------
     def step(self) -> list[StepUpdate]:
+        """Schedule, run and sample one step; the updates of the sequences that drew tokens."""
         if self.launched is not None:  # a chained step is under way: launch the one after, then read it
             return self._read_chained(self.launched)
         if self.speculator is not None:
@@ -482,10 +483,32 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        # Rows whose logits we need: each sampling sequence's last token (and its drafts'), and
-        # every prompt row of sequences that asked for prompt logprobs.
+        rows, sample_rows, prompt_rows = self._logit_rows(batch)
+        starts = {id(item): item.seq.num_cached for item in batch}
+        seqs = [item.seq for item in batch if item.samples]  # before advance moves num_cached
+        drafts = [item.drafts for item in batch if item.samples]
+        every_row = rows == list(range(sum(item.num_tokens for item in batch)))  # a decode step: no row gather needed
+        all_logits = self._execute(batch, None if every_row else rows)
+        self.scheduler.advance(batch)
+        for item, first in prompt_rows:
+            self._keep_prompt_rows(item, starts[id(item)], all_logits[first : first + item.num_tokens - len(item.drafts)])
+        if not seqs:
+            return []
+        if len(seqs) == len(batch) and self._chains(batch):
+            tokens = sampler.token_tensor(all_logits, seqs, self.eos_token_ids)
+            return self._read_chained(_Launched(seqs, [starts[id(item)] for item in batch], tokens, self.backend.tokens_later(tokens)))
+        self._start_forks(seqs, drafts, sample_rows)
+        # one logits row per token drawn: a sequence's next token, then one after each of its drafts
+        gather = [r + j for r, d in zip(sample_rows, drafts) for j in range(len(d) + 1)]
+        return self._sample(seqs, drafts, all_logits if gather == list(range(len(rows))) else all_logits[gather])
+
+    @staticmethod
+    def _logit_rows(batch: list[ScheduledSeq]) -> tuple[list[int], list[int], list[tuple[ScheduledSeq, int]]]:
+        """The packed rows whose logits the step needs (each sampling sequence's last token and its
+        drafts', every prompt row of sequences that asked for prompt logprobs or logits); per
+        sampling sequence its first row among them; per such prompt, its first row."""
         rows: list[int] = []
-        sample_rows: list[int] = []  # per sampling sequence, its first row in `rows`
+        sample_rows: list[int] = []
         prompt_rows: list[tuple[ScheduledSeq, int]] = []
         offset = 0
         for item in batch:
@@ -499,34 +522,34 @@ class LLMEngine:
                 sample_rows.append(len(rows))
                 rows.extend(range(offset + n - 1 - len(item.drafts), offset + n))
             offset += n
-        starts = {id(item): item.seq.num_cached for item in batch}
-        seqs = [item.seq for item in batch if item.samples]  # before advance moves num_cached
-        drafts = [item.drafts for item in batch if item.samples]
-        every_row = rows == list(range(offset))  # a decode step: no row gather needed
+        return rows, sample_rows, prompt_rows
+
+    def _execute(self, batch: list[ScheduledSeq], rows: list[int] | None) -> torch.Tensor:
+        """The runner's logits of `rows`; a tensor-parallel worker's failure shuts the engine down
+        and is raised again by every later step."""
         if self.failure is not None:
             raise WorkerFailure(self.failure)
         try:
-            all_logits = self.runner.execute(batch, None if every_row else rows)
+            return self.runner.execute(batch, rows)
         except WorkerFailure as e:
             detail = self._workers.describe_failures() if self._workers else ""
             self.failure = f"{e}; {detail}" if detail else str(e)
             self.shutdown()
             raise WorkerFailure(self.failure) from None
-        self.scheduler.advance(batch)
-        for item, first in prompt_rows:
-            rows_logits = all_logits[first : first + item.num_tokens - len(item.drafts)]
-            if item.seq.prompt_logits is not None:
-                if starts[id(item)] == 0:  # (computed again from the start: preempted meanwhile)
-                    item.seq.prompt_logits.clear()
-                item.seq.prompt_logits.append(rows_logits.clone())
-            if item.seq.params.prompt_logprobs is not None:
-                self._add_prompt_logprobs(item.seq, starts[id(item)], rows_logits)
-        if not seqs:
-            return []
-        if len(seqs) == len(batch) and self._chains(batch):
-            tokens = sampler.token_tensor(all_logits, seqs, self.eos_token_ids)
-            return self._read_chained(_Launched(seqs, [starts[id(item)] for item in batch], tokens, self.backend.tokens_later(tokens)))
-        for i in range(len(seqs)):  # a request's other samples start once its prompt is in the cache
+
+    def _keep_prompt_rows(self, item: ScheduledSeq, start: int, rows_logits: torch.Tensor) -> None:
+        """A prompt chunk's logits (compute_logits) and prompt logprobs, from position `start`."""
+        if item.seq.prompt_logits is not None:
+            if start == 0:  # (computed again from the start: preempted meanwhile)
+                item.seq.prompt_logits.clear()
+            item.seq.prompt_logits.append(rows_logits.clone())
+        if item.seq.params.prompt_logprobs is not None:
+            self._add_prompt_logprobs(item.seq, start, rows_logits)
+
+    def _start_forks(self, seqs: list[Sequence], drafts: list[list[int]], sample_rows: list[int]) -> None:
+        """A request's other samples start once its prompt is in the cache: each joins the step's
+        sampling sequences (no drafts), drawing from its parent's logits row."""
+        for i in range(len(seqs)):
             parent = seqs[i]
             for child in parent.forks:
                 if child.is_finished:  # aborted before it started
@@ -538,10 +561,11 @@ class LLMEngine:
                 drafts.append([])
                 sample_rows.append(sample_rows[i])
             parent.forks = []
-        # one logits row per token drawn: a sequence's next token, then one after each of its drafts
+
+    def _sample(self, seqs: list[Sequence], drafts: list[list[int]], logits: torch.Tensor) -> list[StepUpdate]:
+        """Draw each sequence's tokens from its logits rows (one, then one after each draft),
+        verify its drafts, and append what it keeps."""
         row_seqs = [(seq, d[:j]) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
-        gather = [r + j for r, d in zip(sample_rows, drafts) for j in range(len(d) + 1)]
-        logits = all_logits if gather == list(range(len(rows))) else all_logits[gather]
         if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
             self.structured.mask(logits, [(s.matcher, extra) for s, extra in row_seqs])
         token_ids = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
