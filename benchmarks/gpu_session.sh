@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One lent-GPU session (one device call, ~9-10 minutes): the end-to-end CUDA tests and the Triton kernel
-# tests at real shapes (in parallel), then benchmarks/gpu.py, then benchmarks/gpu_profile.py, with
-# programmatic dependent launch and without; then diagnostics: the sampler and attention sweeps, the
-# quantizing SiLU·mul's timings, the decode GEMVs under Nsight Compute (each step's variable turns it off).
+# One lent-GPU session (one device call, ~8-9 minutes; ~10.5 at every timeout): the end-to-end CUDA
+# tests and the Triton kernel tests at real shapes (in parallel, 150 s), then benchmarks/gpu.py, then
+# benchmarks/gpu_profile.py, then the decode GEMVs under Nsight Compute (NCU=0: off). Off by default,
+# their questions answered on 2026-11-30 (=1 turns each on): the profile without programmatic
+# dependent launch (PDL_AB), the sampler and attention sweeps (SWEEP, ATTN_SWEEP), the quantizing
+# SiLU·mul's timings (SILU_AB).
 # Logs and the benchmark's JSON go to $OUT. Runs under the GPU image's python3 (torch, triton,
 # transformers there); gguf, which it lacks, travels as a wheel in .whl/ (see docs/gpu.md).
 set -uo pipefail
@@ -23,7 +25,7 @@ T0=$(date +%s)
 # op at real shapes
 # (-v: a run cut by its timeout still names each failure in the log; 2026-11-28: 881 tests, 136 s;
 # 2026-11-30: 1,296 tests, 8 slow GGUF and graph tests unfinished at 170 s: worksteal, 210 s)
-timeout "${TEST_TIMEOUT:-210}" python3 -m pytest -v -p no:cacheprovider -rfE -n "${TEST_WORKERS:-12}" --dist worksteal \
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -v -p no:cacheprovider -rfE -n "${TEST_WORKERS:-12}" --dist worksteal \
   ${TESTS:-tests/test_cuda.py tests/test_triton_sampling.py tests/test_triton_gemv.py tests/test_triton_gemv_a8.py tests/test_triton_norm.py tests/test_triton_linear.py tests/test_triton_attention.py} \
   > "$OUT/tests.log" 2>&1; grep -E "(FAILED|ERROR) tests/|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -25
 echo "tests: $(( $(date +%s) - T0 )) s"
@@ -54,21 +56,21 @@ if [ "${PROFILE:-1}" = 1 ]; then
 fi
 # 4. the same steps with programmatic dependent launch off: its A/B (step_us against profile.log's); the
 # W8A8 prefill too (61,897 -> 54,668 tok/s between 11-28 and 11-30, when PDL came: is it the cause?)
-if [ "${PDL_AB:-1}" = 1 ] && [ "${FASTERLLAMA_NO_PDL:-0}" != 1 ]; then
+if [ "${PDL_AB:-0}" = 1 ] && [ "${FASTERLLAMA_NO_PDL:-0}" != 1 ]; then
   FASTERLLAMA_NO_PDL=1 timeout "${PDL_AB_TIMEOUT:-90}" python3 benchmarks/gpu_profile.py --cases "${PDL_AB_CASES:-small bf16 b1,7b w8a8 prefill}" \
     --out "$OUT/gpu_profile_no_pdl.json" > "$OUT/profile_no_pdl.log" 2>&1; grep -E '^\[|Error' "$OUT/profile_no_pdl.log"
 fi
 # 5. the sampler's block and chunk sizes, and its passes over the whole row against the chunks' candidates;
 # decode attention's tile and split choices (one log: $OUT brings back 8 files at most)
-if [ "${SWEEP:-1}" = 1 ]; then
+if [ "${SWEEP:-0}" = 1 ]; then
   timeout "${SWEEP_TIMEOUT:-75}" python3 benchmarks/gpu_sampler_sweep.py > "$OUT/sweeps.log" 2>&1; grep -E "rows  1" "$OUT/sweeps.log" | tail -24
 fi
-if [ "${ATTN_SWEEP:-1}" = 1 ]; then
+if [ "${ATTN_SWEEP:-0}" = 1 ]; then
   timeout "${ATTN_SWEEP_TIMEOUT:-90}" python3 benchmarks/gpu_attention_sweep.py >> "$OUT/sweeps.log" 2>&1; grep -E "engine's" "$OUT/sweeps.log" | tail -8
 fi
 # 6. the quantizing SiLU·mul of a 2,048-token prefill row block: the chunked kernel against the one-block
 # one, and the plain SiLU·mul (µs, from CUDA graphs, no programmatic launch waits in the way)
-if [ "${SILU_AB:-1}" = 1 ]; then
+if [ "${SILU_AB:-0}" = 1 ]; then
   timeout 60 python3 -c "
 import torch
 from fasterllama.backends.cuda import triton_norm as tn
@@ -81,7 +83,7 @@ print(f'silu quant 2048x11008: chunked {chunked*1e3:.1f} us, one block {_time(la
 fi
 # 7. the decode GEMVs under Nsight Compute (benchmarks/gpu_ncu.py: why the quantized ones stop short of the bandwidth)
 if [ "${NCU:-1}" = 1 ] && command -v ncu >/dev/null; then
-  timeout "${NCU_TIMEOUT:-90}" ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
+  timeout "${NCU_TIMEOUT:-120}" ncu --clock-control none --profile-from-start off --section SpeedOfLight --section WarpStateStats \
     --section SchedulerStats --section Occupancy --section LaunchStats python3 benchmarks/gpu_ncu.py >> "$OUT/sweeps.log" 2>&1
   grep -E "us a call|Duration|Memory Throughput|DRAM Throughput|Issued Warp|No Eligible|Registers Per|Achieved Occupancy" "$OUT/sweeps.log" | tail -60
 fi

@@ -127,12 +127,16 @@ def test_int8_gemm_tma_walks_every_tile(monkeypatch, K: int) -> None:
     """The persistent TMA kernel: two programs walk six output tiles (partial ones at M's and N's
     ends) with the bias; a K whose rows TMA cannot address takes the tiled kernel. Exact either way."""
     monkeypatch.setattr(tlin, "_num_sms", lambda device: 2)
+    grids = []
+    launch = tlin._int8_gemm_tma
+    monkeypatch.setattr(tlin, "_int8_gemm_tma", lambda *args: grids.append(args[-1]) or launch(*args))
     M, N = 300, 200
     xq = torch.randint(-127, 128, (M, K), dtype=torch.int8, device=DEVICE)
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE)
     bias = torch.randint(-8, 8, (N,), device=DEVICE).float()
     out = tlin.int8_gemm_dequant(xq, torch.ones(M, device=DEVICE), q, torch.ones(N, device=DEVICE), bias, torch.float32, (128, 128, 128, 8, 3, tlin.TMA))
     assert torch.equal(out, ref.int8_gemm(xq, q.t()).float() + bias)
+    assert grids == ([(128, 128, 128, 8, 3)] if K % 16 == 0 else [])  # (the TMA kernel ran, or the tiled one)
 
 
 def test_tune_prefill_keeps_the_fastest(monkeypatch, tmp_path) -> None:

@@ -526,16 +526,15 @@ def _int8_gemm_kernel(
 @triton.jit
 def _int8_gemm_tma_kernel(
     a_desc, w_desc, xs_ptr, ws_ptr, b_ptr, out_ptr, M, N, K,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """_int8_gemm_kernel's product and epilogue, persistent: PROGRAMS programs (one an SM) walk the
+    """_int8_gemm_kernel's product and epilogue, persistent: the programs (one an SM) walk the
     output tiles, their operand tiles brought by the TMA engine (tensor descriptors: one copy
     instruction a tile, rows past M, N or K read as 0) and the K loop pipelined across a program's
     tiles (flatten), so one tile's loads overlap the last one's epilogue."""
     pdl.wait_prior(PDL)
     tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=True):  # (the grid's size: not a constexpr, one compile for every M)
         pid_m, pid_n = _tile_ids(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
@@ -559,7 +558,7 @@ def _int8_gemm_tma(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tenso
     _int8_gemm_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(xq, [block_m, block_k]), TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
         x_scale, w_scale, w_scale if bias is None else bias, out, M, N, K,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, PROGRAMS=programs, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M, HAS_BIAS=bias is not None,
         num_warps=warps, num_stages=stages, **pdl.launch_args(xq),
     )
 
@@ -583,7 +582,8 @@ _PREFILL_INT8: dict[tuple[int, int], PrefillConfig] = {}  # (N, K) -> the fastes
 def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
                       config: PrefillConfig | None = None) -> torch.Tensor:
     """(int8 xq [M, K] @ int8 qweight [N, K]^T, exact in int32) * x_scale[m] * w_scale[n] (+ bias[n])
-    -> out_dtype [M, N], for any M: dequantize_gemm(int8_gemm(xq, qweight.t()), ...) in one kernel."""
+    -> out_dtype [M, N], for any M: dequantize_gemm(int8_gemm(xq, qweight.t()), ...), in one kernel
+    but where K is split or config is CUBLAS (then a reduce kernel dequantizes)."""
     M, K = xq.shape
     N = qweight.shape[0]
     if M == 0:
@@ -597,7 +597,7 @@ def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Te
         return out
     if config[-1] == TMA:
         config = config[:5]
-        if K % 16 == 0 and xq.stride(0) % 16 == 0 and xq.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0:
+        if K % 16 == 0 and xq.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0:  # (both contiguous: rows K bytes apart)
             out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
             _int8_gemm_tma(xq, x_scale, qweight, w_scale, bias, out, config)
             return out
@@ -632,7 +632,7 @@ def tune_prefill(model: torch.nn.Module, rows: int = 2048) -> dict[tuple, dict[s
     return timings
 
 
-def _time_prefill_configs(qweight: torch.Tensor, w_scale: torch.Tensor, rows: int) -> dict[tuple, float]:
+def _time_prefill_configs(qweight: torch.Tensor, w_scale: torch.Tensor, rows: int) -> dict[PrefillConfig, float]:
     """{config: ms} of the W8A8 GEMM at `rows` random int8 rows; a config that fails or differs from
     the first's output by more than bf16 rounding is left out (gemv._checked; REJECTED says why)."""
     from .gemv import _checked, _time

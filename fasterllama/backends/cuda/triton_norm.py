@@ -4,7 +4,7 @@ DequantizedResidualResNormQuantized's float half, DequantizedSiluMultifyQuantize
 
 One program a row: the row is read once, and the residual sum, the normed row and its int8 form
 leave in the same pass (the quantizing SiLU·mul of a prefill's rows goes in column chunks, its
-output written once and read back for the row's scale). Each op computes what its PyTorch reference (ops/reference.py,
+output written once, with the row's absmax, and read back to be quantized). Each op computes what its PyTorch reference (ops/reference.py,
 ops/quantized.py) computes, rounding at the same points (the norm in fp32, the weight product in
 the model dtype), so bf16 results match the reference's bits except for rare last-place ties."""
 
