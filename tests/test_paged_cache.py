@@ -271,6 +271,21 @@ def test_n_samples_fork_from_one_prefill(tiny_folder):
     assert engine.blocks.num_used == 0
 
 
+def test_forks_keep_their_seats_while_the_prompt_is_prefilled_in_chunks(tiny_folder):
+    """An n = 4 request whose prompt takes three steps holds all four seats: the requests behind
+    it wait (they took the forks' seats, and the forks started on top: 7 running of 4)."""
+    llm = _llm(tiny_folder, max_num_seqs=4, max_num_batched_tokens=16)
+    engine = llm.engine
+    engine.add_group(list(range(10, 50)), SamplingParams(temperature=1.0, seed=1, n=4, max_tokens=5, ignore_eos=True))
+    for k in range(3):
+        engine.add_group([50 + k, 60 + k], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 4 and engine.blocks.num_used == 0
+
+
 def test_beam_search_needs_no_seats_and_frees_its_blocks(tiny_folder):
     llm = _llm(tiny_folder, max_num_seqs=1)
     prompt = [(5 * i) % 300 + 10 for i in range(30)]

@@ -63,7 +63,9 @@ class Scheduler:
             i += 1
         if self.num_preemptions != preempted:
             return batch  # short of blocks: admit nothing new
-        seats = self.max_num_seqs - len(self.running)
+        # (a running parent's forks start once its prompt is in: their seats stay taken while it is
+        # prefilled in chunks)
+        seats = self.max_num_seqs - len(self.running) - sum(not child.is_finished for seq in self.running for child in seq.forks)
         computing = {self.blocks.next_block_hash(item.seq, item.seq.num_cached + item.num_tokens - len(item.drafts)) for item in batch}
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and seats >= 1 + len(self.waiting[0].forks):
