@@ -55,7 +55,7 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_cached, budget)
             drafts = seq.draft_token_ids[: budget - n] if seq.num_cached + 1 == seq.num_tokens else []
             if drafts and not self.blocks.reserve(seq, seq.num_tokens + len(drafts)):
-                drafts = []  # drafts never preempt anyone
+                drafts = []  # drafts preempt no one directly (but they take free blocks before the sequences after them reserve theirs)
             if not self._reserve(seq, seq.num_cached + n):
                 break  # seq itself was preempted, and everything after it
             batch.append(ScheduledSeq(seq, n + len(drafts), drafts))
