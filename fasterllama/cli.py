@@ -31,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
     p.add_argument("--quantization", default=None, help="default: a GGUF file's Q4_0..Q8_0, Q2_K..Q6_K tensors stay so on the CPU (gguf: exact, the same weights as none); "
                    "none (float weights), gguf, gguf-a8 (gguf, with int8 activations as llama.cpp's), "
-                   "w8, w8-g32, w4[-g32|-g64|-g128][-noimatrix][-head4], w8a8[-nosq], "
+                   "w8, w8-g32, w4[-g32|-g64|-g128][-noimatrix|-sym][-head4], w8a8[-nosq], "
                    "w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA|-nosq]")
     p.add_argument("--calibration-file", default=None, help="text to calibrate static activation scales on (default: a built-in sample)")
     p.add_argument("--kv-cache-memory", default=None, help="KV cache size: bytes such as 2GiB or 512MB, or a fraction of free memory "
@@ -473,7 +473,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     qz = sub.add_parser("quantize", help="quantize a model once and save it (safetensors + config + tokenizer, or a GGUF file)")
     qz.add_argument("src", help="GGUF file, HF folder or known name")
-    qz.add_argument("--mode", required=True, help="a checkpoint folder in w8, w8-g32, w4[-g32|-g64|-g128][-noimatrix][-head4], w8a8[-nosq], "
+    qz.add_argument("--mode", required=True, help="a checkpoint folder in w8, w8-g32, w4[-g32|-g64|-g128][-noimatrix|-sym][-head4], w8a8[-nosq], "
                    "w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA|-nosq]; "
                    "or a GGUF file in llama.cpp's mixes from a GGUF source: " + ", ".join(GGUF_MODES))
     qz.add_argument("--output", "-o", required=True, help="output folder (a .gguf file for the GGUF modes)")

@@ -59,11 +59,22 @@ def test_bf16_default_is_close(models, name: str) -> None:
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.8
 
 
-@pytest.mark.parametrize("mode", ["w8", "w8-g32", "w4-g32", "w8a8", "w8a8-static-max"])
+@pytest.mark.parametrize("mode", ["w8", "w8-g32", "w4-g32", "w4-g32-sym", "w8a8", "w8a8-static-max"])
 def test_quantized_same_as_cpu(models, mode: str) -> None:
+    """The GPU holds w8-g32's group scales in fp16 and Q4_0-like groups without mins
+    (compact_scales); the logits are still the CPU's."""
+    from fasterllama.quant.linear import Int4Linear, Int8Linear
+
     _, path = models[NAMES[0]]
     cpu = LLM(model=path, device="cpu", dtype="float32", quantization=mode, progress=False)
     gpu = LLM(model=path, device="cuda", dtype="float32", quantization=mode, progress=False)
+    if _kernel_backend(gpu) and mode in ("w8-g32", "w4-g32-sym"):
+        linears = [m for m in gpu.engine.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+        if mode == "w8-g32":
+            grouped = [m for m in linears if m.group_size]
+            assert grouped and all(m.weight_scale.dtype == torch.float16 for m in grouped)
+        else:
+            assert any(isinstance(m, Int4Linear) for m in linears) and all(m.mins is None for m in linears if isinstance(m, Int4Linear))
     a, b = cpu.compute_logits(PROMPT), gpu.compute_logits(PROMPT).cpu()
     # same integer weights; int8 activations may round differently at a few ties
     assert (a - b).abs().max().item() < 2e-2 * a.abs().max().item()

@@ -7,12 +7,13 @@ import pytest
 import torch
 
 from fasterllama import ops
+from fasterllama.errors import FasterLlamaError
 from fasterllama.ops import quantized as qops
 from fasterllama.ops import reference as ref
 from fasterllama.quant import QuantConfig
 from fasterllama.quant.calibrate import ActivationStats, smooth, threshold
 from fasterllama.quant.linear import Int4Linear, Int8Linear, W8A8Linear
-from fasterllama.quant.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from fasterllama.quant.quantize import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8, quantize_q4_0
 
 torch.manual_seed(0)
 W = torch.randn(192, 256) * 0.05
@@ -32,6 +33,72 @@ def test_int8_group_error_bound(group):
     assert s.shape == (192, 256 // group)
     err = (dequantize_int8(q, s) - W).abs().view(192, -1, group)
     assert torch.all(err <= s[..., None] / 2 + 1e-7)
+    assert torch.equal(s.half().float(), s)  # fp16 values, as Q8_0's
+
+
+def test_int8_group_scales_fp16_even_for_tiny_groups():
+    """A group under fp16's normal range keeps a subnormal scale (its values rounded with it), an
+    all-zero group a zero one: no division by zero; the error stays under half a step plus what
+    the scale's rounding to fp16's subnormal spacing (2^-24) costs at 127 steps."""
+    w = W[:4].clone()
+    w[0, :32] = 0.0
+    w[1, :32] *= 1e-4
+    q, s = quantize_int8(w, 32)
+    assert torch.equal(s.half().float(), s) and s[0, 0] == 0 and 0 < s[1, 0] < 2**-14
+    assert torch.isfinite(dequantize_int8(q, s)).all()
+    err = (dequantize_int8(q, s) - w).abs().view(4, -1, 32)
+    assert torch.all(err <= s[..., None] / 2 + 127 * 2**-24)
+
+
+def test_cuda_backend_compacts_scales_and_drops_symmetric_mins():
+    """compact_scales: int8 group scales in fp16 where every one (and every min) is an fp16 value
+    (per-channel and inexact ones stay fp32); 4-bit mins dropped where all are -8 * scale (Q4_0's),
+    kept otherwise. The weights they stand for, a layer's output and its saved state are unchanged
+    (the kernels reading the compact forms: test_triton_gemv.py, test_triton_linear.py)."""
+    from fasterllama.backends.cuda import compact_scales
+
+    grouped = Int8Linear(*quantize_int8(W, 32))
+    channel = Int8Linear(*quantize_int8(W))
+    inexact = Int8Linear(quantize_int8(W, 32)[0], quantize_int8(W, 32)[1] * (1 + 2**-20))
+    q4 = torch.randint(0, 16, (192, 256))
+    d = torch.rand(192, 8) * 0.01
+    q4_0 = Int4Linear(q4, d, -8 * d.half().float())
+    q4_1 = Int4Linear(*quantize_int4(W, 32))
+    model = torch.nn.ModuleList([grouped, channel, inexact, q4_0, q4_1])
+    x = torch.randn(3, 256)
+    before = [(m.dequantize(), m.state_dict()) for m in model]
+    y_q4_0 = q4_0(x)
+    assert compact_scales(model) == 2
+    assert grouped.weight_scale.dtype == torch.float16
+    assert channel.weight_scale.dtype == torch.float32 and inexact.weight_scale.dtype == torch.float32
+    assert q4_0.mins is None and q4_1.mins is not None
+    for m, (w, state) in zip(model, before):
+        assert torch.equal(m.dequantize(), w)
+        after = m.state_dict()
+        assert after.keys() == state.keys() and all(torch.equal(after[k].float(), state[k].float()) for k in state)
+    torch.testing.assert_close(q4_0(x), y_q4_0, rtol=0, atol=0)
+
+
+def test_q4_0_quantization_is_llama_cpps():
+    """quantize_q4_0 gives the values gguf's (llama.cpp's reference) Q4_0 quantizer gives, an
+    all-zero group and a tiny one included; its mins are -8 * scale."""
+    from gguf import GGMLQuantizationType, quants
+
+    w = W.clone()
+    w[0, :32], w[1, :32] = 0.0, w[1, :32] * 1e-6
+    q, s, m = quantize_q4_0(w, 32)
+    assert q.min() >= 0 and q.max() <= 15 and torch.equal(m, -8 * s) and torch.equal(s.half().float(), s)
+    theirs = quants.dequantize(quants.quantize(w.numpy(), GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    assert torch.equal(dequantize_int4(q, s, m), torch.from_numpy(theirs.reshape(w.shape)))
+
+
+def test_w4_sym_spec():
+    cfg = QuantConfig.parse("w4-sym")
+    assert cfg.symmetric and cfg.group_size == 32 and not cfg.imatrix and not cfg.needs_calibration
+    assert str(cfg) == "w4-g32-sym" and QuantConfig.parse(str(cfg)) == cfg
+    for bad in ("w8-sym", "w8a8-sym"):
+        with pytest.raises(FasterLlamaError, match="w4 only"):
+            QuantConfig.parse(bad)
 
 
 def _minmax_int4(w: torch.Tensor, group: int) -> torch.Tensor:
@@ -264,8 +331,6 @@ def test_quant_config_parse():
     plain = QuantConfig.parse("w4-g64-noimatrix")
     assert not plain.imatrix and not plain.needs_calibration and QuantConfig.parse(str(plain)) == plain
     assert not QuantConfig.parse("w8").needs_calibration
-    from fasterllama.errors import FasterLlamaError
-
     for bad in ("w3", "w4-g48", "w8-static", "w8a8-g32", "w8a8-bogus", "w8-noimatrix"):
         with pytest.raises(FasterLlamaError):
             QuantConfig.parse(bad)

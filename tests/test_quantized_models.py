@@ -39,8 +39,10 @@ def fp32_ppl(fp32_llm, eval_ids):
 
 
 # (mode, allowed perplexity increase over fp32 on these 1024 tokens, max weight bytes vs fp32);
-# w4-g32: +0.00% and 0.183 with its int8 head (+3.4% and 0.156 with -head4), 2026-11-27
-MODES = [("w8", 0.01, 0.30), ("w8-g32", 0.01, 0.30), ("w4-g32", 0.01, 0.19), ("w8a8", 0.02, 0.45), ("w8a8-static", 0.05, 0.45)]
+# w4-g32: +0.00% and 0.183 with its int8 head (+3.4% and 0.156 with -head4), 2026-11-27; w4-g32-sym
+# (Q4_0's groups, no search): +19.6%, 2026-11-30
+MODES = [("w8", 0.01, 0.30), ("w8-g32", 0.01, 0.30), ("w4-g32", 0.01, 0.19), ("w4-g32-sym", 0.25, 0.19), ("w8a8", 0.02, 0.45),
+         ("w8a8-static", 0.05, 0.45)]
 
 
 @pytest.mark.parametrize("mode,max_increase,max_bytes", MODES, ids=[m[0] for m in MODES])
@@ -51,7 +53,7 @@ def test_quantized_perplexity_and_memory(fp32_llm, eval_ids, fp32_ppl, mode, max
     ratio = weight_bytes(llm.engine.model) / weight_bytes(fp32_llm.engine.model)
     assert ratio <= max_bytes, (mode, ratio)
     out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4))[0]
-    assert "Paris" in out.text
+    assert "Paris" in out.text or mode.endswith("-sym")  # (Q4_0's groups lose this fact at 135M parameters)
     if mode == "w8a8":  # on a GGUF the Q8_0 lm_head (the tied embedding) stays int8: the file's weights exactly
         model = llm.engine.model
         assert llm.engine.quant_config.int8_lm_head and isinstance(model.lm_head, Int8Linear)

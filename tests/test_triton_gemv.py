@@ -69,6 +69,8 @@ def test_triton_int8_gemv(shape, dtype, rows, group, words, cfg) -> None:
     if group is not None and K % group:
         pytest.skip("group does not divide K")
     q, s = quantize_int8(torch.randn(N, K, device=DEVICE), group)
+    if group is not None and dtype == torch.bfloat16:
+        s = s.half()  # (group scales in fp16, as the CUDA backend holds them: the same values)
     x = torch.randn(1, rows, K, device=DEVICE).to(dtype)  # 3-D input: rows of a batch
     ref = quantized.int8_weight_linear(x.float(), q, s).to(dtype)  # fp32 sums, as the kernel's
     assert _rel(gemv.int8_gemv(x, q, s, cfg=cfg, words=words), ref) < _tol(dtype)
@@ -113,6 +115,22 @@ def test_triton_int4_gemv(shape, dtype, rows, group, words, cfg) -> None:
     b = torch.randn(N, device=DEVICE).to(dtype)
     ref = quantized.int4_weight_linear(x.float(), packed, s16, m16, group, b.float()).to(dtype)  # fp32 sums, as the kernel's
     assert _rel(gemv.int4_gemv(x, packed, s16, m16, group, b, cfg, words), ref) < _tol(dtype)
+
+
+@pytest.mark.parametrize(("words", "cfg"), [(False, CONFIGS[0]), (True, WORD_CONFIGS[0]), (True, WORD_CONFIGS[-1])])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_triton_int4_gemv_symmetric_groups(rows, words, cfg) -> None:
+    """Q4_0's groups without their mins (w = scale * (q - 8), as the CUDA backend holds them): the
+    kernels compute the min, and give what they give with it read."""
+    N, K = SHAPES[-1]
+    q = torch.randint(0, 16, (N, K), device=DEVICE)
+    s16 = (torch.rand(N, K // 32, device=DEVICE) * 0.02).half()
+    packed, m16 = quantized.pack_int4(q, 32), s16 * -8
+    x = torch.randn(rows, K, device=DEVICE).to(torch.bfloat16)
+    ref = quantized.int4_weight_linear(x.float(), packed, s16, m16, 32).to(torch.bfloat16)
+    got = gemv.int4_gemv(x, packed, s16, None, 32, cfg=cfg, words=words)
+    assert _rel(got, ref) < _tol(torch.bfloat16)
+    assert torch.equal(got, gemv.int4_gemv(x, packed, s16, m16, 32, cfg=cfg, words=words))
 
 
 @pytest.mark.parametrize("cfg", WORD_CONFIGS)

@@ -60,6 +60,7 @@ def test_triton_int8_gemv_a8(shape, dtype, rows, group, mins, cfg) -> None:
         s, m = torch.rand(N, K // group, device=DEVICE) * 0.02, -torch.rand(N, K // group, device=DEVICE) * 0.3
     else:
         (q, s), m = quantize_int8(torch.randn(N, K, device=DEVICE), group), None
+        s = s.half() if group is not None and dtype == torch.bfloat16 else s  # (as the CUDA backend holds them)
     x, b = _x(rows, K, dtype), torch.randn(N, device=DEVICE).to(dtype)
     ref = quantized.int8_weight_linear_a8(x.float(), q, s, b.float(), m).to(dtype)
     got = gemv_a8.int8_gemv_a8(x.unsqueeze(0), q, s, b, m, cfg)  # 3-D input: rows of a batch
@@ -85,6 +86,18 @@ def test_triton_int4_gemv_a8(shape, dtype, rows, cfg) -> None:
     assert _rel(got, ref) < _tol(dtype)
     if dtype == torch.float32:
         assert _rel(got, quantized.int4_weight_linear(x, packed, s16, m16, 32, b)) > 1e-4
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+def test_triton_int4_gemv_a8_symmetric_groups(cfg) -> None:
+    """Q4_0's groups without their mins (the CUDA backend's form): min = -8 * scale, computed."""
+    N, K = SHAPES[-1]
+    q = torch.randint(0, 16, (N, K), device=DEVICE)
+    s16 = (torch.rand(N, K // 32, device=DEVICE) * 0.02).half()
+    packed = quantized.pack_int4(q, 32)
+    x = _x(2, K, torch.bfloat16)
+    ref = quantized.int4_weight_linear_a8(x.float(), packed, s16, s16 * -8, 32).to(torch.bfloat16)
+    assert _rel(gemv_a8.int4_gemv_a8(x, packed, s16, None, 32, cfg=cfg), ref) < _tol(torch.bfloat16)
 
 
 def test_triton_a8_dp4a_signed_and_unsigned_bytes() -> None:

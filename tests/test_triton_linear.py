@@ -42,10 +42,11 @@ def _check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, tol: f
 
 
 def _int8_weight(N: int, K: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random int8 weights with scales [N] (groups == 0) or [N, groups]; outputs of order 1."""
+    """Random int8 weights with fp32 scales [N] (groups == 0) or fp16 ones [N, groups] (as the CUDA
+    backend holds Q8_0's and w8-g32's: compact_scales); outputs of order 1."""
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, device=DEVICE)
     scale = (torch.rand(N, max(groups, 1), device=DEVICE) + 0.5) / (127 * math.sqrt(K))
-    return q, scale[:, 0].contiguous() if groups == 0 else scale
+    return q, scale[:, 0].contiguous() if groups == 0 else scale.half()
 
 
 def _int4_weight(N: int, K: int, group_size: int, q4_0: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,6 +85,8 @@ def test_int4_weight_linear(N: int, K: int, group_size: int, q4_0: bool, M: int,
     x, bias = _x(M, K, dtype), _bias(N, dtype, with_bias)
     expected = ref.int4_weight_linear(x, packed, scales, mins, group_size, bias)
     _check(tlin.int4_weight_linear(x, packed, scales, mins, group_size, bias), expected, dtype)
+    if q4_0:  # (without its mins, as the CUDA backend holds Q4_0's: the kernels compute -8 * scale)
+        _check(tlin.int4_weight_linear(x, packed, scales, None, group_size, bias), expected, dtype)
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -279,6 +282,8 @@ def test_prefill_dequantizes_once_then_cublas(monkeypatch, dtype: torch.dtype) -
         _check(tlin.int4_weight_linear(x, packed, scales, mins4, group, bias), ref.int4_weight_linear(x, packed, scales, mins4, group, bias), dtype)
         _check(tlin.int4_weight_linear(x, packed, scales.float(), mins4.float(), group, None),
                ref.int4_weight_linear(x, packed, scales.float(), mins4.float(), group, None), dtype)
+        if q4_0:
+            _check(tlin.int4_weight_linear(x, packed, scales, None, group, bias), ref.int4_weight_linear(x, packed, scales, mins4, group, bias), dtype)
     small = _x(M, 64, dtype)  # a smaller weight after a larger one: a view of the same buffer
     q, scale = _int8_weight(N // 2, 64, 2)
     _check(tlin.int8_weight_linear(small, q, scale), ref.int8_weight_linear(small, q, scale), dtype)

@@ -385,14 +385,22 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
 
 
+def symmetric_mins(scales: torch.Tensor) -> torch.Tensor:
+    """The mins of Q4_0's symmetric groups, w = scale * (q - 8): -8 * scale (exact)."""
+    return scales * -8
+
+
 def dequantize_int4_tile(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """uint8 [rows, G, g/2] + fp16 scale/min [rows, G] -> float weights [rows, G, g]."""
     q = torch.cat((packed & 15, packed >> 4), dim=-1).to(dtype)
     return torch.addcmul(mins[..., None].to(dtype), q, scales[..., None].to(dtype))
 
 
-def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T with W = scale * q + min per group of `group_size` input columns, q in 0..15."""
+def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T with W = scale * q + min per group of `group_size` input columns, q in 0..15 (mins
+    None: Q4_0's symmetric groups, min = -8 * scale)."""
+    mins = symmetric_mins(scales) if mins is None else mins
     N, G = scales.shape
     K = G * group_size
 
@@ -447,7 +455,7 @@ def int8_weight_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
     return int8_weight_linear(a8_input(x, group), qweight, scale, bias, mins).to(x.dtype)
 
 
-def int4_weight_linear_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+def int4_weight_linear_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
     """int4_weight_linear of x rounded to int8 per chunk of panel_chunk(group_size) columns, in fp32."""
     return int4_weight_linear(a8_input(x, group_size), packed, scales, mins, group_size, bias).to(x.dtype)

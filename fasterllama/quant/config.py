@@ -3,7 +3,9 @@
     w8            int8 weights, per output channel        w8-g32    int8 weights, groups of 32
     w4            4-bit weights, groups of 32 (-g64/-g128) w8a8      int8 weights + dynamic per-token int8 activations
                   w4's group scales and mins are searched for the least error weighted by the
-                  calibration text's activations (an importance matrix); -noimatrix: unweighted
+                  calibration text's activations (an importance matrix); -noimatrix: unweighted;
+                  -sym: GGUF Q4_0's symmetric groups instead (a scale, no min: on the GPU 4.5 bits
+                  a weight, not 5; less accurate)
     w8a8-static[-percentile[P]|-max|-mse|-entropy]  static per-tensor activation scales from calibration
                   (default: the 99.99th percentile of |x|)
     w8a8 modes smooth activations with SmoothQuant (alpha 0.6 dynamic, 0.7 static); -sqALPHA
@@ -41,6 +43,7 @@ class QuantConfig:
     # calibration text): w4-g64 / -g128 lost 28% / 36% perplexity with the plain search, 6% / 7%
     # with it (docs/quantization.md)
     imatrix: bool | None = None
+    symmetric: bool = False  # w4: Q4_0's groups, w = scale * (q - 8) (quantize_q4_0)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -49,8 +52,12 @@ class QuantConfig:
             self.group_size = 32
         if self.mode == "w4" and self.head_bits is None:
             self.head_bits = 8
+        if self.symmetric and self.mode != "w4":
+            raise FasterLlamaError("symmetric groups (-sym) apply to w4 only")
+        if self.symmetric and self.imatrix:
+            raise FasterLlamaError("w4-sym takes Q4_0's scales as they are: no importance matrix")
         if self.mode == "w4" and self.imatrix is None:
-            self.imatrix = True
+            self.imatrix = not self.symmetric
         if self.imatrix is not None and self.mode != "w4":
             raise FasterLlamaError("an importance matrix applies to w4 only")
         if self.head_bits is not None and (self.mode != "w4" or self.head_bits not in (4, 8)):
@@ -111,6 +118,8 @@ class QuantConfig:
                 kw["head_bits"] = int(m.group(1))
             elif part == "noimatrix":
                 kw["imatrix"] = False
+            elif part == "sym":
+                kw["symmetric"] = True
             else:
                 raise FasterLlamaError(f"cannot read quantization spec {spec!r} at {part!r} (e.g. w8, w8-g32, w4-g64, w8a8, w8a8-static-mse-sq0.5)")
         return cls(**kw)
@@ -120,7 +129,7 @@ class QuantConfig:
 
     def __str__(self) -> str:
         s = self.mode + (f"-g{self.group_size}" if self.group_size else "") + ("-head4" if self.head_bits == 4 else "")
-        s += "-noimatrix" if self.mode == "w4" and not self.imatrix else ""
+        s += "-sym" if self.symmetric else "-noimatrix" if self.mode == "w4" and not self.imatrix else ""
         if self.static_activations:
             s += "-static-" + (f"percentile{self.percentile:g}" if self.calibrator == "percentile" else self.calibrator)
             s += "-clip" if self.clip else ""

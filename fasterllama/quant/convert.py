@@ -14,7 +14,7 @@ from ..model.llama import Linear, LlamaForCausalLM, RMSNorm
 from . import calibrate
 from .config import QuantConfig
 from .linear import Int4Linear, Int8Linear, QuantizedEmbedding, W8A8Linear
-from .quantize import pick_group_size, quantize_int4, quantize_int8
+from .quantize import pick_group_size, quantize_int4, quantize_int8, quantize_q4_0
 
 LINEARS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -56,7 +56,7 @@ def quantize_linear(lin: nn.Module, cfg: QuantConfig, input_scale: torch.Tensor 
     if cfg.mode == "w8" or group is None:  # (w4 falls back to int8 per channel where no group fits)
         q, s = quantize_int8(w, group)
         return Int8Linear(q, s, b)
-    q, s, z = quantize_int4(w, group, importance)
+    q, s, z = quantize_q4_0(w, group) if cfg.symmetric else quantize_int4(w, group, importance)
     return Int4Linear(q, s, z, b)
 
 

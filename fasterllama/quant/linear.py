@@ -26,9 +26,13 @@ class _PanelStorage:
     def rows_layout(self) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
+    def _rows_derived(self) -> bool:
+        """Whether the saved row layout differs from the tensors held (then it is computed)."""
+        return self.panels
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.panels:
+        if self._rows_derived():
             for name, t in zip(self.ROW_FIELDS, self.rows_layout()):
                 destination[prefix + name] = t
 
@@ -83,7 +87,8 @@ class Int8Linear(_PanelStorage, nn.Module):
 class Int4Linear(_PanelStorage, nn.Module):
     """Weight-only 4-bit, group-wise (mode `w4`; GGUF Q4_0/Q4_1/Q4_K repacked exactly off the CPU):
     w = scale * q + min per group, q in 0..15, scale and min stored in fp16 (fp32 where a GGUF
-    K-quant's scales need it)."""
+    K-quant's scales need it). `mins` is None where the CUDA backend found every min -8 * scale
+    (Q4_0's symmetric groups: backends/cuda.compact_scales), which its kernels then compute, not read."""
 
     ROW_FIELDS = ("qweight", "scales", "mins")
     int8_activations = False  # quantization "gguf-a8": x rounded to int8 per chunk (ops.int4_weight_linear_a8, panel_linear_a8)
@@ -95,12 +100,19 @@ class Int4Linear(_PanelStorage, nn.Module):
         self.group_size = self.in_features // scale.shape[1]
         self.qweight = _buffer(ops.pack_int4(q, self.group_size))
         self.scales = _buffer(scale.to(scale_dtype).contiguous())  # [N, K/g]
-        self.mins = _buffer(mins.to(scale_dtype).contiguous())
+        self.mins: nn.Parameter | None = _buffer(mins.to(scale_dtype).contiguous())
         self.bias = None if bias is None else _buffer(bias)
+
+    def _mins(self) -> torch.Tensor:
+        """The mins, -8 * scale where they are not held."""
+        return ops.quantized.symmetric_mins(self.scales) if self.mins is None else self.mins
+
+    def _rows_derived(self) -> bool:
+        return self.panels or self.mins is None
 
     def use_panels(self) -> None:
         if not self.panels:
-            qp, sp, mp = ops.to_panels(self.qweight, self.scales, self.mins, self.group_size)
+            qp, sp, mp = ops.to_panels(self.qweight, self.scales, self._mins(), self.group_size)
             self.qweight, self.scales, self.mins = _buffer(qp), _buffer(sp), _buffer(mp)
             self.panels = True
 
@@ -109,14 +121,14 @@ class Int4Linear(_PanelStorage, nn.Module):
         if self.panels:
             q, s, m = ops.panel_rows(self.qweight, self.scales, self.mins, rows, self.out_features)
         else:
-            q, s, m = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self.scales[rows], self.mins[rows]
+            q, s, m = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self.scales[rows], self._mins()[rows]
         return q.reshape(q.shape[0], -1), s, m
 
     def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed [N, K/2], scales [N, G], mins [N, G]) whichever the storage."""
         if self.panels:
             return ops.from_panels(self.qweight, self.scales, self.mins, self.out_features)
-        return self.qweight, self.scales, self.mins
+        return self.qweight, self.scales, self._mins()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:

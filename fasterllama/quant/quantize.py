@@ -10,12 +10,20 @@ from .. import ops
 
 def quantize_int8(w: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8: scale = absmax/127 per output row (group_size None) or per group of
-    `group_size` input columns. Returns (int8 [N, K], fp32 scales [N] or [N, K/group])."""
+    `group_size` input columns. Returns (int8 [N, K], fp32 scales [N] or [N, K/group]). Group
+    scales are fp16 values, as Q8_0 stores them (subnormal ones too: the values are then rounded
+    with the stored scale; a group under ~4e-6 is all 0): the GPU keeps them in fp16, 8.5 bits a
+    weight instead of 9 (backends/cuda.compact_scales)."""
     w = w.float()
     N, K = w.shape
     g = w.view(N, 1, K) if group_size is None else w.view(N, K // group_size, group_size)
-    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127  # (one float temporary at a time: a vocabulary
-    q = (g / scale[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(N, K)  # matrix is 100+ MB)
+    scale = g.abs().amax(dim=-1).clamp(min=1e-12) / 127
+    div = scale
+    if group_size is not None and bool(scale.max() <= 65504):
+        scale = scale.half().float()  # (rounded down, it puts absmax at 127 + 2^-11 at most: rounded to 127)
+        div = torch.where(scale > 0, scale, 1.0)
+    q = (g / div[..., None]).round_().clamp_(-127, 127).to(torch.int8).view(N, K)  # (one float temporary at a time:
+    # a vocabulary matrix is 100+ MB)
     return q, (scale.view(N) if group_size is None else scale)
 
 
@@ -147,6 +155,21 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, dt
     groups = scale.shape[1]
     g = q.view(N, groups, K // groups).to(dtype) * scale.to(dtype)[..., None] + mins.to(dtype)[..., None]
     return g.view(N, K)
+
+
+def quantize_q4_0(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Symmetric 4-bit per group, as GGUF's Q4_0 (llama.cpp's quantize_row_q4_0_ref, value for
+    value): the group's value of largest magnitude m maps to level 0, d = m / -8, q = min(15,
+    trunc(x / d + 8.5)), the scale d stored in fp16; w ~ scale * (q - 8). Returns (q int32 [N, K],
+    scale [N, K/g], min = -8 * scale [N, K/g]): an Int4Linear's arguments (the CUDA backend then
+    drops the mins: backends/cuda.compact_scales)."""
+    N, K = w.shape
+    x = w.detach().float().reshape(-1, group_size)
+    d = x.gather(1, x.abs().argmax(1, keepdim=True)) / -8
+    inv = torch.where(d != 0, 1 / d, 0.0)
+    q = torch.trunc(x * inv + 8.5).clamp_(0, 15).to(torch.int32).view(N, K)
+    s16 = d.half().float().view(N, -1)
+    return q, s16, -8 * s16
 
 
 def pick_group_size(k: int, preferred: int) -> int | None:

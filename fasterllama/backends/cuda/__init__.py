@@ -65,6 +65,30 @@ def kernel_ops() -> dict | None:
     }
 
 
+def compact_scales(model: torch.nn.Module) -> int:
+    """Fewer bytes a weight for a decode step's GEMVs to read, the values unchanged: the int8
+    linears' group scales (and mins) in fp16 where every one is an fp16 value (a GGUF Q8_0's,
+    w8-g32's: quantize_int8 rounds them so), 8.5 bits a weight instead of 9; and no mins for the
+    4-bit linears whose every min is -8 * scale (Q4_0's symmetric groups: the kernels compute
+    them), 4.5 bits instead of 5. The kernels read either form; the CPU's read fp32 scales and
+    mins, so only here. Returns how many linears changed."""
+    from ...quant.linear import Int4Linear, Int8Linear
+
+    changed = 0
+    for m in model.modules():
+        if isinstance(m, Int8Linear) and m.group_size is not None and not m.panels:
+            fields = ["weight_scale"] + (["weight_min"] if m.weight_min is not None else [])
+            ts = [getattr(m, f) for f in fields]
+            if all(t.dtype == torch.float32 and torch.equal(t.half().float(), t) for t in ts):
+                for f, t in zip(fields, ts):
+                    setattr(m, f, torch.nn.Parameter(t.half(), requires_grad=False))
+                changed += 1
+        elif isinstance(m, Int4Linear) and not m.panels and m.mins is not None and torch.equal(m.mins, ops.quantized.symmetric_mins(m.scales)):
+            m.mins = None
+            changed += 1
+    return changed
+
+
 class CUDABackend(Backend):
     default_dtype = torch.bfloat16
     chains_steps = True
@@ -85,11 +109,13 @@ class CUDABackend(Backend):
         return self.kernels  # GEMV/GEMM kernels read Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks (gguf_native: the row layouts)
 
     def prepare_model(self, model) -> None:
-        """Weights stay in the layouts they load in; the decode GEMV of each linear shape, and the
-        W8A8 prefill GEMM's tiles, are chosen by timing the candidates on this device (gemv.tune,
-        triton_linear.tune_prefill)."""
+        """Weights stay in the layouts they load in (less their redundant bytes: compact_scales); the
+        decode GEMV of each linear shape, and the W8A8 prefill GEMM's tiles, are chosen by timing
+        the candidates on this device (gemv.tune, triton_linear.tune_prefill)."""
         if self.kernels and self.device.type == "cuda":
             from . import gemv, triton_linear
+
+            compact_scales(model)
 
             try:
                 self.gemv_timings = {**gemv.tune(model, model.norm.weight.dtype), **triton_linear.tune_prefill(model)}

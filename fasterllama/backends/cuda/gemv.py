@@ -339,7 +339,7 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
 
 @triton.jit
 def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS: tl.constexpr, TWO: tl.constexpr,
-               GATED: tl.constexpr):
+               GATED: tl.constexpr, HAS_MINS: tl.constexpr):
     """One tile of _int4_gemv_kernel: packed bytes p [rows, GPB, GS/2] of groups g."""
     HALF: tl.constexpr = GS // 2
     g_ok = g < G
@@ -348,7 +348,7 @@ def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, 
     gs_off = offs_n[:, None] * G + g[None, :]
     gs_ok = n_ok[:, None] & g_ok[None, :]
     s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-    mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+    mn = triton_linear.q4_min(mn_ptr, gs_off, gs_ok, s, HAS_MINS)
     k = g[:, None] * GS + tl.arange(0, HALF)[None, :]
     xl = _act(x_ptr, k, g_ok[:, None], K, GATED)
     xh = _act(x_ptr, k + HALF, g_ok[:, None], K, GATED)
@@ -366,9 +366,10 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
                       GATED: tl.constexpr = False,
                       h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
                       HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
-                      bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                      bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
+                      HAS_MINS: tl.constexpr = True):
     """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
-    per group, sum w x = scale * sum q x + min * sum x."""
+    per group, sum w x = scale * sum q x + min * sum x (no mins: Q4_0's, -8 * scale)."""
     HALF: tl.constexpr = GS // 2
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -386,11 +387,11 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     if NORM:  # (x_ptr: the normed rows, made here)
         _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
                      NORM_ONE_PASS)
-    acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED)
+    acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED, HAS_MINS)
     for b0 in range(first + GPB * HALF, end, GPB * HALF):
         g = b0 // HALF + tl.arange(0, GPB)
         p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
-        acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED)
+        acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED, HAS_MINS)
     _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
 
 
@@ -435,7 +436,7 @@ def _int4_words_group_sums(s, sc, mn, x, BLOCK_N: tl.constexpr, GPB: tl.constexp
 @triton.jit
 def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, ONES,
                      GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, RAW_HI: tl.constexpr,
-                     GATED: tl.constexpr):
+                     GATED: tl.constexpr, HAS_MINS: tl.constexpr):
     """One tile of _int4_words_gemv_kernel: words w [rows, GPB groups' words] at word indices f
     from byte b0 of the rows, added to the [rows, groups] sums. Every load comes first, so that
     the tile's trips to memory overlap: the 8 activations of each word in one [words, 2, 4] load
@@ -451,8 +452,9 @@ def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
     gs_ok = n_ok[:, None] & g_ok[None, :]
     kb = (f // WPG) * GS + 4 * (f % WPG)  # the first (low-nibble) value of each word
     run = kb[:, None, None] + (tl.arange(0, 2) * H)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    sc = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) * 16.0
-    mn = tl.load(mn_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32) - sc
+    s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
+    sc = s * 16.0
+    mn = triton_linear.q4_min(mn_ptr, gs_off, gs_ok, s, HAS_MINS) - sc
     x0 = _act(x_ptr, run, f_ok[:, None, None], KW * 8, GATED)
     x1 = x0
     if TWO:
@@ -486,7 +488,8 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
                              PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False,
                              h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
                              HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
-                             bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                             bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
+                             HAS_MINS: tl.constexpr = True):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word (with half-precision activations 1.5:
@@ -518,15 +521,15 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
             f = b0 // 4 + offs_f  # word index along the row
             w_next = _words_tile(words, f + WB, n_ok, KW, b0 + GPB * H < end)
             acc0, acc1 = _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
-                                          GS, GPB, BLOCK_N, TWO, RAW_HI, GATED)
+                                          GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS)
             w = w_next
     else:
         acc0, acc1 = _int4_words_tile(w, first // 4 + offs_f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW,
-                                      K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED)
+                                      K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS)
         for b0 in range(first + GPB * H, end, GPB * H):
             f = b0 // 4 + offs_f
             acc0, acc1 = _int4_words_tile(_words_tile(words, f, n_ok, KW), f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm,
-                                          offs_n, n_ok, KW, K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED)
+                                          offs_n, n_ok, KW, K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS)
     _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
 
 
@@ -700,18 +703,19 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
     return out.view(*x.shape[:-1], N)
 
 
-def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
               bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG, words: bool = False, gated: bool = False,
               norm: Norm | None = None) -> torch.Tensor:
-    """words: the kernel reading 32-bit words (two nibbles an integer op), else byte-wise."""
+    """words: the kernel reading 32-bit words (two nibbles an integer op), else byte-wise. mins
+    None: Q4_0's symmetric groups (min = -8 * scale, not read)."""
     N = packed.shape[0]
     K = packed.shape[1] * 2
     x2 = _rows(x, K, gated, norm)
     gpb = max(1, cfg.tile_bytes // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
-    args = (packed.contiguous(), scales.contiguous(), mins.contiguous())
-    kernel, extra = _int4_gemv_kernel, {}
+    args = (packed.contiguous(), scales.contiguous(), scales if mins is None else mins.contiguous())
+    kernel, extra = _int4_gemv_kernel, {"HAS_MINS": mins is not None}
     if words and packed.data_ptr() % 4 == 0:  # (read as int32)
-        kernel, extra = _int4_words_gemv_kernel, {"ONES": 0x3F803F80, "PREFETCH": cfg.prefetch}
+        kernel, extra = _int4_words_gemv_kernel, {**extra, "ONES": 0x3F803F80, "PREFETCH": cfg.prefetch}
         cfg = cfg._replace(block_n=min(cfg.block_n, 32)) if x2.shape[0] == 2 else cfg
     out = _launch(kernel, cfg, x2, N, K, K // 2, gpb * group_size // 2, bias, x.dtype, args, norm, GS=group_size, GPB=gpb, GATED=gated,
                   **extra)
@@ -737,8 +741,9 @@ _GATED: dict[tuple, bool] = {}  # a down projection's shape key -> its GEMV make
 _NORMED: dict[tuple, bool] = {}  # a normed linear's shape key -> its GEMV makes the RMSNorm itself (timed faster than the norm kernel + the GEMV)
 
 
-def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype, mins: bool = False) -> tuple[str, Config]:
-    key = (kind, N, K, group, dtype) + (("mins",) if mins else ())
+def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype, variant: str | None = None) -> tuple[str, Config]:
+    """variant: "mins" (int8 weights with mins), "sym" (4-bit without: Q4_0's), each its own timing."""
+    key = (kind, N, K, group, dtype) + ((variant,) if variant else ())
     return _CHOICE.get(key, (DEFAULT[kind], DEFAULT_CONFIG))
 
 
@@ -761,7 +766,7 @@ def chosen_int8(x, qweight, scale, bias=None, mins=None, gated: bool = False, no
     N, K = qweight.shape
     group = K // scale.shape[1] if scale.dim() == 2 else 0
     if _rows_of(x) <= MAX_ROWS and supports("int8", K, group or 32):
-        kernel, cfg = choice("int8", N, K, group, x.dtype, mins is not None)
+        kernel, cfg = choice("int8", N, K, group, x.dtype, "mins" if mins is not None else None)
         if kernel in ("gemv", "gemv-words"):
             return int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words", gated=gated, norm=norm)
     return None
@@ -771,7 +776,7 @@ def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = Fa
     """The 4-bit linear by its chosen GEMV; None where the tiled kernel serves it."""
     N, K = packed.shape[0], packed.shape[1] * 2
     if _rows_of(x) <= MAX_ROWS and supports("int4", K, group_size):
-        kernel, cfg = choice("int4", N, K, group_size, x.dtype)
+        kernel, cfg = choice("int4", N, K, group_size, x.dtype, "sym" if mins is None else None)
         if kernel in ("gemv", "gemv-words"):
             return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated, norm=norm)
     return None
@@ -818,7 +823,8 @@ def chosen_int4_a8(x, packed, scales, mins, group_size, bias=None) -> torch.Tens
     N, K = packed.shape[0], packed.shape[1] * 2
     if not gemv_a8.usable(x, 4, K, group_size, packed):
         return None
-    kernel, cfg = _CHOICE.get(("int4a8", N, K, group_size, x.dtype), ("gemv-a8", gemv_a8.DEFAULT_A8_CONFIG))
+    key = ("int4a8", N, K, group_size, x.dtype) + (("sym",) if mins is None else ())
+    kernel, cfg = _CHOICE.get(key, ("gemv-a8", gemv_a8.DEFAULT_A8_CONFIG))
     return gemv_a8.int4_gemv_a8(x, packed, scales, mins, group_size, bias, cfg) if kernel == "gemv-a8" else None
 
 
@@ -847,7 +853,7 @@ def _key(module, dtype: torch.dtype) -> tuple:
     if kind in ("int8", "int8a8"):
         return (kind, module.out_features, module.in_features, module.group_size or 0, dtype) + (("mins",) if module.weight_min is not None else ())
     if kind in ("int4", "int4a8"):
-        return (kind, module.out_features, module.in_features, module.group_size, dtype)
+        return (kind, module.out_features, module.in_features, module.group_size, dtype) + (("sym",) if module.mins is None else ())
     return ("float", *module.weight.shape, 0, dtype) if kind else ()
 
 

@@ -195,7 +195,7 @@ def _add_row(acc, w, x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, s
     r = _unit_sums(w, xa, xb, BITS, BLOCK_N, WB, UNITS, ASM).to(tl.float32)
     if PER_GROUP:
         acc += r * (sc * xs[None, :])
-        if HAS_MINS:
+        if HAS_MINS or BITS == 4:
             acc += mn * xm[None, :]
     else:
         acc += r * xs[None, :]
@@ -219,6 +219,8 @@ def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s
         sc = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
         if HAS_MINS:
             mn = tl.load(mn_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
+        elif BITS == 4:  # (Q4_0's symmetric groups: q - 8, the min not stored)
+            mn = -8.0 * sc
     acc0 = _add_row(acc0, w, x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, sc, mn, BITS, E, WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N,
                     ASM, ROUND_IN_LOOP)
     if TWO:  # (the second row's x and its rounding: one row further on)
@@ -300,10 +302,10 @@ def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
     return _a8_launch(x, qweight, scale, mins, 8, K, group, bias, cfg)
 
 
-def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                  bias: torch.Tensor | None = None, cfg: Config = DEFAULT_A8_CONFIG) -> torch.Tensor:
     """x (1-2 rows) rounded to int8 per chunk of 32, times 4-bit weights in groups of 32 (pack_int4,
-    w = scale * q + min)."""
+    w = scale * q + min; mins None: Q4_0's min = -8 * scale)."""
     return _a8_launch(x, packed, scales, mins, 4, packed.shape[1] * 2, group_size, bias, cfg)
 
 

@@ -184,6 +184,16 @@ def _dequantize_first(M: int) -> bool:
 
 
 @triton.jit
+def q4_min(mn_ptr, off, mask, s, HAS_MINS: tl.constexpr):
+    """The fp32 mins of a 4-bit tile's groups: loaded, or without them (Q4_0's symmetric groups,
+    w = scale * (q - 8): compact_scales drops their stored -8 * scale) computed from the
+    scales s, no bytes read."""
+    if HAS_MINS:
+        return tl.load(mn_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    return -8.0 * s
+
+
+@triton.jit
 def _int8_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, G, PER_GROUP: tl.constexpr, GS: tl.constexpr, HAS_MINS: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """out = q * scale (+ min), scales per output channel or per group of GS columns."""
@@ -204,7 +214,8 @@ def _int8_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, G, PER_GROUP: tl.c
 
 
 @triton.jit
-def _int4_dequant_kernel(p_ptr, s_ptr, mn_ptr, out_ptr, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+def _int4_dequant_kernel(p_ptr, s_ptr, mn_ptr, out_ptr, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
+                         HAS_MINS: tl.constexpr = True):
     """out = q * scale + min from pack_int4's bytes: byte j of a group holds values j (low nibble)
     and GS/2 + j (high)."""
     pdl.wait_prior(PDL)
@@ -217,7 +228,7 @@ def _int4_dequant_kernel(p_ptr, s_ptr, mn_ptr, out_ptr, N, K, GS: tl.constexpr, 
     p = tl.load(p_ptr + rows * KB + offs_b[None, :], mask=ok, other=0).to(tl.int32)
     g = rows * (K // GS) + (offs_b // HALF)[None, :]
     s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
-    mn = tl.load(mn_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    mn = q4_min(mn_ptr, g, ok, s, HAS_MINS)
     k_lo = rows * K + ((offs_b // HALF) * GS + offs_b % HALF)[None, :]
     tl.store(out_ptr + k_lo, (_u4_to_f32(p & 15) * s + mn).to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(out_ptr + k_lo + HALF, (_u4_to_f32(p >> 4) * s + mn).to(out_ptr.dtype.element_ty), mask=ok)
@@ -362,6 +373,7 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
 def _int4_gemv_kernel(
     x_ptr, p_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, stride_xm, kb_split,
     GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    HAS_MINS: tl.constexpr = True,
 ):
     """Rows [pid_n * BLOCK_N, +BLOCK_N) over the byte slice pid_k, for all M <= BLOCK_M rows of x.
     A packed tile is [BLOCK_N, GPB, HT] bytes: GPB runs of HT bytes inside one group of GS values,
@@ -392,7 +404,7 @@ def _int4_gemv_kernel(
         sg_off = offs_n[:, None] * G + grp[None, :]
         sg_ok = n_ok[:, None] & (run < KB)[None, :]
         s = tl.load(s_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)
-        mn = tl.load(mn_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)
+        mn = q4_min(mn_ptr, sg_off, sg_ok, s, HAS_MINS)
         k_lo = (grp * GS + run % HALF)[:, None] + offs_j[None, :]
         for m in tl.static_range(BLOCK_M):  # the unpacked tile stays in registers for every row
             x_ok = b_ok & (m < M)
@@ -409,6 +421,7 @@ def _int4_linear_kernel(
     x_ptr, p_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, stride_xm, kb_split,
     GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
+    HAS_MINS: tl.constexpr = True,
 ):
     """The tl.dot version: a packed tile (as in the GEMV kernel) becomes two dequantized weight
     tiles, the low and the high nibbles, each multiplied with the columns of x they stand for."""
@@ -442,8 +455,9 @@ def _int4_linear_kernel(
         p = tl.load(p_ptr + offs_n[:, None, None] * KB + b[None, :, :], mask=n_ok[:, None, None] & (b < KB)[None, :, :], other=0).to(tl.int32)
         sg_off = offs_n[:, None] * G + (run // HALF)[None, :]
         sg_ok = n_ok[:, None] & (run < KB)[None, :]
-        s = tl.load(s_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)[:, :, None]
-        mn = tl.load(mn_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)[:, :, None]
+        s = tl.load(s_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)
+        mn = q4_min(mn_ptr, sg_off, sg_ok, s, HAS_MINS)[:, :, None]
+        s = s[:, :, None]
         wl = tl.reshape(_u4_to_f32(p & 15) * s + mn, [BLOCK_N, BLOCK_KB]).to(xl.dtype)
         wh = tl.reshape(_u4_to_f32(p >> 4) * s + mn, [BLOCK_N, BLOCK_KB]).to(xl.dtype)
         acc = tl.dot(xl, tl.trans(wl), acc, input_precision=PRECISION)
@@ -451,9 +465,11 @@ def _int4_linear_kernel(
     _store(out_ptr + pid_k * M * N, acc, offs_m, offs_n, M, N, b_ptr, HAS_BIAS)
 
 
-def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x.dtype, W = scale * q + min per group of group_size
-    (a power of two) input columns, q in 0..15 packed by pack_int4 into uint8 [N, K/2]."""
+    (a power of two) input columns, q in 0..15 packed by pack_int4 into uint8 [N, K/2]; mins None:
+    Q4_0's symmetric groups, min = -8 * scale."""
     N, G = scales.shape
     K = G * group_size
     assert packed.shape == (N, K // 2) and group_size >= 2 and group_size & (group_size - 1) == 0, "packed [N, K/2] in groups of 2^n values"
@@ -461,11 +477,13 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     M = x2.shape[0]
     if M == 0:
         return x.new_empty(*x.shape[:-1], N)
-    packed, scales, mins = packed.contiguous(), scales.contiguous(), mins.contiguous()
+    has_mins = mins is not None
+    packed, scales = packed.contiguous(), scales.contiguous()
+    mins = mins.contiguous() if has_mins else scales  # (a placeholder pointer: not read)
     if _dequantize_first(M):
         w = _float_weight(N, K, x.dtype, x.device)
         _int4_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K // 2, 128))](packed, scales, mins, w, N, K, GS=group_size, BLOCK_N=32, BLOCK_B=128, num_warps=4,
-                                                                               **pdl.launch_args(w))
+                                                                               HAS_MINS=has_mins, **pdl.launch_args(w))
         return F.linear(x2, w, bias).view(*x.shape[:-1], N)
     gemv = M <= GEMV_MAX_M_INT4
     if gemv:
@@ -479,7 +497,7 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
     common = {"GS": group_size, "GPB": block_kb // ht, "HT": ht, "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "HAS_BIAS": has_bias, "num_warps": warps, "num_stages": stages, **pdl.launch_args(x2)}
+              "HAS_BIAS": has_bias, "HAS_MINS": has_mins, "num_warps": warps, "num_stages": stages, **pdl.launch_args(x2)}
     args = (x2, packed, scales, mins, bias if has_bias else scales, part, M, N, K, x2.stride(0), per * block_kb)
     if gemv:
         _int4_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
