@@ -7,9 +7,11 @@ Measured in the same run:
 - the device's ceilings: device-to-device copy bandwidth (bytes read + written) and the bf16
   matmul rate (8192^3, random data);
 - LLaMA-2-7B-shaped random weights built on the device (32 layers, hidden 4096, 32 heads MHA,
-  intermediate 11008, vocab 32000) in bf16, Q8_0-like int8 (w8-g32), Q4-like 4-bit (w4-g32) and
-  w8a8 (dynamic per-token int8 activations), and the int8 and 4-bit weights with x rounded to int8
-  per chunk of 32 as quantization "gguf-a8" (llama.cpp's products; decode only): decode tok/s through the engine (LLMEngine.step:
+  intermediate 11008, vocab 32000) in bf16, Q8_0-like int8 (w8-g32: fp16 scales, 8.5 bits a
+  weight), Q4_0-like 4-bit (w4-g32-sym: Q4_0's values, a scale per group of 32 and no min, 4.5
+  bits) and w8a8 (dynamic per-token int8 activations); and decode only: Q4_1-like 4-bit (w4-g32,
+  a scale and a min, 5 bits), and the int8 and 4-bit weights with x rounded to int8 per chunk of
+  32 as quantization "gguf-a8" (llama.cpp's products): decode tok/s through the engine (LLMEngine.step:
   scheduler, CUDA-graph replay, greedy sampling) at batch 1, 8 and 64 over a 512-token context,
   and prefill tok/s of one 2,048-token prompt; each as a fraction of its hardware limit (decode:
   weight + KV bytes per step over the copy bandwidth; prefill: FLOPs over the matmul rate);
@@ -48,10 +50,13 @@ SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=
                            head_dim=64, rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True)
 TINY = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32)
 TUNED: dict = {}  # the decode GEMV choice's timings, {linear shape: {kernel: ms}}
-MODES = {"bf16": None, "int8 (w8-g32, Q8_0-like)": "w8-g32", "4-bit (w4-g32, Q4-like)": "w4-g32", "w8a8 (dynamic)": "w8a8-nosq"}
-# the same weights with x rounded to int8 per chunk of 32 as quantization "gguf-a8" (llama.cpp's
-# products): decode through the integer GEMVs (7B shapes, batch 1 and 8; no prefill)
-A8_MODES = {"int8 a8 (w8-g32, x int8 as gguf-a8)": "w8-g32+a8", "4-bit a8 (w4-g32, x int8 as gguf-a8)": "w4-g32+a8"}
+Q4_0_LIKE = "4-bit (w4-g32-sym, Q4_0-like)"
+MODES = {"bf16": None, "int8 (w8-g32, Q8_0-like)": "w8-g32", Q4_0_LIKE: "w4-g32-sym", "w8a8 (dynamic)": "w8a8-nosq"}
+# decode only (7B shapes, batch 1 and 8; no prefill): 4-bit groups with a min, and the weights
+# above with x rounded to int8 per chunk of 32 as quantization "gguf-a8" (llama.cpp's products:
+# the integer GEMVs)
+EXTRA_MODES = {"4-bit (w4-g32, Q4_1-like)": "w4-g32", "int8 a8 (w8-g32, x int8 as gguf-a8)": "w8-g32+a8",
+               "4-bit a8 (w4-g32-sym, x int8 as gguf-a8)": "w4-g32-sym+a8"}
 
 
 class Clock:
@@ -351,20 +356,19 @@ def main() -> None:
     ctx, prefill_n = (32, 64) if args.quick else (512, 2048)
     steps = 4 if args.quick else 32
     plans = [("7b", big, [1, 8, 64], prefill_n), ("small", small, [1, 16], prefill_n)]
-    def measure(key: str, cfg: ModelConfig, batches: list[int], n: int, label: str, mode: str | None) -> None:
+    def measure(key: str, cfg: ModelConfig, batches: list[int], n: int, label: str, mode: str | None, decode_only: bool = False) -> None:
         entry = res.setdefault(key, {}).setdefault(label, {})
 
         def run() -> None:
             model = build(cfg, mode, device)
-            a8 = mode is not None and mode.endswith("+a8")
-            for b in batches[:2] if a8 else batches:
+            for b in batches[:2] if decode_only else batches:
                 tok_s = engine_decode(model, cfg, b, ctx, steps)
                 limit = decode_limit(model, cfg, b, ctx + 3 + steps // 2, bw)
                 entry[f"decode_b{b}_tok_s"] = tok_s
                 entry[f"decode_b{b}_of_bandwidth_limit"] = tok_s / limit
             if key == "small" and mode is None:  # what sampling (the CLI's defaults) costs a step (sample_rows: one launch)
                 entry["decode_b1_sampled_cli_defaults_tok_s"] = engine_decode(model, cfg, 1, ctx, steps, temperature=0.8)
-            if a8:
+            if decode_only:
                 return
             tok_s = engine_prefill(model, cfg, n, 8)
             entry["prefill_tok_s"] = tok_s
@@ -379,8 +383,8 @@ def main() -> None:
     for key, cfg, batches, n in plans:
         section(f"hf:{key}", lambda cfg=cfg, key=key, batches=batches, n=n: res.setdefault(key, {}).__setitem__(
             "HF transformers bf16", hf_peer(cfg, device, batches[:2], ctx, steps, n)))
-    for label, mode in A8_MODES.items():  # (after the issue's rows and peers)
-        measure(*plans[0], label, mode)
+    for label, mode in EXTRA_MODES.items():  # (after the issue's rows and peers)
+        measure(*plans[0], label, mode, decode_only=True)
     if device.type == "cuda":
         for key, cfg in (("small", small), ("7b", big)):
             def run_compiled(cfg=cfg, key=key) -> None:
@@ -399,9 +403,10 @@ def main() -> None:
             "7b bf16 decode b1 of copy bandwidth (>= 0.80)": bf16.get("decode_b1_of_bandwidth_limit"),
             "7b bf16 decode b1 / HF (>= 2)": (bf16.get("decode_b1_tok_s", 0) / b7["HF transformers bf16"]["decode_b1_tok_s"])
             if b7.get("HF transformers bf16", {}).get("decode_b1_tok_s") else None,
-            "4-bit decode b1 / bf16 (>= 2.6)": ratio("4-bit (w4-g32, Q4-like)", "decode_b1_tok_s"),
+            "4-bit decode b1 / bf16 (>= 2.6)": ratio(Q4_0_LIKE, "decode_b1_tok_s"),
             "int8 decode b1 / bf16 (>= 1.7)": ratio("int8 (w8-g32, Q8_0-like)", "decode_b1_tok_s"),
-            "4-bit a8 decode b1 / bf16 (x int8 as gguf-a8)": ratio("4-bit a8 (w4-g32, x int8 as gguf-a8)", "decode_b1_tok_s"),
+            "4-bit Q4_1-like decode b1 / bf16": ratio("4-bit (w4-g32, Q4_1-like)", "decode_b1_tok_s"),
+            "4-bit a8 decode b1 / bf16 (x int8 as gguf-a8)": ratio("4-bit a8 (w4-g32-sym, x int8 as gguf-a8)", "decode_b1_tok_s"),
             "int8 a8 decode b1 / bf16 (x int8 as gguf-a8)": ratio("int8 a8 (w8-g32, x int8 as gguf-a8)", "decode_b1_tok_s"),
             "w8a8 prefill / bf16 (>= 1.5)": ratio("w8a8 (dynamic)", "prefill_tok_s"),
             "bf16 prefill of matmul peak (>= 0.60)": bf16.get("prefill_of_matmul_peak"),

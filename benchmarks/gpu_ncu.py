@@ -1,4 +1,4 @@
-"""The decode GEMVs a 7B layer's qkv and gate_up projections take at batch 1 (bf16, 4-bit w4-g32,
+"""The decode GEMVs a 7B layer's qkv and gate_up projections take at batch 1 (bf16, 4-bit w4-g32-sym,
 4-bit with x rounded to int8 as "gguf-a8", int8 w8-g32), each the kernel and config tune() chose,
 launched eagerly between cudaProfilerStart and Stop for Nsight Compute: why the quantized GEMVs stop
 at 47-66% of the copy bandwidth where bf16's reach ~99% (docs/gpu.md). Under ncu:
@@ -31,7 +31,7 @@ def main() -> None:
     quick = "--quick" in sys.argv
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # (the CPU: --quick, the script's check)
     cfg = dataclasses.replace(bench.TINY if quick else bench.LLAMA2_7B, num_layers=1)
-    for mode in (None, "w4-g32", "w4-g32+a8", "w8-g32"):
+    for mode in (None, "w4-g32-sym", "w4-g32-sym+a8", "w8-g32"):
         model = bench.build(cfg, mode, device)
         get_backend(device).prepare_model(model)  # tune(): the kernel and config each shape takes
         layer = model.layers[0]

@@ -191,9 +191,10 @@ def main() -> None:
         ("7b bf16 b1", big, None, 1),
         ("7b bf16 b64", big, None, 64),
         ("7b bf16 prefill", big, None, 0),  # batch 0: a prefill case (a prompt of `prefill` tokens)
+        ("7b w4-g32-sym b1", big, "w4-g32-sym", 1),  # Q4_0-like (the 4-bit row)
         ("7b w4-g32 b1", big, "w4-g32", 1),
         ("7b w8-g32 b1", big, "w8-g32", 1),
-        ("7b w4-g32+a8 b1", big, "w4-g32+a8", 1),  # x rounded to int8 as "gguf-a8": the integer GEMVs (gemv_a8.py)
+        ("7b w4-g32-sym+a8 b1", big, "w4-g32-sym+a8", 1),  # x rounded to int8 as "gguf-a8": the integer GEMVs (gemv_a8.py)
         ("7b w8a8 prefill", big, "w8a8-nosq", 0),
     ]
     prefill = 64 if args.quick else 2048

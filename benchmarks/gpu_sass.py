@@ -78,9 +78,9 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=32)
     args = ap.parse_args()
     x = f"*{args.dtype}"
-    common = {"x_ptr": x, "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": x, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "PDL": "constexpr",
+    common = {"x_ptr": x, "s_ptr": "*fp16", "mn_ptr": "*fp16", "out_ptr": x, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "PDL": "constexpr",
               "part_ptr": "*fp32", "bias_ptr": x, "done_ptr": "*i32", "SPLITS_PAD": "constexpr", "HAS_BIAS": "constexpr"}
-    int4 = dict(common, p_ptr="*u8", KB_SPLIT="i32", GS="constexpr", GPB="constexpr", BLOCK_N="constexpr", TWO="constexpr")
+    int4 = dict(common, p_ptr="*u8", KB_SPLIT="i32", GS="constexpr", GPB="constexpr", BLOCK_N="constexpr", TWO="constexpr", HAS_MINS="constexpr")
     int8 = dict(common, w_ptr="*i8", K_SPLIT="i32", G="i32", GS="constexpr", GPB="constexpr", PER_GROUP="constexpr", BLOCK_N="constexpr",
                 TWO="constexpr", HAS_MINS="constexpr")
     g = args.group
@@ -90,6 +90,8 @@ def main() -> None:
         return list(dict.fromkeys(c._replace(programs_per_sm=2) for c in configs))
 
     cases += [("int4 words", gemv._int4_words_gemv_kernel, dict(int4, ONES="i32", PREFETCH="constexpr"), c) for c in distinct(gemv.WORD_CONFIGS)]
+    cases += [("int4 words, no mins (Q4_0)", gemv._int4_words_gemv_kernel, dict(int4, ONES="i32", PREFETCH="constexpr"), c)
+              for c in distinct(gemv.WORD_CONFIGS)]
     cases += [("int8 bytes", gemv._int8_gemv_kernel, int8, c) for c in gemv.CONFIGS[:3]]
     cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32", PREFETCH="constexpr"), c)
               for c in distinct(gemv.INT8_WORD_CONFIGS)]
@@ -113,6 +115,8 @@ def main() -> None:
             consts.update(PER_GROUP=True, HAS_MINS=False)
         if "words" in name:
             consts.update(PREFETCH=cfg.prefetch)
+        if "int4" in name and "a8" not in name:  # (a constexpr left out compiles as if false: say it)
+            consts.update(HAS_MINS="no mins" not in name)
         weights = cfg.block_n * gpb * g / (32 * cfg.warps)
         sass, usage = compile_sm90(fn, sig, consts, cfg.warps)
         marker = "IDP" if "a8" in name else ""

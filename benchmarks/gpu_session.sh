@@ -51,7 +51,7 @@ fi
 echo "bench: $(( $(date +%s) - T0 )) s"
 # 3. where a decode step's time goes (host, graph, kernels), and a 2,048-token prefill's (bf16, w8a8), for the next round of work
 if [ "${PROFILE:-1}" = 1 ]; then
-  timeout "${PROFILE_TIMEOUT:-110}" python3 benchmarks/gpu_profile.py --cases "${PROFILE_CASES:-small bf16 b1,7b bf16 b1,7b bf16 prefill,7b w4-g32 b1,7b w4-g32+a8 b1,7b w8-g32 b1,7b w8a8 prefill}" --out "$OUT/gpu_profile.json" \
+  timeout "${PROFILE_TIMEOUT:-110}" python3 benchmarks/gpu_profile.py --cases "${PROFILE_CASES:-small bf16 b1,7b bf16 b1,7b bf16 prefill,7b w4-g32-sym b1,7b w4-g32-sym+a8 b1,7b w8-g32 b1,7b w8a8 prefill}" --out "$OUT/gpu_profile.json" \
     > "$OUT/profile.log" 2>&1; grep -E '^\[|Error' "$OUT/profile.log"
 fi
 # 4. the same steps with programmatic dependent launch off: its A/B (step_us against profile.log's); the
