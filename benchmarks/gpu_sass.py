@@ -32,7 +32,10 @@ ALIGNED = ("x_ptr", "p_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "N", "K", "s
 
 
 def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[str, str]:
-    """(SASS, resource usage) of one specialization."""
+    """(SASS, resource usage) of one specialization. Constexprs left out take their defaults, as a
+    launch does (ASTSource would compile them as None)."""
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
+    signature = {**{p.name: "constexpr" for p in fn.params if p.is_constexpr and p.has_default}, **signature}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in signature}
     kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
@@ -115,8 +118,8 @@ def main() -> None:
             consts.update(PER_GROUP=True, HAS_MINS=False)
         if "words" in name:
             consts.update(PREFETCH=cfg.prefetch)
-        if "int4" in name and "a8" not in name:  # (a constexpr left out compiles as if false: say it)
-            consts.update(HAS_MINS="no mins" not in name)
+        if "no mins" in name:
+            consts.update(HAS_MINS=False)
         weights = cfg.block_n * gpb * g / (32 * cfg.warps)
         sass, usage = compile_sm90(fn, sig, consts, cfg.warps)
         marker = "IDP" if "a8" in name else ""
