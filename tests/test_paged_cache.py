@@ -151,6 +151,29 @@ def test_share_lets_beams_swap_blocks():
     assert bm.num_used == 2 and all(bm.ref_counts[b] == 2 for b in tables[1])
 
 
+def test_drafts_never_cost_a_later_sequence_its_next_token():
+    """Two decoding sequences, one free block left: the first's drafts would need it, the second's
+    next token does. The second gets it, the drafts are dropped, no one is preempted (a stress
+    audit's case: the drafts took it first and the second was preempted). Drafts that fit the
+    blocks a sequence holds still run."""
+    from fasterllama.engine.scheduler import Scheduler
+
+    bm = BlockManager(5, 4, _Copies())
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = _seq(list(range(6))), _seq(list(range(100, 109)))
+    for seq in (a, b):  # a: token 6 of 6 next (2 blocks); b: token 9 of 9 next (2 blocks full: it needs a third)
+        _computed(bm, seq, seq.num_tokens - 1)
+        sched.running.append(seq)
+    a.draft_token_ids = [1, 2, 3]  # a's 6 + 3 = 9 tokens: a third block too
+    assert bm.num_free == 1
+    batch = sched.schedule()
+    assert [(item.seq, item.num_tokens, item.drafts) for item in batch] == [(a, 1, []), (b, 1, [])]
+    assert sched.num_preemptions == 0 and sched.running == [a, b] and bm.num_free == 0
+    a.draft_token_ids = [1, 2]  # 8 tokens: a's second block holds them
+    batch = sched.schedule()
+    assert [(item.seq, item.num_tokens, item.drafts) for item in batch] == [(a, 3, [1, 2]), (b, 1, [])]
+
+
 def test_parse_memory():
     assert parse_memory("2GiB") == 2 << 30 and parse_memory("512MB") == 512 * 10**6 and parse_memory("0.5") == 0.5
     assert parse_memory(1 << 20) == 1 << 20 and parse_memory(0.25) == 0.25 and parse_memory("1e9") == 10**9

@@ -53,16 +53,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:  # decodes first, then prompts still being prefilled
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_cached, budget)
-            drafts = seq.draft_token_ids[: budget - n] if seq.num_cached + 1 == seq.num_tokens else []
-            if drafts and not self.blocks.reserve(seq, seq.num_tokens + len(drafts)):
-                drafts = []  # drafts preempt no one directly (but they take free blocks before the sequences after them reserve theirs)
             if not self._reserve(seq, seq.num_cached + n):
                 break  # seq itself was preempted, and everything after it
-            batch.append(ScheduledSeq(seq, n + len(drafts), drafts))
-            budget -= n + len(drafts)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
             i += 1
         if self.num_preemptions != preempted:
-            return batch  # short of blocks: admit nothing new
+            return batch  # short of blocks: admit nothing new (nor drafts)
+        budget = self._add_drafts(batch, budget)
         # (a running parent's forks start once its prompt is in: their seats stay taken while it is
         # prefilled in chunks)
         seats = self.max_num_seqs - len(self.running) - sum(not child.is_finished for seq in self.running for child in seq.forks)
@@ -93,6 +91,18 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # first in the queue next step, in their order
         return batch
+
+    def _add_drafts(self, batch: list[ScheduledSeq], budget: int) -> int:
+        """Speculative tokens for the decoding sequences, from the budget and blocks every running
+        sequence's own tokens left: a draft that does not fit is dropped, never a cause of
+        preemption. Returns the budget left."""
+        for item in batch:
+            seq = item.seq
+            drafts = seq.draft_token_ids[:budget] if seq.num_cached + 1 == seq.num_tokens else []
+            if drafts and self.blocks.reserve(seq, seq.num_tokens + len(drafts)):
+                item.drafts, item.num_tokens = drafts, item.num_tokens + len(drafts)
+                budget -= len(drafts)
+        return budget
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Blocks for seq's tokens, preempting the newest running sequences until they fit; False
