@@ -95,6 +95,8 @@ def main() -> None:
     cases += [("int4 words", gemv._int4_words_gemv_kernel, dict(int4, ONES="i32", PREFETCH="constexpr"), c) for c in distinct(gemv.WORD_CONFIGS)]
     cases += [("int4 words, no mins (Q4_0)", gemv._int4_words_gemv_kernel, dict(int4, ONES="i32", PREFETCH="constexpr"), c)
               for c in distinct(gemv.WORD_CONFIGS)]
+    q4_k = dict(int4, ONES="i32", PREFETCH="constexpr", s_ptr="*i8", mn_ptr="*i8", ss_ptr="*fp16", ms_ptr="*fp16", GPS="constexpr")
+    cases += [("int4 words, factored (Q4_K)", gemv._int4_words_gemv_kernel, q4_k, c) for c in distinct(gemv.WORD_CONFIGS)]
     cases += [("int8 bytes", gemv._int8_gemv_kernel, int8, c) for c in gemv.CONFIGS[:3]]
     cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32", PREFETCH="constexpr"), c)
               for c in distinct(gemv.INT8_WORD_CONFIGS)]
@@ -120,6 +122,8 @@ def main() -> None:
             consts.update(PREFETCH=cfg.prefetch)
         if "no mins" in name:
             consts.update(HAS_MINS=False)
+        if "factored" in name:
+            consts.update(GPS=256 // g)
         weights = cfg.block_n * gpb * g / (32 * cfg.warps)
         sass, usage = compile_sm90(fn, sig, consts, cfg.warps)
         marker = "IDP" if "a8" in name else ""

@@ -83,10 +83,11 @@ def test_combine_holds_every_part_exactly(types):
                                         (("IQ4_NL",), "Int8Linear"), (("IQ4_XS", "Q8_0"), "Int8Linear")])
 def test_gpu_modules_are_the_row_layouts(types, kind):
     """Off the CPU the file's blocks load as the row layouts the GPU kernels read, exactly: 4-bit
-    with mins in groups of 32 (Q4_K's scales in fp32), int8 for centred values in groups of 16 or
-    more (Q3_K's centred 3-bit values too), and int8 with a min per group for values with mins
-    that 4 bits in groups of 32 cannot hold (Q5_1, Q5_K, Q2_K's groups of 16, mixes with them).
-    Their forward (the reference ops) is x @ the file's weights."""
+    with mins in groups of 32 (Q4_K's scales and mins in its own factored form: int8 sub-block
+    values times fp16 a super-block), int8 for centred values in groups of 16 or more (Q3_K's
+    centred 3-bit values too), and int8 with a min per group for values with mins that 4 bits in
+    groups of 32 cannot hold (Q5_1, Q5_K, Q2_K's groups of 16, mixes with them). Their forward
+    (the reference ops) is x @ the file's weights."""
     import torch
 
     from fasterllama.quant import gguf_native
@@ -99,6 +100,9 @@ def test_gpu_modules_are_the_row_layouts(types, kind):
         assert np.array_equal(module.dequantize().numpy(), want)
         x = torch.randn(3, 256)
         torch.testing.assert_close(module(x), x @ torch.from_numpy(want).T, rtol=1e-4, atol=1e-4)
+        if types == ("Q4_K",):  # about the file's 4.5 bits a weight, not 6
+            assert module.sups is not None and module.scales.dtype == torch.int8
+            assert sum(t.numel() * t.element_size() for t in module.parameters()) * 8 / want.size <= 4.65
     cpu = gguf_native._module(parts, torch.device("cpu"))
     assert np.array_equal(cpu.dequantize().numpy(), np.concatenate([p.values() for p in parts]))
 

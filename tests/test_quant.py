@@ -79,6 +79,27 @@ def test_cuda_backend_compacts_scales_and_drops_symmetric_mins():
     torch.testing.assert_close(q4_0(x), y_q4_0, rtol=0, atol=0)
 
 
+def test_cuda_backend_lays_factored_scales_out_in_pairs():
+    """A K-quant's factored scales and mins (Q4_K's) in an Int4Linear: compact_scales puts each
+    group's sub-block scale beside its min and each super-block's d beside -dmin (one load each
+    in the kernels); the weights, the output and the saved values are unchanged."""
+    from fasterllama.backends.cuda import compact_scales
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (48, 512), generator=g)
+    sub_s, sub_m = (torch.randint(0, 64, (48, 16), generator=g) for _ in range(2))
+    d, dmin = (torch.rand(48, 2, generator=g) * 1e-3).half(), (-torch.rand(48, 2, generator=g) * 1e-3).half()
+    lin = Int4Linear(q, sub_s, sub_m, scale_super=d, min_super=dmin)
+    x = torch.randn(3, 512, generator=g)
+    w, y, state = lin.dequantize(), lin(x), {k: v.clone() for k, v in lin.state_dict().items()}
+    assert torch.equal(w, dequantize_int4(q, qops.factored(sub_s, d), qops.factored(sub_m, dmin)))
+    assert not qops.side_by_side(lin.scales, lin.mins)
+    assert compact_scales(torch.nn.ModuleList([lin])) == 1
+    assert qops.side_by_side(lin.scales, lin.mins) and qops.side_by_side(lin.scale_super, lin.min_super)
+    assert torch.equal(lin.dequantize(), w) and torch.equal(lin(x), y)
+    assert all(torch.equal(v, state[k]) for k, v in lin.state_dict().items())
+
+
 def test_q4_0_quantization_is_llama_cpps():
     """quantize_q4_0 gives the values gguf's (llama.cpp's reference) Q4_0 quantizer gives, an
     all-zero group and a tiny one included; its mins are -8 * scale."""

@@ -133,6 +133,33 @@ def test_triton_int4_gemv_symmetric_groups(rows, words, cfg) -> None:
     assert torch.equal(got, gemv.int4_gemv(x, packed, s16, m16, 32, cfg=cfg, words=words))
 
 
+def _q4_k_like(N: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """4-bit values with Q4_K's factored scales and mins: 6-bit sub-block values (int8) times an
+    fp16 d (scales) or -dmin (mins) a super-block of 8 groups of 32. (packed, sub scales, sub mins, sups)."""
+    G = K // 32
+    q = torch.randint(0, 16, (N, K), device=DEVICE)
+    sub_s, sub_m = (torch.randint(0, 64, (N, G), device=DEVICE, dtype=torch.int8) for _ in range(2))
+    d = (torch.rand(N, G // 8, device=DEVICE) * 1e-3).half()
+    dmin = (-torch.rand(N, G // 8, device=DEVICE) * 1e-3).half()
+    return quantized.pack_int4(q, 32), sub_s, sub_m, (d, dmin)
+
+
+@pytest.mark.parametrize(("words", "cfg"), [(False, CONFIGS[0]), (True, WORD_CONFIGS[0]), (True, WORD_CONFIGS[-1])])
+@pytest.mark.parametrize("rows", [1, 2])
+def test_triton_int4_gemv_factored_scales(rows, words, cfg) -> None:
+    """Q4_K's scales and mins in their own form (int8 sub-block values times fp16 a super-block,
+    as the CUDA backend holds a GGUF's Q4_K): the same as with their float products."""
+    N, K = 40, 512
+    packed, sub_s, sub_m, sups = _q4_k_like(N, K)
+    s32, m32 = quantized.factored(sub_s, sups[0]), quantized.factored(sub_m, sups[1])
+    x = torch.randn(rows, K, device=DEVICE).to(torch.bfloat16)
+    ref = quantized.int4_weight_linear(x.float(), packed, s32, m32, 32).to(torch.bfloat16)
+    torch.testing.assert_close(quantized.int4_weight_linear(x.float(), packed, sub_s, sub_m, 32, sups=sups).to(torch.bfloat16), ref)
+    got = gemv.int4_gemv(x, packed, sub_s, sub_m, 32, cfg=cfg, words=words, sups=sups)
+    assert _rel(got, ref) < _tol(torch.bfloat16)
+    assert torch.equal(got, gemv.int4_gemv(x, packed, s32, m32, 32, cfg=cfg, words=words))
+
+
 @pytest.mark.parametrize("cfg", WORD_CONFIGS)
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -100,6 +100,19 @@ def test_triton_int4_gemv_a8_symmetric_groups(cfg) -> None:
     assert _rel(gemv_a8.int4_gemv_a8(x, packed, s16, None, 32, cfg=cfg), ref) < _tol(torch.bfloat16)
 
 
+@pytest.mark.parametrize("cfg", CONFIGS[:2])
+def test_triton_int4_gemv_a8_factored_scales(cfg) -> None:
+    """Q4_K's factored scales and mins (int8 sub-block values times fp16 a super-block of 8 groups)."""
+    N, K = 40, 512
+    G = K // 32
+    q = torch.randint(0, 16, (N, K), device=DEVICE)
+    sub_s, sub_m = (torch.randint(0, 64, (N, G), device=DEVICE, dtype=torch.int8) for _ in range(2))
+    sups = ((torch.rand(N, G // 8, device=DEVICE) * 1e-3).half(), (-torch.rand(N, G // 8, device=DEVICE) * 1e-3).half())
+    packed, x = quantized.pack_int4(q, 32), _x(2, K, torch.bfloat16)
+    ref = quantized.int4_weight_linear_a8(x.float(), packed, quantized.factored(sub_s, sups[0]), quantized.factored(sub_m, sups[1]), 32)
+    assert _rel(gemv_a8.int4_gemv_a8(x, packed, sub_s, sub_m, 32, cfg=cfg, sups=sups), ref.to(torch.bfloat16)) < _tol(torch.bfloat16)
+
+
 def test_triton_a8_dp4a_signed_and_unsigned_bytes() -> None:
     """Extreme values: int8 weights of -128 and 127 (quantize_int8 never makes -128, a GGUF's Q8_0
     may) against x's +-127 (a byte read with the wrong sign is off by 256 steps), and 4-bit values

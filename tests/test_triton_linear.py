@@ -260,6 +260,21 @@ def test_int8_weight_linear_with_mins(M: int, dtype: torch.dtype, group: int, le
     _check(tlin.int8_weight_linear(x, q, scale, bias, mins), want, dtype)
 
 
+@pytest.mark.parametrize("M", [1, 5, 40])  # the GEMV-like kernel, the tl.dot one, the dequantized weight + F.linear
+def test_int4_weight_linear_factored_scales(monkeypatch, M: int) -> None:
+    """Q4_K's scales and mins in their factored form (int8 sub-block values times fp16 a
+    super-block of 8 groups, as the CUDA backend holds them): the results of their float products."""
+    monkeypatch.setattr(tlin, "DEQUANT_MIN_M", 32)
+    N, K = 48, 512
+    G = K // 32
+    q = torch.randint(0, 16, (N, K), dtype=torch.uint8, device=DEVICE)
+    sub_s, sub_m = (torch.randint(0, 64, (N, G), device=DEVICE, dtype=torch.int8) for _ in range(2))
+    sups = ((torch.rand(N, G // 8, device=DEVICE) * 2e-3).half(), (-torch.rand(N, G // 8, device=DEVICE) * 2e-3).half())
+    packed, x = ref.pack_int4(q, 32), _x(M, K, torch.bfloat16)
+    want = ref.int4_weight_linear(x, packed, ref.factored(sub_s, sups[0]), ref.factored(sub_m, sups[1]), 32)
+    _check(tlin.int4_weight_linear(x, packed, sub_s, sub_m, 32, sups=sups), want, torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_dequantizes_once_then_cublas(monkeypatch, dtype: torch.dtype) -> None:
     """From DEQUANT_MIN_M rows the weight is written out in float into the reused buffer, then

@@ -229,8 +229,8 @@ def test_gguf_a8_off_cpu_same_as_reference(interpreted, monkeypatch, tmp_path, w
     for name in ("int8_weight_linear_a8", "int4_weight_linear_a8"):
         kernel, reference = ops._BACKENDS["cpu"][name], getattr(quantized, name)
 
-        def checked(x, *args, kernel=kernel, reference=reference):
-            y, want = kernel(x, *args), reference(x, *args)
+        def checked(x, *args, kernel=kernel, reference=reference, **kwargs):
+            y, want = kernel(x, *args, **kwargs), reference(x, *args, **kwargs)
             assert ((y - want).norm() / want.norm()).item() < 1e-5
             rows.append(x.numel() // x.shape[-1])
             return y

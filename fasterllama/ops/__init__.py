@@ -114,16 +114,17 @@ def int8_weight_linear(x, qweight, scale, bias=None, mins=None):
     return get_op("int8_weight_linear", x.device)(x, qweight, scale, bias, mins)
 
 
-def int4_weight_linear(x, packed, scales, mins, group_size, bias=None):
-    return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias)
+def int4_weight_linear(x, packed, scales, mins, group_size, bias=None, sups=None):
+    """sups: (scale_super, min_super) where scales and mins are a K-quant's int8 sub-block values."""
+    return get_op("int4_weight_linear", x.device)(x, packed, scales, mins, group_size, bias, sups=sups)
 
 
 def int8_weight_linear_a8(x, qweight, scale, bias=None, mins=None):
     return get_op("int8_weight_linear_a8", x.device)(x, qweight, scale, bias, mins)
 
 
-def int4_weight_linear_a8(x, packed, scales, mins, group_size, bias=None):
-    return get_op("int4_weight_linear_a8", x.device)(x, packed, scales, mins, group_size, bias)
+def int4_weight_linear_a8(x, packed, scales, mins, group_size, bias=None, sups=None):
+    return get_op("int4_weight_linear_a8", x.device)(x, packed, scales, mins, group_size, bias, sups=sups)
 
 
 def panel_linear(x, qp, sp, mp, n, bits, bias=None, sups=None):

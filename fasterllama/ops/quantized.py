@@ -385,6 +385,18 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     return _chunked_dequant_linear(x.reshape(-1, K), N, rows, bias).view(*x.shape[:-1], N)
 
 
+def side_by_side(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b's elements each follow a's in memory: [.., 2] pairs, views of one tensor."""
+    return a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride() and a.stride()[-1] == 2 \
+        and a.stride()[0] == 2 * a.shape[-1] and b.data_ptr() == a.data_ptr() + a.element_size()
+
+
+def interleave(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b as views of one [.., 2] tensor of pairs (side_by_side)."""
+    pairs = torch.stack((a, b), dim=-1).contiguous()
+    return pairs[..., 0], pairs[..., 1]
+
+
 def symmetric_mins(scales: torch.Tensor) -> torch.Tensor:
     """The mins of Q4_0's symmetric groups, w = scale * (q - 8): -8 * scale (exact)."""
     return scales * -8
@@ -397,9 +409,12 @@ def dequantize_int4_tile(packed: torch.Tensor, scales: torch.Tensor, mins: torch
 
 
 def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x @ W^T with W = scale * q + min per group of `group_size` input columns, q in 0..15 (mins
-    None: Q4_0's symmetric groups, min = -8 * scale)."""
+    None: Q4_0's symmetric groups, min = -8 * scale; sups: scales and mins in a K-quant's
+    factored form, int8 sub-block values times (scale_super, min_super))."""
+    if sups is not None:
+        scales, mins = factored(scales, sups[0]), None if mins is None else factored(mins, sups[1])
     mins = symmetric_mins(scales) if mins is None else mins
     N, G = scales.shape
     K = G * group_size
@@ -456,9 +471,9 @@ def int8_weight_linear_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.T
 
 
 def int4_weight_linear_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
+                          bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """int4_weight_linear of x rounded to int8 per chunk of panel_chunk(group_size) columns, in fp32."""
-    return int4_weight_linear(a8_input(x, group_size), packed, scales, mins, group_size, bias).to(x.dtype)
+    return int4_weight_linear(a8_input(x, group_size), packed, scales, mins, group_size, bias, sups).to(x.dtype)
 
 
 def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     """The quantized module for a (fused) projection's parts: on the CPU a PackedLinear, or where the
     parts' forms differ a FusedLinear of one per run of alike parts (each in its own width); on other
     devices the row layouts their kernels read: 4-bit values with a scale and min per group of 32
-    or more (Q4_0, Q4_1, Q4_K; scales fp16 where exact, else fp32), int8 for other values (Q5_0,
+    or more (Q4_0, Q4_1: fp16; Q4_K: its factored int8 x fp16 form), int8 for other values (Q5_0,
     Q8_0, Q3_K's and Q6_K's groups of 16, IQ4's table values; with fp32 mins, Q5_1's and Q5_K's
     values 0..31 and Q2_K's 0..3 in groups of 16). None where those cannot hold the parts exactly
     (groups that are not a power of two of at least 16: loaded as float)."""
@@ -58,6 +58,10 @@ def _module(parts: list[gguf_blocks.Blocks], device: torch.device) -> torch.nn.M
     if b.group < 16 or b.group & (b.group - 1):
         return None
     if b.bits == 4 and b.group >= 32:
+        f = b.factors
+        if f is not None and f.min_sub is not None:  # Q4_K: its own compact scales and mins, 4.5 bits a weight (not 6)
+            return Int4Linear(torch.from_numpy(b.q), torch.from_numpy(f.scale_sub), torch.from_numpy(f.min_sub),
+                              scale_super=torch.from_numpy(f.scale_super), min_super=torch.from_numpy(f.min_super))
         mins = torch.from_numpy(b.explicit_mins())
         exact16 = all(torch.equal(x.half().float(), x) for x in (scale, mins))
         return Int4Linear(torch.from_numpy(b.q), scale, mins, scale_dtype=torch.float16 if exact16 else torch.float32)

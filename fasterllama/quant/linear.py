@@ -86,34 +86,54 @@ class Int8Linear(_PanelStorage, nn.Module):
 
 class Int4Linear(_PanelStorage, nn.Module):
     """Weight-only 4-bit, group-wise (mode `w4`; GGUF Q4_0/Q4_1/Q4_K repacked exactly off the CPU):
-    w = scale * q + min per group, q in 0..15, scale and min stored in fp16 (fp32 where a GGUF
-    K-quant's scales need it). `mins` is None where the CUDA backend found every min -8 * scale
-    (Q4_0's symmetric groups: backends/cuda.compact_scales), which its kernels then compute, not read."""
+    w = scale * q + min per group, q in 0..15, scale and min stored in fp16; or, given scale_super
+    and min_super (a GGUF's Q4_K off the CPU), in the K-quant's own factored form: `scales` and
+    `mins` int8 sub-block values [N, G] times an fp16 value a super-block [N, G / gps] (4.6 bits a
+    weight, not the 6 of fp32 products; the CUDA backend lays each pair out side by side for its
+    kernels: backends/cuda.compact_scales). `mins` is None where the CUDA backend found every min
+    -8 * scale (Q4_0's symmetric groups), which its kernels then compute, not read."""
 
     ROW_FIELDS = ("qweight", "scales", "mins")
     int8_activations = False  # quantization "gguf-a8": x rounded to int8 per chunk (ops.int4_weight_linear_a8, panel_linear_a8)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor, bias: torch.Tensor | None = None,
-                 scale_dtype: torch.dtype = torch.float16) -> None:
+                 scale_dtype: torch.dtype = torch.float16, scale_super: torch.Tensor | None = None,
+                 min_super: torch.Tensor | None = None) -> None:
         super().__init__()
+        assert (scale_super is None) == (min_super is None), "a factored form has both super-block values"
         self.out_features, self.in_features = q.shape
         self.group_size = self.in_features // scale.shape[1]
         self.qweight = _buffer(ops.pack_int4(q, self.group_size))
-        self.scales = _buffer(scale.to(scale_dtype).contiguous())  # [N, K/g]
-        self.mins: nn.Parameter | None = _buffer(mins.to(scale_dtype).contiguous())
+        sdtype = scale_dtype if scale_super is None else torch.int8
+        self.scales = _buffer(scale.to(sdtype).contiguous())  # [N, K/g]
+        self.mins: nn.Parameter | None = _buffer(mins.to(sdtype).contiguous())
+        self.scale_super = None if scale_super is None else _buffer(scale_super.half().contiguous())
+        self.min_super = None if min_super is None else _buffer(min_super.half().contiguous())
         self.bias = None if bias is None else _buffer(bias)
 
+    @property
+    def sups(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(scale_super, min_super) of factored scales, else None: the ops' `sups` argument."""
+        return None if self.scale_super is None else (self.scale_super, self.min_super)
+
+    def _scales(self) -> torch.Tensor:
+        """The scales as floats (factored ones: their exact fp32 products)."""
+        return self.scales if self.scale_super is None else ops.quantized.factored(self.scales, self.scale_super)
+
     def _mins(self) -> torch.Tensor:
-        """The mins, -8 * scale where they are not held."""
-        return ops.quantized.symmetric_mins(self.scales) if self.mins is None else self.mins
+        """The mins as floats, -8 * scale where they are not held."""
+        if self.mins is None:
+            return ops.quantized.symmetric_mins(self.scales)
+        return self.mins if self.min_super is None else ops.quantized.factored(self.mins, self.min_super)
 
     def _rows_derived(self) -> bool:
         return self.panels or self.mins is None
 
     def use_panels(self) -> None:
         if not self.panels:
-            qp, sp, mp = ops.to_panels(self.qweight, self.scales, self._mins(), self.group_size)
+            qp, sp, mp = ops.to_panels(self.qweight, self._scales(), self._mins(), self.group_size)
             self.qweight, self.scales, self.mins = _buffer(qp), _buffer(sp), _buffer(mp)
+            self.scale_super = self.min_super = None
             self.panels = True
 
     def _rows(self, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,21 +141,22 @@ class Int4Linear(_PanelStorage, nn.Module):
         if self.panels:
             q, s, m = ops.panel_rows(self.qweight, self.scales, self.mins, rows, self.out_features)
         else:
-            q, s, m = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self.scales[rows], self._mins()[rows]
+            q, s, m = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self._scales()[rows], self._mins()[rows]
         return q.reshape(q.shape[0], -1), s, m
 
     def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(packed [N, K/2], scales [N, G], mins [N, G]) whichever the storage."""
+        """(packed [N, K/2], scales [N, G], mins [N, G]) whichever the storage (factored scales
+        and mins as their float products)."""
         if self.panels:
             return ops.from_panels(self.qweight, self.scales, self.mins, self.out_features)
-        return self.qweight, self.scales, self._mins()
+        return self.qweight, self._scales(), self._mins()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels:
             panel_linear = ops.panel_linear_a8 if self.int8_activations else ops.panel_linear
             return panel_linear(x, self.qweight, self.scales, self.mins, self.out_features, 4, self.bias)
         linear = ops.int4_weight_linear_a8 if self.int8_activations else ops.int4_weight_linear
-        return linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias)
+        return linear(x, self.qweight, self.scales, self.mins, self.group_size, self.bias, self.sups)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_int4(*self._rows(slice(None)), dtype)

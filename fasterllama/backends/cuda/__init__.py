@@ -29,9 +29,9 @@ def _gemv_ops(gemv, triton_linear) -> dict:
     def first(chosen, fallback):
         """The op: the chosen kernel's result, or where it returns None the fallback's."""
 
-        def op(*args):
-            out = chosen(*args)
-            return out if out is not None else fallback(*args)
+        def op(*args, **kwargs):
+            out = chosen(*args, **kwargs)
+            return out if out is not None else fallback(*args, **kwargs)
 
         return op
 
@@ -70,8 +70,10 @@ def compact_scales(model: torch.nn.Module) -> int:
     linears' group scales (and mins) in fp16 where every one is an fp16 value (a GGUF Q8_0's,
     w8-g32's: quantize_int8 rounds them so), 8.5 bits a weight instead of 9; and no mins for the
     4-bit linears whose every min is -8 * scale (Q4_0's symmetric groups: the kernels compute
-    them), 4.5 bits instead of 5. The kernels read either form; the CPU's read fp32 scales and
-    mins, so only here. Returns how many linears changed."""
+    them), 4.5 bits instead of 5. A K-quant's factored scales and mins (Q4_K's) are laid out in
+    pairs, each group's scale and min side by side and each super-block's d and -dmin: one load
+    each in the kernels. The kernels read either form; the CPU's read fp32 scales and mins, so
+    only here. Returns how many linears changed."""
     from ...quant.linear import Int4Linear, Int8Linear
 
     changed = 0
@@ -83,6 +85,10 @@ def compact_scales(model: torch.nn.Module) -> int:
                 for f, t in zip(fields, ts):
                     setattr(m, f, torch.nn.Parameter(t.half(), requires_grad=False))
                 changed += 1
+        elif isinstance(m, Int4Linear) and not m.panels and m.sups is not None:
+            for a, b in ((m.scales, m.mins), (m.scale_super, m.min_super)):
+                a.data, b.data = ops.quantized.interleave(a.data, b.data)
+            changed += 1
         elif isinstance(m, Int4Linear) and not m.panels and m.mins is not None and torch.equal(m.mins, ops.quantized.symmetric_mins(m.scales)):
             m.mins = None
             changed += 1

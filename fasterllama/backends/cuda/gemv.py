@@ -338,17 +338,14 @@ def _int8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
 
 
 @triton.jit
-def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS: tl.constexpr, TWO: tl.constexpr,
-               GATED: tl.constexpr, HAS_MINS: tl.constexpr):
+def _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, K, G, GS: tl.constexpr, TWO: tl.constexpr,
+               GATED: tl.constexpr, HAS_MINS: tl.constexpr, GPS: tl.constexpr):
     """One tile of _int4_gemv_kernel: packed bytes p [rows, GPB, GS/2] of groups g."""
     HALF: tl.constexpr = GS // 2
     g_ok = g < G
     p = p.to(tl.int32)
     lo, hi = _to_f32_u4(p & 15), _to_f32_u4(p >> 4)
-    gs_off = offs_n[:, None] * G + g[None, :]
-    gs_ok = n_ok[:, None] & g_ok[None, :]
-    s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-    mn = triton_linear.q4_min(mn_ptr, gs_off, gs_ok, s, HAS_MINS)
+    s, mn = triton_linear.q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, g, n_ok[:, None] & g_ok[None, :], G, HAS_MINS, GPS)
     k = g[:, None] * GS + tl.arange(0, HALF)[None, :]
     xl = _act(x_ptr, k, g_ok[:, None], K, GATED)
     xh = _act(x_ptr, k + HALF, g_ok[:, None], K, GATED)
@@ -367,9 +364,9 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
                       h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
                       HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
                       bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
-                      HAS_MINS: tl.constexpr = True):
+                      HAS_MINS: tl.constexpr = True, ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0):
     """Tiles [BLOCK_N, GPB, GS/2] bytes (pack_int4: byte j of a group holds values j and j + GS/2);
-    per group, sum w x = scale * sum q x + min * sum x (no mins: Q4_0's, -8 * scale)."""
+    per group, sum w x = scale * sum q x + min * sum x (scales and mins: triton_linear.q4_params)."""
     HALF: tl.constexpr = GS // 2
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -387,11 +384,11 @@ def _int4_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, 
     if NORM:  # (x_ptr: the normed rows, made here)
         _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
                      NORM_ONE_PASS)
-    acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED, HAS_MINS)
+    acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED, HAS_MINS, GPS)
     for b0 in range(first + GPB * HALF, end, GPB * HALF):
         g = b0 // HALF + tl.arange(0, GPB)
         p = tl.load(p_rows + g[None, :, None] * HALF + offs_j, mask=n_ok[:, None, None] & (g < G)[None, :, None], other=0)
-        acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED, HAS_MINS)
+        acc0, acc1 = _int4_tile(p, g, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, K, G, GS, TWO, GATED, HAS_MINS, GPS)
     _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
 
 
@@ -434,9 +431,9 @@ def _int4_words_group_sums(s, sc, mn, x, BLOCK_N: tl.constexpr, GPB: tl.constexp
 
 
 @triton.jit
-def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, G, ONES,
+def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, KW, G, ONES,
                      GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, RAW_HI: tl.constexpr,
-                     GATED: tl.constexpr, HAS_MINS: tl.constexpr):
+                     GATED: tl.constexpr, HAS_MINS: tl.constexpr, GPS: tl.constexpr):
     """One tile of _int4_words_gemv_kernel: words w [rows, GPB groups' words] at word indices f
     from byte b0 of the rows, added to the [rows, groups] sums. Every load comes first, so that
     the tile's trips to memory overlap: the 8 activations of each word in one [words, 2, 4] load
@@ -448,17 +445,25 @@ def _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs
     f_ok = f < KW
     g = b0 // H + tl.arange(0, GPB)
     g_ok = g < G
-    gs_off = offs_n[:, None] * G + g[None, :]
-    gs_ok = n_ok[:, None] & g_ok[None, :]
     kb = (f // WPG) * GS + 4 * (f % WPG)  # the first (low-nibble) value of each word
     run = kb[:, None, None] + (tl.arange(0, 2) * H)[None, :, None] + tl.arange(0, 4)[None, None, :]
-    s = tl.load(s_ptr + gs_off, mask=gs_ok, other=0.0).to(tl.float32)
-    sc = s * 16.0
-    mn = triton_linear.q4_min(mn_ptr, gs_off, gs_ok, s, HAS_MINS) - sc
+    if GPS > 0:  # a K-quant's factored scales (triton_linear.q4_params): each super-block's word loaded once a tile, broadcast
+        NS: tl.constexpr = GPB // GPS
+        sm = tl.load(s_ptr.to(tl.pointer_type(tl.int16)) + offs_n[:, None] * G + g[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0)
+        sg = b0 // H // GPS + tl.arange(0, NS)
+        sup = tl.load(ss_ptr.to(tl.pointer_type(tl.int32)) + offs_n[:, None] * (G // GPS) + sg[None, :],
+                      mask=n_ok[:, None] & (sg < G // GPS)[None, :], other=0)
+    else:
+        s, mn = triton_linear.q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, g, n_ok[:, None] & g_ok[None, :], G, HAS_MINS, GPS)
     x0 = _act(x_ptr, run, f_ok[:, None, None], KW * 8, GATED)
     x1 = x0
     if TWO:
         x1 = _act(x_ptr + stride_xm, run, f_ok[:, None, None], KW * 8, GATED)
+    if GPS > 0:  # (the arithmetic after x's loads: every load of the tile is on its way first)
+        sup = tl.reshape(tl.broadcast_to(sup[:, :, None], [BLOCK_N, NS, GPS]), [BLOCK_N, GPB])
+        s, mn = triton_linear._q4_factors(sm.to(tl.int32), sup)
+    sc = s * 16.0
+    mn -= sc
     x0, x1 = tl.reshape(x0, [WB, 8]), tl.reshape(x1, [WB, 8])
     s0 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
     s1 = tl.zeros([BLOCK_N, WB], dtype=tl.float32)
@@ -489,7 +494,7 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
                              h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
                              HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
                              bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
-                             HAS_MINS: tl.constexpr = True):
+                             HAS_MINS: tl.constexpr = True, ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0):
     """4-bit GEMV over the packing's 32-bit words. ((w >> (4s - 3)) & 0x00780078) | 0x3F803F80
     holds two nibbles as the bf16 numbers 1 + q/16, each an fp32 one shift or mask away: ~2 integer
     ops and one FMA a weight, into an accumulator per word (with half-precision activations 1.5:
@@ -520,16 +525,16 @@ def _int4_words_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, strid
         for b0 in range(first, end, GPB * H):
             f = b0 // 4 + offs_f  # word index along the row
             w_next = _words_tile(words, f + WB, n_ok, KW, b0 + GPB * H < end)
-            acc0, acc1 = _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
-                                          GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS)
+            acc0, acc1 = _int4_words_tile(w, f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, KW, K // GS, ONES,
+                                          GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS, GPS)
             w = w_next
     else:
-        acc0, acc1 = _int4_words_tile(w, first // 4 + offs_f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm, offs_n, n_ok, KW,
-                                      K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS)
+        acc0, acc1 = _int4_words_tile(w, first // 4 + offs_f, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, KW,
+                                      K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS, GPS)
         for b0 in range(first + GPB * H, end, GPB * H):
             f = b0 // 4 + offs_f
-            acc0, acc1 = _int4_words_tile(_words_tile(words, f, n_ok, KW), f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, stride_xm,
-                                          offs_n, n_ok, KW, K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS)
+            acc0, acc1 = _int4_words_tile(_words_tile(words, f, n_ok, KW), f, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm,
+                                          offs_n, n_ok, KW, K // GS, ONES, GS, GPB, BLOCK_N, TWO, RAW_HI, GATED, HAS_MINS, GPS)
     _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
 
 
@@ -705,15 +710,17 @@ def int8_gemv(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias:
 
 def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
               bias: torch.Tensor | None = None, cfg: Config = DEFAULT_CONFIG, words: bool = False, gated: bool = False,
-              norm: Norm | None = None) -> torch.Tensor:
+              norm: Norm | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """words: the kernel reading 32-bit words (two nibbles an integer op), else byte-wise. mins
-    None: Q4_0's symmetric groups (min = -8 * scale, not read)."""
+    None: Q4_0's symmetric groups (min = -8 * scale, not read); sups: a K-quant's factored scales
+    and mins (triton_linear.q4_args)."""
     N = packed.shape[0]
     K = packed.shape[1] * 2
     x2 = _rows(x, K, gated, norm)
     gpb = max(1, cfg.tile_bytes // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
-    args = (packed.contiguous(), scales.contiguous(), scales if mins is None else mins.contiguous())
-    kernel, extra = _int4_gemv_kernel, {"HAS_MINS": mins is not None}
+    (s, mn), extra = triton_linear.q4_args(scales, mins, sups)
+    args = (packed.contiguous(), s, mn)
+    kernel = _int4_gemv_kernel
     if words and packed.data_ptr() % 4 == 0:  # (read as int32)
         kernel, extra = _int4_words_gemv_kernel, {**extra, "ONES": 0x3F803F80, "PREFETCH": cfg.prefetch}
         cfg = cfg._replace(block_n=min(cfg.block_n, 32)) if x2.shape[0] == 2 else cfg
@@ -772,13 +779,19 @@ def chosen_int8(x, qweight, scale, bias=None, mins=None, gated: bool = False, no
     return None
 
 
-def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = False, norm: Norm | None = None) -> torch.Tensor | None:
+def _int4_variant(mins, sups) -> str | None:
+    """How a 4-bit linear's scales and mins are held, beyond floats of both: "sym" (no mins: Q4_0's),
+    "super" (factored: a K-quant's), each timed on its own."""
+    return "sym" if mins is None else "super" if sups is not None else None
+
+
+def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = False, norm: Norm | None = None, sups=None) -> torch.Tensor | None:
     """The 4-bit linear by its chosen GEMV; None where the tiled kernel serves it."""
     N, K = packed.shape[0], packed.shape[1] * 2
     if _rows_of(x) <= MAX_ROWS and supports("int4", K, group_size):
-        kernel, cfg = choice("int4", N, K, group_size, x.dtype, "sym" if mins is None else None)
+        kernel, cfg = choice("int4", N, K, group_size, x.dtype, _int4_variant(mins, sups))
         if kernel in ("gemv", "gemv-words"):
-            return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated, norm=norm)
+            return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated, norm=norm, sups=sups)
     return None
 
 
@@ -792,13 +805,13 @@ def rounded_int8(x, qweight, scale, bias=None, mins=None) -> torch.Tensor:
     return out if out is not None else triton_linear.int8_weight_linear(xr, qweight, scale, bias, mins)
 
 
-def rounded_int4(x, packed, scales, mins, group_size, bias=None) -> torch.Tensor:
+def rounded_int4(x, packed, scales, mins, group_size, bias=None, sups=None) -> torch.Tensor:
     """The "gguf-a8" 4-bit linear without the integer GEMV (as rounded_int8)."""
     from ...ops import quantized
 
     xr = quantized.a8_input(x, group_size).to(x.dtype)
-    out = chosen_int4(xr, packed, scales, mins, group_size, bias)
-    return out if out is not None else triton_linear.int4_weight_linear(xr, packed, scales, mins, group_size, bias)
+    out = chosen_int4(xr, packed, scales, mins, group_size, bias, sups=sups)
+    return out if out is not None else triton_linear.int4_weight_linear(xr, packed, scales, mins, group_size, bias, sups)
 
 
 def chosen_int8_a8(x, qweight, scale, bias=None, mins=None) -> torch.Tensor | None:
@@ -816,16 +829,17 @@ def chosen_int8_a8(x, qweight, scale, bias=None, mins=None) -> torch.Tensor | No
     return gemv_a8.int8_gemv_a8(x, qweight, scale, bias, mins, cfg) if kernel == "gemv-a8" else None
 
 
-def chosen_int4_a8(x, packed, scales, mins, group_size, bias=None) -> torch.Tensor | None:
+def chosen_int4_a8(x, packed, scales, mins, group_size, bias=None, sups=None) -> torch.Tensor | None:
     """The "gguf-a8" 4-bit linear by the integer GEMV (as chosen_int8_a8)."""
     from . import gemv_a8
 
     N, K = packed.shape[0], packed.shape[1] * 2
     if not gemv_a8.usable(x, 4, K, group_size, packed):
         return None
-    key = ("int4a8", N, K, group_size, x.dtype) + (("sym",) if mins is None else ())
+    variant = _int4_variant(mins, sups)
+    key = ("int4a8", N, K, group_size, x.dtype) + ((variant,) if variant else ())
     kernel, cfg = _CHOICE.get(key, ("gemv-a8", gemv_a8.DEFAULT_A8_CONFIG))
-    return gemv_a8.int4_gemv_a8(x, packed, scales, mins, group_size, bias, cfg) if kernel == "gemv-a8" else None
+    return gemv_a8.int4_gemv_a8(x, packed, scales, mins, group_size, bias, cfg, sups) if kernel == "gemv-a8" else None
 
 
 def _kind(module) -> str | None:
@@ -853,7 +867,8 @@ def _key(module, dtype: torch.dtype) -> tuple:
     if kind in ("int8", "int8a8"):
         return (kind, module.out_features, module.in_features, module.group_size or 0, dtype) + (("mins",) if module.weight_min is not None else ())
     if kind in ("int4", "int4a8"):
-        return (kind, module.out_features, module.in_features, module.group_size, dtype) + (("sym",) if module.mins is None else ())
+        variant = _int4_variant(module.mins, module.sups)
+        return (kind, module.out_features, module.in_features, module.group_size, dtype) + ((variant,) if variant else ())
     return ("float", *module.weight.shape, 0, dtype) if kind else ()
 
 
@@ -866,13 +881,13 @@ def _module_gemv(module, x: torch.Tensor, gated: bool = False, norm: Norm | None
             return None
         if kind == "int8a8":
             return chosen_int8_a8(x, module.qweight, module.weight_scale, module.bias, module.weight_min)
-        return chosen_int4_a8(x, module.qweight, module.scales, module.mins, module.group_size, module.bias)
+        return chosen_int4_a8(x, module.qweight, module.scales, module.mins, module.group_size, module.bias, module.sups)
     if kind == "float":
         return chosen_float(x, module.weight, module.bias, gated, norm)
     if kind == "int8":
         return chosen_int8(x, module.qweight, module.weight_scale, module.bias, module.weight_min, gated, norm)
     if kind == "int4":
-        return chosen_int4(x, module.qweight, module.scales, module.mins, module.group_size, module.bias, gated, norm)
+        return chosen_int4(x, module.qweight, module.scales, module.mins, module.group_size, module.bias, gated, norm, module.sups)
     return None
 
 
@@ -937,9 +952,9 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
             q, s, m = module.qweight, module.weight_scale, module.weight_min
             fns = {("gemv-a8", c): (lambda c=c: gemv_a8.int8_gemv_a8(x, q, s, mins=m, cfg=c)) for c in gemv_a8.A8_CONFIGS}
             return key, {("rounded", DEFAULT_CONFIG): lambda: rounded_int8(x, q, s, mins=m), **fns}
-        args = (module.qweight, module.scales, module.mins, module.group_size)
-        fns = {("gemv-a8", c): (lambda c=c: gemv_a8.int4_gemv_a8(x, *args, cfg=c)) for c in gemv_a8.A8_CONFIGS}
-        return key, {("rounded", DEFAULT_CONFIG): lambda: rounded_int4(x, *args), **fns}
+        args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
+        fns = {("gemv-a8", c): (lambda c=c: gemv_a8.int4_gemv_a8(x, *args, cfg=c, sups=sups)) for c in gemv_a8.A8_CONFIGS}
+        return key, {("rounded", DEFAULT_CONFIG): lambda: rounded_int4(x, *args, sups=sups), **fns}
     if kind == "float":
         w = module.weight
         fns = {("gemv", c): (lambda c=c: float_gemv(x, w, cfg=c)) for c in CONFIGS}
@@ -950,10 +965,10 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
         fns.update({("gemv-words", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m, words=True)) for c in INT8_WORD_CONFIGS})
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s, mins=m), **fns}
     if kind == "int4":
-        args = (module.qweight, module.scales, module.mins, module.group_size)
-        fns = {("gemv", c): (lambda c=c: int4_gemv(x, *args, cfg=c)) for c in CONFIGS}
-        fns.update({("gemv-words", c): (lambda c=c: int4_gemv(x, *args, cfg=c, words=True)) for c in WORD_CONFIGS})
-        return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(x, *args), **fns}
+        args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
+        fns = {("gemv", c): (lambda c=c: int4_gemv(x, *args, cfg=c, sups=sups)) for c in CONFIGS}
+        fns.update({("gemv-words", c): (lambda c=c: int4_gemv(x, *args, cfg=c, words=True, sups=sups)) for c in WORD_CONFIGS})
+        return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(x, *args, sups=sups), **fns}
     return (), {}
 
 

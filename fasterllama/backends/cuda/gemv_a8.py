@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ...ops import quantized
-from . import pdl
+from . import pdl, triton_linear
 from .gemv import MAX_ROWS, Config, _int8_store, _launch, _rows, _rows_of, _store_rows
 from .triton_norm import INTERPRET
 
@@ -203,9 +203,10 @@ def _add_row(acc, w, x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, s
 
 
 @triton.jit
-def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G,
+def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, n_ok, K, G,
              BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, UNITS: tl.constexpr, PER_GROUP: tl.constexpr,
-             HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr, ROUND_IN_LOOP: tl.constexpr):
+             HAS_MINS: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, ASM: tl.constexpr, ROUND_IN_LOOP: tl.constexpr,
+             GPS: tl.constexpr):
     """One tile: words w [rows, WB] at word indices f from column k0, its UNITS chunks of x added
     to the [rows, UNITS] sums of each activation row (_add_row)."""
     KW = K // (32 // BITS)
@@ -214,13 +215,14 @@ def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s
     u_ok = u < K // E
     sc, mn = tl.zeros([1, 1], dtype=tl.float32), tl.zeros([1, 1], dtype=tl.float32)
     if PER_GROUP:
-        g_off = offs_n[:, None] * G + (u * E // GS)[None, :]
         g_ok = n_ok[:, None] & u_ok[None, :]
-        sc = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
-        if HAS_MINS:
-            mn = tl.load(mn_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
-        elif BITS == 4:  # (Q4_0's symmetric groups: q - 8, the min not stored)
-            mn = -8.0 * sc
+        if BITS == 4:  # (float, symmetric or factored: triton_linear.q4_params)
+            sc, mn = triton_linear.q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, u * E // GS, g_ok, G, HAS_MINS, GPS)
+        else:
+            g_off = offs_n[:, None] * G + (u * E // GS)[None, :]
+            sc = tl.load(s_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
+            if HAS_MINS:
+                mn = tl.load(mn_ptr + g_off, mask=g_ok, other=0.0).to(tl.float32)
     acc0 = _add_row(acc0, w, x_ptr, xw_ptr, xs_ptr, xsum_ptr, f, f_ok, u, u_ok, KW, K, sc, mn, BITS, E, WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N,
                     ASM, ROUND_IN_LOOP)
     if TWO:  # (the second row's x and its rounding: one row further on)
@@ -233,7 +235,8 @@ def _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s
 def _a8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_SPLIT, G, xw_ptr, xs_ptr, xsum_ptr,
                     BITS: tl.constexpr, E: tl.constexpr, GS: tl.constexpr, WB: tl.constexpr, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr,
                     BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr, ASM: tl.constexpr, ROUND_IN_LOOP: tl.constexpr = False,
-                    X_ROUNDED: tl.constexpr = False, part_ptr=None, bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False):
+                    X_ROUNDED: tl.constexpr = False, part_ptr=None, bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
+                    ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0):
     """y = W x^ over 32-bit words of W's rows (BITS 8: int8 [N, K]; 4: pack_int4's bytes [N, K/2]),
     WB words a row a tile; x^ = x rounded to int8 per chunk of E columns, by _round_x into the xw /
     xs / xsum buffers before the K loop, or (ROUND_IN_LOOP) tile by tile inside it: the same work,
@@ -255,13 +258,13 @@ def _a8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
     if not ROUND_IN_LOOP and not X_ROUNDED:
         _round_x(x_ptr, xw_ptr, xs_ptr, xsum_ptr, M, K, stride_xm, first, end, E, QUANT_BLOCK, BITS)
-    acc0, acc1 = _a8_tile(w, f, first, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E, GS,
-                          WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM, ROUND_IN_LOOP)
+    acc0, acc1 = _a8_tile(w, f, first, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, n_ok, K, G, BITS,
+                          E, GS, WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM, ROUND_IN_LOOP, GPS)
     for k0 in range(first + WB * VPW, end, WB * VPW):
         f = tl.multiple_of(k0 // VPW, 4) + offs_f
         w = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KW)[None, :], other=0)
-        acc0, acc1 = _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, offs_n, n_ok, K, G, BITS, E,
-                              GS, WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM, ROUND_IN_LOOP)
+        acc0, acc1 = _a8_tile(w, f, k0, acc0, acc1, x_ptr, stride_xm, xw_ptr, xs_ptr, xsum_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, n_ok, K, G,
+                              BITS, E, GS, WB, UNITS, PER_GROUP, HAS_MINS, BLOCK_N, TWO, ASM, ROUND_IN_LOOP, GPS)
     if BITS == 8:
         _int8_store(out_ptr, part_ptr, bias_ptr, done_ptr, s_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, PER_GROUP, TWO, SPLITS_PAD,
                     HAS_BIAS)
@@ -270,7 +273,7 @@ def _a8_gemv_kernel(x_ptr, w_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, K_
 
 
 def _a8_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor | None, bits: int, K: int,
-               group_size: int | None, bias, cfg: Config) -> torch.Tensor:
+               group_size: int | None, bias, cfg: Config, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     N = weight.shape[0]
     x2 = _rows(x, K, False)
     E = quantized.panel_chunk(group_size or 32)  # columns of x a scale (ops.quantized.a8_input)
@@ -285,11 +288,11 @@ def _a8_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins:
             _round_x_kernel[(triton.cdiv(K // E, ROUND_CHUNKS),)](x2, xw, xs, xsum, M, K, x2.stride(0), E=E, QB=ROUND_CHUNKS, BITS=bits,
                                                                    num_warps=4, **pdl.launch_args(x2))
     wb = cfg.tile_bytes // 4
-    s = scale.reshape(N, -1)
-    args = (weight.contiguous(), s.contiguous(), s if mins is None else mins.contiguous())
+    (s, mn), q4 = triton_linear.q4_args(scale.reshape(N, -1), mins, sups)
+    args = (weight.contiguous(), s, mn)
     out = _launch(_a8_gemv_kernel, cfg, x2, N, K, K, wb * 32 // bits, bias, x.dtype, args, G=s.shape[1], xw_ptr=xw, xs_ptr=xs,
                   xsum_ptr=xsum, BITS=bits, E=E, GS=group_size or E, WB=wb, PER_GROUP=group_size is not None,
-                  HAS_MINS=mins is not None, ASM=not INTERPRET and x.is_cuda, ROUND_IN_LOOP=cfg.round_in_loop, X_ROUNDED=cfg.round_first)
+                  ASM=not INTERPRET and x.is_cuda, ROUND_IN_LOOP=cfg.round_in_loop, X_ROUNDED=cfg.round_first, **q4)
     return out.view(*x.shape[:-1], N)
 
 
@@ -303,10 +306,11 @@ def int8_gemv_a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
 
 
 def int4_gemv_a8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                 bias: torch.Tensor | None = None, cfg: Config = DEFAULT_A8_CONFIG) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, cfg: Config = DEFAULT_A8_CONFIG,
+                 sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x (1-2 rows) rounded to int8 per chunk of 32, times 4-bit weights in groups of 32 (pack_int4,
-    w = scale * q + min; mins None: Q4_0's min = -8 * scale)."""
-    return _a8_launch(x, packed, scales, mins, 4, packed.shape[1] * 2, group_size, bias, cfg)
+    w = scale * q + min; mins None: Q4_0's min = -8 * scale; sups: a K-quant's factored scales)."""
+    return _a8_launch(x, packed, scales, mins, 4, packed.shape[1] * 2, group_size, bias, cfg, sups)
 
 
 def usable(x: torch.Tensor, bits: int, K: int, group_size: int | None, weight: torch.Tensor) -> bool:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ...ops import quantized
 from . import pdl
 
 # GEMV kernels up to these row counts; above, tl.dot (an int4 weight costs twice the ALU work).
@@ -184,13 +185,39 @@ def _dequantize_first(M: int) -> bool:
 
 
 @triton.jit
-def q4_min(mn_ptr, off, mask, s, HAS_MINS: tl.constexpr):
-    """The fp32 mins of a 4-bit tile's groups: loaded, or without them (Q4_0's symmetric groups,
-    w = scale * (q - 8): compact_scales drops their stored -8 * scale) computed from the
-    scales s, no bytes read."""
+def _u8_to_f32(q):
+    """A byte (int32 0..255) -> fp32 through its bit pattern (no int-to-float conversion)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _q4_factors(sm, sup):
+    """(scales, mins) fp32 from the words q4_params reads: sub-block scale and min bytes (sm) times
+    d and -dmin's fp16 bits (sup, each already beside its groups)."""
+    d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dm = (sup >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return _u8_to_f32(sm & 0xFF) * d, _u8_to_f32((sm >> 8) & 0xFF) * dm
+
+
+@triton.jit
+def q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, rows, g, mask, G, HAS_MINS: tl.constexpr, GPS: tl.constexpr):
+    """The fp32 scales and mins [rows, groups] of a 4-bit tile's groups g of rows `rows`: stored
+    floats; or (GPS > 0: a K-quant's factored form, Q4_K's: Int4Linear.factors) each group's
+    sub-block scale and min, two bytes side by side read as one 16-bit word (s_ptr), times its
+    super-block's d and -dmin (GPS groups), two fp16 side by side read as one 32-bit word (ss_ptr):
+    4.6 bits a weight instead of 6; without mins (Q4_0's symmetric groups, w = scale * (q - 8):
+    compact_scales drops their stored -8 * scale) -8 * scale, no bytes read."""
+    off = rows[:, None] * G + g[None, :]
+    if GPS > 0:
+        sm = tl.load(s_ptr.to(tl.pointer_type(tl.int16)) + off, mask=mask, other=0).to(tl.int32)
+        sup = tl.load(ss_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None] * (G // GPS) + (g // GPS)[None, :], mask=mask, other=0)
+        return _q4_factors(sm, sup)
+    s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
     if HAS_MINS:
-        return tl.load(mn_ptr + off, mask=mask, other=0.0).to(tl.float32)
-    return -8.0 * s
+        mn = tl.load(mn_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    else:
+        mn = -8.0 * s
+    return s, mn
 
 
 @triton.jit
@@ -215,7 +242,7 @@ def _int8_dequant_kernel(w_ptr, s_ptr, mn_ptr, out_ptr, N, K, G, PER_GROUP: tl.c
 
 @triton.jit
 def _int4_dequant_kernel(p_ptr, s_ptr, mn_ptr, out_ptr, N, K, GS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
-                         HAS_MINS: tl.constexpr = True):
+                         HAS_MINS: tl.constexpr = True, ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0):
     """out = q * scale + min from pack_int4's bytes: byte j of a group holds values j (low nibble)
     and GS/2 + j (high)."""
     pdl.wait_prior(PDL)
@@ -226,9 +253,7 @@ def _int4_dequant_kernel(p_ptr, s_ptr, mn_ptr, out_ptr, N, K, GS: tl.constexpr, 
     ok = (offs_n < N)[:, None] & (offs_b < KB)[None, :]
     rows = offs_n.to(tl.int64)[:, None]
     p = tl.load(p_ptr + rows * KB + offs_b[None, :], mask=ok, other=0).to(tl.int32)
-    g = rows * (K // GS) + (offs_b // HALF)[None, :]
-    s = tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
-    mn = q4_min(mn_ptr, g, ok, s, HAS_MINS)
+    s, mn = q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n.to(tl.int64), offs_b // HALF, ok, K // GS, HAS_MINS, GPS)
     k_lo = rows * K + ((offs_b // HALF) * GS + offs_b % HALF)[None, :]
     tl.store(out_ptr + k_lo, (_u4_to_f32(p & 15) * s + mn).to(out_ptr.dtype.element_ty), mask=ok)
     tl.store(out_ptr + k_lo + HALF, (_u4_to_f32(p >> 4) * s + mn).to(out_ptr.dtype.element_ty), mask=ok)
@@ -373,7 +398,7 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
 def _int4_gemv_kernel(
     x_ptr, p_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, stride_xm, kb_split,
     GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
-    HAS_MINS: tl.constexpr = True,
+    HAS_MINS: tl.constexpr = True, ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0,
 ):
     """Rows [pid_n * BLOCK_N, +BLOCK_N) over the byte slice pid_k, for all M <= BLOCK_M rows of x.
     A packed tile is [BLOCK_N, GPB, HT] bytes: GPB runs of HT bytes inside one group of GS values,
@@ -401,10 +426,7 @@ def _int4_gemv_kernel(
         lo = _u4_to_f32(p & 15)
         hi = _u4_to_f32(p >> 4)
         grp = run // HALF
-        sg_off = offs_n[:, None] * G + grp[None, :]
-        sg_ok = n_ok[:, None] & (run < KB)[None, :]
-        s = tl.load(s_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)
-        mn = q4_min(mn_ptr, sg_off, sg_ok, s, HAS_MINS)
+        s, mn = q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, grp, n_ok[:, None] & (run < KB)[None, :], G, HAS_MINS, GPS)
         k_lo = (grp * GS + run % HALF)[:, None] + offs_j[None, :]
         for m in tl.static_range(BLOCK_M):  # the unpacked tile stays in registers for every row
             x_ok = b_ok & (m < M)
@@ -421,7 +443,7 @@ def _int4_linear_kernel(
     x_ptr, p_ptr, s_ptr, mn_ptr, b_ptr, out_ptr, M, N, K, stride_xm, kb_split,
     GS: tl.constexpr, GPB: tl.constexpr, HT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr,
-    HAS_MINS: tl.constexpr = True,
+    HAS_MINS: tl.constexpr = True, ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0,
 ):
     """The tl.dot version: a packed tile (as in the GEMV kernel) becomes two dequantized weight
     tiles, the low and the high nibbles, each multiplied with the columns of x they stand for."""
@@ -453,11 +475,8 @@ def _int4_linear_kernel(
         run = b0 + offs_g * HT
         b = run[:, None] + offs_j[None, :]
         p = tl.load(p_ptr + offs_n[:, None, None] * KB + b[None, :, :], mask=n_ok[:, None, None] & (b < KB)[None, :, :], other=0).to(tl.int32)
-        sg_off = offs_n[:, None] * G + (run // HALF)[None, :]
-        sg_ok = n_ok[:, None] & (run < KB)[None, :]
-        s = tl.load(s_ptr + sg_off, mask=sg_ok, other=0.0).to(tl.float32)
-        mn = q4_min(mn_ptr, sg_off, sg_ok, s, HAS_MINS)[:, :, None]
-        s = s[:, :, None]
+        s, mn = q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, run // HALF, n_ok[:, None] & (run < KB)[None, :], G, HAS_MINS, GPS)
+        s, mn = s[:, :, None], mn[:, :, None]
         wl = tl.reshape(_u4_to_f32(p & 15) * s + mn, [BLOCK_N, BLOCK_KB]).to(xl.dtype)
         wh = tl.reshape(_u4_to_f32(p >> 4) * s + mn, [BLOCK_N, BLOCK_KB]).to(xl.dtype)
         acc = tl.dot(xl, tl.trans(wl), acc, input_precision=PRECISION)
@@ -465,11 +484,29 @@ def _int4_linear_kernel(
     _store(out_ptr + pid_k * M * N, acc, offs_m, offs_n, M, N, b_ptr, HAS_BIAS)
 
 
+def q4_args(scales: torch.Tensor, mins: torch.Tensor | None, sups: tuple[torch.Tensor, torch.Tensor | None] | None) -> tuple[tuple, dict]:
+    """The 4-bit kernels' (s_ptr, mn_ptr) and their ss_ptr, ms_ptr, HAS_MINS, GPS (q4_params) for
+    float scales and mins, mins None (Q4_0's), or a K-quant's factored form (sups = (scale_super,
+    min_super)), whose sub-block scale and min, and d and -dmin, the kernels read in pairs side
+    by side in memory (as compact_scales lays them out); pointers a kernel does not read are
+    placeholders."""
+    if sups is None:
+        scales = scales.contiguous()
+        return (scales, scales if mins is None else mins.contiguous()), {"HAS_MINS": mins is not None, "GPS": 0, "ss_ptr": scales, "ms_ptr": scales}
+    ss, ms = sups
+    assert mins is not None and ms is not None, "a factored form has mins"
+    if not (quantized.side_by_side(scales, mins) and quantized.side_by_side(ss, ms)):  # (a copy each call: compact_scales lays a model's out once)
+        scales, mins = quantized.interleave(scales, mins)
+        ss, ms = quantized.interleave(ss, ms)
+    return (scales, mins), {"HAS_MINS": True, "GPS": scales.shape[1] // ss.shape[1], "ss_ptr": ss, "ms_ptr": ms}
+
+
 def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x.dtype, W = scale * q + min per group of group_size
     (a power of two) input columns, q in 0..15 packed by pack_int4 into uint8 [N, K/2]; mins None:
-    Q4_0's symmetric groups, min = -8 * scale."""
+    Q4_0's symmetric groups, min = -8 * scale; sups: scales and mins in a K-quant's factored form
+    (q4_args)."""
     N, G = scales.shape
     K = G * group_size
     assert packed.shape == (N, K // 2) and group_size >= 2 and group_size & (group_size - 1) == 0, "packed [N, K/2] in groups of 2^n values"
@@ -477,13 +514,12 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     M = x2.shape[0]
     if M == 0:
         return x.new_empty(*x.shape[:-1], N)
-    has_mins = mins is not None
-    packed, scales = packed.contiguous(), scales.contiguous()
-    mins = mins.contiguous() if has_mins else scales  # (a placeholder pointer: not read)
+    packed = packed.contiguous()
+    (scales, mins), q4 = q4_args(scales, mins, sups)
     if _dequantize_first(M):
         w = _float_weight(N, K, x.dtype, x.device)
         _int4_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K // 2, 128))](packed, scales, mins, w, N, K, GS=group_size, BLOCK_N=32, BLOCK_B=128, num_warps=4,
-                                                                               HAS_MINS=has_mins, **pdl.launch_args(w))
+                                                                               **q4, **pdl.launch_args(w))
         return F.linear(x2, w, bias).view(*x.shape[:-1], N)
     gemv = M <= GEMV_MAX_M_INT4
     if gemv:
@@ -497,7 +533,7 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
     common = {"GS": group_size, "GPB": block_kb // ht, "HT": ht, "BLOCK_M": block_m, "BLOCK_N": block_n,
-              "HAS_BIAS": has_bias, "HAS_MINS": has_mins, "num_warps": warps, "num_stages": stages, **pdl.launch_args(x2)}
+              "HAS_BIAS": has_bias, **q4, "num_warps": warps, "num_stages": stages, **pdl.launch_args(x2)}
     args = (x2, packed, scales, mins, bias if has_bias else scales, part, M, N, K, x2.stride(0), per * block_kb)
     if gemv:
         _int4_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
