@@ -10,7 +10,8 @@ Measured in the same run:
   intermediate 11008, vocab 32000) in bf16, Q8_0-like int8 (w8-g32: fp16 scales, 8.5 bits a
   weight), Q4_0-like 4-bit (w4-g32-sym: Q4_0's values, a scale per group of 32 and no min, 4.5
   bits) and w8a8 (dynamic per-token int8 activations); and decode only: Q4_1-like 4-bit (w4-g32,
-  a scale and a min, 5 bits), and the int8 and 4-bit weights with x rounded to int8 per chunk of
+  a scale and a min, 5 bits), Q4_K-like 4-bit (a K-quant's factored scales and mins, 4.6 bits),
+  and the int8 and 4-bit weights with x rounded to int8 per chunk of
   32 as quantization "gguf-a8" (llama.cpp's products): decode tok/s through the engine (LLMEngine.step:
   scheduler, CUDA-graph replay, greedy sampling) at batch 1, 8 and 64 over a 512-token context,
   and prefill tok/s of one 2,048-token prompt; each as a fraction of its hardware limit (decode:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -55,7 +57,8 @@ MODES = {"bf16": None, "int8 (w8-g32, Q8_0-like)": "w8-g32", Q4_0_LIKE: "w4-g32-
 # decode only (7B shapes, batch 1 and 8; no prefill): 4-bit groups with a min, and the weights
 # above with x rounded to int8 per chunk of 32 as quantization "gguf-a8" (llama.cpp's products:
 # the integer GEMVs)
-EXTRA_MODES = {"4-bit (w4-g32, Q4_1-like)": "w4-g32", "int8 a8 (w8-g32, x int8 as gguf-a8)": "w8-g32+a8",
+EXTRA_MODES = {"4-bit (w4-g32, Q4_1-like)": "w4-g32", "4-bit (Q4_K-like: factored scales)": "q4_k-like",
+               "int8 a8 (w8-g32, x int8 as gguf-a8)": "w8-g32+a8",
                "4-bit a8 (w4-g32-sym, x int8 as gguf-a8)": "w4-g32-sym+a8"}
 
 
@@ -132,9 +135,27 @@ def weight_bytes_read(model: torch.nn.Module) -> int:
     return total
 
 
+def q4_k_like(model: LlamaForCausalLM) -> None:
+    """Each 4-bit linear's scales and mins in a GGUF Q4_K's factored form (random 6-bit sub-block
+    values, an fp16 d and -dmin a super-block of 8 groups of 32): the layout a Q4_K file loads in
+    on the GPU, its values of no account here (random weights)."""
+    for m in model.modules():
+        if isinstance(m, Int4Linear):
+            (n, g), device = m.scales.shape, m.scales.device
+            sub, sup = torch.randint(0, 64, (2, n, g), dtype=torch.int8, device=device), torch.rand(n, g // math.gcd(8, g), device=device) * 1e-3
+            params = (sub[0], sub[1], sup.half(), (-sup).half())
+            m.scales, m.mins, m.scale_super, m.min_super = (torch.nn.Parameter(t.contiguous(), requires_grad=False) for t in params)
+
+
 def build(cfg: ModelConfig, mode: str | None, device: torch.device) -> LlamaForCausalLM:
-    """mode: a QuantConfig spec, "+a8" after it: its int8/4-bit linears take x rounded to int8."""
+    """mode: a QuantConfig spec, "+a8" after it: its int8/4-bit linears take x rounded to int8;
+    "q4_k-like": w4-g32-sym's linears with Q4_K's factored scales (q4_k_like)."""
     model = random_model(cfg, torch.bfloat16, device)
+    if mode == "q4_k-like":
+        build_q4_k = True
+        mode = "w4-g32-sym"
+    else:
+        build_q4_k = False
     if mode is not None:
         spec, a8 = mode.removesuffix("+a8"), mode.endswith("+a8")
         cfg = QuantConfig.parse(spec)
@@ -143,6 +164,8 @@ def build(cfg: ModelConfig, mode: str | None, device: torch.device) -> LlamaForC
         for m in model.modules():
             if a8 and isinstance(m, (Int8Linear, Int4Linear)):
                 m.int8_activations = True
+        if build_q4_k:
+            q4_k_like(model)
         torch.cuda.empty_cache() if device.type == "cuda" else None
     return model
 
@@ -406,6 +429,7 @@ def main() -> None:
             "4-bit decode b1 / bf16 (>= 2.6)": ratio(Q4_0_LIKE, "decode_b1_tok_s"),
             "int8 decode b1 / bf16 (>= 1.7)": ratio("int8 (w8-g32, Q8_0-like)", "decode_b1_tok_s"),
             "4-bit Q4_1-like decode b1 / bf16": ratio("4-bit (w4-g32, Q4_1-like)", "decode_b1_tok_s"),
+            "4-bit Q4_K-like decode b1 / bf16": ratio("4-bit (Q4_K-like: factored scales)", "decode_b1_tok_s"),
             "4-bit a8 decode b1 / bf16 (x int8 as gguf-a8)": ratio("4-bit a8 (w4-g32-sym, x int8 as gguf-a8)", "decode_b1_tok_s"),
             "int8 a8 decode b1 / bf16 (x int8 as gguf-a8)": ratio("int8 a8 (w8-g32, x int8 as gguf-a8)", "decode_b1_tok_s"),
             "w8a8 prefill / bf16 (>= 1.5)": ratio("w8a8 (dynamic)", "prefill_tok_s"),
