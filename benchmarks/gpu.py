@@ -57,7 +57,7 @@ MODES = {"bf16": None, "int8 (w8-g32, Q8_0-like)": "w8-g32", Q4_0_LIKE: "w4-g32-
 # decode only (7B shapes, batch 1 and 8; no prefill): 4-bit groups with a min, and the weights
 # above with x rounded to int8 per chunk of 32 as quantization "gguf-a8" (llama.cpp's products:
 # the integer GEMVs)
-EXTRA_MODES = {"4-bit (w4-g32, Q4_1-like)": "w4-g32", "4-bit (Q4_K-like: factored scales)": "q4_k-like",
+EXTRA_MODES = {"4-bit (Q4_K-like: factored scales)": "q4_k-like", "4-bit (w4-g32, Q4_1-like)": "w4-g32",
                "int8 a8 (w8-g32, x int8 as gguf-a8)": "w8-g32+a8",
                "4-bit a8 (w4-g32-sym, x int8 as gguf-a8)": "w4-g32-sym+a8"}
 
