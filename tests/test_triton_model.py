@@ -171,6 +171,26 @@ def test_gguf_off_cpu_layouts_with_mins(interpreted, monkeypatch, tmp_path, weig
         assert _greedy(engine, [PROMPT], decode_steps) == [tm.hf_greedy(hf, PROMPT, decode_steps)]
 
 
+def test_gguf_q4_k_off_cpu_in_its_factored_form(interpreted, monkeypatch, tmp_path) -> None:
+    """A Q4_K file in the layout a GPU loads (int8 sub-block scales and mins with fp16 d / -dmin,
+    laid out in pairs by compact_scales), through the Triton kernels: HF's logits on the same
+    file, and its greedy tokens through the decode GEMVs."""
+    from fasterllama.backends.cuda import compact_scales
+    from fasterllama.quant import gguf_native
+    from fasterllama.quant.linear import Int4Linear
+
+    real = gguf_native._module
+    monkeypatch.setattr(gguf_native, "_module", lambda parts, device: real(parts, torch.device("cuda")))
+    hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.K_SPECS["kquant"]), "q4_k")
+    path = tm.write_gguf(hf, str(tmp_path / "tiny-q4_k.gguf"), weight_type="q4_k")
+    loaded = load_model(path, torch.float32, torch.device("cpu"), None, True, progress=False)
+    factored = [m for m in loaded.model.modules() if isinstance(m, Int4Linear) and m.sups is not None]
+    assert len(factored) >= 4 * tm.K_SPECS["kquant"].num_layers and compact_scales(loaded.model) >= len(factored)
+    engine = llm_engine.LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=48, max_num_seqs=4)
+    assert (engine.compute_logits(PROMPT) - tm.hf_logits(hf, PROMPT)).abs().max().item() < 1e-3
+    assert _greedy(engine, [PROMPT], 2) == [tm.hf_greedy(hf, PROMPT, 2)]
+
+
 def test_chained_steps_through_the_graph_plan(interpreted, gqa) -> None:
     """Chained decode steps (on by default with these kernels) through the graph plan: the ids
     gathered on the device from the last step's samples, rows dropped as sequences end; greedy
