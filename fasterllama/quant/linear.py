@@ -116,15 +116,18 @@ class Int4Linear(_PanelStorage, nn.Module):
         """(scale_super, min_super) of factored scales, else None: the ops' `sups` argument."""
         return None if self.scale_super is None else (self.scale_super, self.min_super)
 
-    def _scales(self) -> torch.Tensor:
-        """The scales as floats (factored ones: their exact fp32 products)."""
-        return self.scales if self.scale_super is None else ops.quantized.factored(self.scales, self.scale_super)
+    def _scales(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Some rows' scales as floats (factored ones: their exact fp32 products; the rows picked
+        first: an embedding's lookup reads a few rows of a vocabulary's)."""
+        s = self.scales[rows]
+        return s if self.scale_super is None else ops.quantized.factored(s, self.scale_super[rows])
 
-    def _mins(self) -> torch.Tensor:
-        """The mins as floats, -8 * scale where they are not held."""
+    def _mins(self, rows: torch.Tensor | slice = slice(None)) -> torch.Tensor:
+        """Some rows' mins as floats, -8 * scale where they are not held."""
         if self.mins is None:
-            return ops.quantized.symmetric_mins(self.scales)
-        return self.mins if self.min_super is None else ops.quantized.factored(self.mins, self.min_super)
+            return ops.quantized.symmetric_mins(self.scales[rows])
+        m = self.mins[rows]
+        return m if self.min_super is None else ops.quantized.factored(m, self.min_super[rows])
 
     def _rows_derived(self) -> bool:
         return self.panels or self.mins is None
@@ -141,7 +144,7 @@ class Int4Linear(_PanelStorage, nn.Module):
         if self.panels:
             q, s, m = ops.panel_rows(self.qweight, self.scales, self.mins, rows, self.out_features)
         else:
-            q, s, m = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self._scales()[rows], self._mins()[rows]
+            q, s, m = ops.unpack_int4_rows(self.qweight, rows, self.group_size), self._scales(rows), self._mins(rows)
         return q.reshape(q.shape[0], -1), s, m
 
     def rows_layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

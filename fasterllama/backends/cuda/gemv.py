@@ -719,6 +719,7 @@ def int4_gemv(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins:
     x2 = _rows(x, K, gated, norm)
     gpb = max(1, cfg.tile_bytes // 2 // (group_size // 2))  # half the bytes: each unpacks to two values in registers
     (s, mn), extra = triton_linear.q4_args(scales, mins, sups)
+    assert gpb % max(extra["GPS"], 1) == 0, "a tile of whole super-blocks"  # (the word-wise kernel loads a tile's super-block values once)
     args = (packed.contiguous(), s, mn)
     kernel = _int4_gemv_kernel
     if words and packed.data_ptr() % 4 == 0:  # (read as int32)

@@ -495,6 +495,7 @@ def q4_args(scales: torch.Tensor, mins: torch.Tensor | None, sups: tuple[torch.T
         return (scales, scales if mins is None else mins.contiguous()), {"HAS_MINS": mins is not None, "GPS": 0, "ss_ptr": scales, "ms_ptr": scales}
     ss, ms = sups
     assert mins is not None and ms is not None, "a factored form has mins"
+    assert scales.dtype == mins.dtype == torch.int8 and ss.dtype == ms.dtype == torch.float16, "int8 sub-block values, fp16 super-block ones"
     if not (quantized.side_by_side(scales, mins) and quantized.side_by_side(ss, ms)):  # (a copy each call: compact_scales lays a model's out once)
         scales, mins = quantized.interleave(scales, mins)
         ss, ms = quantized.interleave(ss, ms)
