@@ -749,10 +749,15 @@ _GATED: dict[tuple, bool] = {}  # a down projection's shape key -> its GEMV make
 _NORMED: dict[tuple, bool] = {}  # a normed linear's shape key -> its GEMV makes the RMSNorm itself (timed faster than the norm kernel + the GEMV)
 
 
+def shape_key(kind: str, N: int, K: int, group: int, dtype: torch.dtype, variant: str | None = None) -> tuple:
+    """The key tune() times a linear under and the dispatch looks up. variant: "mins" (int8 weights
+    with mins), "sym" / "super" (4-bit without mins / with factored scales: _int4_variant), each
+    timed on its own."""
+    return (kind, N, K, group, dtype) + ((variant,) if variant else ())
+
+
 def choice(kind: str, N: int, K: int, group: int, dtype: torch.dtype, variant: str | None = None) -> tuple[str, Config]:
-    """variant: "mins" (int8 weights with mins), "sym" (4-bit without: Q4_0's), each its own timing."""
-    key = (kind, N, K, group, dtype) + ((variant,) if variant else ())
-    return _CHOICE.get(key, (DEFAULT[kind], DEFAULT_CONFIG))
+    return _CHOICE.get(shape_key(kind, N, K, group, dtype, variant), (DEFAULT[kind], DEFAULT_CONFIG))
 
 
 def _rows_of(x: torch.Tensor) -> int:
@@ -825,7 +830,7 @@ def chosen_int8_a8(x, qweight, scale, bias=None, mins=None) -> torch.Tensor | No
     group = K // scale.shape[1] if scale.dim() == 2 else None
     if not gemv_a8.usable(x, 8, K, group, qweight):
         return None
-    key = ("int8a8", N, K, group or 0, x.dtype) + (("mins",) if mins is not None else ())
+    key = shape_key("int8a8", N, K, group or 0, x.dtype, "mins" if mins is not None else None)
     kernel, cfg = _CHOICE.get(key, ("gemv-a8", gemv_a8.DEFAULT_A8_CONFIG))
     return gemv_a8.int8_gemv_a8(x, qweight, scale, bias, mins, cfg) if kernel == "gemv-a8" else None
 
@@ -837,8 +842,7 @@ def chosen_int4_a8(x, packed, scales, mins, group_size, bias=None, sups=None) ->
     N, K = packed.shape[0], packed.shape[1] * 2
     if not gemv_a8.usable(x, 4, K, group_size, packed):
         return None
-    variant = _int4_variant(mins, sups)
-    key = ("int4a8", N, K, group_size, x.dtype) + ((variant,) if variant else ())
+    key = shape_key("int4a8", N, K, group_size, x.dtype, _int4_variant(mins, sups))
     kernel, cfg = _CHOICE.get(key, ("gemv-a8", gemv_a8.DEFAULT_A8_CONFIG))
     return gemv_a8.int4_gemv_a8(x, packed, scales, mins, group_size, bias, cfg, sups) if kernel == "gemv-a8" else None
 
@@ -866,11 +870,10 @@ def _key(module, dtype: torch.dtype) -> tuple:
     """The shape key of a linear module that tune() and the dispatch share ((): no GEMV takes it)."""
     kind = _kind(module)
     if kind in ("int8", "int8a8"):
-        return (kind, module.out_features, module.in_features, module.group_size or 0, dtype) + (("mins",) if module.weight_min is not None else ())
+        return shape_key(kind, module.out_features, module.in_features, module.group_size or 0, dtype, "mins" if module.weight_min is not None else None)
     if kind in ("int4", "int4a8"):
-        variant = _int4_variant(module.mins, module.sups)
-        return (kind, module.out_features, module.in_features, module.group_size, dtype) + ((variant,) if variant else ())
-    return ("float", *module.weight.shape, 0, dtype) if kind else ()
+        return shape_key(kind, module.out_features, module.in_features, module.group_size, dtype, _int4_variant(module.mins, module.sups))
+    return shape_key("float", *module.weight.shape, 0, dtype) if kind else ()
 
 
 def _module_gemv(module, x: torch.Tensor, gated: bool = False, norm: Norm | None = None) -> torch.Tensor | None:

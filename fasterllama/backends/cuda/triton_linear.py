@@ -128,7 +128,8 @@ def _s8_to_f32(q):
 
 @triton.jit
 def _u4_to_f32(q):
-    """A nibble 0..15 held in an int32 -> fp32, the same way."""
+    """A nibble 0..15 (or any value below 2^23: a K-quant's sub-block byte) held in an int32 ->
+    fp32, the same way."""
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
@@ -185,18 +186,12 @@ def _dequantize_first(M: int) -> bool:
 
 
 @triton.jit
-def _u8_to_f32(q):
-    """A byte (int32 0..255) -> fp32 through its bit pattern (no int-to-float conversion)."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
 def _q4_factors(sm, sup):
     """(scales, mins) fp32 from the words q4_params reads: sub-block scale and min bytes (sm) times
     d and -dmin's fp16 bits (sup, each already beside its groups)."""
     d = (sup & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dm = (sup >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return _u8_to_f32(sm & 0xFF) * d, _u8_to_f32((sm >> 8) & 0xFF) * dm
+    return _u4_to_f32(sm & 0xFF) * d, _u4_to_f32((sm >> 8) & 0xFF) * dm
 
 
 @triton.jit
