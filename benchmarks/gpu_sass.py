@@ -5,6 +5,8 @@ instructions a weight, of int8 weights about 7 (docs/gpu.md).
 
     python benchmarks/gpu_sass.py [--dtype bf16] [--group 32]
 
+The 4-bit rows include the tensor-core GEMV (gemv_mma.py: "int4 mma"): its products are HMMA
+instructions, one for every 4 of a thread's weights.
 Prints, per kernel and config: the loop's instructions, the weights a thread handles per
 iteration, their ratio, the loop's global loads that wait behind a barrier, and the registers and
 spill stack cuobjdump reports."""
@@ -21,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fasterllama.backends.cuda import gemv, gemv_a8
+from fasterllama.backends.cuda import gemv, gemv_a8, gemv_mma
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 ALIGNED = ("x_ptr", "p_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "N", "K", "stride_xm", "K_SPLIT", "KB_SPLIT", "G",  # as launches specialize them
@@ -97,6 +99,10 @@ def main() -> None:
               for c in distinct(gemv.WORD_CONFIGS)]
     q4_k = dict(int4, ONES="i32", PREFETCH="constexpr", s_ptr="*i8", mn_ptr="*i8", ss_ptr="*fp16", ms_ptr="*fp16", GPS="constexpr")
     cases += [("int4 words, factored (Q4_K)", gemv._int4_words_gemv_kernel, q4_k, c) for c in distinct(gemv.WORD_CONFIGS)]
+    mma = dict(int4, ASM="constexpr", GATED="constexpr")
+    cases += [(f"int4 mma{sym}", gemv_mma._int4_mma_gemv_kernel, mma, c) for sym in ("", ", no mins (Q4_0)") for c in distinct(gemv_mma.MMA_CONFIGS)]
+    mma_k = dict(mma, s_ptr="*i8", mn_ptr="*i8", ss_ptr="*fp16", ms_ptr="*fp16", GPS="constexpr")
+    cases += [("int4 mma, factored (Q4_K)", gemv_mma._int4_mma_gemv_kernel, mma_k, c) for c in distinct(gemv_mma.MMA_CONFIGS)]
     cases += [("int8 bytes", gemv._int8_gemv_kernel, int8, c) for c in gemv.CONFIGS[:3]]
     cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32", PREFETCH="constexpr"), c)
               for c in distinct(gemv.INT8_WORD_CONFIGS)]
@@ -109,6 +115,8 @@ def main() -> None:
           " registers, stack |\n|---|---|---:|---:|---:|---:|---|")
     for name, fn, sig, cfg in cases:
         gpb = cfg.tile_bytes // g if "int8" in name else cfg.tile_bytes // 2 // (g // 2)  # as int8_gemv / int4_gemv launch
+        if "mma" in name:
+            gpb = gemv_mma.groups_a_tile(cfg, g)
         consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False, "PDL": True, "SPLITS_PAD": 1, "HAS_BIAS": False}
         if "a8" in name:  # (as gemv_a8._a8_launch: a tile is tile_bytes of each row, in words)
             bits = 8 if "int8" in name else 4

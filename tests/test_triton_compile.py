@@ -34,6 +34,7 @@ NORM = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf1
 SPLIT = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "done_ptr": "*i32"}  # (every GEMV's: where a split-K launch's parts go)
 WORDS = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
          "KB_SPLIT": "i32", "ONES": "i32", "GS": "constexpr", "GPB": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "PDL": "constexpr", **SPLIT}
+MMA = {k: v for k, v in WORDS.items() if k != "ONES"}
 INT8_WORDS = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
               "stride_xm": "i32", "K_SPLIT": "i32", "G": "i32", "LOW": "i32", "HIGH": "i32", "GS": "constexpr", "GPB": "constexpr",
               "PER_GROUP": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "HAS_MINS": "constexpr", "PDL": "constexpr", **SPLIT}
@@ -125,6 +126,19 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
                                                             {"BITS": 4, "E": 32, "GS": 32, "WB": 64, "PER_GROUP": True, "HAS_MINS": True,
                                                              "BLOCK_N": 64, "TWO": False, "PDL": True, "ASM": True, "ROUND_IN_LOOP": False,
                                                              "X_ROUNDED": True}, 4),
+    "4-bit MMA GEMV": ("gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, ASM="constexpr"),
+                       {"GS": 32, "GPB": 8, "BLOCK_N": 128, "TWO": False, "PDL": True, "ASM": True}, 4),
+    "4-bit MMA GEMV, fp16, Q4_0's groups, two rows, split-K merged by the last": (
+        "gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, x_ptr="*fp16", out_ptr="*fp16", bias_ptr="*fp16", HAS_MINS="constexpr",
+                                                  ASM="constexpr"),
+        {"GS": 32, "GPB": 8, "BLOCK_N": 256, "TWO": True, "PDL": True, "HAS_MINS": False, "ASM": True, "SPLITS_PAD": 4, "HAS_BIAS": True}, 8),
+    "4-bit MMA GEMV, Q4_K's factored scales, gated": (
+        "gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, s_ptr="*i8", mn_ptr="*i8", ss_ptr="*fp16", ms_ptr="*fp16", GPS="constexpr",
+                                                  GATED="constexpr", ASM="constexpr"),
+        {"GS": 32, "GPB": 8, "BLOCK_N": 128, "TWO": False, "PDL": True, "GPS": 8, "GATED": True, "ASM": True}, 4),
+    "4-bit MMA GEMV, normed, groups of 128": ("gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, ASM="constexpr", **NORMED),
+                                              {"GS": 128, "GPB": 8, "BLOCK_N": 64, "TWO": False, "PDL": True, "ASM": True, "NORM": True,
+                                               "HAS_RES": True, "NORM_BLOCK": 4096, "NORM_ONE_PASS": True}, 4),
     "x rounded to int8 for the a8 kernels": ("gemv_a8", "_round_x_kernel",
                                 {"x_ptr": "*bf16", "xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
                                  "E": "constexpr", "QB": "constexpr", "BITS": "constexpr", "PDL": "constexpr"},
@@ -135,7 +149,7 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
          "ROUND_IN_LOOP": False, "SPLITS_PAD": 4, "HAS_BIAS": True}, 4),
 }
 for _module, _kernel, _sig, _consts, _warps in CASES.values():  # a GEMV's launch says whether it splits K (the compile takes no defaults)
-    if _module in ("gemv", "gemv_a8") and _kernel.endswith("gemv_kernel"):
+    if _module in ("gemv", "gemv_a8", "gemv_mma") and _kernel.endswith("gemv_kernel"):
         _sig.update(SPLITS_PAD="constexpr", HAS_BIAS="constexpr")
         _consts.setdefault("SPLITS_PAD", 1)
         _consts.setdefault("HAS_BIAS", False)
@@ -161,7 +175,8 @@ late_loads = sum(o.startswith("LDG") for o in ops[first_store:])  # (a load afte
 print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
                   "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced,
                   "loads_after_a_store": late_loads, "dp4a": sum(o.startswith("IDP.4A") for o in ops),
-                  "tma": sum(o.startswith("UTMALDG") for o in ops), "wgmma": sum(o.startswith(("HGMMA", "IGMMA")) for o in ops)}))
+                  "tma": sum(o.startswith("UTMALDG") for o in ops), "wgmma": sum(o.startswith(("HGMMA", "IGMMA")) for o in ops),
+                  "mma": sum(o.startswith("HMMA") for o in ops), "lop3": sum(o.startswith("LOP3") for o in ops)}))
 """
 
 
@@ -187,6 +202,8 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
         assert got["before_wait"] == [], got["before_wait"]
     if "TMA" in name:  # operand tiles by the TMA engine into int8 wgmma
         assert got["tma"] > 0 and got["wgmma"] > 0, got
+    if "MMA GEMV" in name:  # the tensor cores' products of the nibbles the inline PTX made
+        assert got["mma"] > 0 and got["lop3"] > 0, got
     if "IDP4A" in name:  # the inline PTX dp4a: an integer dot product a word
         assert got["dp4a"] > 0, got
     if name == "sampler":

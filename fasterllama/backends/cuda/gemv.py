@@ -16,7 +16,8 @@ no kernel writes, stream in while the kernel before ends), then works tile by ti
 kernel does one tile's work, for the first tile and in the loop). A tile's helper issues all its
 loads (activations, scales, mins) before any of its arithmetic: a load written after a layout
 conversion's barrier starts only once the loads before it have arrived, one trip to memory after
-another (the word-wise kernels took 4-8 such trips a tile until 2026-11-29; now one)."""
+another (the word-wise kernels took 4-8 such trips a tile until 2026-11-29; now one). A 4-bit GEMV
+on the tensor cores (gemv_mma.py) is among tune()'s candidates for half-precision activations."""
 
 from __future__ import annotations
 
@@ -740,7 +741,7 @@ def supports(kind: str, K: int, group: int) -> bool:
 
 
 # -- the choice ----------------------------------------------------------------------------------------
-_CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> ("gemv" | "gemv-words" | "tiled" | "cublas" | "gemv-a8" | "rounded", config)
+_CHOICE: dict[tuple, tuple[str, Config]] = {}  # (kind, N, K, group, dtype) -> ("gemv" | "gemv-words" | "gemv-mma" | "tiled" | "cublas" | "gemv-a8" | "rounded", config)
 DEFAULT = {"float": "cublas", "int8": "gemv", "int4": "gemv"}
 
 
@@ -798,6 +799,10 @@ def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = Fa
         kernel, cfg = choice("int4", N, K, group_size, x.dtype, _int4_variant(mins, sups))
         if kernel in ("gemv", "gemv-words"):
             return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated, norm=norm, sups=sups)
+        if kernel == "gemv-mma":
+            from .gemv_mma import int4_gemv_mma
+
+            return int4_gemv_mma(x, packed, scales, mins, group_size, bias, cfg, gated=gated, norm=norm, sups=sups)
     return None
 
 
@@ -972,6 +977,10 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
         args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
         fns = {("gemv", c): (lambda c=c: int4_gemv(x, *args, cfg=c, sups=sups)) for c in CONFIGS}
         fns.update({("gemv-words", c): (lambda c=c: int4_gemv(x, *args, cfg=c, words=True, sups=sups)) for c in WORD_CONFIGS})
+        from . import gemv_mma
+
+        if gemv_mma.supports(module.in_features, module.group_size, x.dtype):
+            fns.update({("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(x, *args, cfg=c, sups=sups)) for c in gemv_mma.MMA_CONFIGS})
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(x, *args, sups=sups), **fns}
     return (), {}
 

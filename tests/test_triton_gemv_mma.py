@@ -1,0 +1,120 @@
+"""The 4-bit decode GEMV on the tensor cores (backends/cuda/gemv_mma.py) against the reference ops and
+the other GEMVs: on a GPU at real shapes, on the CPU under TRITON_INTERPRET=1 at small ones (there
+the nibbles come from shifts in fp32 and the MMA is an fp32 dot: the inline PTX is compiled for
+sm_90 in test_triton_compile.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), reason="needs a CUDA GPU or TRITON_INTERPRET=1")
+
+from fasterllama.backends.cuda import gemv, gemv_mma, triton_norm
+from fasterllama.ops import quantized
+from fasterllama.quant.quantize import quantize_int4
+
+DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+# (N, K): N past one row block and not a multiple of it, a K tail inside a tile, split-K; on a GPU qkv and down at 7B
+SHAPES = [(40, 512), (150, 1088)] if DEVICE == "cpu" else [(12288, 4096), (4096, 11008)]
+CONFIGS = gemv_mma.MMA_CONFIGS if DEVICE == "cpu" else gemv_mma.MMA_CONFIGS[:1]
+
+
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    assert got.shape == ref.shape and got.dtype == ref.dtype and torch.isfinite(got.float()).all()
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _weights(N: int, K: int, group: int):
+    q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), group)
+    return quantized.pack_int4(q, group), s.half(), m.half()
+
+
+@pytest.mark.parametrize("cfg", CONFIGS)
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_int4_mma_gemv(shape, group, dtype, rows, cfg) -> None:
+    """Every group size, both half-precision types (bf16 values 128 + q, fp16 1024 + q), one and
+    two rows, with a bias: the reference's fp32 sums, rounded once."""
+    N, K = shape
+    if K % group:
+        pytest.skip("group does not divide K")
+    packed, s16, m16 = _weights(N, K, group)
+    x = torch.randn(rows, K, device=DEVICE).to(dtype)
+    b = torch.randn(N, device=DEVICE).to(dtype)
+    ref = quantized.int4_weight_linear(x.float(), packed, s16, m16, group, b.float()).to(dtype)
+    got = gemv_mma.int4_gemv_mma(x, packed, s16, m16, group, b, cfg)
+    assert _rel(got, ref) < 1e-2
+    assert _rel(got, ref) < 1.5 * _rel(gemv.int4_gemv(x, packed, s16, m16, group, b, gemv.CONFIGS[0]), ref) + 1e-3  # as close as the byte-wise GEMV
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_triton_int4_mma_gemv_symmetric_and_factored_scales(rows) -> None:
+    """Q4_0's groups without mins (w = scale * (q - 8)) and Q4_K's factored scales and mins (int8
+    sub-block values times fp16 a super-block): what the stored floats give."""
+    N, K = SHAPES[0]
+    x = torch.randn(rows, K, device=DEVICE).to(torch.bfloat16)
+    q = torch.randint(0, 16, (N, K), device=DEVICE)
+    s16 = (torch.rand(N, K // 32, device=DEVICE) * 0.02).half()
+    packed = quantized.pack_int4(q, 32)
+    ref = quantized.int4_weight_linear(x.float(), packed, s16, s16 * -8, 32).to(torch.bfloat16)
+    got = gemv_mma.int4_gemv_mma(x, packed, s16, None, 32)
+    assert _rel(got, ref) < 1e-2
+    assert torch.equal(got, gemv_mma.int4_gemv_mma(x, packed, s16, s16 * -8, 32))
+
+    sub_s, sub_m = (torch.randint(0, 64, (N, K // 32), device=DEVICE, dtype=torch.int8) for _ in range(2))
+    sups = ((torch.rand(N, K // 256, device=DEVICE) * 1e-3).half(), (-torch.rand(N, K // 256, device=DEVICE) * 1e-3).half())
+    s32, m32 = quantized.factored(sub_s, sups[0]), quantized.factored(sub_m, sups[1])
+    ref = quantized.int4_weight_linear(x.float(), packed, s32, m32, 32).to(torch.bfloat16)
+    got = gemv_mma.int4_gemv_mma(x, packed, sub_s, sub_m, 32, sups=sups)
+    assert _rel(got, ref) < 1e-2
+    assert torch.equal(got, gemv_mma.int4_gemv_mma(x, packed, s32, m32, 32))
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_triton_int4_mma_gemv_gated_and_normed(rows) -> None:
+    """gated (SiLU(gate) * up made as x is read) and norm (RMSNorm(h + residual) made by the
+    programs): the same as the SiLU·mul or norm kernel, then the GEMV."""
+    N, K = SHAPES[1]
+    packed, s16, m16 = _weights(N, K, 32)
+    cfg = CONFIGS[-1]
+    gate_up = torch.randn(rows, 2 * K, device=DEVICE).to(torch.bfloat16)
+    got = gemv_mma.int4_gemv_mma(gate_up, packed, s16, m16, 32, cfg=cfg, gated=True)
+    assert _rel(got, gemv_mma.int4_gemv_mma(triton_norm.silu_and_mul(gate_up), packed, s16, m16, 32, cfg=cfg)) < 1e-6
+
+    h, res = (torch.randn(rows, K, device=DEVICE).to(torch.bfloat16) for _ in range(2))
+    w_norm = (1 + 0.2 * torch.randn(K, device=DEVICE)).to(torch.bfloat16)
+    x, want_res = triton_norm.add_rms_norm(h, res, w_norm, 1e-5)
+    res_out = torch.empty_like(h)
+    got = gemv_mma.int4_gemv_mma(h, packed, s16, m16, 32, cfg=cfg, norm=gemv.Norm(res, w_norm, 1e-5, res_out))
+    assert _rel(got, gemv_mma.int4_gemv_mma(x, packed, s16, m16, 32, cfg=cfg)) < 2e-3
+    assert torch.equal(res_out, want_res)
+
+
+def test_triton_int4_mma_gemv_is_a_candidate_and_dispatched(monkeypatch) -> None:
+    """tune() times it for half-precision activations (not fp32: the MMA's operands), and a linear
+    whose shape chose it runs it."""
+    from fasterllama.quant.linear import Int4Linear
+
+    N, K = SHAPES[0]
+    q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), 32)
+    module = Int4Linear(q, s, m).to(DEVICE)
+    packed, s16, m16 = module.qweight, module.scales, module.mins
+    x = torch.randn(1, K, device=DEVICE).to(torch.bfloat16)
+    key, fns = gemv._candidates(module, x)
+    assert {c for name, c in fns if name == "gemv-mma"} == set(gemv_mma.MMA_CONFIGS)
+    assert not any(name == "gemv-mma" for name, _ in gemv._candidates(module, x.float())[1])
+    cfg = gemv_mma.MMA_CONFIGS[1]
+    monkeypatch.setitem(gemv._CHOICE, key, ("gemv-mma", cfg))
+    calls = []
+    real = gemv_mma.int4_gemv_mma
+    monkeypatch.setattr(gemv_mma, "int4_gemv_mma", lambda *a, **k: calls.append(k["cfg"] if "cfg" in k else a[6]) or real(*a, **k))
+    got = gemv._module_gemv(module, x)
+    assert calls == [cfg]
+    assert torch.equal(got, real(x, packed, s16, m16, 32, cfg=cfg))
