@@ -26,7 +26,7 @@ T0=$(date +%s)
 # (-v: a run cut by its timeout still names each failure in the log; 2026-11-28: 881 tests, 136 s;
 # 2026-11-30: 1,296 tests, 8 slow GGUF and graph tests unfinished at 170 s: worksteal, 210 s)
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -v -p no:cacheprovider -rfE -n "${TEST_WORKERS:-12}" --dist worksteal \
-  ${TESTS:-tests/test_cuda.py tests/test_triton_sampling.py tests/test_triton_gemv.py tests/test_triton_gemv_a8.py tests/test_triton_norm.py tests/test_triton_linear.py tests/test_triton_attention.py} \
+  ${TESTS:-tests/test_cuda.py tests/test_triton_sampling.py tests/test_triton_gemv.py tests/test_triton_gemv_a8.py tests/test_triton_gemv_mma.py tests/test_triton_norm.py tests/test_triton_linear.py tests/test_triton_attention.py} \
   > "$OUT/tests.log" 2>&1; grep -E "(FAILED|ERROR) tests/|[0-9]+ (passed|failed)" "$OUT/tests.log" | tail -25
 echo "tests: $(( $(date +%s) - T0 )) s"
 # programmatic dependent launch (backends/cuda/pdl.py; passed every test on 2026-11-30): where the
