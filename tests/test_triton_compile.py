@@ -34,7 +34,7 @@ NORM = {"x_ptr": "*bf16", "res_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf1
 SPLIT = {"part_ptr": "*fp32", "bias_ptr": "*bf16", "done_ptr": "*i32"}  # (every GEMV's: where a split-K launch's parts go)
 WORDS = {"x_ptr": "*bf16", "p_ptr": "*u8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
          "KB_SPLIT": "i32", "ONES": "i32", "GS": "constexpr", "GPB": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "PDL": "constexpr", **SPLIT}
-MMA = {k: v for k, v in WORDS.items() if k != "ONES"}
+MMA = {**{k: v for k, v in WORDS.items() if k not in ("ONES", "TWO")}, "M_PAD": "constexpr"}
 INT8_WORDS = {"x_ptr": "*bf16", "w_ptr": "*i8", "s_ptr": "*fp32", "mn_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",
               "stride_xm": "i32", "K_SPLIT": "i32", "G": "i32", "LOW": "i32", "HIGH": "i32", "GS": "constexpr", "GPB": "constexpr",
               "PER_GROUP": "constexpr", "BLOCK_N": "constexpr", "TWO": "constexpr", "HAS_MINS": "constexpr", "PDL": "constexpr", **SPLIT}
@@ -127,18 +127,21 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
                                                              "BLOCK_N": 64, "TWO": False, "PDL": True, "ASM": True, "ROUND_IN_LOOP": False,
                                                              "X_ROUNDED": True}, 4),
     "4-bit MMA GEMV": ("gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, ASM="constexpr"),
-                       {"GS": 32, "GPB": 8, "BLOCK_N": 128, "TWO": False, "PDL": True, "ASM": True}, 4),
+                       {"GS": 32, "GPB": 8, "BLOCK_N": 128, "M_PAD": 1, "PDL": True, "ASM": True}, 4),
     "4-bit MMA GEMV, fp16, Q4_0's groups, two rows, split-K merged by the last": (
         "gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, x_ptr="*fp16", out_ptr="*fp16", bias_ptr="*fp16", HAS_MINS="constexpr",
                                                   ASM="constexpr"),
-        {"GS": 32, "GPB": 8, "BLOCK_N": 256, "TWO": True, "PDL": True, "HAS_MINS": False, "ASM": True, "SPLITS_PAD": 4, "HAS_BIAS": True}, 8),
+        {"GS": 32, "GPB": 4, "BLOCK_N": 256, "M_PAD": 2, "PDL": True, "HAS_MINS": False, "ASM": True, "SPLITS_PAD": 4, "HAS_BIAS": True}, 8),
     "4-bit MMA GEMV, Q4_K's factored scales, gated": (
         "gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, s_ptr="*i8", mn_ptr="*i8", ss_ptr="*fp16", ms_ptr="*fp16", GPS="constexpr",
                                                   GATED="constexpr", ASM="constexpr"),
-        {"GS": 32, "GPB": 8, "BLOCK_N": 128, "TWO": False, "PDL": True, "GPS": 8, "GATED": True, "ASM": True}, 4),
+        {"GS": 32, "GPB": 8, "BLOCK_N": 128, "M_PAD": 1, "PDL": True, "GPS": 8, "GATED": True, "ASM": True}, 4),
     "4-bit MMA GEMV, normed, groups of 128": ("gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, ASM="constexpr", **NORMED),
-                                              {"GS": 128, "GPB": 8, "BLOCK_N": 64, "TWO": False, "PDL": True, "ASM": True, "NORM": True,
+                                              {"GS": 128, "GPB": 8, "BLOCK_N": 64, "M_PAD": 1, "PDL": True, "ASM": True, "NORM": True,
                                                "HAS_RES": True, "NORM_BLOCK": 4096, "NORM_ONE_PASS": True}, 4),
+    "4-bit MMA GEMV, a decode batch of 8 rows, split-K merged by the last": (
+        "gemv_mma", "_int4_mma_gemv_kernel", dict(MMA, ASM="constexpr"),
+        {"GS": 32, "GPB": 2, "BLOCK_N": 256, "M_PAD": 8, "PDL": True, "ASM": True, "SPLITS_PAD": 8, "HAS_BIAS": True}, 8),
     "x rounded to int8 for the a8 kernels": ("gemv_a8", "_round_x_kernel",
                                 {"x_ptr": "*bf16", "xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32",
                                  "E": "constexpr", "QB": "constexpr", "BITS": "constexpr", "PDL": "constexpr"},
@@ -202,8 +205,8 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
         assert got["before_wait"] == [], got["before_wait"]
     if "TMA" in name:  # operand tiles by the TMA engine into int8 wgmma
         assert got["tma"] > 0 and got["wgmma"] > 0, got
-    if "MMA GEMV" in name:  # the tensor cores' products of the nibbles the inline PTX made
-        assert got["mma"] > 0 and got["lop3"] > 0, got
+    if "MMA GEMV" in name:  # the tensor cores' products (HMMA, or wgmma at 16 columns and more) of the nibbles the inline PTX made
+        assert got["mma"] + got["wgmma"] > 0 and got["lop3"] > 0, got
     if "IDP4A" in name:  # the inline PTX dp4a: an integer dot product a word
         assert got["dp4a"] > 0, got
     if name == "sampler":

@@ -34,14 +34,18 @@ def _weights(N: int, K: int, group: int):
     return quantized.pack_int4(q, group), s.half(), m.half()
 
 
-@pytest.mark.parametrize("cfg", CONFIGS)
-@pytest.mark.parametrize("rows", [1, 2])
+# (one and two rows in the GEMV's configs, a decode batch's rows in the batch configs: a tile of fewer groups)
+ROW_CASES = [(r, c) for r in (1, 2) for c in CONFIGS] + [(3, gemv_mma.BATCH_CONFIGS[0]), (8, gemv_mma.BATCH_CONFIGS[-1]),
+                                                          (16, gemv_mma.BATCH_CONFIGS[1])]
+
+
+@pytest.mark.parametrize(("rows", "cfg"), ROW_CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_triton_int4_mma_gemv(shape, group, dtype, rows, cfg) -> None:
-    """Every group size, both half-precision types (bf16 values 128 + q, fp16 1024 + q), one and
-    two rows, with a bias: the reference's fp32 sums, rounded once."""
+    """Every group size, both half-precision types (bf16 values 128 + q, fp16 1024 + q), 1 to 16
+    rows, with a bias: the reference's fp32 sums, rounded once."""
     N, K = shape
     if K % group:
         pytest.skip("group does not divide K")
@@ -51,10 +55,10 @@ def test_triton_int4_mma_gemv(shape, group, dtype, rows, cfg) -> None:
     ref = quantized.int4_weight_linear(x.float(), packed, s16, m16, group, b.float()).to(dtype)
     got = gemv_mma.int4_gemv_mma(x, packed, s16, m16, group, b, cfg)
     assert _rel(got, ref) < 1e-2
-    assert _rel(got, ref) < 1.5 * _rel(gemv.int4_gemv(x, packed, s16, m16, group, b, gemv.CONFIGS[0]), ref) + 1e-3  # as close as the byte-wise GEMV
+    assert _rel(got, ref) < 1.5 * _rel(quantized.int4_weight_linear(x, packed, s16, m16, group, b), ref) + 1e-3  # as close as the reference in x's type
 
 
-@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5])
 def test_triton_int4_mma_gemv_symmetric_and_factored_scales(rows) -> None:
     """Q4_0's groups without mins (w = scale * (q - 8)) and Q4_K's factored scales and mins (int8
     sub-block values times fp16 a super-block): what the stored floats give."""
@@ -64,17 +68,18 @@ def test_triton_int4_mma_gemv_symmetric_and_factored_scales(rows) -> None:
     s16 = (torch.rand(N, K // 32, device=DEVICE) * 0.02).half()
     packed = quantized.pack_int4(q, 32)
     ref = quantized.int4_weight_linear(x.float(), packed, s16, s16 * -8, 32).to(torch.bfloat16)
-    got = gemv_mma.int4_gemv_mma(x, packed, s16, None, 32)
+    cfg = CONFIGS[0] if rows <= 2 else gemv_mma.BATCH_CONFIGS[0]
+    got = gemv_mma.int4_gemv_mma(x, packed, s16, None, 32, cfg=cfg)
     assert _rel(got, ref) < 1e-2
-    assert torch.equal(got, gemv_mma.int4_gemv_mma(x, packed, s16, s16 * -8, 32))
+    assert torch.equal(got, gemv_mma.int4_gemv_mma(x, packed, s16, s16 * -8, 32, cfg=cfg))
 
     sub_s, sub_m = (torch.randint(0, 64, (N, K // 32), device=DEVICE, dtype=torch.int8) for _ in range(2))
     sups = ((torch.rand(N, K // 256, device=DEVICE) * 1e-3).half(), (-torch.rand(N, K // 256, device=DEVICE) * 1e-3).half())
     s32, m32 = quantized.factored(sub_s, sups[0]), quantized.factored(sub_m, sups[1])
     ref = quantized.int4_weight_linear(x.float(), packed, s32, m32, 32).to(torch.bfloat16)
-    got = gemv_mma.int4_gemv_mma(x, packed, sub_s, sub_m, 32, sups=sups)
+    got = gemv_mma.int4_gemv_mma(x, packed, sub_s, sub_m, 32, cfg=cfg, sups=sups)
     assert _rel(got, ref) < 1e-2
-    assert torch.equal(got, gemv_mma.int4_gemv_mma(x, packed, s32, m32, 32))
+    assert torch.equal(got, gemv_mma.int4_gemv_mma(x, packed, s32, m32, 32, cfg=cfg))
 
 
 @pytest.mark.parametrize("rows", [1, 2])
@@ -98,8 +103,9 @@ def test_triton_int4_mma_gemv_gated_and_normed(rows) -> None:
 
 
 def test_triton_int4_mma_gemv_is_a_candidate_and_dispatched(monkeypatch) -> None:
-    """tune() times it for half-precision activations (not fp32: the MMA's operands), and a linear
-    whose shape chose it runs it."""
+    """tune() times it for half-precision activations (not fp32: the MMA's operands), at one row
+    and at a decode batch (against the tiled kernel), and a linear whose shape chose it runs it:
+    a batch of 3..16 rows too."""
     from fasterllama.quant.linear import Int4Linear
 
     N, K = SHAPES[0]
@@ -110,11 +116,20 @@ def test_triton_int4_mma_gemv_is_a_candidate_and_dispatched(monkeypatch) -> None
     key, fns = gemv._candidates(module, x)
     assert {c for name, c in fns if name == "gemv-mma"} == set(gemv_mma.MMA_CONFIGS)
     assert not any(name == "gemv-mma" for name, _ in gemv._candidates(module, x.float())[1])
-    cfg = gemv_mma.MMA_CONFIGS[1]
-    monkeypatch.setitem(gemv._CHOICE, key, ("gemv-mma", cfg))
+    batch_key, batch_fns = gemv._batch_candidates(module, x)
+    assert batch_key[0] == "int4rows" and list(batch_fns)[0][0] == "tiled"  # (the reference _checked compares with)
+    assert {c for name, c in batch_fns if name == "gemv-mma"} == set(gemv_mma.BATCH_CONFIGS)
+    assert gemv._batch_candidates(module, x.float()) == ((), {})
+
     calls = []
     real = gemv_mma.int4_gemv_mma
-    monkeypatch.setattr(gemv_mma, "int4_gemv_mma", lambda *a, **k: calls.append(k["cfg"] if "cfg" in k else a[6]) or real(*a, **k))
-    got = gemv._module_gemv(module, x)
-    assert calls == [cfg]
-    assert torch.equal(got, real(x, packed, s16, m16, 32, cfg=cfg))
+    monkeypatch.setattr(gemv_mma, "int4_gemv_mma", lambda *a, **k: calls.append(a[6]) or real(*a, **k))
+    cfg, batch_cfg = gemv_mma.MMA_CONFIGS[1], gemv_mma.BATCH_CONFIGS[1]
+    monkeypatch.setitem(gemv._CHOICE, key, ("gemv-mma", cfg))
+    assert torch.equal(gemv._module_gemv(module, x), real(x, packed, s16, m16, 32, cfg=cfg))
+    xb = torch.randn(6, K, device=DEVICE).to(torch.bfloat16)
+    assert gemv._module_gemv(module, xb) is None  # a batch: the tiled kernel until tune() times the MMA GEMV faster
+    monkeypatch.setitem(gemv._CHOICE, batch_key, ("gemv-mma", batch_cfg))
+    assert torch.equal(gemv._module_gemv(module, xb), real(xb, packed, s16, m16, 32, cfg=batch_cfg))
+    assert gemv._module_gemv(module, torch.randn(17, K, device=DEVICE).to(torch.bfloat16)) is None
+    assert calls == [cfg, batch_cfg]

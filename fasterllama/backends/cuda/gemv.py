@@ -32,6 +32,7 @@ from . import pdl, triton_linear
 from .triton_norm import silu_mul
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
+BATCH_MAX_ROWS = 16  # and the 4-bit MMA GEMV (gemv_mma.py), where tune() timed it faster than the tiled kernel at BATCH_ROWS
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -651,9 +652,10 @@ def _norm_args(h2: torch.Tensor, norm: Norm | None) -> tuple[torch.Tensor, dict]
 
 
 def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, step: int, bias, out_dtype, args: tuple,
-            norm: Norm | None = None, **meta) -> torch.Tensor:
+            norm: Norm | None = None, pad_rows: bool = False, **meta) -> torch.Tensor:
     """Grid over row blocks and slices of the `span` a program walks in `step`s (K, or K/2 bytes of
-    4-bit weights): split-K when the row blocks alone do not fill the chip."""
+    4-bit weights): split-K when the row blocks alone do not fill the chip. The kernel takes one or
+    two rows (TWO), or with pad_rows any number up to M_PAD, a power of two."""
     M = x2.shape[0]
     if M == 0:  # (the kernels store their rows unconditionally)
         return torch.empty(0, N, dtype=out_dtype, device=x2.device)
@@ -665,7 +667,8 @@ def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, st
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x2.device) if splits > 1 else out
     done = split_counters(x2.device, blocks) if splits > 1 else out
-    kernel[(blocks, splits)](x2, *args, out, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, TWO=M == 2, num_warps=cfg.warps,
+    rows = {"M_PAD": triton.next_power_of_2(M)} if pad_rows else {"TWO": M == 2}
+    kernel[(blocks, splits)](x2, *args, out, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, **rows, num_warps=cfg.warps,
                              part_ptr=part, bias_ptr=out if bias is None else bias, done_ptr=done, SPLITS_PAD=triton.next_power_of_2(splits),
                              HAS_BIAS=bias is not None, **meta, **norm_args, **pdl.launch_args(x2))
     return out
@@ -803,6 +806,12 @@ def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = Fa
             from .gemv_mma import int4_gemv_mma
 
             return int4_gemv_mma(x, packed, scales, mins, group_size, bias, cfg, gated=gated, norm=norm, sups=sups)
+    elif _rows_of(x) <= BATCH_MAX_ROWS and norm is None and not gated:  # a decode batch: the MMA GEMV where tune() timed it faster
+        kernel, cfg = _CHOICE.get(shape_key("int4rows", N, K, group_size, x.dtype, _int4_variant(mins, sups)), ("tiled", DEFAULT_CONFIG))
+        if kernel == "gemv-mma":
+            from .gemv_mma import int4_gemv_mma
+
+            return int4_gemv_mma(x, packed, scales, mins, group_size, bias, cfg, sups=sups)
     return None
 
 
@@ -985,6 +994,23 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
     return (), {}
 
 
+BATCH_ROWS = 8  # the decode batch at which tune() times the kernels for 3..16 rows
+
+
+def _batch_candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
+    """(shape key, {(kernel, config): call}) for a 4-bit linear at a decode batch of BATCH_ROWS
+    rows of x's type: the tiled kernel or the MMA GEMV (gemv_mma.py), which then serves 3..16 rows."""
+    from . import gemv_mma
+
+    if _kind(module) != "int4" or not gemv_mma.supports(module.in_features, module.group_size, x.dtype):
+        return (), {}
+    xb = torch.randn(BATCH_ROWS, module.in_features, dtype=x.dtype, device=x.device)
+    args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
+    key = shape_key("int4rows", module.out_features, module.in_features, module.group_size, x.dtype, _int4_variant(module.mins, module.sups))
+    fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(xb, *args, cfg=c, sups=sups)) for c in gemv_mma.BATCH_CONFIGS}
+    return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(xb, *args, sups=sups), **fns}
+
+
 REJECTED: list[str] = []  # candidates tune() left out: "shape kernel(config): why"
 
 
@@ -1022,14 +1048,14 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
             if in_features is None:
                 continue
             x = torch.randn(1, in_features, dtype=dtype, device=device)
-            key, fns = _candidates(module, x)
-            if not fns or key in timings or key in _CHOICE:
-                continue
-            ms = {name: _time(fn) for name, fn in _checked(key, fns).items()}
-            if not ms:
-                continue
-            _CHOICE[key] = min(ms, key=ms.get)
-            timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
+            for key, fns in (_candidates(module, x), _batch_candidates(module, x)):
+                if not fns or key in timings or key in _CHOICE:
+                    continue
+                ms = {name: _time(fn) for name, fn in _checked(key, fns).items()}
+                if not ms:
+                    continue
+                _CHOICE[key] = min(ms, key=ms.get)
+                timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
         for mlp in (m for m in model.modules() if type(getattr(m, "act", None)) is SiluAndMul):
             key = _key(mlp.down_proj, dtype)
             if key and key[0] in FUSING and key not in _GATED:

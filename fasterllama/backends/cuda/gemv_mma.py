@@ -9,16 +9,19 @@ nibbles) makes two of them bf16 numbers 128 + q, a pair in one 32-bit register a
 holds them (the 16-bit words' nibble c of two neighbouring words: (w >> 4c) & 0x000F000F |
 0x43004300, inline PTX). The tensor cores do the products, in fp32.
 
-A row's sums must stay apart per group until its scale multiplies them, and a GEMV has one
-activation row where an MMA takes 8 or more columns. So the second operand is the tile's
-activations laid out block-diagonally, [words, groups]: column g holds group g's activations and
-zeros elsewhere, and one MMA gives every row's per-group sums S[n, g] = sum (128 + q) x at once.
-Per group, sum w x = scale * (S - 128 X) + min * X, X the group's sum of x. The k order inside a
-tile is whatever the masks give: nibble c of 16-bit word j (bits 4c..4c+3)
-holds value 2j' + c // 2 + (c % 2) * GS / 2 of its group (pack_int4's layout, j' = j within the
-group), and the activations come in that order. The activations' operand is made by each program
-for its tile (a select a value and a trip through shared memory), once for all of its rows: the
-configs own 64-256 rows.
+A row's sums must stay apart per group until its scale multiplies them, and a decode step has 1-16
+activation rows where an MMA takes 8 or more columns. So the second operand is the tile's
+activations laid out block-diagonally, [words, groups x rows]: column (g, m) holds row m's
+activations of group g and zeros elsewhere (masked loads: the zeros cost no memory traffic), and
+one MMA gives every row's per-group sums S[n, (g, m)] = sum (128 + q) x at once. Per group,
+sum w x = scale * (S - 128 X) + min * X, X the group's sum of x. The k order inside a tile is
+whatever the masks give: nibble c of 16-bit word j (bits 4c..4c+3) holds value
+2j' + c // 2 + (c % 2) * GS / 2 of its group (pack_int4's layout, j' = j within the group), and the
+activations come in that order. A tile holds fewer groups the more rows there are (groups_a_tile),
+so that one or two rows keep the MMA 8 columns wide. The operand goes through shared memory once a
+tile for all of a program's rows: the configs own 128-256 rows. For one or two rows it competes
+with the word-wise GEMV; for 3-16 (a decode batch) with the tiled kernel, which dequantizes every
+weight into shared memory for tl.dot (gemv.tune times both).
 
 fp16 activations take fp16 values 1024 + q (0x6400 | q); fp32 ones the other GEMVs. The interpreter
 has no inline assembly: there (ASM False) the same values come from shifts and masks in fp32 and
@@ -33,14 +36,20 @@ import triton
 import triton.language as tl
 
 from . import pdl, triton_linear
-from .gemv import Config, Norm, _act, _launch, _normed_rows, _rows, _store_rows
+from .gemv import BATCH_MAX_ROWS, Config, Norm, _act, _launch, _normed_rows, _rows, arrived_last, reset_counter
 from .triton_norm import INTERPRET
 
-# rows a program owns, bytes of each row a tile (at least 8 groups: the MMA's columns), warps,
+# rows a program owns, bytes of each row a tile (at one activation row: groups_a_tile), warps,
 # programs an SM before split-K. The block-diagonal operand is made once a tile for all of a
-# program's rows, so many rows; sm_90, groups of 32: 2.33-2.48 instructions a weight at 128 rows,
-# 2.16-2.27 at 256 (the word-wise GEMV: 3.41-3.68; benchmarks/gpu_sass.py).
-MMA_CONFIGS = (Config(128, 128, 4, 2), Config(256, 128, 8, 2), Config(128, 128, 4, 4), Config(64, 128, 4, 2))
+# program's rows, so many rows; sm_90, groups of 32: 2.24-2.34 instructions a weight at 128 rows,
+# 2.12-2.19 at 256 (the word-wise GEMV: 3.41-3.68; 64 rows: 3.02-3.22, no better, not a candidate;
+# benchmarks/gpu_sass.py). Three a kind: each is a compile when tune() first times it (seconds),
+# and the benchmark's budget is minutes.
+MMA_CONFIGS = (Config(128, 128, 4, 2), Config(256, 128, 8, 2), Config(128, 128, 4, 4))
+# a decode batch (tune() times them at gemv.BATCH_ROWS rows): at 8 rows 2 or 4 groups of 32 a tile,
+# 16 or 32 columns; sm_90, 8 rows: 5.30-5.94 instructions a weight (each serving the 8 rows), the
+# tiled kernel's dequantizing tl.dot 13.09
+BATCH_CONFIGS = (Config(256, 256, 8, 2), Config(256, 512, 8, 2), Config(128, 256, 4, 2))
 
 _PAIRS_BF16 = tl.constexpr("""{
 .reg .b32 t;
@@ -77,65 +86,101 @@ def _nibbles(h, OFF: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_sums(a, x, diag, S, ASM: tl.constexpr):
-    """S [rows, groups] += a [rows, words] times x [words] laid out block-diagonally (diag)."""
-    b = tl.where(diag, x[:, None], 0.0)
+def _operand(x_ptr, k, k_ok, diag, stride_xm, M, K, GPT: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr):
+    """The block-diagonal activations [words, GPT * M_PAD] in their own type (the MMA's operand):
+    column g * M_PAD + m holds row m's columns k [words] where diag marks group g, 0 elsewhere;
+    masked loads, but with GATED SiLU(gate) * up made once a value (a row's [words, M_PAD]) and
+    spread over the groups' columns (made a column at a time, the gated GEMV's loop took 6.2-6.5
+    sm_90 instructions a weight; now 2.9-3.6)."""
+    col = tl.arange(0, GPT * M_PAD)
+    if GATED:
+        m = tl.arange(0, M_PAD)
+        dense = _act(x_ptr, m[None, :] * stride_xm + k[:, None], k_ok[:, None] & (m < M)[None, :], K, GATED).to(x_ptr.dtype.element_ty)
+        spread = tl.reshape(tl.broadcast_to(dense[:, None, :], [k.shape[0], GPT, M_PAD]), [k.shape[0], GPT * M_PAD])
+        return tl.where(diag, spread, 0.0)
+    return tl.load(x_ptr + (col % M_PAD)[None, :] * stride_xm + k[:, None], mask=diag & k_ok[:, None] & ((col % M_PAD) < M)[None, :], other=0.0)
+
+
+@triton.jit
+def _dot(a, b, S, ASM: tl.constexpr):
+    """S += a @ b on the tensor cores (an fp32 dot in the interpreter, whose bf16 dots are wrong)."""
     if ASM:
-        S = tl.dot(a, b.to(a.dtype), S)
+        S = tl.dot(a, b, S)
     else:
-        S = tl.dot(a, b, S, input_precision="ieee")
+        S = tl.dot(a, b.to(tl.float32), S, input_precision="ieee")
     return S
 
 
 @triton.jit
-def _mma_tile(h, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, K, G, GS: tl.constexpr, GPT: tl.constexpr,
-              BLOCK_N: tl.constexpr, TWO: tl.constexpr, GATED: tl.constexpr, HAS_MINS: tl.constexpr, GPS: tl.constexpr, OFF: tl.constexpr,
+def _mma_tile(h, b0, acc, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, M, K, G, GS: tl.constexpr, GPT: tl.constexpr,
+              BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, HAS_MINS: tl.constexpr, GPS: tl.constexpr, OFF: tl.constexpr,
               ASM: tl.constexpr):
     """One tile: the 16-bit words h [rows, GPT groups' words] from byte b0 of the rows, added to
-    the [rows, groups] sums acc0 (and acc1, the second activation row)."""
+    acc [rows, GPT * M_PAD] (column g * M_PAD + m: group g of activation row m)."""
     H: tl.constexpr = GS // 2
     HPG: tl.constexpr = GS // 4  # 16-bit words a group
+    C: tl.constexpr = GPT * M_PAD
     j = tl.arange(0, GPT * HPG)
-    g = b0 // H + tl.arange(0, GPT)
+    col = tl.arange(0, C)
+    g = b0 // H + col // M_PAD  # each column's group
+    xrow = (col % M_PAD) * stride_xm
     s, mn = triton_linear.q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, g, n_ok[:, None] & (g < G)[None, :], G, HAS_MINS, GPS)
+    # the block-diagonal operands, every load first (none waits behind the MMAs' barriers): column
+    # (g, m) of x_c holds row m's values of group g that nibble c of each word stands for, 0 elsewhere
     k0 = (b0 // H + j // HPG) * GS + 2 * (j % HPG)  # the column of each word's value 0 (its first byte's low nibble)
+    diag = (j // HPG)[:, None] == (col // M_PAD)[None, :]
     k_ok = k0 < K
-    diag = (j // HPG)[:, None] == tl.arange(0, GPT)[None, :]
-    x0 = (_act(x_ptr, k0, k_ok, K, GATED), _act(x_ptr, k0 + H, k_ok, K, GATED), _act(x_ptr, k0 + 1, k_ok, K, GATED),
-          _act(x_ptr, k0 + 1 + H, k_ok, K, GATED))  # (every load first: none waits behind the MMAs' barriers)
-    x1 = x0
-    if TWO:
-        x1 = (_act(x_ptr + stride_xm, k0, k_ok, K, GATED), _act(x_ptr + stride_xm, k0 + H, k_ok, K, GATED),
-              _act(x_ptr + stride_xm, k0 + 1, k_ok, K, GATED), _act(x_ptr + stride_xm, k0 + 1 + H, k_ok, K, GATED))
-    g_x = (b0 // H) * GS + tl.arange(0, GPT * GS)  # the groups' sums of x, from one [groups, GS] tile
-    xs0 = tl.sum(tl.reshape(_act(x_ptr, g_x, g_x < K, K, GATED), [GPT, GS]), axis=1)
-    xs1 = xs0
-    if TWO:
-        xs1 = tl.sum(tl.reshape(_act(x_ptr + stride_xm, g_x, g_x < K, K, GATED), [GPT, GS]), axis=1)
+    x0 = _operand(x_ptr, k0, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+    x1 = _operand(x_ptr, k0 + H, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+    x2 = _operand(x_ptr, k0 + 1, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+    x3 = _operand(x_ptr, k0 + 1 + H, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+    kx = g[:, None] * GS + tl.arange(0, GS)[None, :]  # each column's group sum of x, from a [columns, GS] tile
+    X = tl.sum(_act(x_ptr, xrow[:, None] + kx, (kx < K) & ((col % M_PAD) < M)[:, None], K, GATED), axis=1)
     a = _nibbles(h, OFF, ASM)
-    S0 = tl.zeros([BLOCK_N, GPT], dtype=tl.float32)
-    S1 = S0
-    for c in tl.static_range(4):  # nibble c of a word: value 2j' + c // 2 + (c % 2) * H of its group
-        S0 = _group_sums(a[c], x0[c], diag, S0, ASM)
-        if TWO:
-            S1 = _group_sums(a[c], x1[c], diag, S1, ASM)
-    mn -= OFF * s  # sum w x = scale * S + (min - OFF * scale) * X
-    acc0 += s * S0 + mn * xs0[None, :]
-    if TWO:
-        acc1 += s * S1 + mn * xs1[None, :]
-    return acc0, acc1
+    S = tl.zeros([BLOCK_N, C], dtype=tl.float32)
+    S = _dot(a[0], x0, S, ASM)  # nibble c of a word: value 2j' + c // 2 + (c % 2) * H of its group
+    S = _dot(a[1], x1, S, ASM)
+    S = _dot(a[2], x2, S, ASM)
+    S = _dot(a[3], x3, S, ASM)
+    return acc + s * S + (mn - OFF * s) * X[None, :]  # sum w x = scale * S + (min - OFF * scale) * X
+
+
+@triton.jit
+def _store_tile(out_ptr, part_ptr, bias_ptr, done_ptr, r, offs_n, n_ok, N, pid_n, pid_k, M, M_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """Rows r [rows, M_PAD] (+ bias) -> out [M, N], as gemv._store_rows stores one or two: split over
+    K, each program stores its part and the last of a row block adds them up in split order."""
+    m = tl.arange(0, M_PAD)
+    ok = n_ok[:, None] & (m < M)[None, :]
+    at = m[None, :] * N + offs_n[:, None]
+    if SPLITS_PAD > 1:
+        tl.store(part_ptr + pid_k * M * N + at, r, mask=ok)
+        counter = done_ptr + pid_n
+        if arrived_last(counter, tl.num_programs(1)):
+            r = tl.zeros_like(r)
+            for sp in range(tl.num_programs(1)):
+                r += tl.load(part_ptr + sp * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")  # (.cg: past L1, other programs wrote them)
+            if HAS_BIAS:
+                r += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            tl.store(out_ptr + at, r.to(out_ptr.dtype.element_ty), mask=ok)
+            reset_counter(counter)
+    else:
+        if HAS_BIAS:
+            r += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + at, r.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _int4_mma_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
-                          GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, TWO: tl.constexpr, PDL: tl.constexpr,
+                          GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr,
                           GATED: tl.constexpr = False,
                           h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
                           HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
                           bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
                           HAS_MINS: tl.constexpr = True, ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0, ASM: tl.constexpr = True):
-    """Row blocks of BLOCK_N, tiles of GPB groups read as 16-bit words (the module's docstring);
-    split-K, the normed prologue, the gated activations and the scale forms as gemv.py's kernels."""
+    """Row blocks of BLOCK_N, tiles of GPB groups read as 16-bit words, M (<= M_PAD) activation rows
+    (the module's docstring); split-K, the normed prologue, the gated activations and the scale
+    forms as gemv.py's kernels."""
     H: tl.constexpr = GS // 2
     WT: tl.constexpr = GPB * (GS // 4)  # 16-bit words of a row a tile
     OFF: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
@@ -145,8 +190,7 @@ def _int4_mma_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_
     KH = tl.multiple_of(K // 4, GS // 4)
     words = p_ptr.to(tl.pointer_type(tl.int16)) + offs_n.to(tl.int64)[:, None] * KH
     j = tl.arange(0, WT)
-    acc0 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_N, GPB], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, GPB * M_PAD], dtype=tl.float32)
     first, end = pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, K // 2)
     f = first // 2 + j
     h = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KH)[None, :], other=0)  # (weights: no kernel writes them)
@@ -154,31 +198,36 @@ def _int4_mma_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_
     if NORM:  # (x_ptr: the normed rows, made here)
         _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
                      NORM_ONE_PASS)
-    acc0, acc1 = _mma_tile(h, first, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, K, K // GS, GS, GPB, BLOCK_N, TWO,
-                           GATED, HAS_MINS, GPS, OFF, ASM)
+    acc = _mma_tile(h, first, acc, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, M, K, K // GS, GS, GPB, BLOCK_N, M_PAD, GATED,
+                    HAS_MINS, GPS, OFF, ASM)
     for b0 in range(first + GPB * H, end, GPB * H):
         f = b0 // 2 + j
         h = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KH)[None, :], other=0)
-        acc0, acc1 = _mma_tile(h, b0, acc0, acc1, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, K, K // GS, GS, GPB, BLOCK_N,
-                               TWO, GATED, HAS_MINS, GPS, OFF, ASM)
-    _store_rows(out_ptr, part_ptr, bias_ptr, done_ptr, acc0, acc1, offs_n, n_ok, N, pid_n, pid_k, M, TWO, SPLITS_PAD, HAS_BIAS)
+        acc = _mma_tile(h, b0, acc, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, M, K, K // GS, GS, GPB, BLOCK_N, M_PAD, GATED,
+                        HAS_MINS, GPS, OFF, ASM)
+    r = tl.sum(tl.reshape(acc, [BLOCK_N, GPB, M_PAD]), axis=1)
+    _store_tile(out_ptr, part_ptr, bias_ptr, done_ptr, r, offs_n, n_ok, N, pid_n, pid_k, M, M_PAD, SPLITS_PAD, HAS_BIAS)
 
 
-def groups_a_tile(cfg: Config, group_size: int) -> int:
-    """Groups of a row a tile: the config's bytes, at least 8 (the MMA's columns)."""
-    return max(8, cfg.tile_bytes * 2 // group_size)
+def groups_a_tile(cfg: Config, group_size: int, rows: int = 1) -> int:
+    """Groups of a row a tile: the config's bytes over the activation rows padded to a power of two
+    (the MMA's columns are groups x rows: 8 for one or two rows, one MMA an 8-column tile, sm_90's
+    HMMA with 80-170 registers; 16 columns went to wgmma at 255), at least 16 words deep and 8
+    columns."""
+    m_pad = triton.next_power_of_2(rows)
+    return max(cfg.tile_bytes * 2 // group_size // m_pad, triton.cdiv(64, group_size), triton.cdiv(8, m_pad))
 
 
 def int4_gemv_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                   bias: torch.Tensor | None = None, cfg: Config = MMA_CONFIGS[0], gated: bool = False, norm: Norm | None = None,
                   sups: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
-    """gemv.int4_gemv's contract (one or two rows of bf16 or fp16 activations, supports())."""
+    """gemv.int4_gemv's contract for up to BATCH_MAX_ROWS rows of bf16 or fp16 activations (supports())."""
     N, K = packed.shape[0], packed.shape[1] * 2
-    assert supports(K, group_size, x.dtype), (K, group_size, x.dtype)
+    assert supports(K, group_size, x.dtype) and x.numel() // x.shape[-1] <= BATCH_MAX_ROWS, (K, group_size, x.dtype, x.shape)
     packed = packed.contiguous() if packed.data_ptr() % 2 == 0 else packed.clone()  # (read as 16-bit words)
     x2 = _rows(x, K, gated, norm)
-    gpt = groups_a_tile(cfg, group_size)
+    gpt = groups_a_tile(cfg, group_size, x2.shape[0])
     (s, mn), extra = triton_linear.q4_args(scales, mins, sups)
-    out = _launch(_int4_mma_gemv_kernel, cfg, x2, N, K, K // 2, gpt * group_size // 2, bias, x.dtype, (packed, s, mn), norm,
+    out = _launch(_int4_mma_gemv_kernel, cfg, x2, N, K, K // 2, gpt * group_size // 2, bias, x.dtype, (packed, s, mn), norm, pad_rows=True,
                   GS=group_size, GPB=gpt, GATED=gated, ASM=not INTERPRET and x.is_cuda, **extra)
     return out.view(*x.shape[:-1], N)
