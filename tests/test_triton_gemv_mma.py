@@ -133,3 +133,22 @@ def test_triton_int4_mma_gemv_is_a_candidate_and_dispatched(monkeypatch) -> None
     assert torch.equal(gemv._module_gemv(module, xb), real(xb, packed, s16, m16, 32, cfg=batch_cfg))
     assert gemv._module_gemv(module, torch.randn(17, K, device=DEVICE).to(torch.bfloat16)) is None
     assert calls == [cfg, batch_cfg]
+
+
+def test_triton_int4_mma_gemv_checks_every_row_padding_it_serves(monkeypatch) -> None:
+    """The batch config timed at 8 rows serves 3..16: tune() keeps it only where the kernels for 4
+    and 16 rows (compiled apart) agree with the tiled kernel too; no rows give an empty output."""
+    from fasterllama.quant.linear import Int4Linear
+
+    N, K = SHAPES[0]
+    q, s, m = quantize_int4(torch.randn(N, K, device=DEVICE), 32)
+    module = Int4Linear(q, s, m).to(DEVICE)
+    x = torch.randn(1, K, device=DEVICE).to(torch.bfloat16)
+    key, cfg = gemv._batch_candidates(module, x)[0], gemv_mma.BATCH_CONFIGS[0]
+    assert gemv_mma.int4_gemv_mma(x[:0], module.qweight, module.scales, module.mins, 32, cfg=cfg).shape == (0, N)
+    assert gemv._batch_rows_agree(module, cfg, key, x)
+    real = gemv_mma.int4_gemv_mma
+    monkeypatch.setattr(gemv_mma, "int4_gemv_mma", lambda xr, *a, **k: real(xr, *a, **k) * (2 if xr.shape[0] == 16 else 1))
+    monkeypatch.setattr(gemv, "REJECTED", [])
+    assert not gemv._batch_rows_agree(module, cfg, key, x)
+    assert gemv.REJECTED and "relative error" in gemv.REJECTED[0]

@@ -1011,6 +1011,21 @@ def _batch_candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
     return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(xb, *args, sups=sups), **fns}
 
 
+def _batch_rows_agree(module, cfg: Config, key: tuple, x: torch.Tensor) -> bool:
+    """Whether the MMA GEMV in the config timed fastest at BATCH_ROWS also compiles and agrees with
+    the tiled kernel at the other row paddings it serves (4 and 16: kernels of their own)."""
+    from . import gemv_mma
+
+    args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
+    for rows in (4, BATCH_MAX_ROWS):
+        xr = torch.randn(rows, module.in_features, dtype=x.dtype, device=x.device)
+        fns = {("tiled", DEFAULT_CONFIG): lambda xr=xr: triton_linear.int4_weight_linear(xr, *args, sups=sups),
+               ("gemv-mma", cfg): lambda xr=xr: gemv_mma.int4_gemv_mma(xr, *args, cfg=cfg, sups=sups)}
+        if ("gemv-mma", cfg) not in _checked(key + (rows,), fns):
+            return False
+    return True
+
+
 REJECTED: list[str] = []  # candidates tune() left out: "shape kernel(config): why"
 
 
@@ -1055,6 +1070,8 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
                 if not ms:
                     continue
                 _CHOICE[key] = min(ms, key=ms.get)
+                if key[0] == "int4rows" and _CHOICE[key][0] == "gemv-mma" and not _batch_rows_agree(module, _CHOICE[key][1], key, x):
+                    _CHOICE[key] = ("tiled", DEFAULT_CONFIG)
                 timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
         for mlp in (m for m in model.modules() if type(getattr(m, "act", None)) is SiluAndMul):
             key = _key(mlp.down_proj, dtype)

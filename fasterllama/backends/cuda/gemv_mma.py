@@ -224,9 +224,9 @@ def int4_gemv_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, m
     """gemv.int4_gemv's contract for up to BATCH_MAX_ROWS rows of bf16 or fp16 activations (supports())."""
     N, K = packed.shape[0], packed.shape[1] * 2
     assert supports(K, group_size, x.dtype) and x.numel() // x.shape[-1] <= BATCH_MAX_ROWS, (K, group_size, x.dtype, x.shape)
-    packed = packed.contiguous() if packed.data_ptr() % 2 == 0 else packed.clone()  # (read as 16-bit words)
+    packed = packed.contiguous() if packed.data_ptr() % 2 == 0 else packed.clone(memory_format=torch.contiguous_format)  # (read as 16-bit words)
     x2 = _rows(x, K, gated, norm)
-    gpt = groups_a_tile(cfg, group_size, x2.shape[0])
+    gpt = groups_a_tile(cfg, group_size, max(1, x2.shape[0]))  # (no rows: _launch returns the empty output)
     (s, mn), extra = triton_linear.q4_args(scales, mins, sups)
     out = _launch(_int4_mma_gemv_kernel, cfg, x2, N, K, K // 2, gpt * group_size // 2, bias, x.dtype, (packed, s, mn), norm, pad_rows=True,
                   GS=group_size, GPB=gpt, GATED=gated, ASM=not INTERPRET and x.is_cuda, **extra)
