@@ -100,15 +100,21 @@ def main() -> None:
     q4_k = dict(int4, ONES="i32", PREFETCH="constexpr", s_ptr="*i8", mn_ptr="*i8", ss_ptr="*fp16", ms_ptr="*fp16", GPS="constexpr")
     cases += [("int4 words, factored (Q4_K)", gemv._int4_words_gemv_kernel, q4_k, c) for c in distinct(gemv.WORD_CONFIGS)]
     mma = {**{k: v for k, v in int4.items() if k != "TWO"}, "M_PAD": "constexpr", "ASM": "constexpr", "GATED": "constexpr"}
-    cases += [(f"int4 mma{sym}", gemv_mma._int4_mma_gemv_kernel, mma, c) for sym in ("", ", no mins (Q4_0)") for c in distinct(gemv_mma.MMA_CONFIGS)]
+    cases += [(f"int4 mma{sym}", gemv_mma._mma_gemv_kernel, mma, c) for sym in ("", ", no mins (Q4_0)") for c in distinct(gemv_mma.MMA_CONFIGS)]
     mma_k = dict(mma, s_ptr="*i8", mn_ptr="*i8", ss_ptr="*fp16", ms_ptr="*fp16", GPS="constexpr")
-    cases += [("int4 mma, factored (Q4_K)", gemv_mma._int4_mma_gemv_kernel, mma_k, c) for c in distinct(gemv_mma.MMA_CONFIGS)]
-    cases += [("int4 mma, 2 rows (Q4_0)", gemv_mma._int4_mma_gemv_kernel, mma, c) for c in distinct(gemv_mma.MMA_CONFIGS)]
-    cases += [(f"int4 mma, {rows} rows (Q4_0)", gemv_mma._int4_mma_gemv_kernel, mma, c) for rows in (8, 16) for c in distinct(gemv_mma.BATCH_CONFIGS)]
+    cases += [("int4 mma, factored (Q4_K)", gemv_mma._mma_gemv_kernel, mma_k, c) for c in distinct(gemv_mma.MMA_CONFIGS)]
+    cases += [("int4 mma, 2 rows (Q4_0)", gemv_mma._mma_gemv_kernel, mma, c) for c in distinct(gemv_mma.MMA_CONFIGS)]
+    cases += [(f"int4 mma, {rows} rows (Q4_0)", gemv_mma._mma_gemv_kernel, mma, c) for rows in (8, 16) for c in distinct(gemv_mma.BATCH_CONFIGS)]
+    mma8 = dict(mma, p_ptr="*i8", BITS="constexpr", PER_GROUP="constexpr")
+    cases += [("int8 mma (g32)", gemv_mma._mma_gemv_kernel, mma8, c) for c in distinct(gemv_mma.MMA_CONFIGS)]
+    cases += [(f"int8 mma, {rows} rows (g32)", gemv_mma._mma_gemv_kernel, mma8, c) for rows in (8, 16) for c in distinct(gemv_mma.BATCH_CONFIGS)]
     tiled = {"x_ptr": x, "p_ptr": "*u8", "s_ptr": "*fp16", "mn_ptr": "*fp16", "b_ptr": x, "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
              "stride_xm": "i32", "kb_split": "i32", **dict.fromkeys(("GS", "GPB", "HT", "BLOCK_M", "BLOCK_N", "GROUP_M", "HAS_BIAS", "PRECISION",
                                                                     "INTERPRET", "PDL", "HAS_MINS"), "constexpr")}
     cases += [("int4 tiled tl.dot, up to 16 rows (Q4_0)", triton_linear._int4_linear_kernel, tiled, gemv.Config(64, 64, 4, 2))]  # (_dot_config(M <= 16))
+    tiled8 = {**{k: v for k, v in tiled.items() if k not in ("p_ptr", "kb_split", "HT")}, "w_ptr": "*i8", "G": "i32", "k_split": "i32",
+              "PER_GROUP": "constexpr", "GS_T": "constexpr"}
+    cases += [("int8 tiled tl.dot, up to 16 rows (g32)", triton_linear._int8_linear_kernel, tiled8, gemv.Config(64, 128, 4, 2))]
     cases += [("int8 bytes", gemv._int8_gemv_kernel, int8, c) for c in gemv.CONFIGS[:3]]
     cases += [("int8 words", gemv._int8_words_gemv_kernel, dict(int8, LOW="i32", HIGH="i32", PREFETCH="constexpr"), c)
               for c in distinct(gemv.INT8_WORD_CONFIGS)]
@@ -124,11 +130,16 @@ def main() -> None:
         consts = {"GS": g, "GPB": gpb, "BLOCK_N": cfg.block_n, "TWO": False, "PDL": True, "SPLITS_PAD": 1, "HAS_BIAS": False}
         if "mma" in name:  # (the activation rows padded to a power of two: the batch configs' rows are a weight's)
             rows = int(name.split(" rows")[0].split()[-1]) if " rows" in name else 1
-            gpb = gemv_mma.groups_a_tile(cfg, g, rows)
-            consts = {k: v for k, v in consts.items() if k != "TWO"} | {"GPB": gpb, "M_PAD": rows, "HAS_MINS": "Q4_0" not in name}
-        if "tiled" in name:  # (as triton_linear.int4_weight_linear launches 3..16 rows: 16 x 64 x 128 tiles)
+            bits = 8 if name.startswith("int8") else 4
+            gpb = gemv_mma.groups_a_tile(cfg, g, rows, bits)
+            consts = {k: v for k, v in consts.items() if k != "TWO"} | {"GPB": gpb, "M_PAD": rows, "HAS_MINS": "Q4_0" not in name and bits == 4}
+            if bits == 8:
+                consts.update(BITS=8, PER_GROUP=True)
+        if "tiled" in name:  # (as triton_linear's int4/int8_weight_linear launch 3..16 rows: 16 x 64 x 128 tiles)
             consts = {"GS": g, "GPB": 64 // (g // 2), "HT": g // 2, "BLOCK_M": 16, "BLOCK_N": 64, "GROUP_M": 8, "HAS_BIAS": False, "PRECISION": "ieee",
                       "INTERPRET": False, "PDL": True, "HAS_MINS": False}
+            if name.startswith("int8"):
+                consts = {k: v for k, v in consts.items() if k != "HT"} | {"GPB": 128 // g, "GS_T": g, "PER_GROUP": True}
             gpb = 128 // g
         if "a8" in name:  # (as gemv_a8._a8_launch: a tile is tile_bytes of each row, in words)
             bits = 8 if "int8" in name else 4

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() or INTERPRET), re
 
 from fasterllama.backends.cuda import gemv, gemv_mma, triton_norm
 from fasterllama.ops import quantized
-from fasterllama.quant.quantize import quantize_int4
+from fasterllama.quant.quantize import quantize_int4, quantize_int8
 
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
 # (N, K): N past one row block and not a multiple of it, a K tail inside a tile, split-K; on a GPU qkv and down at 7B
@@ -58,6 +58,32 @@ def test_triton_int4_mma_gemv(shape, group, dtype, rows, cfg) -> None:
     assert _rel(got, ref) < 1.5 * _rel(quantized.int4_weight_linear(x, packed, s16, m16, group, b), ref) + 1e-3  # as close as the reference in x's type
 
 
+@pytest.mark.parametrize(("rows", "cfg"), [(1, CONFIGS[0]), (2, CONFIGS[-1]), (3, gemv_mma.BATCH_CONFIGS[0]), (8, gemv_mma.BATCH_CONFIGS[1]),
+                                         (16, gemv_mma.BATCH_CONFIGS[-1])])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [None, 32, 64, "mins"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_int8_mma_gemv(shape, group, dtype, rows, cfg) -> None:
+    """int8 weights as two nibble planes a byte (the high ones' top bit flipped, their activations x
+    16): per channel, per group, per group with mins; the reference's fp32 sums, rounded once."""
+    N, K = shape
+    mins = None
+    if group == "mins":
+        q = torch.randint(-128, 128, (N, K), device=DEVICE, dtype=torch.int8)
+        s = (torch.rand(N, K // 32, device=DEVICE) * 0.02).half()
+        mins = (-torch.rand(N, K // 32, device=DEVICE) * 0.3).half()
+    else:
+        if group is not None and K % group:
+            pytest.skip("group does not divide K")
+        q, s = quantize_int8(torch.randn(N, K, device=DEVICE), group)
+        s = s.half() if group is not None else s  # (group scales in fp16, as the CUDA backend holds them)
+    x = torch.randn(rows, K, device=DEVICE).to(dtype)
+    b = torch.randn(N, device=DEVICE).to(dtype)
+    ref = quantized.int8_weight_linear(x.float(), q, s.float(), b.float(), None if mins is None else mins.float()).to(dtype)
+    got = gemv_mma.int8_gemv_mma(x, q, s, b, cfg, mins)
+    assert _rel(got, ref) < 1.5 * _rel(quantized.int8_weight_linear(x, q, s.to(dtype), b, None if mins is None else mins.to(dtype)), ref) + 1e-3
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5])
 def test_triton_int4_mma_gemv_symmetric_and_factored_scales(rows) -> None:
     """Q4_0's groups without mins (w = scale * (q - 8)) and Q4_K's factored scales and mins (int8
@@ -82,23 +108,26 @@ def test_triton_int4_mma_gemv_symmetric_and_factored_scales(rows) -> None:
     assert torch.equal(got, gemv_mma.int4_gemv_mma(x, packed, s32, m32, 32, cfg=cfg))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_triton_int4_mma_gemv_gated_and_normed(rows) -> None:
+def test_triton_mma_gemv_gated_and_normed(rows, bits) -> None:
     """gated (SiLU(gate) * up made as x is read) and norm (RMSNorm(h + residual) made by the
-    programs): the same as the SiLU·mul or norm kernel, then the GEMV."""
+    programs), 4-bit and int8: the same as the SiLU·mul or norm kernel, then the GEMV."""
     N, K = SHAPES[1]
-    packed, s16, m16 = _weights(N, K, 32)
-    cfg = CONFIGS[-1]
+    if bits == 4:
+        packed, s16, m16 = _weights(N, K, 32)
+        gemv_of = lambda x, **k: gemv_mma.int4_gemv_mma(x, packed, s16, m16, 32, cfg=CONFIGS[-1], **k)  # noqa: E731
+    else:
+        q, s = quantize_int8(torch.randn(N, K, device=DEVICE), 32)
+        gemv_of = lambda x, **k: gemv_mma.int8_gemv_mma(x, q, s.half(), cfg=CONFIGS[-1], **k)  # noqa: E731
     gate_up = torch.randn(rows, 2 * K, device=DEVICE).to(torch.bfloat16)
-    got = gemv_mma.int4_gemv_mma(gate_up, packed, s16, m16, 32, cfg=cfg, gated=True)
-    assert _rel(got, gemv_mma.int4_gemv_mma(triton_norm.silu_and_mul(gate_up), packed, s16, m16, 32, cfg=cfg)) < 1e-6
+    assert _rel(gemv_of(gate_up, gated=True), gemv_of(triton_norm.silu_and_mul(gate_up))) < 1e-6
 
     h, res = (torch.randn(rows, K, device=DEVICE).to(torch.bfloat16) for _ in range(2))
     w_norm = (1 + 0.2 * torch.randn(K, device=DEVICE)).to(torch.bfloat16)
     x, want_res = triton_norm.add_rms_norm(h, res, w_norm, 1e-5)
     res_out = torch.empty_like(h)
-    got = gemv_mma.int4_gemv_mma(h, packed, s16, m16, 32, cfg=cfg, norm=gemv.Norm(res, w_norm, 1e-5, res_out))
-    assert _rel(got, gemv_mma.int4_gemv_mma(x, packed, s16, m16, 32, cfg=cfg)) < 2e-3
+    assert _rel(gemv_of(h, norm=gemv.Norm(res, w_norm, 1e-5, res_out)), gemv_of(x)) < 2e-3
     assert torch.equal(res_out, want_res)
 
 
@@ -133,6 +162,29 @@ def test_triton_int4_mma_gemv_is_a_candidate_and_dispatched(monkeypatch) -> None
     assert torch.equal(gemv._module_gemv(module, xb), real(xb, packed, s16, m16, 32, cfg=batch_cfg))
     assert gemv._module_gemv(module, torch.randn(17, K, device=DEVICE).to(torch.bfloat16)) is None
     assert calls == [cfg, batch_cfg]
+
+
+def test_triton_int8_mma_gemv_is_a_candidate_and_dispatched(monkeypatch) -> None:
+    """int8 linears as 4-bit ones: candidates at one row and at a batch, dispatched where chosen."""
+    from fasterllama.quant.linear import Int8Linear
+
+    N, K = SHAPES[0]
+    q, s = quantize_int8(torch.randn(N, K, device=DEVICE), 32)
+    module = Int8Linear(q, s.half()).to(DEVICE)
+    x = torch.randn(1, K, device=DEVICE).to(torch.bfloat16)
+    key, fns = gemv._candidates(module, x)
+    assert {c for name, c in fns if name == "gemv-mma"} == set(gemv_mma.MMA_CONFIGS)
+    batch_key, batch_fns = gemv._batch_candidates(module, x)
+    assert batch_key[0] == "int8rows" and {c for name, c in batch_fns if name == "gemv-mma"} == set(gemv_mma.BATCH_CONFIGS)
+    assert gemv._batch_candidates(module, x.float()) == ((), {})
+    xb = torch.randn(8, K, device=DEVICE).to(torch.bfloat16)
+    assert gemv._module_gemv(module, xb) is None
+    monkeypatch.setitem(gemv._CHOICE, key, ("gemv-mma", gemv_mma.MMA_CONFIGS[0]))
+    monkeypatch.setitem(gemv._CHOICE, batch_key, ("gemv-mma", gemv_mma.BATCH_CONFIGS[0]))
+    qw, sw = module.qweight, module.weight_scale
+    assert torch.equal(gemv._module_gemv(module, x), gemv_mma.int8_gemv_mma(x, qw, sw, cfg=gemv_mma.MMA_CONFIGS[0]))
+    assert torch.equal(gemv._module_gemv(module, xb), gemv_mma.int8_gemv_mma(xb, qw, sw, cfg=gemv_mma.BATCH_CONFIGS[0]))
+    assert gemv._batch_rows_agree(module, gemv_mma.BATCH_CONFIGS[0], batch_key, x)
 
 
 def test_triton_int4_mma_gemv_checks_every_row_padding_it_serves(monkeypatch) -> None:

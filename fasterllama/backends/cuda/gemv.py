@@ -786,6 +786,16 @@ def chosen_int8(x, qweight, scale, bias=None, mins=None, gated: bool = False, no
         kernel, cfg = choice("int8", N, K, group, x.dtype, "mins" if mins is not None else None)
         if kernel in ("gemv", "gemv-words"):
             return int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words", gated=gated, norm=norm)
+        if kernel == "gemv-mma":
+            from .gemv_mma import int8_gemv_mma
+
+            return int8_gemv_mma(x, qweight, scale, bias, cfg, mins, gated=gated, norm=norm)
+    elif _rows_of(x) <= BATCH_MAX_ROWS and norm is None and not gated:  # a decode batch: the MMA GEMV where tune() timed it faster
+        kernel, cfg = _CHOICE.get(shape_key("int8rows", N, K, group, x.dtype, "mins" if mins is not None else None), ("tiled", DEFAULT_CONFIG))
+        if kernel == "gemv-mma":
+            from .gemv_mma import int8_gemv_mma
+
+            return int8_gemv_mma(x, qweight, scale, bias, cfg, mins)
     return None
 
 
@@ -981,6 +991,10 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
         q, s, m = module.qweight, module.weight_scale, module.weight_min
         fns = {("gemv", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m)) for c in CONFIGS}
         fns.update({("gemv-words", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m, words=True)) for c in INT8_WORD_CONFIGS})
+        from . import gemv_mma
+
+        if gemv_mma.supports_int8(module.in_features, module.group_size or 32, x.dtype):
+            fns.update({("gemv-mma", c): (lambda c=c: gemv_mma.int8_gemv_mma(x, q, s, cfg=c, mins=m)) for c in gemv_mma.MMA_CONFIGS})
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s, mins=m), **fns}
     if kind == "int4":
         args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
@@ -997,31 +1011,32 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
 BATCH_ROWS = 8  # the decode batch at which tune() times the kernels for 3..16 rows
 
 
-def _batch_candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
-    """(shape key, {(kernel, config): call}) for a 4-bit linear at a decode batch of BATCH_ROWS
+def _batch_candidates(module, x: torch.Tensor, rows: int = BATCH_ROWS) -> tuple[tuple, dict]:
+    """(shape key, {(kernel, config): call}) for an int8 or 4-bit linear at a decode batch of `rows`
     rows of x's type: the tiled kernel or the MMA GEMV (gemv_mma.py), which then serves 3..16 rows."""
     from . import gemv_mma
 
-    if _kind(module) != "int4" or not gemv_mma.supports(module.in_features, module.group_size, x.dtype):
-        return (), {}
-    xb = torch.randn(BATCH_ROWS, module.in_features, dtype=x.dtype, device=x.device)
-    args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
-    key = shape_key("int4rows", module.out_features, module.in_features, module.group_size, x.dtype, _int4_variant(module.mins, module.sups))
-    fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(xb, *args, cfg=c, sups=sups)) for c in gemv_mma.BATCH_CONFIGS}
-    return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(xb, *args, sups=sups), **fns}
+    kind = _kind(module)
+    xb = torch.randn(rows, module.in_features, dtype=x.dtype, device=x.device)
+    if kind == "int4" and gemv_mma.supports(module.in_features, module.group_size, x.dtype):
+        args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
+        key = shape_key("int4rows", module.out_features, module.in_features, module.group_size, x.dtype, _int4_variant(module.mins, sups))
+        fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(xb, *args, cfg=c, sups=sups)) for c in gemv_mma.BATCH_CONFIGS}
+        return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(xb, *args, sups=sups), **fns}
+    if kind == "int8" and gemv_mma.supports_int8(module.in_features, module.group_size or 32, x.dtype):
+        q, s, m = module.qweight, module.weight_scale, module.weight_min
+        key = shape_key("int8rows", module.out_features, module.in_features, module.group_size or 0, x.dtype, "mins" if m is not None else None)
+        fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int8_gemv_mma(xb, q, s, mins=m, cfg=c)) for c in gemv_mma.BATCH_CONFIGS}
+        return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(xb, q, s, mins=m), **fns}
+    return (), {}
 
 
 def _batch_rows_agree(module, cfg: Config, key: tuple, x: torch.Tensor) -> bool:
     """Whether the MMA GEMV in the config timed fastest at BATCH_ROWS also compiles and agrees with
     the tiled kernel at the other row paddings it serves (4 and 16: kernels of their own)."""
-    from . import gemv_mma
-
-    args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
     for rows in (4, BATCH_MAX_ROWS):
-        xr = torch.randn(rows, module.in_features, dtype=x.dtype, device=x.device)
-        fns = {("tiled", DEFAULT_CONFIG): lambda xr=xr: triton_linear.int4_weight_linear(xr, *args, sups=sups),
-               ("gemv-mma", cfg): lambda xr=xr: gemv_mma.int4_gemv_mma(xr, *args, cfg=cfg, sups=sups)}
-        if ("gemv-mma", cfg) not in _checked(key + (rows,), fns):
+        fns = _batch_candidates(module, x, rows)[1]
+        if ("gemv-mma", cfg) not in _checked(key + (rows,), {("tiled", DEFAULT_CONFIG): fns[("tiled", DEFAULT_CONFIG)], ("gemv-mma", cfg): fns[("gemv-mma", cfg)]}):
             return False
     return True
 
@@ -1070,7 +1085,7 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
                 if not ms:
                     continue
                 _CHOICE[key] = min(ms, key=ms.get)
-                if key[0] == "int4rows" and _CHOICE[key][0] == "gemv-mma" and not _batch_rows_agree(module, _CHOICE[key][1], key, x):
+                if key[0].endswith("rows") and _CHOICE[key][0] == "gemv-mma" and not _batch_rows_agree(module, _CHOICE[key][1], key, x):
                     _CHOICE[key] = ("tiled", DEFAULT_CONFIG)
                 timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
         for mlp in (m for m in model.modules() if type(getattr(m, "act", None)) is SiluAndMul):

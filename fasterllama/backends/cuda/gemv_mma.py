@@ -62,6 +62,11 @@ shr.b32 t, $4, 12;
 lop3.b32 $3, t, 0x000F000F, 0x43004300, 0xea;
 }""")  # (lop3 0xea: (a & b) | c)
 _PAIRS_FP16 = tl.constexpr(_PAIRS_BF16.value.replace("0x43004300", "0x64006400"))
+# int8 weights, two nibble planes a byte: the high nibbles' top bit flipped (lop3 0x6a: (a & b) ^ c),
+# so that 16 * high + low = q + 128, the byte offset-binary
+_PAIRS8_BF16 = tl.constexpr(_PAIRS_BF16.value.replace("$1, t, 0x000F000F, 0x43004300, 0xea", "$1, t, 0x000F000F, 0x43084308, 0x6a")
+                            .replace("$3, t, 0x000F000F, 0x43004300, 0xea", "$3, t, 0x000F000F, 0x43084308, 0x6a"))
+_PAIRS8_FP16 = tl.constexpr(_PAIRS8_BF16.value.replace("0x43004300", "0x64006400").replace("0x43084308", "0x64086408"))
 
 
 def supports(K: int, group_size: int, dtype: torch.dtype) -> bool:
@@ -70,18 +75,26 @@ def supports(K: int, group_size: int, dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _nibbles(h, OFF: tl.constexpr, ASM: tl.constexpr):
-    """Values c = 0..3 of the 16-bit words h [rows, words] (bits 4c..4c+3) as numbers OFF + q: bf16
-    (OFF 128) or fp16 (1024), two of them a register as the MMA reads them; fp32 without ASM."""
+def _nibbles(h, OFF: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """Nibbles c = 0..3 of the 16-bit words h [rows, words] (bits 4c..4c+3) as numbers OFF + q: bf16
+    (OFF 128) or fp16 (1024), two of them a register as the MMA reads them; fp32 without ASM. Of
+    int8 weights (BITS 8) the high nibbles (c odd) with their top bit flipped: 16 * high + low is
+    the byte plus 128."""
     if ASM:
-        if OFF == 128:
+        if BITS == 8:
+            if OFF == 128:
+                a = tl.inline_asm_elementwise(_PAIRS8_BF16, "=r,=r,=r,=r,r", [h], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
+            else:
+                a = tl.inline_asm_elementwise(_PAIRS8_FP16, "=r,=r,=r,=r,r", [h], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
+        elif OFF == 128:
             a = tl.inline_asm_elementwise(_PAIRS_BF16, "=r,=r,=r,=r,r", [h], dtype=(tl.bfloat16,) * 4, is_pure=True, pack=2)
         else:
             a = tl.inline_asm_elementwise(_PAIRS_FP16, "=r,=r,=r,=r,r", [h], dtype=(tl.float16,) * 4, is_pure=True, pack=2)
     else:
         u = h.to(tl.int32) & 0xFFFF
-        a = ((u & 15).to(tl.float32) + OFF, ((u >> 4) & 15).to(tl.float32) + OFF, ((u >> 8) & 15).to(tl.float32) + OFF,
-             ((u >> 12) & 15).to(tl.float32) + OFF)
+        flip: tl.constexpr = 8 if BITS == 8 else 0
+        a = ((u & 15).to(tl.float32) + OFF, (((u >> 4) & 15) ^ flip).to(tl.float32) + OFF, ((u >> 8) & 15).to(tl.float32) + OFF,
+             (((u >> 12) & 15) ^ flip).to(tl.float32) + OFF)
     return a
 
 
@@ -102,47 +115,73 @@ def _operand(x_ptr, k, k_ok, diag, stride_xm, M, K, GPT: tl.constexpr, M_PAD: tl
 
 
 @triton.jit
-def _dot(a, b, S, ASM: tl.constexpr):
-    """S += a @ b on the tensor cores (an fp32 dot in the interpreter, whose bf16 dots are wrong)."""
+def _dot(a, b, S, ASM: tl.constexpr, TIMES: tl.constexpr = 1):
+    """S += a @ (b * TIMES) on the tensor cores (an fp32 dot in the interpreter, whose bf16 dots are
+    wrong); TIMES a power of two (exact: an int8 byte's high nibbles stand for 16 x their value)."""
     if ASM:
+        if TIMES != 1:
+            b = (b * TIMES).to(a.dtype)
         S = tl.dot(a, b, S)
     else:
-        S = tl.dot(a, b.to(tl.float32), S, input_precision="ieee")
+        S = tl.dot(a, b.to(tl.float32) * TIMES, S, input_precision="ieee")
     return S
+
+
+@triton.jit
+def _int8_params(s_ptr, mn_ptr, offs_n, n_ok, g, G, PER_GROUP: tl.constexpr, HAS_MINS: tl.constexpr):
+    """int8 weights' scales and mins [rows, columns] as fp32: per group (g of G a row) or per channel."""
+    mask = n_ok[:, None] & (g < G)[None, :]
+    off = offs_n[:, None] * G + g[None, :] if PER_GROUP else offs_n[:, None] + 0 * g[None, :]
+    s = tl.load(s_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    mn = tl.zeros_like(s)
+    if HAS_MINS:
+        mn = tl.load(mn_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    return s, mn
 
 
 @triton.jit
 def _mma_tile(h, b0, acc, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, M, K, G, GS: tl.constexpr, GPT: tl.constexpr,
               BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, GATED: tl.constexpr, HAS_MINS: tl.constexpr, GPS: tl.constexpr, OFF: tl.constexpr,
-              ASM: tl.constexpr):
+              BITS: tl.constexpr, PER_GROUP: tl.constexpr, ASM: tl.constexpr):
     """One tile: the 16-bit words h [rows, GPT groups' words] from byte b0 of the rows, added to
     acc [rows, GPT * M_PAD] (column g * M_PAD + m: group g of activation row m)."""
-    H: tl.constexpr = GS // 2
-    HPG: tl.constexpr = GS // 4  # 16-bit words a group
+    BPG: tl.constexpr = GS * BITS // 8  # bytes of a row a group
+    HPG: tl.constexpr = BPG // 2  # 16-bit words a group
     C: tl.constexpr = GPT * M_PAD
     j = tl.arange(0, GPT * HPG)
     col = tl.arange(0, C)
-    g = b0 // H + col // M_PAD  # each column's group
+    g = b0 // BPG + col // M_PAD  # each column's group
     xrow = (col % M_PAD) * stride_xm
-    s, mn = triton_linear.q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, g, n_ok[:, None] & (g < G)[None, :], G, HAS_MINS, GPS)
+    if BITS == 4:
+        s, mn = triton_linear.q4_params(s_ptr, mn_ptr, ss_ptr, ms_ptr, offs_n, g, n_ok[:, None] & (g < G)[None, :], G, HAS_MINS, GPS)
+        SUB: tl.constexpr = OFF  # sum (OFF + q) x = sum q x + OFF * X
+    else:
+        s, mn = _int8_params(s_ptr, mn_ptr, offs_n, n_ok, g, G, PER_GROUP, HAS_MINS)
+        SUB: tl.constexpr = 17 * OFF + 128  # sum (OFF + low) x + 16 sum (OFF + high) x = sum (q + 128) x + 17 OFF X
     # the block-diagonal operands, every load first (none waits behind the MMAs' barriers): column
     # (g, m) of x_c holds row m's values of group g that nibble c of each word stands for, 0 elsewhere
-    k0 = (b0 // H + j // HPG) * GS + 2 * (j % HPG)  # the column of each word's value 0 (its first byte's low nibble)
+    k0 = (b0 // BPG + j // HPG) * GS + 2 * (j % HPG)  # the column of each word's first value (its low byte's low nibble)
     diag = (j // HPG)[:, None] == (col // M_PAD)[None, :]
     k_ok = k0 < K
     x0 = _operand(x_ptr, k0, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
-    x1 = _operand(x_ptr, k0 + H, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
-    x2 = _operand(x_ptr, k0 + 1, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
-    x3 = _operand(x_ptr, k0 + 1 + H, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+    if BITS == 4:  # nibble c of a word: value 2j' + c // 2 + (c % 2) * GS / 2 of its group
+        x1 = _operand(x_ptr, k0 + GS // 2, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+        x2 = _operand(x_ptr, k0 + 1, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+        x3 = _operand(x_ptr, k0 + 1 + GS // 2, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+    else:  # nibble c: the low (c even) or high half of byte 2j' + c // 2 (the high ones: 16 x theirs, below)
+        x1 = x0
+        x2 = _operand(x_ptr, k0 + 1, k_ok, diag, stride_xm, M, K, GPT, M_PAD, GATED)
+        x3 = x2
     kx = g[:, None] * GS + tl.arange(0, GS)[None, :]  # each column's group sum of x, from a [columns, GS] tile
     X = tl.sum(_act(x_ptr, xrow[:, None] + kx, (kx < K) & ((col % M_PAD) < M)[:, None], K, GATED), axis=1)
-    a = _nibbles(h, OFF, ASM)
+    a = _nibbles(h, OFF, BITS, ASM)
     S = tl.zeros([BLOCK_N, C], dtype=tl.float32)
-    S = _dot(a[0], x0, S, ASM)  # nibble c of a word: value 2j' + c // 2 + (c % 2) * H of its group
-    S = _dot(a[1], x1, S, ASM)
+    HIGH: tl.constexpr = 16 if BITS == 8 else 1
+    S = _dot(a[0], x0, S, ASM)
+    S = _dot(a[1], x1, S, ASM, HIGH)
     S = _dot(a[2], x2, S, ASM)
-    S = _dot(a[3], x3, S, ASM)
-    return acc + s * S + (mn - OFF * s) * X[None, :]  # sum w x = scale * S + (min - OFF * scale) * X
+    S = _dot(a[3], x3, S, ASM, HIGH)
+    return acc + s * S + (mn - SUB * s) * X[None, :]  # sum w x = scale * (S - SUB * X) + min * X
 
 
 @triton.jit
@@ -171,51 +210,52 @@ def _store_tile(out_ptr, part_ptr, bias_ptr, done_ptr, r, offs_n, n_ok, N, pid_n
 
 
 @triton.jit
-def _int4_mma_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
-                          GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr,
-                          GATED: tl.constexpr = False,
-                          h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
-                          HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
-                          bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
-                          HAS_MINS: tl.constexpr = True, ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0, ASM: tl.constexpr = True):
-    """Row blocks of BLOCK_N, tiles of GPB groups read as 16-bit words, M (<= M_PAD) activation rows
-    (the module's docstring); split-K, the normed prologue, the gated activations and the scale
-    forms as gemv.py's kernels."""
-    H: tl.constexpr = GS // 2
-    WT: tl.constexpr = GPB * (GS // 4)  # 16-bit words of a row a tile
+def _mma_gemv_kernel(x_ptr, p_ptr, s_ptr, mn_ptr, out_ptr, M, N, K, stride_xm, KB_SPLIT,
+                     GS: tl.constexpr, GPB: tl.constexpr, BLOCK_N: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr,
+                     GATED: tl.constexpr = False,
+                     h_ptr=None, res_ptr=None, nw_ptr=None, res_out_ptr=None, eps=0.0, NORM: tl.constexpr = False,
+                     HAS_RES: tl.constexpr = False, NORM_BLOCK: tl.constexpr = 1, NORM_ONE_PASS: tl.constexpr = True, part_ptr=None,
+                     bias_ptr=None, done_ptr=None, SPLITS_PAD: tl.constexpr = 1, HAS_BIAS: tl.constexpr = False,
+                     HAS_MINS: tl.constexpr = True, ss_ptr=None, ms_ptr=None, GPS: tl.constexpr = 0, ASM: tl.constexpr = True,
+                     BITS: tl.constexpr = 4, PER_GROUP: tl.constexpr = True):
+    """Row blocks of BLOCK_N, tiles of GPB groups of GS values read as 16-bit words, M (<= M_PAD)
+    activation rows (the module's docstring); 4-bit (pack_int4) or int8 (BITS) weights; split-K,
+    the normed prologue, the gated activations and the scale forms as gemv.py's kernels."""
+    BPG: tl.constexpr = GS * BITS // 8  # bytes of a row a group
+    WT: tl.constexpr = GPB * BPG // 2  # 16-bit words of a row a tile
     OFF: tl.constexpr = 128.0 if x_ptr.dtype.element_ty == tl.bfloat16 else 1024.0
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    KH = tl.multiple_of(K // 4, GS // 4)
+    KH = tl.multiple_of(K * BITS // 16, BPG // 2)  # 16-bit words a row
     words = p_ptr.to(tl.pointer_type(tl.int16)) + offs_n.to(tl.int64)[:, None] * KH
     j = tl.arange(0, WT)
     acc = tl.zeros([BLOCK_N, GPB * M_PAD], dtype=tl.float32)
-    first, end = pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, K // 2)
+    first, end = pid_k * KB_SPLIT, tl.minimum(pid_k * KB_SPLIT + KB_SPLIT, K * BITS // 8)
     f = first // 2 + j
     h = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KH)[None, :], other=0)  # (weights: no kernel writes them)
     pdl.wait_prior(PDL)  # the first tile was on its way while the kernel before ended
     if NORM:  # (x_ptr: the normed rows, made here)
-        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, 2 * first, 2 * end, (pid_n == 0) & (pid_k == 0), HAS_RES, NORM_BLOCK,
-                     NORM_ONE_PASS)
+        _normed_rows(x_ptr, h_ptr, res_ptr, nw_ptr, res_out_ptr, M, K, eps, first * 8 // BITS, end * 8 // BITS, (pid_n == 0) & (pid_k == 0), HAS_RES,
+                     NORM_BLOCK, NORM_ONE_PASS)
     acc = _mma_tile(h, first, acc, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, M, K, K // GS, GS, GPB, BLOCK_N, M_PAD, GATED,
-                    HAS_MINS, GPS, OFF, ASM)
-    for b0 in range(first + GPB * H, end, GPB * H):
+                    HAS_MINS, GPS, OFF, BITS, PER_GROUP, ASM)
+    for b0 in range(first + GPB * BPG, end, GPB * BPG):
         f = b0 // 2 + j
         h = tl.load(words + f[None, :], mask=n_ok[:, None] & (f < KH)[None, :], other=0)
         acc = _mma_tile(h, b0, acc, x_ptr, s_ptr, mn_ptr, ss_ptr, ms_ptr, stride_xm, offs_n, n_ok, M, K, K // GS, GS, GPB, BLOCK_N, M_PAD, GATED,
-                        HAS_MINS, GPS, OFF, ASM)
+                        HAS_MINS, GPS, OFF, BITS, PER_GROUP, ASM)
     r = tl.sum(tl.reshape(acc, [BLOCK_N, GPB, M_PAD]), axis=1)
     _store_tile(out_ptr, part_ptr, bias_ptr, done_ptr, r, offs_n, n_ok, N, pid_n, pid_k, M, M_PAD, SPLITS_PAD, HAS_BIAS)
 
 
-def groups_a_tile(cfg: Config, group_size: int, rows: int = 1) -> int:
-    """Groups of a row a tile: the config's bytes over the activation rows padded to a power of two
-    (the MMA's columns are groups x rows: 8 for one or two rows, one MMA an 8-column tile, sm_90's
-    HMMA with 80-170 registers; 16 columns went to wgmma at 255), at least 16 words deep and 8
-    columns."""
+def groups_a_tile(cfg: Config, group_size: int, rows: int = 1, bits: int = 4) -> int:
+    """Groups of a row a tile: the config's bytes (of 4-bit weights) over the activation rows padded
+    to a power of two (the MMA's columns are groups x rows: 8 for one or two rows, one MMA an
+    8-column tile, sm_90's HMMA with 80-170 registers; 16 columns went to wgmma at 255), at least
+    16 words deep and 8 columns."""
     m_pad = triton.next_power_of_2(rows)
-    return max(cfg.tile_bytes * 2 // group_size // m_pad, triton.cdiv(64, group_size), triton.cdiv(8, m_pad))
+    return max(cfg.tile_bytes * 2 // group_size // m_pad, triton.cdiv(256, group_size * bits), triton.cdiv(8, m_pad))
 
 
 def int4_gemv_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
@@ -224,10 +264,33 @@ def int4_gemv_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, m
     """gemv.int4_gemv's contract for up to BATCH_MAX_ROWS rows of bf16 or fp16 activations (supports())."""
     N, K = packed.shape[0], packed.shape[1] * 2
     assert supports(K, group_size, x.dtype) and x.numel() // x.shape[-1] <= BATCH_MAX_ROWS, (K, group_size, x.dtype, x.shape)
-    packed = packed.contiguous() if packed.data_ptr() % 2 == 0 else packed.clone(memory_format=torch.contiguous_format)  # (read as 16-bit words)
-    x2 = _rows(x, K, gated, norm)
-    gpt = groups_a_tile(cfg, group_size, max(1, x2.shape[0]))  # (no rows: _launch returns the empty output)
     (s, mn), extra = triton_linear.q4_args(scales, mins, sups)
-    out = _launch(_int4_mma_gemv_kernel, cfg, x2, N, K, K // 2, gpt * group_size // 2, bias, x.dtype, (packed, s, mn), norm, pad_rows=True,
-                  GS=group_size, GPB=gpt, GATED=gated, ASM=not INTERPRET and x.is_cuda, **extra)
+    return _mma(x, packed, (s, mn), N, K, group_size, 4, bias, cfg, gated, norm, **extra)
+
+
+def int8_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, cfg: Config = MMA_CONFIGS[0],
+                  mins: torch.Tensor | None = None, gated: bool = False, norm: Norm | None = None) -> torch.Tensor:
+    """gemv.int8_gemv's contract (scales per channel or per group, optional mins) for up to
+    BATCH_MAX_ROWS rows of bf16 or fp16 activations (supports_int8())."""
+    N, K = qweight.shape
+    s = scale.reshape(N, -1)
+    group = K // s.shape[1] if s.shape[1] > 1 else 32  # (per channel: the MMA's blocks are still groups of 32)
+    assert supports_int8(K, group, x.dtype) and x.numel() // x.shape[-1] <= BATCH_MAX_ROWS, (K, group, x.dtype, x.shape)
+    args = (s.contiguous(), s if mins is None else mins.contiguous())
+    return _mma(x, qweight, args, N, K, group, 8, bias, cfg, gated, norm, HAS_MINS=mins is not None, PER_GROUP=s.shape[1] > 1)
+
+
+def supports_int8(K: int, group_size: int, dtype: torch.dtype) -> bool:
+    """int8 weights per channel (K a multiple of 32) or in groups of 32..128."""
+    return supports(K, group_size, dtype)
+
+
+def _mma(x: torch.Tensor, weight: torch.Tensor, scales: tuple, N: int, K: int, group_size: int, bits: int, bias, cfg: Config, gated: bool,
+         norm: Norm | None, **meta) -> torch.Tensor:
+    weight = weight.contiguous() if weight.data_ptr() % 2 == 0 else weight.clone(memory_format=torch.contiguous_format)  # (read as 16-bit words)
+    x2 = _rows(x, K, gated, norm)
+    gpt = groups_a_tile(cfg, group_size, max(1, x2.shape[0]), bits)  # (no rows: _launch returns the empty output)
+    bpg = group_size * bits // 8
+    out = _launch(_mma_gemv_kernel, cfg, x2, N, K, K * bits // 8, gpt * bpg, bias, x.dtype, (weight, *scales), norm, pad_rows=True,
+                  GS=group_size, GPB=gpt, GATED=gated, BITS=bits, ASM=not INTERPRET and x.is_cuda, **meta)
     return out.view(*x.shape[:-1], N)
