@@ -1,5 +1,5 @@
-"""A decode GEMV over 4-bit weights on the tensor cores: the weights' values go to the MMA as they
-are, the activations come block-diagonal, and the scales meet the sums a group at a time.
+"""A decode GEMV over 4-bit and int8 weights on the tensor cores: the weights' values go to the MMA
+as they are, the activations come block-diagonal, and the scales meet the sums a group at a time.
 
 The word-wise GEMV (gemv.py) turns each weight into an fp32 number and multiplies it by its
 activation with an FMA: ~3.4-3.6 sm_90 instructions a weight, about as many as a batch-1 GEMV
@@ -23,7 +23,10 @@ tile for all of a program's rows: the configs own 128-256 rows. For one or two r
 with the word-wise GEMV; for 3-16 (a decode batch) with the tiled kernel, which dequantizes every
 weight into shared memory for tl.dot (gemv.tune times both).
 
-fp16 activations take fp16 values 1024 + q (0x6400 | q); fp32 ones the other GEMVs. The interpreter
+int8 weights go as two nibble planes a byte, the same PTX but for the high nibbles' top bit, flipped
+(lop3 (a & b) ^ c), so that 16 * high + low = q + 128; the high planes' activations are x times 16
+(exact), and per group sum q x = S - (17 * 128 + 128) X. fp16 activations take fp16 values
+1024 + q (0x6400 | q); fp32 ones the other GEMVs. The interpreter
 has no inline assembly: there (ASM False) the same values come from shifts and masks in fp32 and
 the MMA is an fp32 dot, so CI checks all but the PTX (compiled for sm_90 in
 tests/test_triton_compile.py; tune() compares every candidate with the tiled kernel on the device
@@ -48,7 +51,8 @@ from .triton_norm import INTERPRET
 MMA_CONFIGS = (Config(128, 128, 4, 2), Config(256, 128, 8, 2), Config(128, 128, 4, 4))
 # a decode batch (tune() times them at gemv.BATCH_ROWS rows): at 8 rows 2 or 4 groups of 32 a tile,
 # 16 or 32 columns; sm_90, 8 rows: 5.30-5.94 instructions a weight (each serving the 8 rows), the
-# tiled kernel's dequantizing tl.dot 13.09
+# tiled kernel's dequantizing tl.dot 13.09 (int8: 6.91-7.61 against 15.06; at one row 3.56-3.63
+# against the word-wise GEMV's 4.56-4.81)
 BATCH_CONFIGS = (Config(256, 256, 8, 2), Config(256, 512, 8, 2), Config(128, 256, 4, 2))
 
 _PAIRS_BF16 = tl.constexpr("""{
