@@ -131,6 +131,34 @@ def test_triton_model_fused_gemvs_same_as_reference(interpreted, gqa, monkeypatc
     assert tokens == _with_reference_ops(engine, lambda: _greedy(engine, [PROMPT]))
 
 
+@pytest.mark.parametrize("quantization", ["w4-g32", "w8-g32"])
+def test_triton_model_mma_gemvs_same_as_the_other_kernels(interpreted, gqa, monkeypatch, quantization: str) -> None:
+    """A bf16 model whose every 4-bit or int8 linear is served by the MMA GEMV (gemv_mma.py: the
+    one-row config in the batch-1 bucket, the batch config in the 4-row bucket and for prompts of
+    up to 16 tokens, as tune() may choose): the tokens and logits of the GEMVs and tiled kernels."""
+    from fasterllama.backends.cuda import gemv, gemv_mma
+
+    _, path = gqa
+    loaded = load_model(path, torch.bfloat16, torch.device("cpu"), None, True, progress=False)
+    engine = llm_engine.LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=48, max_num_seqs=4)
+    engine.quantize(quantization, calibration_tokens=64)
+    want_tokens, want_logits = (_greedy(engine, [PROMPT]), _greedy(engine, BATCH)), engine.compute_logits(PROMPT)
+
+    class MMAEverywhere(dict):
+        def get(self, key, default=None):
+            return ("gemv-mma", gemv_mma.BATCH_CONFIGS[0] if key[0].endswith("rows") else gemv_mma.MMA_CONFIGS[0])
+
+    rows = []
+    for name in ("int4_gemv_mma", "int8_gemv_mma"):
+        real = getattr(gemv_mma, name)
+        monkeypatch.setattr(gemv_mma, name, lambda x, *a, real=real, **k: (rows.append(x.numel() // x.shape[-1]), real(x, *a, **k))[1])
+    monkeypatch.setattr(gemv, "_CHOICE", MMAEverywhere())
+    assert (_greedy(engine, [PROMPT]), _greedy(engine, BATCH)) == want_tokens
+    got = engine.compute_logits(PROMPT)
+    assert (got.float() - want_logits.float()).abs().max().item() < 2e-2 * want_logits.float().abs().max().item()
+    assert {1, 4, len(PROMPT)} <= set(rows)  # the decode buckets of 1 and 4 rows, a 12-token prompt
+
+
 def test_speculative_verify_steps_replay_the_decode_buckets(interpreted, gqa) -> None:
     """Prompt-lookup verify steps (a row per drafted token) run in the decode buckets: greedy tokens
     as without speculation, drafts accepted and rejected."""
