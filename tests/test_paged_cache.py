@@ -309,6 +309,34 @@ def test_forks_keep_their_seats_while_the_prompt_is_prefilled_in_chunks(tiny_fol
     assert peak == 4 and engine.blocks.num_used == 0
 
 
+@pytest.mark.parametrize("steps_before", [0, 1])  # aborted while waiting / with its prompt half prefilled
+def test_aborting_the_first_sample_leaves_the_others_their_tokens(tiny_folder, steps_before):
+    """An n = 3 request's first sample aborted before its prompt is in: the other two prefill from
+    the second and draw the tokens they draw when nothing is aborted (their seeds)."""
+    llm = _llm(tiny_folder, max_num_seqs=4, max_num_batched_tokens=16, enable_prefix_caching=False)  # (the prompt: three steps each time)
+    engine = llm.engine
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=5, ignore_eos=True)
+    prompt = list(range(10, 50))
+    want = [s.output_token_ids for s in _run_group(engine, prompt, params)]
+    seqs = engine.add_group(prompt, params)
+    for _ in range(steps_before):
+        engine.step()
+    assert not seqs[0].output_token_ids
+    engine.abort(seqs[0])
+    while engine.has_unfinished():
+        engine.step()
+    assert seqs[0].finish_reason == "abort" and [s.finish_reason for s in seqs[1:]] == ["length", "length"]
+    assert [s.output_token_ids for s in seqs[1:]] == want[1:]
+    assert engine.blocks.num_used == 0
+
+
+def _run_group(engine, prompt, params):
+    seqs = engine.add_group(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
 def test_beam_search_needs_no_seats_and_frees_its_blocks(tiny_folder):
     llm = _llm(tiny_folder, max_num_seqs=1)
     prompt = [(5 * i) % 300 + 10 for i in range(30)]

@@ -270,7 +270,7 @@ class EngineLoop:
         req = self._requests.get(request_id)
         if req is None:
             return
-        open_ = [k for k, seq in enumerate(req.seqs) if not seq.is_finished]  # (before: aborting sample 0 ends the unstarted others)
+        open_ = [k for k, seq in enumerate(req.seqs) if not seq.is_finished]  # (each reported aborted, started or not)
         for k in open_:
             if not req.seqs[k].is_finished:
                 self.engine.abort(req.seqs[k])

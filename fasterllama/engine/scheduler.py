@@ -140,11 +140,17 @@ class Scheduler:
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        place = 0  # (where in the queue the first of its unstarted samples takes its place)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
+            place = self.waiting.index(seq)
             self.waiting.remove(seq)
         self.blocks.free(seq)
-        for child in seq.forks:  # samples that never started end with it
-            child.status, child.finish_reason = SequenceStatus.FINISHED, reason
-        seq.forks = []
+        forks, seq.forks = [child for child in seq.forks if not child.is_finished], []
+        if forks and reason == "abort":  # one sample aborted before its prompt was in: the others go on, the first prefilling
+            forks[0].forks = forks[1:]
+            self.waiting.insert(place, forks[0])
+        else:  # (a failure ends the samples that never started with it)
+            for child in forks:
+                child.status, child.finish_reason = SequenceStatus.FINISHED, reason
