@@ -219,6 +219,51 @@ def test_decode_paged(block_size: int, lengths: list[int], dtype: torch.dtype, d
         _close(got[b : b + 1], _oracle(q[b : b + 1], k, v, pos, d**-0.5), dtype)
 
 
+@pytest.mark.parametrize("block_size", [8, 12])
+@pytest.mark.parametrize("h,kvh,d,dtype", CASES, ids=CASE_IDS)
+def test_decode_rotates_and_stores_the_new_token_itself(h: int, kvh: int, d: int, dtype: torch.dtype, block_size: int) -> None:
+    """decode_attention's rope: the qkv projection's rows in, q and k rotated and the new key and
+    value stored by the split holding the new token: the same cache and the same output, bit for
+    bit, as rope_and_store then the decode kernel (an empty padding row, slot -1, stores nothing)."""
+    torch.manual_seed(h * 100 + d)
+    lengths = DECODE_LENGTHS[0]
+    k_ref, v_ref, tables, _, capacity = _paged_cache(lengths, kvh, d, block_size, dtype)
+    slots = torch.tensor([int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size if n else -1 for b, n in enumerate(lengths)],
+                         device=DEVICE)
+    for b, n in enumerate(lengths):  # the new token's slot: NaN until it is stored
+        if n:
+            blk, off = int(tables[b, (n - 1) // block_size]), (n - 1) % block_size
+            k_ref[blk, :, off], v_ref[blk, :, off] = float("nan"), float("nan")
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    qkv, cos, sin = _qkv(len(lengths), h, kvh, d, dtype)
+    seq_lens = torch.tensor(lengths, device=DEVICE)
+    q = ta.rope_and_store(qkv, cos, sin, k_ref, v_ref, slots, h, kvh, d)
+    want = ta.decode_attention(q, k_ref, v_ref, tables, seq_lens, d**-0.5, capacity)
+    got = ta.decode_attention(qkv, k_got, v_got, tables, seq_lens, d**-0.5, capacity, rope=(cos, sin, slots, h))
+    assert torch.equal(k_got.nan_to_num(7.0), k_ref.nan_to_num(7.0)) and torch.equal(v_got.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert not got.isnan().any() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("decode", [True, False])
+def test_rope_store_attention_op_matches_reference(decode: bool) -> None:
+    """The op the model calls: a decode-only step in the fused launch, any other step through
+    rope_and_store_kv and attention; the reference's output and cache either way."""
+    torch.manual_seed(4)
+    h, kvh, d = HEADS[1][0], HEADS[1][1], HEAD_DIMS[0]
+    new_lens, starts, slots = ([1, 1, 1], [9, 0, 30], [2, 0, 1]) if decode else ([5, 1, 7], [0, 9, 3], [2, 0, 1])
+    meta = _meta(new_lens, starts, slots, 32)
+    assert meta.all_decode == decode
+    qkv, cos, sin = _qkv(sum(new_lens), h, kvh, d, torch.float32)
+    k_ref, v_ref = _slot_cache(3, kvh, 32, d, torch.float32, dict(zip(slots, starts)))
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    q = reference.rope_and_store_kv(qkv, cos, sin, k_ref, v_ref, meta, h, kvh, d)
+    want = reference.attention(q, k_ref, v_ref, meta, d**-0.5)
+    got = ta.rope_store_attention(qkv, cos, sin, k_got, v_got, meta, h, kvh, d, d**-0.5)
+    _close(got, want, torch.float32)
+    _close(k_got, k_ref, torch.float32)
+    _close(v_got, v_ref, torch.float32)
+
+
 @pytest.mark.parametrize("block_n,num_splits", [(16, 1), (16, 5), (32, 2)])
 def test_decode_given_tiles_and_splits(block_n: int, num_splits: int) -> None:
     """The tile and split choices benchmarks/gpu_attention_sweep.py times, given explicitly: the

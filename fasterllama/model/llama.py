@@ -81,8 +81,7 @@ class Attention(nn.Module):
     def forward(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], meta: ops.AttentionMetadata) -> torch.Tensor:
         """Attention from the qkv projection's output (the layer applies qkv_proj with the norm before it)."""
         T = cos.shape[0]
-        q = ops.rope_and_store_kv(qkv, cos, sin, kv, meta, self.num_heads, self.num_kv_heads, self.head_dim)
-        out = ops.attention(q, kv[0], kv[1], meta, self.scale)
+        out = ops.rope_store_attention(qkv, cos, sin, kv, meta, self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
         return self.o_proj(out.reshape(T, self.q_size))
 
 

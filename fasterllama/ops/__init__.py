@@ -109,6 +109,15 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
     return get_op("attention", q.device)(q, k_cache, v_cache, meta, scale)
 
 
+def rope_store_attention(qkv, cos, sin, kv, meta, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """rope_and_store_kv, then attention: one op, so that a backend may do both in one kernel (the
+    CUDA backend's decode steps)."""
+    fused = registered("rope_store_attention", qkv.device)
+    if fused is not None:
+        return fused(qkv, cos, sin, kv[0], kv[1], meta, num_heads, num_kv_heads, head_dim, scale)
+    return attention(rope_and_store_kv(qkv, cos, sin, kv, meta, num_heads, num_kv_heads, head_dim), kv[0], kv[1], meta, scale)
+
+
 # -- quantized ops (see quantized.py) -----------------------------------------------------------
 def int8_weight_linear(x, qweight, scale, bias=None, mins=None):
     return get_op("int8_weight_linear", x.device)(x, qweight, scale, bias, mins)

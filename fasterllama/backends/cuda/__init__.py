@@ -59,6 +59,7 @@ def kernel_ops() -> dict | None:
         "rope_tables": triton_attention.rope_tables,
         "rope_and_store_kv": triton_attention.rope_and_store_kv,
         "attention": triton_attention.attention,
+        "rope_store_attention": triton_attention.rope_store_attention,
         **_gemv_ops(gemv, triton_linear),
         "int8_linear": triton_linear.int8_gemm_dequant,
         "sample_rows": triton_sampling.sample_rows,

@@ -254,12 +254,30 @@ def _split_chunk(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _rope_rows(row_ptr, cos_ptr, sin_ptr, heads, offs_d, mask, D: tl.constexpr, DT: tl.constexpr):
+    """Heads [rows] of a projection's output row rotated (rotate-half RoPE, rounded as
+    _rope_half_rounded rounds it), [rows, BLOCK_D] in DT: lane d meets its partner d -/+ D/2,
+    loaded as a second tile, so the halves need no joining."""
+    HALF: tl.constexpr = D // 2
+    first = offs_d < HALF
+    partner = tl.where(first, offs_d + HALF, offs_d - HALF)
+    x = tl.load(row_ptr + heads[:, None] * D + offs_d[None, :], mask=mask, other=0).to(tl.float32)
+    xp = tl.load(row_ptr + heads[:, None] * D + partner[None, :], mask=mask, other=0).to(tl.float32)
+    dm = offs_d < D
+    c = tl.load(cos_ptr + offs_d, mask=dm, other=0).to(DT).to(tl.float32)[None, :]
+    sn = tl.load(sin_ptr + offs_d, mask=dm, other=0).to(DT).to(tl.float32)[None, :]
+    turned = tl.where(first[None, :], -(xp * sn), xp * sn)
+    return ((x * c).to(DT).to(tl.float32) + turned.to(DT).to(tl.float32)).to(DT)
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
     qk_scale, stride_qb, stride_qh, stride_ob, stride_oh, stride_cb, stride_ch, stride_cs, stride_bt, block_size,
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
+    cos_ptr=None, sin_ptr=None, slot_ptr=None, stride_cos=0, stride_sin=0, ROPE: tl.constexpr = False,
 ):
     """Program (sequence b, KV head, split): all GROUP query heads of the KV head attend keys
     [split * chunk, (split + 1) * chunk) ∩ [0, seq_len), so each K/V tile is read once; the chunk
@@ -267,7 +285,11 @@ def _decode_kernel(
     spreads over every split. One split writes the final output; several write unnormalized
     partials for _decode_combine_kernel. (Merged inside this kernel by the last split to finish, it
     took ~4 us a call more than this kernel and the combine together, on an H200 on 2026-11-30:
-    the count's GPU-scope atomic in every split and the merge after the last one's work.)"""
+    the count's GPU-scope atomic in every split and the merge after the last one's work.)
+    ROPE: q_ptr is the qkv projection's output [B, (H + 2 KVH) * D] (stride_qb a row): each
+    program rotates its query heads itself, and the split holding the new token (position
+    seq_len - 1) rotates its key and stores it and its value at the sequence's slot (slot_ptr, -1:
+    none) before it reads the cache: rope_and_store's launch a layer goes."""
     pdl.wait_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -287,15 +309,31 @@ def _decode_kernel(
     mask_g = (offs_g < GROUP)[:, None]
     if PADDED:
         mask_g = mask_g & mask_d
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g, other=0)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
+    v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
+    if ROPE:
+        DT: tl.constexpr = q_ptr.dtype.element_ty
+        row = q_ptr + b.to(tl.int64) * stride_qb
+        cos_b, sin_b = cos_ptr + b.to(tl.int64) * stride_cos, sin_ptr + b.to(tl.int64) * stride_sin
+        q = _rope_rows(row, cos_b, sin_b, heads, offs_d, mask_g, D, DT)
+        slot = tl.load(slot_ptr + b)
+        if (hi == seq_len) & (slot >= 0):  # the split holding the new token stores it first
+            one = tl.arange(0, 1)
+            mask_1 = (offs_d < D)[None, :]
+            k_new = _rope_rows(row, cos_b, sin_b, H + kvh + one, offs_d, mask_1, D, DT)
+            v_new = tl.load(row + (H + H // GROUP + kvh + one)[:, None] * D + offs_d[None, :], mask=mask_1, other=0)
+            at = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size).to(tl.int64) * stride_cs + offs_d[None, :]
+            tl.store(k_base + at, k_new.to(k_cache_ptr.dtype.element_ty), mask=mask_1)
+            tl.store(v_base + at, v_new.to(v_cache_ptr.dtype.element_ty), mask=mask_1)
+        tl.debug_barrier()  # (the stores before this program's threads read the cache)
+    else:
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g, other=0)
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kvh.to(tl.int64) * stride_ch
-    v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < hi
@@ -385,18 +423,32 @@ def _decode_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device
 def decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     scale: float, max_len: int, block_n: int | None = None, num_splits: int | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """Attention of one new query per sequence, q [B, H, D], over its seq_lens[b] cached keys
     (positions 0..len-1; len 0 gives zeros). max_len (the cache's capacity per sequence, a Python
     int) fixes the number of context splits, so the launch needs no host sync and can be captured
     in a CUDA graph. block_n, num_splits: the keys a tile and the splits, in place of the choice
-    made from the shapes (benchmarks/gpu_attention_sweep.py times them)."""
+    made from the shapes (benchmarks/gpu_attention_sweep.py times them). rope = (cos, sin,
+    slot_mapping, num_heads): q is the qkv projection's output [B, (H + 2 KVH) * D], rotated and
+    its key and value stored at the slots by this kernel (rope_and_store's work, in its launch)."""
     _check_cache(k_cache, v_cache)
-    B, H, D = q.shape
+    D = k_cache.shape[3]
+    if rope is not None:
+        cos, sin, slots, H = rope
+        B = q.shape[0]
+        assert q.stride(-1) == 1 and q.shape[1] == (H + 2 * k_cache.shape[1]) * D and cos.stride(-1) == sin.stride(-1) == 1
+        out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+        rope_args = dict(cos_ptr=cos, sin_ptr=sin, slot_ptr=slots, stride_cos=cos.stride(0), stride_sin=sin.stride(0), ROPE=True)
+        stride_qb, stride_qh = q.stride(0), D
+    else:
+        B, H, _ = q.shape
+        assert q.stride(-1) == 1 and q.shape[2] == D
+        out = torch.empty_like(q)
+        rope_args, stride_qb, stride_qh = {}, q.stride(0), q.stride(1)
     KVH = k_cache.shape[1]
     group = H // KVH
-    assert q.stride(-1) == 1 and H == group * KVH and k_cache.shape[3] == D and supports(D)
-    out = torch.empty_like(q)
+    assert H == group * KVH and supports(D)
     if B == 0:
         return out
     # the query heads of a KV head padded to 16 rows for tensor cores (MHA too: its lone query as a
@@ -414,11 +466,11 @@ def decode_attention(
         part_acc = part_m = part_l = out  # unused
     _decode_kernel[(B, KVH, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
-        scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * _LOG2E, stride_qb, stride_qh, out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
         H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
-        num_warps=4, num_stages=2, **pdl.launch_args(q),
+        num_warps=4, num_stages=2, **rope_args, **pdl.launch_args(q),
     )
     if num_splits > 1:
         _decode_combine_kernel[(B, H)](
@@ -553,6 +605,19 @@ def _prefill_plan(meta: AttentionMetadata, device: torch.device) -> tuple[torch.
         plan = (packed[: n + 1], packed[n + 1 :], max(lengths, default=0))
         meta._triton_prefill_plan = plan
     return plan
+
+
+def rope_store_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         meta: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """rope_and_store_kv then attention; a decode-only step in one launch (the decode kernel
+    rotates q and k itself and stores the new key and value: decode_attention's rope)."""
+    if not (supports(head_dim) and meta.all_decode):
+        q = rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim)
+        return attention(q, k_cache, v_cache, meta, scale)
+    _check_cache(k_cache, v_cache)
+    tables = meta.decode_block_tables
+    return decode_attention(qkv, k_cache, v_cache, tables, meta.decode_lengths, scale, triton.next_power_of_2(tables.shape[1] * k_cache.shape[2]),
+                            rope=(cos, sin, meta.slot_mapping, num_heads))
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
