@@ -16,8 +16,10 @@ no kernel writes, stream in while the kernel before ends), then works tile by ti
 kernel does one tile's work, for the first tile and in the loop). A tile's helper issues all its
 loads (activations, scales, mins) before any of its arithmetic: a load written after a layout
 conversion's barrier starts only once the loads before it have arrived, one trip to memory after
-another (the word-wise kernels took 4-8 such trips a tile until 2026-11-29; now one). A 4-bit GEMV
-on the tensor cores (gemv_mma.py) is among tune()'s candidates for half-precision activations."""
+another (the word-wise kernels took 4-8 such trips a tile until 2026-11-29; now one). A 4-bit and
+int8 GEMV on the tensor cores (gemv_mma.py) is among tune()'s candidates for half-precision
+activations, at one row against these GEMVs and at a decode batch (3..16 rows) against the tiled
+kernels."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from . import pdl, triton_linear
 from .triton_norm import silu_mul
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
-BATCH_MAX_ROWS = 16  # and the 4-bit MMA GEMV (gemv_mma.py), where tune() timed it faster than the tiled kernel at BATCH_ROWS
+BATCH_MAX_ROWS = 16  # and the MMA GEMV (gemv_mma.py), where tune() timed it faster than the tiled kernel at BATCH_ROWS
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
