@@ -326,7 +326,7 @@ def _decode_kernel(
             at = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size).to(tl.int64) * stride_cs + offs_d[None, :]
             tl.store(k_base + at, k_new.to(k_cache_ptr.dtype.element_ty), mask=mask_1)
             tl.store(v_base + at, v_new.to(v_cache_ptr.dtype.element_ty), mask=mask_1)
-        tl.debug_barrier()  # (the stores before this program's threads read the cache)
+            tl.debug_barrier()  # (the stores before this program's threads read the cache; the other splits never read the slot)
     else:
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g, other=0)
     if UPCAST:
