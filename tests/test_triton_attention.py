@@ -244,6 +244,33 @@ def test_decode_rotates_and_stores_the_new_token_itself(h: int, kvh: int, d: int
     assert not got.isnan().any() and torch.equal(got, want)
 
 
+@pytest.mark.parametrize("order", ["drafts in order", "drafts reversed"])
+@pytest.mark.parametrize("block_n,num_splits", [(16, 1), (16, 4)])
+def test_decode_rope_in_a_verify_step(order: str, block_n: int, num_splits: int) -> None:
+    """A speculative verify step: a row per drafted token of one sequence (positions 30, 31, 32,
+    each attending up to itself) beside another sequence. Whatever order the rows' programs run in
+    (the interpreter runs them in row order; "reversed" puts the later drafts first), each reads
+    the earlier drafts' keys and values only after storing them itself: the two kernels' cache
+    and output, bit for bit, with a split boundary between the drafts (4 splits of 16 keys)."""
+    torch.manual_seed(5)
+    h, kvh, d, bs, dtype = HEADS[1][0], HEADS[1][1], HEAD_DIMS[0], 8, torch.bfloat16
+    k_ref, v_ref, tables, _, capacity = _paged_cache([33, 20], kvh, d, bs, dtype)
+    rows = [(0, 30), (0, 31), (0, 32), (1, 19)]  # (sequence, position)
+    rows = rows[2::-1] + rows[3:] if order == "drafts reversed" else rows
+    slots = [int(tables[s, p // bs]) * bs + p % bs for s, p in rows]
+    for slot in slots:  # what the step stores: NaN until then
+        k_ref[slot // bs, :, slot % bs], v_ref[slot // bs, :, slot % bs] = float("nan"), float("nan")
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    row_tables = tables[[s for s, _ in rows]]
+    seq_lens, slot_mapping = torch.tensor([p + 1 for _, p in rows], device=DEVICE), torch.tensor(slots, device=DEVICE)
+    qkv, cos, sin = _qkv(len(rows), h, kvh, d, dtype)
+    q = ta.rope_and_store(qkv, cos, sin, k_ref, v_ref, slot_mapping, h, kvh, d)
+    want = ta.decode_attention(q, k_ref, v_ref, row_tables, seq_lens, d**-0.5, capacity, block_n, num_splits)
+    got = ta.decode_attention(qkv, k_got, v_got, row_tables, seq_lens, d**-0.5, capacity, block_n, num_splits, rope=(cos, sin, slot_mapping, h))
+    assert torch.equal(k_got.nan_to_num(7.0), k_ref.nan_to_num(7.0)) and torch.equal(v_got.nan_to_num(7.0), v_ref.nan_to_num(7.0))
+    assert not got.isnan().any() and torch.equal(got, want)
+
+
 @pytest.mark.parametrize("decode", [True, False])
 def test_rope_store_attention_op_matches_reference(decode: bool) -> None:
     """The op the model calls: a decode-only step in the fused launch, any other step through

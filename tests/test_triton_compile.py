@@ -60,11 +60,11 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "decode attention, split": ("triton_attention", "_decode_kernel", DECODE,
                                 {"H": 32, "GROUP": 1, "GROUP_PAD": 16, "D": 128, "BLOCK_D": 128, "BLOCK_N": 64, "NUM_SPLITS": 40,
                                  "USE_DOT": True, "UPCAST": False, "PRECISION": "tf32", "PDL": True}, 4),
-    "decode attention, split, RoPE + KV store of the new token inside": (
+    "decode attention, split, RoPE + KV store of the new tokens inside, a bucket of 64 rows": (
         "triton_attention", "_decode_kernel", dict(DECODE, cos_ptr="*fp32", sin_ptr="*fp32", slot_ptr="*i64", stride_cos="i32", stride_sin="i32",
-                                                   ROPE="constexpr"),
+                                                   ROPE="constexpr", B_PAD="constexpr"),
         {"H": 32, "GROUP": 4, "GROUP_PAD": 16, "D": 128, "BLOCK_D": 128, "BLOCK_N": 64, "NUM_SPLITS": 16, "USE_DOT": True, "UPCAST": False,
-         "PRECISION": "tf32", "PDL": True, "ROPE": True}, 4),
+         "PRECISION": "tf32", "PDL": True, "ROPE": True, "B_PAD": 64}, 4),
     "int8 dequant, groups with mins": ("triton_linear", "_int8_dequant_kernel", INT8_DEQUANT,
                                        {"PER_GROUP": True, "GS": 32, "HAS_MINS": True, "BLOCK_N": 32, "BLOCK_K": 256, "PDL": True}, 4),
     "int8 dequant, per channel": ("triton_linear", "_int8_dequant_kernel", INT8_DEQUANT,

@@ -254,20 +254,47 @@ def _split_chunk(seq_len, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _rope_rows(row_ptr, cos_ptr, sin_ptr, heads, offs_d, mask, D: tl.constexpr, DT: tl.constexpr):
-    """Heads [rows] of a projection's output row rotated (rotate-half RoPE, rounded as
-    _rope_half_rounded rounds it), [rows, BLOCK_D] in DT: lane d meets its partner d -/+ D/2,
-    loaded as a second tile, so the halves need no joining."""
+def _rope_rows(x_ptr, x_off, cos_ptr, c_off, sin_ptr, s_off, offs_d, mask, D: tl.constexpr, DT: tl.constexpr):
+    """Heads of a projection's output rotated (rotate-half RoPE, rounded as _rope_half_rounded
+    rounds it), [rows, BLOCK_D] in DT: row i is the head at x_ptr + x_off[i], its angles' cos and
+    sin at c_off[i] and s_off[i]; lane d meets its partner d -/+ D/2, loaded as a second tile, so
+    the halves need no joining."""
     HALF: tl.constexpr = D // 2
     first = offs_d < HALF
     partner = tl.where(first, offs_d + HALF, offs_d - HALF)
-    x = tl.load(row_ptr + heads[:, None] * D + offs_d[None, :], mask=mask, other=0).to(tl.float32)
-    xp = tl.load(row_ptr + heads[:, None] * D + partner[None, :], mask=mask, other=0).to(tl.float32)
-    dm = offs_d < D
-    c = tl.load(cos_ptr + offs_d, mask=dm, other=0).to(DT).to(tl.float32)[None, :]
-    sn = tl.load(sin_ptr + offs_d, mask=dm, other=0).to(DT).to(tl.float32)[None, :]
+    x = tl.load(x_ptr + x_off[:, None] + offs_d[None, :], mask=mask, other=0).to(tl.float32)
+    xp = tl.load(x_ptr + x_off[:, None] + partner[None, :], mask=mask, other=0).to(tl.float32)
+    c = tl.load(cos_ptr + c_off[:, None] + offs_d[None, :], mask=mask, other=0).to(DT).to(tl.float32)
+    sn = tl.load(sin_ptr + s_off[:, None] + offs_d[None, :], mask=mask, other=0).to(DT).to(tl.float32)
     turned = tl.where(first[None, :], -(xp * sn), xp * sn)
     return ((x * c).to(DT).to(tl.float32) + turned.to(DT).to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _reads_new_token(r, b, seq_lens_ptr, slot_ptr, bt_row, lo, hi, block_size):
+    """Whether row r's new token (at position seq_lens[r] - 1, slot slot_ptr[r]) is one that
+    sequence b's program for keys [lo, hi) reads, r != b: where b's block table puts that position
+    at r's slot (only a speculative verify step's rows of one sequence share positions so)."""
+    r_ok = (r < tl.num_programs(0)) & (r != b)
+    r_pos = tl.load(seq_lens_ptr + r, mask=r_ok, other=0).to(tl.int32) - 1
+    r_slot = tl.load(slot_ptr + r, mask=r_ok, other=-1)
+    r_in = r_ok & (r_slot >= 0) & (r_pos >= lo) & (r_pos < hi)
+    r_blk = tl.load(bt_row + tl.maximum(r_pos, 0) // block_size, mask=r_in, other=-1)
+    return r_in & (r_blk.to(tl.int64) * block_size + r_pos % block_size == r_slot)
+
+
+@triton.jit
+def _store_new_kv(qkv_ptr, cos_ptr, sin_ptr, k_base, v_base, rows, slots, mask, stride_qb, stride_cos, stride_sin, stride_cb, stride_cs,
+                  block_size, K_HEAD, V_HEAD, D: tl.constexpr, DT: tl.constexpr):
+    """The keys (rotated) and values of a KV head (K_HEAD, V_HEAD: their heads in a qkv row) of
+    rows `rows` into the cache at `slots`, where mask."""
+    r64 = rows.to(tl.int64)
+    offs_d = tl.arange(0, mask.shape[1])
+    k = _rope_rows(qkv_ptr, r64 * stride_qb + K_HEAD * D, cos_ptr, r64 * stride_cos, sin_ptr, r64 * stride_sin, offs_d, mask, D, DT)
+    v = tl.load(qkv_ptr + (r64 * stride_qb + V_HEAD * D)[:, None] + offs_d[None, :], mask=mask, other=0)
+    at = ((slots // block_size).to(tl.int64) * stride_cb + (slots % block_size).to(tl.int64) * stride_cs)[:, None] + offs_d[None, :]
+    tl.store(k_base + at, k.to(k_base.dtype.element_ty), mask=mask)
+    tl.store(v_base + at, v.to(v_base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -277,7 +304,7 @@ def _decode_kernel(
     H: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
-    cos_ptr=None, sin_ptr=None, slot_ptr=None, stride_cos=0, stride_sin=0, ROPE: tl.constexpr = False,
+    cos_ptr=None, sin_ptr=None, slot_ptr=None, stride_cos=0, stride_sin=0, ROPE: tl.constexpr = False, B_PAD: tl.constexpr = 1,
 ):
     """Program (sequence b, KV head, split): all GROUP query heads of the KV head attend keys
     [split * chunk, (split + 1) * chunk) ∩ [0, seq_len), so each K/V tile is read once; the chunk
@@ -287,9 +314,12 @@ def _decode_kernel(
     took ~4 us a call more than this kernel and the combine together, on an H200 on 2026-11-30:
     the count's GPU-scope atomic in every split and the merge after the last one's work.)
     ROPE: q_ptr is the qkv projection's output [B, (H + 2 KVH) * D] (stride_qb a row): each
-    program rotates its query heads itself, and the split holding the new token (position
-    seq_len - 1) rotates its key and stores it and its value at the sequence's slot (slot_ptr, -1:
-    none) before it reads the cache: rope_and_store's launch a layer goes."""
+    program rotates its query heads itself, and before it reads the cache it rotates and stores
+    (at slot_ptr's slots, -1: none) every new key and value of the step that lies in its split and
+    that it reads: its own row's, and in a speculative verify step (a row per drafted token of a
+    sequence, model_runner.step_inputs) the earlier drafts' too, whose rows' programs run in no
+    order (the same bits stored twice, not read before this program stores them):
+    rope_and_store's launch a layer goes. B_PAD: the rows padded to a power of two."""
     pdl.wait_prior(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -314,19 +344,29 @@ def _decode_kernel(
     v_base = v_cache_ptr + kvh.to(tl.int64) * stride_ch
     if ROPE:
         DT: tl.constexpr = q_ptr.dtype.element_ty
-        row = q_ptr + b.to(tl.int64) * stride_qb
-        cos_b, sin_b = cos_ptr + b.to(tl.int64) * stride_cos, sin_ptr + b.to(tl.int64) * stride_sin
-        q = _rope_rows(row, cos_b, sin_b, heads, offs_d, mask_g, D, DT)
+        b64 = b.to(tl.int64)
+        q = _rope_rows(q_ptr, b64 * stride_qb + heads * D, cos_ptr, heads * 0 + b64 * stride_cos, sin_ptr, heads * 0 + b64 * stride_sin, offs_d,
+                       mask_g, D, DT)
         slot = tl.load(slot_ptr + b)
-        if (hi == seq_len) & (slot >= 0):  # the split holding the new token stores it first
-            one = tl.arange(0, 1)
-            mask_1 = (offs_d < D)[None, :]
-            k_new = _rope_rows(row, cos_b, sin_b, H + kvh + one, offs_d, mask_1, D, DT)
-            v_new = tl.load(row + (H + H // GROUP + kvh + one)[:, None] * D + offs_d[None, :], mask=mask_1, other=0)
-            at = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size).to(tl.int64) * stride_cs + offs_d[None, :]
-            tl.store(k_base + at, k_new.to(k_cache_ptr.dtype.element_ty), mask=mask_1)
-            tl.store(v_base + at, v_new.to(v_cache_ptr.dtype.element_ty), mask=mask_1)
-            tl.debug_barrier()  # (the stores before this program's threads read the cache; the other splits never read the slot)
+        own = (hi == seq_len) & (slot >= 0)  # this split holds the row's new token
+        if own:
+            _store_new_kv(q_ptr, cos_ptr, sin_ptr, k_base, v_base, b + tl.arange(0, 1), slot + tl.arange(0, 1), (offs_d < D)[None, :], stride_qb, stride_cos,
+                          stride_sin, stride_cb, stride_cs, block_size, H + kvh, H + H // GROUP + kvh, D, DT)
+        # the step's other new tokens this split reads: a speculative verify step's earlier drafts
+        # (row r's token at position seq_lens[r] - 1, where this sequence's block table puts that
+        # position at r's slot); a [rows] pass over the step's rows, the keys made only where any is
+        r = tl.arange(0, B_PAD)
+        r_in = _reads_new_token(r, b, seq_lens_ptr, slot_ptr, bt_row, lo, hi, block_size)
+        others = tl.max(r_in.to(tl.int32), axis=0) > 0
+        if others:
+            for r0 in range(0, tl.num_programs(0), 8):
+                rr = r0 + tl.arange(0, 8)
+                rr_in = _reads_new_token(rr, b, seq_lens_ptr, slot_ptr, bt_row, lo, hi, block_size)
+                rr_slot = tl.load(slot_ptr + rr, mask=rr_in, other=0)
+                _store_new_kv(q_ptr, cos_ptr, sin_ptr, k_base, v_base, rr, rr_slot, rr_in[:, None] & (offs_d < D)[None, :], stride_qb,
+                              stride_cos, stride_sin, stride_cb, stride_cs, block_size, H + kvh, H + H // GROUP + kvh, D, DT)
+        if own | others:
+            tl.debug_barrier()  # (the stores before this program's threads read the cache; no other program reads them first)
     else:
         q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_g, other=0)
     if UPCAST:
@@ -439,7 +479,8 @@ def decode_attention(
         B = q.shape[0]
         assert q.stride(-1) == 1 and q.shape[1] == (H + 2 * k_cache.shape[1]) * D and cos.stride(-1) == sin.stride(-1) == 1
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
-        rope_args = dict(cos_ptr=cos, sin_ptr=sin, slot_ptr=slots, stride_cos=cos.stride(0), stride_sin=sin.stride(0), ROPE=True)
+        rope_args = dict(cos_ptr=cos, sin_ptr=sin, slot_ptr=slots, stride_cos=cos.stride(0), stride_sin=sin.stride(0), ROPE=True,
+                         B_PAD=triton.next_power_of_2(B))
         stride_qb, stride_qh = q.stride(0), D
     else:
         B, H, _ = q.shape
