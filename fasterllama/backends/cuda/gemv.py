@@ -780,24 +780,29 @@ def chosen_float(x, weight, bias=None, gated: bool = False, norm: Norm | None = 
     return None
 
 
+def _choice_for(x, kind: str, N: int, K: int, group: int, variant: str | None, gated: bool, norm: Norm | None) -> tuple[str, Config]:
+    """The kernel and config a linear of `kind` takes for x's rows: the one-row choice up to MAX_ROWS
+    (where supports()), the batch choice ("<kind>rows", no fused norm or SiLU·mul there) up to
+    BATCH_MAX_ROWS, else the tiled kernel."""
+    rows = _rows_of(x)
+    if rows <= MAX_ROWS:
+        return choice(kind, N, K, group, x.dtype, variant) if supports(kind, K, group or 32) else ("tiled", DEFAULT_CONFIG)
+    if rows <= BATCH_MAX_ROWS and norm is None and not gated:  # a decode batch: the MMA GEMV where tune() timed it faster
+        return _CHOICE.get(shape_key(kind + "rows", N, K, group, x.dtype, variant), ("tiled", DEFAULT_CONFIG))
+    return "tiled", DEFAULT_CONFIG
+
+
 def chosen_int8(x, qweight, scale, bias=None, mins=None, gated: bool = False, norm: Norm | None = None) -> torch.Tensor | None:
     """The int8-weight linear by its chosen GEMV; None where the tiled kernel serves it."""
     N, K = qweight.shape
     group = K // scale.shape[1] if scale.dim() == 2 else 0
-    if _rows_of(x) <= MAX_ROWS and supports("int8", K, group or 32):
-        kernel, cfg = choice("int8", N, K, group, x.dtype, "mins" if mins is not None else None)
-        if kernel in ("gemv", "gemv-words"):
-            return int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words", gated=gated, norm=norm)
-        if kernel == "gemv-mma":
-            from .gemv_mma import int8_gemv_mma
+    kernel, cfg = _choice_for(x, "int8", N, K, group, "mins" if mins is not None else None, gated, norm)
+    if kernel in ("gemv", "gemv-words"):
+        return int8_gemv(x, qweight, scale, bias, cfg, mins, words=kernel == "gemv-words", gated=gated, norm=norm)
+    if kernel == "gemv-mma":
+        from .gemv_mma import int8_gemv_mma
 
-            return int8_gemv_mma(x, qweight, scale, bias, cfg, mins, gated=gated, norm=norm)
-    elif _rows_of(x) <= BATCH_MAX_ROWS and norm is None and not gated:  # a decode batch: the MMA GEMV where tune() timed it faster
-        kernel, cfg = _CHOICE.get(shape_key("int8rows", N, K, group, x.dtype, "mins" if mins is not None else None), ("tiled", DEFAULT_CONFIG))
-        if kernel == "gemv-mma":
-            from .gemv_mma import int8_gemv_mma
-
-            return int8_gemv_mma(x, qweight, scale, bias, cfg, mins)
+        return int8_gemv_mma(x, qweight, scale, bias, cfg, mins, gated=gated, norm=norm)
     return None
 
 
@@ -810,20 +815,13 @@ def _int4_variant(mins, sups) -> str | None:
 def chosen_int4(x, packed, scales, mins, group_size, bias=None, gated: bool = False, norm: Norm | None = None, sups=None) -> torch.Tensor | None:
     """The 4-bit linear by its chosen GEMV; None where the tiled kernel serves it."""
     N, K = packed.shape[0], packed.shape[1] * 2
-    if _rows_of(x) <= MAX_ROWS and supports("int4", K, group_size):
-        kernel, cfg = choice("int4", N, K, group_size, x.dtype, _int4_variant(mins, sups))
-        if kernel in ("gemv", "gemv-words"):
-            return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated, norm=norm, sups=sups)
-        if kernel == "gemv-mma":
-            from .gemv_mma import int4_gemv_mma
+    kernel, cfg = _choice_for(x, "int4", N, K, group_size, _int4_variant(mins, sups), gated, norm)
+    if kernel in ("gemv", "gemv-words"):
+        return int4_gemv(x, packed, scales, mins, group_size, bias, cfg, words=kernel == "gemv-words", gated=gated, norm=norm, sups=sups)
+    if kernel == "gemv-mma":
+        from .gemv_mma import int4_gemv_mma
 
-            return int4_gemv_mma(x, packed, scales, mins, group_size, bias, cfg, gated=gated, norm=norm, sups=sups)
-    elif _rows_of(x) <= BATCH_MAX_ROWS and norm is None and not gated:  # a decode batch: the MMA GEMV where tune() timed it faster
-        kernel, cfg = _CHOICE.get(shape_key("int4rows", N, K, group_size, x.dtype, _int4_variant(mins, sups)), ("tiled", DEFAULT_CONFIG))
-        if kernel == "gemv-mma":
-            from .gemv_mma import int4_gemv_mma
-
-            return int4_gemv_mma(x, packed, scales, mins, group_size, bias, cfg, sups=sups)
+        return int4_gemv_mma(x, packed, scales, mins, group_size, bias, cfg, gated=gated, norm=norm, sups=sups)
     return None
 
 
@@ -995,7 +993,7 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
         fns.update({("gemv-words", c): (lambda c=c: int8_gemv(x, q, s, cfg=c, mins=m, words=True)) for c in INT8_WORD_CONFIGS})
         from . import gemv_mma
 
-        if gemv_mma.supports_int8(module.in_features, module.group_size or 32, x.dtype):
+        if gemv_mma.supports(module.in_features, module.group_size or 32, x.dtype):
             fns.update({("gemv-mma", c): (lambda c=c: gemv_mma.int8_gemv_mma(x, q, s, cfg=c, mins=m)) for c in gemv_mma.MMA_CONFIGS})
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s, mins=m), **fns}
     if kind == "int4":
@@ -1025,7 +1023,7 @@ def _batch_candidates(module, x: torch.Tensor, rows: int = BATCH_ROWS) -> tuple[
         key = shape_key("int4rows", module.out_features, module.in_features, module.group_size, x.dtype, _int4_variant(module.mins, sups))
         fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(xb, *args, cfg=c, sups=sups)) for c in gemv_mma.BATCH_CONFIGS}
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(xb, *args, sups=sups), **fns}
-    if kind == "int8" and gemv_mma.supports_int8(module.in_features, module.group_size or 32, x.dtype):
+    if kind == "int8" and gemv_mma.supports(module.in_features, module.group_size or 32, x.dtype):
         q, s, m = module.qweight, module.weight_scale, module.weight_min
         key = shape_key("int8rows", module.out_features, module.in_features, module.group_size or 0, x.dtype, "mins" if m is not None else None)
         fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int8_gemv_mma(xb, q, s, mins=m, cfg=c)) for c in gemv_mma.BATCH_CONFIGS}

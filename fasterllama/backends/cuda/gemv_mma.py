@@ -74,7 +74,7 @@ _PAIRS8_FP16 = tl.constexpr(_PAIRS8_BF16.value.replace("0x43004300", "0x64006400
 
 
 def supports(K: int, group_size: int, dtype: torch.dtype) -> bool:
-    """Groups of 32..128 dividing K, half-precision activations (the MMA's operands)."""
+    """Groups of 32..128 dividing K (int8 per channel: blocks of 32), half-precision activations (the MMA's operands)."""
     return group_size in (32, 64, 128) and K % group_size == 0 and dtype in (torch.bfloat16, torch.float16)
 
 
@@ -196,21 +196,20 @@ def _store_tile(out_ptr, part_ptr, bias_ptr, done_ptr, r, offs_n, n_ok, N, pid_n
     m = tl.arange(0, M_PAD)
     ok = n_ok[:, None] & (m < M)[None, :]
     at = m[None, :] * N + offs_n[:, None]
+    last = True
     if SPLITS_PAD > 1:
         tl.store(part_ptr + pid_k * M * N + at, r, mask=ok)
-        counter = done_ptr + pid_n
-        if arrived_last(counter, tl.num_programs(1)):
+        last = arrived_last(done_ptr + pid_n, tl.num_programs(1))
+        if last:
             r = tl.zeros_like(r)
             for sp in range(tl.num_programs(1)):
                 r += tl.load(part_ptr + sp * M * N + at, mask=ok, other=0.0, cache_modifier=".cg")  # (.cg: past L1, other programs wrote them)
-            if HAS_BIAS:
-                r += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_ptr + at, r.to(out_ptr.dtype.element_ty), mask=ok)
-            reset_counter(counter)
-    else:
+    if last:
         if HAS_BIAS:
             r += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + at, r.to(out_ptr.dtype.element_ty), mask=ok)
+        if SPLITS_PAD > 1:
+            reset_counter(done_ptr + pid_n)
 
 
 @triton.jit
@@ -275,18 +274,13 @@ def int4_gemv_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, m
 def int8_gemv_mma(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, cfg: Config = MMA_CONFIGS[0],
                   mins: torch.Tensor | None = None, gated: bool = False, norm: Norm | None = None) -> torch.Tensor:
     """gemv.int8_gemv's contract (scales per channel or per group, optional mins) for up to
-    BATCH_MAX_ROWS rows of bf16 or fp16 activations (supports_int8())."""
+    BATCH_MAX_ROWS rows of bf16 or fp16 activations (supports(): per channel, K a multiple of 32)."""
     N, K = qweight.shape
     s = scale.reshape(N, -1)
     group = K // s.shape[1] if s.shape[1] > 1 else 32  # (per channel: the MMA's blocks are still groups of 32)
-    assert supports_int8(K, group, x.dtype) and x.numel() // x.shape[-1] <= BATCH_MAX_ROWS, (K, group, x.dtype, x.shape)
+    assert supports(K, group, x.dtype) and x.numel() // x.shape[-1] <= BATCH_MAX_ROWS, (K, group, x.dtype, x.shape)
     args = (s.contiguous(), s if mins is None else mins.contiguous())
     return _mma(x, qweight, args, N, K, group, 8, bias, cfg, gated, norm, HAS_MINS=mins is not None, PER_GROUP=s.shape[1] > 1)
-
-
-def supports_int8(K: int, group_size: int, dtype: torch.dtype) -> bool:
-    """int8 weights per channel (K a multiple of 32) or in groups of 32..128."""
-    return supports(K, group_size, dtype)
 
 
 def _mma(x: torch.Tensor, weight: torch.Tensor, scales: tuple, N: int, K: int, group_size: int, bits: int, bias, cfg: Config, gated: bool,
