@@ -85,6 +85,13 @@ def test_cuts_keep_whole_groups_and_values() -> None:
     assert torch.equal(part.dequantize(), full.dequantize()[rows][:, 64:192])
     with pytest.raises(FasterLlamaError, match="would cut w's groups of 128 input columns at column 64"):
         take(Int4Linear(q % 16, scale[:, :2], mins[:, :2]), cols=slice(64, 256), what="w")
+    # Q4_K's factored form (off the CPU): kept where a cut takes whole super-blocks of 8 groups, else float products
+    q4k = Int4Linear(q % 16, torch.randint(0, 64, (48, 8), generator=g), torch.randint(0, 64, (48, 8), generator=g),
+                     scale_super=torch.rand(48, 1, generator=g) / 100, min_super=-torch.rand(48, 1, generator=g) / 100)
+    for cols, factored in ((None, True), (slice(0, 256), True), (slice(0, 128), False)):
+        part = take(q4k, rows, cols)
+        assert (part.sups is not None) == factored and (not factored or part.scales.dtype == torch.int8)
+        assert torch.equal(part.dequantize(), q4k.dequantize()[rows][:, cols or slice(None)])
     for whole in (full, Int4Linear(q % 16, scale, mins), Int8Linear(q.to(torch.int8), scale)):  # "gguf-a8": a part rounds x as its whole
         whole.int8_activations = True
         assert take(whole, rows, slice(64, 192)).int8_activations and not type(whole).int8_activations

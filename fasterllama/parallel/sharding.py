@@ -187,6 +187,13 @@ def take(module: nn.Module, rows: torch.Tensor | None = None, cols: slice | None
                                                     None if m is None else m.data[r][:, gc]))
     if isinstance(module, Int4Linear):
         q, s, m = module._rows(every)
+        sups = module.sups
+        per_sup = 1 if sups is None else module.scales.shape[1] // sups[0].shape[1]  # groups a super-block
+        whole = gc.start is None or (gc.start % per_sup == 0 and gc.stop % per_sup == 0)
+        if sups is not None and whole:  # Q4_K's factored form (4.6 bits a weight, not 6) where the cut keeps super-blocks whole
+            sc = every if gc.start is None else slice(gc.start // per_sup, gc.stop // per_sup)
+            return _same_activations(module, Int4Linear(q[r][:, c], module.scales[r][:, gc], module.mins[r][:, gc], b,
+                                                        scale_super=sups[0][r][:, sc], min_super=sups[1][r][:, sc]))
         return _same_activations(module, Int4Linear(q[r][:, c], s[r][:, gc], m[r][:, gc], b, scale_dtype=s.dtype))
     if isinstance(module, PackedLinear):
         q, s, m = module.rows_layout()
