@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from . import pdl, triton_linear
+from .launch import cdiv, next_power_of_2
 from .triton_norm import silu_mul
 
 MAX_ROWS = 2  # activation rows the GEMVs take (more: the tiled kernels, which use tensor cores)
@@ -649,7 +650,7 @@ def _norm_args(h2: torch.Tensor, norm: Norm | None) -> tuple[torch.Tensor, dict]
     K = h2.shape[1]
     res = norm.residual.reshape(h2.shape).contiguous() if norm.residual is not None else h2
     return torch.empty_like(h2), dict(h_ptr=h2, res_ptr=res, nw_ptr=norm.weight, res_out_ptr=norm.residual_out, eps=norm.eps, NORM=True,
-                                      HAS_RES=norm.residual is not None, NORM_BLOCK=min(triton.next_power_of_2(K), NORM_BLOCK),
+                                      HAS_RES=norm.residual is not None, NORM_BLOCK=min(next_power_of_2(K), NORM_BLOCK),
                                       NORM_ONE_PASS=K <= NORM_BLOCK)
 
 
@@ -662,16 +663,16 @@ def _launch(kernel, cfg: Config, x2: torch.Tensor, N: int, K: int, span: int, st
     if M == 0:  # (the kernels store their rows unconditionally)
         return torch.empty(0, N, dtype=out_dtype, device=x2.device)
     x2, norm_args = _norm_args(x2, norm)
-    blocks = triton.cdiv(N, cfg.block_n)
-    steps = triton.cdiv(span, step)
-    per = triton.cdiv(steps, max(1, min(steps, triton.cdiv(cfg.programs_per_sm * triton_linear._num_sms(x2.device), blocks))))
-    splits = triton.cdiv(steps, per)
+    blocks = cdiv(N, cfg.block_n)
+    steps = cdiv(span, step)
+    per = cdiv(steps, max(1, min(steps, cdiv(cfg.programs_per_sm * triton_linear._num_sms(x2.device), blocks))))
+    splits = cdiv(steps, per)
     out = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x2.device) if splits > 1 else out
     done = split_counters(x2.device, blocks) if splits > 1 else out
-    rows = {"M_PAD": triton.next_power_of_2(M)} if pad_rows else {"TWO": M == 2}
+    rows = {"M_PAD": next_power_of_2(M)} if pad_rows else {"TWO": M == 2}
     kernel[(blocks, splits)](x2, *args, out, M, N, K, x2.stride(0), per * step, BLOCK_N=cfg.block_n, **rows, num_warps=cfg.warps,
-                             part_ptr=part, bias_ptr=out if bias is None else bias, done_ptr=done, SPLITS_PAD=triton.next_power_of_2(splits),
+                             part_ptr=part, bias_ptr=out if bias is None else bias, done_ptr=done, SPLITS_PAD=next_power_of_2(splits),
                              HAS_BIAS=bias is not None, **meta, **norm_args, **pdl.launch_args(x2))
     return out
 

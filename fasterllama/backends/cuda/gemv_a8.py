@@ -36,6 +36,7 @@ import triton.language as tl
 from ...ops import quantized
 from . import pdl, triton_linear
 from .gemv import MAX_ROWS, Config, _int8_store, _launch, _rows, _rows_of, _store_rows
+from .launch import cdiv
 from .triton_norm import INTERPRET
 
 # rows a program owns, bytes of each row a tile, warps, programs an SM before split-K. Many rows: the
@@ -285,7 +286,7 @@ def _a8_launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mins:
         xs = torch.empty(M, K // E, dtype=torch.float32, device=x.device)
         xsum = torch.empty_like(xs)
         if cfg.round_first and M:
-            _round_x_kernel[(triton.cdiv(K // E, ROUND_CHUNKS),)](x2, xw, xs, xsum, M, K, x2.stride(0), E=E, QB=ROUND_CHUNKS, BITS=bits,
+            _round_x_kernel[(cdiv(K // E, ROUND_CHUNKS),)](x2, xw, xs, xsum, M, K, x2.stride(0), E=E, QB=ROUND_CHUNKS, BITS=bits,
                                                                    num_warps=4, **pdl.launch_args(x2))
     wb = cfg.tile_bytes // 4
     (s, mn), q4 = triton_linear.q4_args(scale.reshape(N, -1), mins, sups)

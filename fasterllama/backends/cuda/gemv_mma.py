@@ -40,6 +40,7 @@ import triton.language as tl
 
 from . import pdl, triton_linear
 from .gemv import BATCH_MAX_ROWS, Config, Norm, _act, _launch, _normed_rows, _rows, arrived_last, reset_counter
+from .launch import cdiv, next_power_of_2
 from .triton_norm import INTERPRET
 
 # rows a program owns, bytes of each row a tile (at one activation row: groups_a_tile), warps,
@@ -257,8 +258,8 @@ def groups_a_tile(cfg: Config, group_size: int, rows: int = 1, bits: int = 4) ->
     to a power of two (the MMA's columns are groups x rows: 8 for one or two rows, one MMA an
     8-column tile, sm_90's HMMA with 80-170 registers; 16 columns went to wgmma at 255), at least
     16 words deep and 8 columns."""
-    m_pad = triton.next_power_of_2(rows)
-    return max(cfg.tile_bytes * 2 // group_size // m_pad, triton.cdiv(256, group_size * bits), triton.cdiv(8, m_pad))
+    m_pad = next_power_of_2(rows)
+    return max(cfg.tile_bytes * 2 // group_size // m_pad, cdiv(256, group_size * bits), cdiv(8, m_pad))
 
 
 def int4_gemv_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,

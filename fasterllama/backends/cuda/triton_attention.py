@@ -33,6 +33,7 @@ import triton.language as tl
 from ...ops import reference
 from ...ops.metadata import AttentionMetadata
 from . import pdl
+from .launch import cdiv, next_power_of_2
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = 1.4426950408889634
@@ -45,7 +46,7 @@ def supports(head_dim: int) -> bool:
 
 def _block_d(head_dim: int) -> int:
     """The head dimension the attention kernels work on: a power of two, at least 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -152,8 +153,8 @@ def rope_and_store(
         qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[2],
         H=num_heads, KVH=num_kv_heads, D=head_dim,
-        BLOCK_HQ=triton.next_power_of_2(num_heads), BLOCK_HK=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_HQ=next_power_of_2(num_heads), BLOCK_HK=next_power_of_2(num_kv_heads),
+        BLOCK_HALF=next_power_of_2(head_dim // 2),
         num_warps=4 if num_heads * head_dim >= 2048 else 2, **pdl.launch_args(qkv),
     )
     return q
@@ -184,9 +185,9 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.
     cos = torch.empty(T, 2 * half, dtype=torch.float32, device=positions.device)
     sin = torch.empty_like(cos)
     if T:
-        block_t = max(1, min(64, 4096 // triton.next_power_of_2(half)))
-        _rope_tables_kernel[(triton.cdiv(T, block_t),)](positions, inv_freq.float().contiguous(), cos, sin, T, HALF=half, BLOCK_T=block_t,
-                                                        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, **pdl.launch_args(cos))
+        block_t = max(1, min(64, 4096 // next_power_of_2(half)))
+        _rope_tables_kernel[(cdiv(T, block_t),)](positions, inv_freq.float().contiguous(), cos, sin, T, HALF=half, BLOCK_T=block_t,
+                                                        BLOCK_HALF=next_power_of_2(half), num_warps=4, **pdl.launch_args(cos))
     return cos, sin
 
 
@@ -456,8 +457,8 @@ def _decode_splits(batch: int, kv_heads: int, max_len: int, block_n: int, device
     69.9-73.5 for 2-4; the default model's heads 3.9 / 5.8 at 512 keys, batch 1 / 8, against 3.6 /
     4.5 for 16 splits.)"""
     if _INTERPRET:  # small tests: two-tile splits exercise both the split and the tile loop
-        return triton.cdiv(max_len, 2 * block_n)
-    return max(1, min(64, triton.cdiv(max_len, 2 * block_n), triton.cdiv(4 * _num_sms(device.index or 0), batch * kv_heads)))
+        return cdiv(max_len, 2 * block_n)
+    return max(1, min(64, cdiv(max_len, 2 * block_n), cdiv(4 * _num_sms(device.index or 0), batch * kv_heads)))
 
 
 def decode_attention(
@@ -480,7 +481,7 @@ def decode_attention(
         assert q.stride(-1) == 1 and q.shape[1] == (H + 2 * k_cache.shape[1]) * D and cos.stride(-1) == sin.stride(-1) == 1
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
         rope_args = dict(cos_ptr=cos, sin_ptr=sin, slot_ptr=slots, stride_cos=cos.stride(0), stride_sin=sin.stride(0), ROPE=True,
-                         B_PAD=triton.next_power_of_2(B))
+                         B_PAD=next_power_of_2(B))
         stride_qb, stride_qh = q.stride(0), D
     else:
         B, H, _ = q.shape
@@ -509,14 +510,14 @@ def decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_m, part_l,
         scale * _LOG2E, stride_qb, stride_qh, out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
-        H=H, GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_D=block_d,
+        H=H, GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)) if use_dot else 1, D=D, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, USE_DOT=use_dot, UPCAST=_INTERPRET, PRECISION=_dot_precision(q.dtype),
         num_warps=4, num_stages=2, **rope_args, **pdl.launch_args(q),
     )
     if num_splits > 1:
         _decode_combine_kernel[(B, H)](
             part_acc, part_m, part_l, seq_lens, out, out.stride(0), out.stride(1),
-            H=H, D=D, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits), num_warps=4,
+            H=H, D=D, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits, SPLITS_PAD=next_power_of_2(num_splits), num_warps=4,
             **pdl.launch_args(q),
         )
     return out
@@ -613,7 +614,7 @@ def prefill_attention(
         return out
     block_d = _block_d(D)
     block_m, block_n, num_warps, num_stages = _prefill_config(block_d, q.dtype)
-    _prefill_kernel[(H, triton.cdiv(max_q_len, block_m), num_seqs)](
+    _prefill_kernel[(H, cdiv(max_q_len, block_m), num_seqs)](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, start_positions,
         scale * _LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), k_cache.shape[2],
@@ -657,7 +658,7 @@ def rope_store_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
         return attention(q, k_cache, v_cache, meta, scale)
     _check_cache(k_cache, v_cache)
     tables = meta.decode_block_tables
-    return decode_attention(qkv, k_cache, v_cache, tables, meta.decode_lengths, scale, triton.next_power_of_2(tables.shape[1] * k_cache.shape[2]),
+    return decode_attention(qkv, k_cache, v_cache, tables, meta.decode_lengths, scale, next_power_of_2(tables.shape[1] * k_cache.shape[2]),
                             rope=(cos, sin, meta.slot_mapping, num_heads))
 
 
@@ -670,6 +671,6 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, met
         return reference.attention(q, k_cache, v_cache, meta, scale)
     if meta.all_decode:  # the capacity rounded up: eager steps of growing tables compile a few split counts, not one per width
         tables = meta.decode_block_tables
-        return decode_attention(q, k_cache, v_cache, tables, meta.decode_lengths, scale, triton.next_power_of_2(tables.shape[1] * k_cache.shape[2]))
+        return decode_attention(q, k_cache, v_cache, tables, meta.decode_lengths, scale, next_power_of_2(tables.shape[1] * k_cache.shape[2]))
     cu_seqlens_q, start_positions, max_q_len = _prefill_plan(meta, q.device)
     return prefill_attention(q, k_cache, v_cache, meta.block_tables, cu_seqlens_q, start_positions, scale, max_q_len)

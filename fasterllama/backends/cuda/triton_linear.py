@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ...ops import quantized
 from . import pdl
+from .launch import cdiv, next_power_of_2
 
 # GEMV kernels up to these row counts; above, tl.dot (an int4 weight costs twice the ALU work).
 GEMV_MAX_M_INT8 = 4
@@ -79,9 +80,9 @@ def _precision(dtype: torch.dtype) -> str:
 def _split_k(tiles: int, k_blocks: int, target_programs: int) -> tuple[int, int]:
     """(K blocks per slice, slices): enough slices that tiles * slices reaches target_programs,
     with no empty slice."""
-    want = max(1, min(k_blocks, triton.cdiv(target_programs, tiles)))
-    per = triton.cdiv(k_blocks, want)
-    return per, triton.cdiv(k_blocks, per)
+    want = max(1, min(k_blocks, cdiv(target_programs, tiles)))
+    per = cdiv(k_blocks, want)
+    return per, cdiv(k_blocks, per)
 
 
 def _dot_config(M: int, int8_operands: bool = False, fp32: bool = False) -> tuple[int, int, int, int, int]:
@@ -112,7 +113,7 @@ def _reduce(part: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, x_
         return
     M, N = out.shape
     dummy = out
-    _splitk_reduce_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](
+    _splitk_reduce_kernel[(cdiv(M * N, _REDUCE_BLOCK),)](
         part, out, dummy if bias is None else bias, dummy if x_scale is None else x_scale, dummy if w_scale is None else w_scale,
         M, N, part.shape[0], HAS_BIAS=bias is not None, HAS_SCALES=x_scale is not None, BLOCK=_REDUCE_BLOCK, num_warps=4,
         **pdl.launch_args(out),
@@ -363,25 +364,25 @@ def int8_weight_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tens
     qweight = qweight.contiguous()
     if _dequantize_first(M):
         w = _float_weight(N, K, x.dtype, x.device)
-        _int8_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K, 256))](
+        _int8_dequant_kernel[(cdiv(N, 32), cdiv(K, 256))](
             qweight, s, s if mins is None else mins.contiguous(), w, N, K, G, PER_GROUP=per_group, GS=gs if per_group else 1,
             HAS_MINS=mins is not None, BLOCK_N=32, BLOCK_K=256, num_warps=4, **pdl.launch_args(w))
         return F.linear(x2, w, bias).view(*x.shape[:-1], N)
     gemv = M <= GEMV_MAX_M_INT8
     if gemv:
-        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(M), _GEMV_BLOCK_N, _GEMV_BLOCK_K, 4, 3
+        block_m, block_n, block_k, warps, stages = next_power_of_2(M), _GEMV_BLOCK_N, _GEMV_BLOCK_K, 4, 3
     else:
         block_m, block_n, block_k, warps, stages = _dot_config(M, fp32=x.dtype == torch.float32)
     gs_t = min(gs, block_k) if per_group else block_k
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    per, splits = _split_k(tiles, triton.cdiv(K, block_k), (4 if gemv else 2) * _num_sms(x.device))
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+    per, splits = _split_k(tiles, cdiv(K, block_k), (4 if gemv else 2) * _num_sms(x.device))
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
     common = {"PER_GROUP": per_group, "GS": gs if per_group else 1, "GPB": block_k // gs_t, "GS_T": gs_t, "BLOCK_M": block_m, "BLOCK_N": block_n,
               "HAS_BIAS": has_bias, "HAS_MINS": mins is not None, "num_warps": warps, "num_stages": stages, **pdl.launch_args(x2)}
     args = (x2, qweight, s, s if mins is None else mins.contiguous(), bias if has_bias else s, part, M, N, K, G, x2.stride(0), per * block_k)
     if gemv:
-        _int8_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
+        _int8_gemv_kernel[(cdiv(N, block_n), splits)](*args, **common)
     else:
         _int8_linear_kernel[(tiles, splits)](*args, GROUP_M=_GROUP_M, PRECISION=_precision(x.dtype), INTERPRET=_interpret(), **common)
     _reduce(part, out, bias)
@@ -514,25 +515,25 @@ def int4_weight_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tens
     (scales, mins), q4 = q4_args(scales, mins, sups)
     if _dequantize_first(M):
         w = _float_weight(N, K, x.dtype, x.device)
-        _int4_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K // 2, 128))](packed, scales, mins, w, N, K, GS=group_size, BLOCK_N=32, BLOCK_B=128, num_warps=4,
+        _int4_dequant_kernel[(cdiv(N, 32), cdiv(K // 2, 128))](packed, scales, mins, w, N, K, GS=group_size, BLOCK_N=32, BLOCK_B=128, num_warps=4,
                                                                                **q4, **pdl.launch_args(w))
         return F.linear(x2, w, bias).view(*x.shape[:-1], N)
     gemv = M <= GEMV_MAX_M_INT4
     if gemv:
-        block_m, block_n, block_k, warps, stages = triton.next_power_of_2(M), _GEMV_BLOCK_N, _GEMV_BLOCK_K, 4, 3
+        block_m, block_n, block_k, warps, stages = next_power_of_2(M), _GEMV_BLOCK_N, _GEMV_BLOCK_K, 4, 3
     else:
         block_m, block_n, block_k, warps, stages = _dot_config(M, fp32=x.dtype == torch.float32)
     block_kb = block_k // 2
     ht = min(group_size // 2, block_kb)
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    per, splits = _split_k(tiles, triton.cdiv(K // 2, block_kb), (4 if gemv else 2) * _num_sms(x.device))
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+    per, splits = _split_k(tiles, cdiv(K // 2, block_kb), (4 if gemv else 2) * _num_sms(x.device))
     out, part = _buffers(M, N, splits, x.dtype, torch.float32, x.device)
     has_bias = bias is not None and splits == 1
     common = {"GS": group_size, "GPB": block_kb // ht, "HT": ht, "BLOCK_M": block_m, "BLOCK_N": block_n,
               "HAS_BIAS": has_bias, **q4, "num_warps": warps, "num_stages": stages, **pdl.launch_args(x2)}
     args = (x2, packed, scales, mins, bias if has_bias else scales, part, M, N, K, x2.stride(0), per * block_kb)
     if gemv:
-        _int4_gemv_kernel[(triton.cdiv(N, block_n), splits)](*args, **common)
+        _int4_gemv_kernel[(cdiv(N, block_n), splits)](*args, **common)
     else:
         _int4_linear_kernel[(tiles, splits)](*args, GROUP_M=_GROUP_M, PRECISION=_precision(x.dtype), INTERPRET=_interpret(), **common)
     _reduce(part, out, bias)
@@ -604,7 +605,7 @@ def _int8_gemm_tma(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Tenso
 
     (M, K), N = xq.shape, qweight.shape[0]
     block_m, block_n, block_k, warps, stages = config
-    programs = min(_num_sms(xq.device), triton.cdiv(M, block_m) * triton.cdiv(N, block_n))
+    programs = min(_num_sms(xq.device), cdiv(M, block_m) * cdiv(N, block_n))
     _int8_gemm_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(xq, [block_m, block_k]), TensorDescriptor.from_tensor(qweight, [block_n, block_k]),
         x_scale, w_scale, w_scale if bias is None else bias, out, M, N, K,
@@ -652,8 +653,8 @@ def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Te
             _int8_gemm_tma(xq, x_scale, qweight, w_scale, bias, out, config)
             return out
     block_m, block_n, block_k, warps, stages = config
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    per, splits = _split_k(tiles, triton.cdiv(K, block_k), 2 * _num_sms(xq.device))
+    tiles = cdiv(M, block_m) * cdiv(N, block_n)
+    per, splits = _split_k(tiles, cdiv(K, block_k), 2 * _num_sms(xq.device))
     out, part = _buffers(M, N, splits, out_dtype, torch.int32, xq.device)
     _int8_gemm_kernel[(tiles, splits)](
         xq, qweight, x_scale, w_scale, w_scale if bias is None else bias, part, M, N, K, xq.stride(0), per * block_k,

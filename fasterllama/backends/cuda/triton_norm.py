@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .launch import cdiv, next_power_of_2
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -156,7 +157,7 @@ SILU_QUANT_ROWS, SILU_QUANT_BLOCK = 128, 2048
 
 
 def _launch_config(k: int) -> tuple[int, int]:
-    block = triton.next_power_of_2(k)
+    block = next_power_of_2(k)
     return block, max(1, min(16, block // 512))
 
 
@@ -224,7 +225,7 @@ def _silu(gate_up: torch.Tensor, quant: bool, static_scale=None, clip=False):
     # took 4 us on an H200 (a 7B step runs 32)
     block, warps = _launch_config(K) if quant else _launch_config(min(K, SILU_BLOCK))
     if M:
-        _silu_and_mul_kernel[(M, triton.cdiv(K, block))](
+        _silu_and_mul_kernel[(M, cdiv(K, block))](
             gu, out, q, scale, static_scale if static_scale is not None else scale, K,
             BLOCK=block, QUANT=quant, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=warps, **pdl.launch_args(gu),
         )

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .launch import cdiv, next_power_of_2
 
 BLOCK = 4096  # tokens a program handles per step of a pass (H200, 2026-11-30, 8 warps: 353 / 1,007 / 305 us at
 # top-k 40 + top-p / top-p / top-k over 49,152 tokens from one program a row, against 373 / 1,234 / 342 with 2,048)
@@ -307,7 +308,7 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
     out = torch.empty(B, dtype=torch.int64, device=logits.device)
     if B:
         t, k, p = temperature.float().contiguous(), top_k.long().contiguous(), top_p.float().contiguous()
-        P = triton.cdiv(V, CHUNK)
+        P = cdiv(V, CHUNK)
         cand_x = torch.empty(B, P * LOCAL_CAP, dtype=x.dtype, device=x.device)
         cand_i = torch.empty(B, P * LOCAL_CAP, dtype=torch.int32, device=x.device)
         st_m, st_s = torch.empty(B, P, dtype=torch.float32, device=x.device), torch.empty(B, P, dtype=torch.float32, device=x.device)
@@ -318,5 +319,5 @@ def sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Te
         cx, ci = torch.empty(B, CAP, dtype=x.dtype, device=x.device), torch.empty(B, CAP, dtype=torch.int32, device=x.device)
         rest = (min_p.float().contiguous(), seeds.long().contiguous(), steps.long().contiguous())
         _sample_kernel[(B,)](x, t, k, p, *rest, out, cx, ci, cand_x, cand_i, *stats, V, x.stride(0), P, BLOCK=BLOCK, CAP=CAP,
-                             LOCAL_CAP=LOCAL_CAP, P_PAD=max(2, triton.next_power_of_2(P)), num_warps=8, **pdl.launch_args(x))
+                             LOCAL_CAP=LOCAL_CAP, P_PAD=max(2, next_power_of_2(P)), num_warps=8, **pdl.launch_args(x))
     return out
