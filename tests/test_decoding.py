@@ -128,9 +128,12 @@ def test_logit_bias_and_allowed_token_ids(tiny_beam_model):
     assert same.token_ids == plain.token_ids
     for bad, message in (({"logit_bias": {10**6: 1.0}}, "outside the vocabulary"), ({"allowed_token_ids": [320]}, "outside the vocabulary"),
                          ({"allowed_token_ids": []}, "must not be empty"), ({"logit_bias": {1: float("inf")}}, "finite"),
-                         ({"logit_bias": {1: 1.0}, "beam_width": 2}, "beam search")):
+                         ({"logit_bias": {1: 1.0}, "beam_width": 2}, "beam search"),
+                         ({"allowed_token_ids": [eos, 7], "stop_token_ids": [7], "min_tokens": 1}, "no token could be drawn")):
         with pytest.raises(FasterLlamaError, match=message):
             llm.generate([prompt], SamplingParams(max_tokens=2, **bad))
+    ends = llm.generate([prompt], SamplingParams(max_tokens=2, allowed_token_ids=[eos], min_tokens=0))[0]  # (no min_tokens: the end token)
+    assert ends.token_ids == [eos] and ends.finish_reason == "stop"
 
 
 def test_vllm_spellings_and_stop_rules(tiny_beam_model):

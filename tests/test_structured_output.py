@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+import torch
 
 pytest.importorskip("llguidance")
 
@@ -87,21 +88,34 @@ def test_a_constraint_failing_mid_way_ends_its_own_sequence(tiny: LLM, monkeypat
     engine = tiny.engine
     free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = tiny.generate([[40, 41]], free)[0].token_ids
-    for constraint in ({"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(2001))},
-                       {"regex": "[a-c]+", "allowed_token_ids": [5, 6, 7]}):
-        seqs = [engine.add_request([40, 41], free), engine.add_request([8, 9], SamplingParams(max_tokens=12, **constraint))]
-        while engine.has_unfinished():
-            engine.step()
-        assert seqs[0].output_token_ids == alone and seqs[0].finish_reason == "length"
-        assert seqs[1].finish_reason == "error" and seqs[1].error.startswith("structured output failed at output token 1: token ")
-        assert engine.blocks.num_used == 0
-        with pytest.raises(FasterLlamaError, match="prompt 1 of 2: structured output failed"):
+    for constraint, error in (({"grammar": "start: " + " | ".join(f'"w{i}"' for i in range(2001))}, "structured output failed at output token 1: token "),
+                              ({"regex": "[a-c]+", "allowed_token_ids": [5, 6, 7]}, "no token is allowed at output token 1: ")):
+        for temperature in (0.0, 1.0):  # (with nothing allowed, the argmax and the draw took token 0)
+            params = SamplingParams(max_tokens=12, temperature=temperature, **constraint)
+            seqs = [engine.add_request([40, 41], free), engine.add_request([8, 9], params)]
+            while engine.has_unfinished():
+                engine.step()
+            assert seqs[0].output_token_ids == alone and seqs[0].finish_reason == "length"
+            assert seqs[1].finish_reason == "error" and seqs[1].error.startswith(error)
+            assert len(seqs[1].output_token_ids) == error.startswith("structured")  # (a banned token is never appended)
+            assert engine.blocks.num_used == 0
+        with pytest.raises(FasterLlamaError, match=f"prompt 1 of 2: {error}"):
             tiny.generate([[40, 41], [8, 9]], [free, SamplingParams(max_tokens=12, **constraint)])
     compiled = []
     monkeypatch.setattr(structured, "_grammar", lambda kind, text, real=structured._grammar: compiled.append(text) or real(kind, text))
     regex = SamplingParams(temperature=1.0, seed=1, n=4, max_tokens=8, regex="(x|y)[0-9]{3}")
     outs = tiny.generate([[5, 6], [7, 8]], regex)
     assert compiled == ["(x|y)[0-9]{3}"] and all(re.fullmatch("(x|y)[0-9]{3}", c.text) for o in outs for c in o.outputs)
+
+
+def test_logprobs_are_the_models_not_the_constraints(tiny: LLM) -> None:
+    """As vLLM's (raw logprobs): the constraint picks the token, its logprob and the top ones are
+    the model's own (they had been taken after the constraint's mask: 0.0 for a forced token)."""
+    out = tiny.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, choice=["yes", "no"], logprobs=2))[0]
+    model = torch.log_softmax(tiny.compute_logits([5, 6, 7])[-1], dim=-1)
+    first = out.token_ids[0]
+    assert out.logprobs[0][first] == pytest.approx(model[first].item(), abs=1e-4) and model[first] < -0.01
+    assert [t for t in out.logprobs[0] if t != first] == [t for t in model.topk(2).indices.tolist() if t != first][: len(out.logprobs[0]) - 1]
 
 
 def test_stop_string_cuts_the_text_also_where_the_constraint_ends(tiny: LLM) -> None:

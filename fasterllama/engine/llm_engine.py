@@ -451,6 +451,10 @@ class LLMEngine:
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise FasterLlamaError(f"{name} has token id {outside[0]}, outside the vocabulary (0..{vocab - 1})")
+        ends = {*self.eos_token_ids, *params.stop_token_ids}
+        if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= ends:
+            raise FasterLlamaError(f"min_tokens ({params.min_tokens}) bans the end tokens that allowed_token_ids "
+                                   f"{sorted(set(params.allowed_token_ids))} is made of: no token could be drawn")
         return params
 
     def _context_origin(self) -> str:
@@ -568,17 +572,22 @@ class LLMEngine:
         """Draw each sequence's tokens from its logits rows (one, then one after each draft),
         verify its drafts, and append what it keeps."""
         row_seqs = [(seq, d[:j]) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        need_logprobs = any(s.params.logprobs is not None for s in seqs)
+        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # the model's, before any constraint (vLLM's raw logprobs)
         if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
             self.structured.mask(logits, [(s.matcher, extra) for s, extra in row_seqs])
         token_ids = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
-        need_logprobs = any(s.params.logprobs is not None for s in seqs)
-        logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None
         updates = []
         row = 0
         for seq, d in zip(seqs, drafts):
             emitted = speculative.verify(d, token_ids[row : row + len(d) + 1])
             shown = 0  # tokens appended before one ended the sequence
             for j, tok in enumerate(emitted):
+                if tok == sampler.NO_TOKEN:  # (this sequence's own failure: the step goes on for the others)
+                    updates.append(self._fail(seq, f"no token is allowed at output token {len(seq.output_token_ids) + 1}: its "
+                                              "allowed_token_ids, bad_words, min_tokens (no end token before it) and "
+                                              "structured output leave none"))
+                    break
                 top = None
                 if logprobs is not None and seq.params.logprobs is not None:
                     top = self._top_logprobs(logprobs[row + j], tok, seq.params.logprobs)
@@ -692,9 +701,7 @@ class LLMEngine:
                 if self.structured.advance(seq.matcher, tok):
                     reason = "stop"  # the constraint is complete
             except FasterLlamaError as e:  # (this sequence's own failure: the step goes on for the others)
-                seq.error = f"structured output failed at output token {len(seq.output_token_ids)}: {e}"
-                self._finish(seq, "error")
-                return StepUpdate(seq, tok, "", logprobs, "error")
+                return self._fail(seq, f"structured output failed at output token {len(seq.output_token_ids)}: {e}", tok, logprobs)
         if p.stop and seq.text:  # (also on the token that completes a constraint: the text still ends before a stop string)
             if len(seq.output_token_ids) >= p.min_tokens:
                 reason = self._truncate_at_stop(seq) or reason
@@ -716,6 +723,12 @@ class LLMEngine:
         delta = seq.text[seq.num_emitted : safe_end]
         seq.num_emitted = max(seq.num_emitted, safe_end)
         return StepUpdate(seq, tok, delta, logprobs, reason)
+
+    def _fail(self, seq: Sequence, error: str, tok: int = sampler.NO_TOKEN, logprobs: dict[int, Logprob] | None = None) -> StepUpdate:
+        """End a sequence with its request's own error (the others in the step go on)."""
+        seq.error = error
+        self._finish(seq, "error")
+        return StepUpdate(seq, tok, "", logprobs, "error")
 
     @staticmethod
     def _truncate_at_stop(seq: Sequence) -> str | None:

@@ -120,9 +120,10 @@ class DraftModelProposer:
             engine.scheduler.advance(batch)
             rows = [(active[i][0], drafts[i]) for i in live]
             tokens = sampler.next_tokens(logits, rows, self.draft.eos_token_ids)
+            ended = {i for j, i in enumerate(live) if tokens[j] == sampler.NO_TOKEN}  # (every token banned: no more drafts)
             for j, i in enumerate(live):
-                drafts[i].append(tokens[j])
-            live = [i for i in live if len(drafts[i]) < active[i][2]]
+                drafts[i] += [] if i in ended else [tokens[j]]
+            live = [i for i in live if i not in ended and len(drafts[i]) < active[i][2]]
             for i in live:
                 active[i][1].seq.output_token_ids.append(drafts[i][-1])
             batch = [ScheduledSeq(active[i][1].seq, 1) for i in live]

@@ -236,12 +236,25 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
     return reference_sample(logits, b)
 
 
+NO_TOKEN = -1  # next_tokens' token for a row whose every token is banned
+
+
 def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eos_token_ids: Iterable[int]) -> list[int]:
     """The token each row draws (rows as in sampling_batch): a plain argmax where every row is
-    greedy with unprocessed logits (no per-row tensors), else `sample` on the rows' batch."""
+    greedy with unprocessed logits (no per-row tensors), else `sample` on the rows' batch; NO_TOKEN
+    where the row's bans (its -inf logits: a constraint's mask, allowed_token_ids, bad words, end
+    tokens before min_tokens) leave no token."""
     if all(s.params.greedy and plain_logits(s, len(extra)) for s, extra in rows):
         return ops.argmax_tokens(logits)
-    return sample(logits, sampling_batch(rows, logits.shape[-1], eos_token_ids, logits.device)).tolist()
+    b = sampling_batch(rows, logits.shape[-1], eos_token_ids, logits.device)
+    drawn = sample(logits, b)
+    chosen = drawn[:, None]
+    value = logits.gather(1, chosen).float()  # a row draws a banned token only when every token is banned
+    if b.bias is not None:
+        value = value + b.bias.gather(1, chosen)
+    if b.suppress is not None:
+        value = value.masked_fill(b.suppress.gather(1, chosen), float("-inf"))
+    return torch.where(value[:, 0].isfinite(), drawn, NO_TOKEN).tolist()
 
 
 def token_tensor(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int], ahead: int = 0) -> torch.Tensor:
