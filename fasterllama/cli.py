@@ -432,7 +432,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         llm = _load(args, max_num_seqs=args.max_num_seqs)
         name = args.served_model_name or args.model or DEFAULT_MODEL
-        serve(EngineLoop(llm.engine), name, args.host, args.port, api_key, "warning" if args.quiet else "info", sock=sock)
+        serve(EngineLoop(llm.engine), name, args.host, args.port, api_key, "warning" if args.quiet else "info", sock=sock,
+              trust_request_chat_template=args.trust_request_chat_template)
     finally:
         sock.close()
     return 0
@@ -500,6 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $FASTERLLAMA_API_KEY, else none)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model, or the default model's name)")
     sv.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default 16)")
+    sv.add_argument("--trust-request-chat-template", action="store_true",
+                    help="let requests bring their own chat_template (a template is a program: only for trusted clients)")
     sv.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no access log")
     sv.set_defaults(func=cmd_serve)
 

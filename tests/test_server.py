@@ -79,7 +79,7 @@ class Server:
         if speculative_config is not None:
             self.llm.engine.speculator.row_cost = 0.0  # draft all it may: every answer goes through verify steps
         self.loop = EngineLoop(self.llm.engine)
-        self.app = create_app(self.loop, MODEL, api_key)
+        self.app = create_app(self.loop, MODEL, api_key, trust_request_chat_template=True)  # (its refusal: test_api_key's app)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         sock.listen()
@@ -583,6 +583,10 @@ def test_api_key(model_dir: str) -> None:
             metrics = (await client.get("/metrics")).text
             assert metric(metrics, "fasterllama_requests_total", 'status="rejected"') == 12
             assert metric(metrics, "fasterllama_requests_total", 'status="ok"') == 1
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "chat_template": "{{ 'ab' * 10 }}"}
+            r = await client.post("/v1/chat/completions", json=chat, headers=ok)  # (a request's template: only where the server trusts it)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
+            assert "--trust-request-chat-template" in r.json()["error"]["message"]
 
     try:
         asyncio.run(asyncio.wait_for(main(), 60))
@@ -611,6 +615,14 @@ MALFORMED: list[tuple[str, Any, int]] = [
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], "mixed"]}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "use_beam_search": True}, 400),  # vLLM's fields we do not honour
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "prompt_logprobs": 1}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "add_special_tokens": False}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stream_options": {"include_usage": True}}, 400),  # without stream
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "truncate_prompt_tokens": 0}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2, "min_tokens": 3}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "echo": True}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"abc": 1}}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"5": 101}}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"100000": 1}}, 400),
@@ -729,6 +741,33 @@ def test_chat_template_extras_over_http(server: Server, offline: LLM) -> None:
         ids = offline.chat_prompt(turns, chat_template=template)
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids), r.text
         assert offline.tokenizer.decode(ids) == "[narrator]Once[assistant]thinkYes"
+
+
+def test_vllm_prompt_and_logprob_extras(server: Server, offline: LLM) -> None:
+    """truncate_prompt_tokens keeps a prompt's last tokens (-1: what the context holds),
+    return_tokens_as_token_ids names logprobs' tokens by id, vLLM's fields left at their defaults
+    pass, and an assistant's refusal content part is its text."""
+    prompt = list(range(40, 52))
+    with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "truncate_prompt_tokens": 5, "logprobs": 1,
+                "return_tokens_as_token_ids": True, "use_beam_search": False, "add_special_tokens": True, "priority": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        want = offline.generate([prompt[-5:]], SamplingParams(temperature=0, max_tokens=4))[0]
+        got = r.json()["choices"][0]
+        assert r.json()["usage"]["prompt_tokens"] == 5 and got["text"] == want.text
+        assert got["logprobs"]["tokens"] == [f"token_id:{t}" for t in want.token_ids]
+        assert all(k.startswith("token_id:") for top in got["logprobs"]["top_logprobs"] for k in top)
+        r = client.post("/v1/completions", json={**body, "prompt": [40] * (CONTEXT + 5), "truncate_prompt_tokens": -1, "max_tokens": 1})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == CONTEXT - 1, r.text
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+                    {"role": "user", "content": "Please"}]
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 2, "logprobs": True,
+                                                      "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        as_text = [{**m, "content": "No."} if m["role"] == "assistant" else m for m in messages]
+        assert r.json()["usage"]["prompt_tokens"] == len(offline.chat_prompt(as_text))
+        assert all(e["token"].startswith("token_id:") for e in r.json()["choices"][0]["logprobs"]["content"])
 
 
 def test_choices_carry_stop_reason(server: Server) -> None:

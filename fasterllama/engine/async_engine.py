@@ -175,10 +175,11 @@ class EngineLoop:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def encode(self, prompt: str | Seq[int]) -> list[int]:
-        """Prompt token ids, checked against the vocabulary and the context (FasterLlamaError if
-        not). Uses only the tokenizer and the config, so it is safe from any thread."""
-        return self.engine.encode_prompt(prompt)
+    def encode(self, prompt: str | Seq[int], keep_last: int | None = None) -> list[int]:
+        """Prompt token ids (the last keep_last where given), checked against the vocabulary and the
+        context (FasterLlamaError if not). Uses only the tokenizer and the config, so it is safe
+        from any thread."""
+        return self.engine.encode_prompt(prompt, keep_last)
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, request_id: str | None = None) -> RequestHandle:
         """Queue a request of params.n sequences (sample k seeded with seed + k, as LLM.generate).

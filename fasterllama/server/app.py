@@ -31,12 +31,16 @@ def _auth(api_key: str | None) -> Any:
     return check
 
 
-def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               trust_request_chat_template: bool = False) -> FastAPI:
     """The OpenAI-compatible API over `loop`, serving it as `model_name`.
 
     /v1/* need the API key when one is given; /health and /metrics never do (probes, scrapers).
-    The loop is the caller's: the app does not shut it down."""
-    state = ServerState(loop, model_name, ServerMetrics(loop), TokenTexts(loop.engine.tokenizer), max_body_bytes)
+    A request's own chat_template is refused unless trust_request_chat_template (a template is a
+    program: a short one can build gigabytes of text). The loop is the caller's: the app does not
+    shut it down."""
+    state = ServerState(loop, model_name, ServerMetrics(loop), TokenTexts(loop.engine.tokenizer), max_body_bytes,
+                        trust_request_chat_template)
     app = FastAPI(title="fasterllama", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, state.metrics.count_http_error)
 

@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from ..conversation import chat_prompt_ids
 from ..engine.async_engine import RequestHandle, SequenceOutput
 from .body import read_json
+from .errors import APIError
 from .logprobs import chat_logprobs
 from .protocol import ChatCompletionRequest
 from .serving import (
@@ -29,9 +30,8 @@ class ChatGeneration(Generation):
     chunk_object = "chat.completion.chunk"
     response_object = "chat.completion"
 
-    def __init__(self, state: ServerState, handles: list[RequestHandle], response_id: str, include_usage: bool,
-                 body: ChatCompletionRequest) -> None:
-        super().__init__(state, handles, response_id, include_usage)
+    def __init__(self, state: ServerState, handles: list[RequestHandle], response_id: str, body: ChatCompletionRequest) -> None:
+        super().__init__(state, handles, response_id, body)
         self.tool_mode, self.forced_function, self.parallel_tool_calls = body.tool_mode, body.forced_function, body.parallel_tool_calls
         self.tool_names = [t.function.name for t in body.tools or []]
         self.readers: dict[int, ToolCallReader] = {}  # (streaming: each choice's, as it goes)
@@ -45,7 +45,7 @@ class ChatGeneration(Generation):
                 for c in self.choices]
 
     def add_logprobs(self, choice: Choice, handle: RequestHandle, out: SequenceOutput) -> list[dict[str, Any]]:
-        entries = chat_logprobs(self.state.tokens, out.token_ids, out.logprobs or [], handle.params.logprobs or 0)
+        entries = chat_logprobs(self.state.tokens, out.token_ids, out.logprobs or [], handle.params.logprobs or 0, self.token_names_as_ids)
         if choice.extra is None:
             choice.extra = []
         choice.extra.extend(entries)
@@ -88,6 +88,9 @@ class ChatGeneration(Generation):
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
     body = await read_json(request, ChatCompletionRequest, state.max_body_bytes)
     check_model(state, body.model)
+    if body.chat_template is not None and not state.trust_request_chat_template:
+        raise APIError(400, "a request's own chat_template is refused: start the server with --trust-request-chat-template to allow "
+                       "it (a template is a program, and a short one can build gigabytes of text)", param="chat_template", code="invalid_value")
     messages = [m.template_dict() for m in body.messages]
     tools = body.template_tools()
 
@@ -95,8 +98,8 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         return [chat_prompt_ids(state.loop.engine.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
                                 chat_template=body.chat_template, continue_final_message=body.continue_final_message, tools=tools)]
 
-    prompts = await encode_prompts(state.loop, render, "messages")
+    prompts = await encode_prompts(state.loop, render, "messages", body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     handles = await start_requests(state, prompts, body, body.requested_max_tokens, None, body.num_logprobs, request_id)
-    generation = ChatGeneration(state, handles, request_id, body.include_usage, body)
+    generation = ChatGeneration(state, handles, request_id, body)
     return await generation.respond(request, body.stream)

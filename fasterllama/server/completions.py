@@ -29,7 +29,7 @@ class CompletionGeneration(Generation):
 
     def add_logprobs(self, choice: Choice, handle: RequestHandle, out: SequenceOutput) -> dict[str, list[Any]]:
         if choice.extra is None:
-            choice.extra = CompletionLogprobs(self.state.tokens)
+            choice.extra = CompletionLogprobs(self.state.tokens, self.token_names_as_ids)
         return choice.extra.add(out.token_ids, out.logprobs or [])
 
     def chunk_choices(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> list[dict[str, Any]]:
@@ -41,7 +41,7 @@ class CompletionGeneration(Generation):
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
         logprobs = None
         if handle.params.logprobs is not None:
-            logprobs = (choice.extra or CompletionLogprobs(self.state.tokens)).all
+            logprobs = (choice.extra or CompletionLogprobs(self.state.tokens, self.token_names_as_ids)).all
         return {"index": choice.index, "text": "".join(choice.text), "logprobs": logprobs, "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason}
 
@@ -49,7 +49,7 @@ class CompletionGeneration(Generation):
 async def create_completion(request: Request, state: ServerState) -> Response:
     body = await read_json(request, CompletionRequest, state.max_body_bytes)
     check_model(state, body.model)
-    prompts = await encode_prompts(state.loop, lambda: body.prompt, "prompt")
+    prompts = await encode_prompts(state.loop, lambda: body.prompt, "prompt", body)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     handles = await start_requests(state, prompts, body, body.max_tokens, DEFAULT_MAX_TOKENS, body.logprobs, request_id)
-    return await CompletionGeneration(state, handles, request_id, body.include_usage).respond(request, body.stream)
+    return await CompletionGeneration(state, handles, request_id, body).respond(request, body.stream)

@@ -61,13 +61,16 @@ class CompletionLogprobs:
     top_logprobs. text_offset counts the characters of the text before each token, a character
     counted where its last byte comes."""
 
-    def __init__(self, tokens: TokenTexts) -> None:
+    def __init__(self, tokens: TokenTexts, as_ids: bool = False) -> None:
         self.tokens = tokens
+        self.as_ids = as_ids
         self.offset = 0
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.all: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
     def _name(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         text, raw = self.tokens.get(token_id)
         try:
             raw.decode("utf-8")
@@ -89,12 +92,14 @@ class CompletionLogprobs:
         return part
 
 
-def chat_logprobs(tokens: TokenTexts, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int) -> list[dict[str, Any]]:
-    """`choices[].logprobs.content` entries of these tokens, each with its top_n alternatives."""
+def chat_logprobs(tokens: TokenTexts, token_ids: list[int], logprobs: list[dict[int, float]], top_n: int,
+                  as_ids: bool = False) -> list[dict[str, Any]]:
+    """`choices[].logprobs.content` entries of these tokens, each with its top_n alternatives
+    (as_ids: each token named "token_id:<id>", vLLM's return_tokens_as_token_ids)."""
 
     def entry(tok: int, lp: float) -> dict[str, Any]:
         text, raw = tokens.get(tok)
-        return {"token": text, "logprob": _finite(lp), "bytes": list(raw)}
+        return {"token": f"token_id:{tok}" if as_ids else text, "logprob": _finite(lp), "bytes": list(raw)}
 
     out = []
     for tok, top in zip(token_ids, logprobs):

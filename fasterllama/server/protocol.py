@@ -2,18 +2,19 @@
 
 Strict mode: a string is not a number and 5.0 is not an integer, as in OpenAI's API; NaN and
 infinities are refused; null is as if the field were not sent. Fields we cannot honour (echo,
-suffix, ...) are refused when set rather than silently ignored; unknown fields
-are ignored, as OpenAI does. Tools and tool_choice: see tools.py.
+suffix, vLLM's use_beam_search, ...: REFUSED) are refused when set to anything but their
+default rather than silently ignored; unknown fields are ignored, as OpenAI does. Tools and
+tool_choice: see tools.py.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, allowed_token_ids, bad_words, include_stop_str_in_output,
-and structured output: response_format (json_object,
+truncate_prompt_tokens, return_tokens_as_token_ids, and structured output: response_format (json_object,
 json_schema), guided_json, guided_regex, guided_grammar (a Lark or GBNF grammar), guided_choice, and
 structured_outputs (vLLM's newer name for them)."""
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -43,6 +44,13 @@ class _Strict(BaseModel):
     def _null_is_unset(cls, data: Any) -> Any:
         """A field sent as null takes its default, as OpenAI reads it (some clients send every field)."""
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+# vLLM's request fields whose effect we do not have, each with vLLM's default: a request that sets
+# one to anything else is refused (ignoring it would answer another question than the one asked)
+REFUSED: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+                           "logits_processors": None, "guided_whitespace_pattern": None, "priority": 0, "return_token_ids": False,
+                           "prompt_logprobs": None, "mm_processor_kwargs": None, "documents": None}
 
 
 class StreamOptions(_Strict):
@@ -100,12 +108,32 @@ class GenerationRequest(_Strict):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last k tokens (-1: as many as the context holds)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # structured output, vLLM's extension names
     guided_regex: str | None = None
     guided_grammar: str | None = None  # a Lark grammar (llguidance's syntax) or a GBNF one
     guided_choice: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
+
+    refused: ClassVar[dict[str, Any]] = REFUSED
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refused(cls, data: Any) -> Any:
+        for name, default in cls.refused.items():
+            if isinstance(data, dict) and data.get(name) is not None and data[name] != default:
+                raise _refuse(name, f"{name} is not supported")
+        return data
+
+    @model_validator(mode="after")
+    def _rules(self) -> GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise _refuse("stream_options", "stream_options can only be given with stream true")
+        if self.truncate_prompt_tokens == 0:
+            raise _refuse("truncate_prompt_tokens", "truncate_prompt_tokens must be at least 1 (or -1: as many as the context holds)")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -151,7 +179,7 @@ class GenerationRequest(_Strict):
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
-            min_tokens=min(self.min_tokens, max_tokens),
+            min_tokens=min(self.min_tokens, max_tokens),  # (max_tokens cut to the context; a smaller one asked for: refused before)
             logprobs=logprobs,
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
@@ -231,8 +259,12 @@ class CompletionRequest(GenerationRequest):
             raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
         return prompts
 
+    refused: ClassVar[dict[str, Any]] = {**REFUSED, "add_special_tokens": True}
+
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
+        if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise _refuse("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
         if self.echo:
             raise _refuse("echo", "echo is not supported")
         if self.suffix:
@@ -287,15 +319,19 @@ class ChatMessage(_Strict):
     @field_validator("content")
     @classmethod
     def _content(cls, v: str | list[ContentPart] | None) -> str:
-        """Text parts joined; other part types (images, audio) are refused."""
+        """Text parts joined (an assistant's refusal parts are text too); other part types
+        (images, audio) are refused."""
         if v is None or isinstance(v, str):
             return v or ""
+        texts = []
         for part in v:
-            if part.type != "text":
+            if part.type not in ("text", "refusal"):
                 raise ValueError(f"content parts of type {part.type!r} are not supported (text only)")
-            if part.text is None:
-                raise ValueError("a content part of type 'text' needs its 'text'")
-        return "".join(part.text or "" for part in v)
+            text = part.text if part.type == "text" else getattr(part, "refusal", None)
+            if not isinstance(text, str):
+                raise ValueError(f"a content part of type {part.type!r} needs its {part.type!r} string")
+            texts.append(text)
+        return "".join(texts)
 
     def template_dict(self) -> dict[str, Any]:
         """The message for conversation.py (content sent as null or left out is empty, as
@@ -340,8 +376,13 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError(str(e)) from None
         return v
 
+    refused: ClassVar[dict[str, Any]] = {**REFUSED, "add_special_tokens": False, "echo": False}
+
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
+        if self.min_tokens and self.requested_max_tokens is not None and self.min_tokens > self.requested_max_tokens:
+            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise _refuse("min_tokens", f"min_tokens ({self.min_tokens}) must be at most {name} ({self.requested_max_tokens})")
         if self.functions is not None or self.function_call is not None:
             raise _refuse("functions" if self.functions is not None else "function_call",
                           "functions and function_call (OpenAI's deprecated form) are not supported: use tools and tool_choice")

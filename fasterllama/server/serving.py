@@ -48,16 +48,20 @@ class ServerState:
     metrics: ServerMetrics
     tokens: TokenTexts
     max_body_bytes: int
+    trust_request_chat_template: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 # -- admission ---------------------------------------------------------------------------------
-async def encode_prompts(loop: EngineLoop, render: Callable[[], list[list[int] | str]], param: str) -> list[list[int]]:
-    """Token ids of each prompt (rendered and encoded off the event loop); 400 when a prompt is
-    empty, has ids outside the vocabulary or does not fit the context."""
+async def encode_prompts(loop: EngineLoop, render: Callable[[], list[list[int] | str]], param: str, body: GenerationRequest) -> list[list[int]]:
+    """Token ids of each prompt (rendered and encoded off the event loop; only the last
+    truncate_prompt_tokens where given); 400 when a prompt is empty, has ids outside the vocabulary
+    or does not fit the context."""
+    keep = body.truncate_prompt_tokens
+    keep_last = loop.max_model_len - 1 if keep == -1 else keep  # (-1: the most that leaves a token to generate)
 
     def work() -> list[list[int]]:
-        return [loop.encode(p) for p in render()]
+        return [loop.encode(p, keep_last) for p in render()]
 
     try:
         return await run_in_threadpool(work)
@@ -146,12 +150,13 @@ class Generation:
     chunk_object = ""
     response_object = ""
 
-    def __init__(self, state: ServerState, handles: list[RequestHandle], response_id: str, include_usage: bool = False) -> None:
+    def __init__(self, state: ServerState, handles: list[RequestHandle], response_id: str, body: GenerationRequest) -> None:
         self.state = state
         self.handles = handles
         self.id = response_id
         self.created = int(time.time())
-        self.include_usage = include_usage
+        self.include_usage = body.include_usage
+        self.token_names_as_ids = body.return_tokens_as_token_ids  # logprobs' tokens as "token_id:<id>" (vLLM's)
         self.n = handles[0].params.n
         self.choices = [Choice(i) for i in range(len(handles) * self.n)]
 
