@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
@@ -614,9 +615,9 @@ MALFORMED: list[tuple[str, Any, int]] = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**6]}, 400),  # outside the vocabulary
     ("/v1/completions", {"model": MODEL, "prompt": []}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], "mixed"]}, 400),
-    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "suffix": "!"}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "use_beam_search": True}, 400),  # vLLM's fields we do not honour
-    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "prompt_logprobs": 1}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "prompt_logprobs": 21}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "add_special_tokens": False}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stream_options": {"include_usage": True}}, 400),  # without stream
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400),
@@ -768,6 +769,44 @@ def test_vllm_prompt_and_logprob_extras(server: Server, offline: LLM) -> None:
         as_text = [{**m, "content": "No."} if m["role"] == "assistant" else m for m in messages]
         assert r.json()["usage"]["prompt_tokens"] == len(offline.chat_prompt(as_text))
         assert all(e["token"].startswith("token_id:") for e in r.json()["choices"][0]["logprobs"]["content"])
+
+
+def test_echo_and_prompt_logprobs(server: Server, offline: LLM) -> None:
+    """echo puts the prompt (and its tokens' logprobs: null, then each given the ones before) before
+    the completion; max_tokens 0 with echo scores the prompt alone (lm-evaluation-harness's
+    loglikelihood requests); vLLM's prompt_logprobs, per choice on completions and on the response
+    for chat; streamed, the same text."""
+    text = "Hello there, my friend"
+    ids = offline.engine.encode_prompt(text)
+    model = torch.log_softmax(offline.compute_logits(ids), dim=-1)
+    given = [model[i - 1, ids[i]].item() for i in range(1, len(ids))]  # each token given the ones before
+    with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
+        body = {"model": MODEL, "prompt": text, "echo": True, "max_tokens": 0, "logprobs": 2, "temperature": 0}
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        assert choice["text"] == text and choice["finish_reason"] == "length" and usage["completion_tokens"] == 0
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["token_logprobs"][1:] == pytest.approx(given, abs=1e-3)
+        assert all(len(top) <= 3 for top in lp["top_logprobs"][1:])
+        want = offline.generate([text], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]
+        r = client.post("/v1/completions", json={**body, "max_tokens": 3})
+        choice = r.json()["choices"][0]
+        assert choice["text"] == text + want.text and len(choice["logprobs"]["tokens"]) == len(ids) + 3
+        assert choice["logprobs"]["token_logprobs"][len(ids):] == pytest.approx([float(d[t]) for d, t in zip(want.logprobs, want.token_ids)], abs=1e-3)
+        with client.stream("POST", "/v1/completions", json={**body, "max_tokens": 3, "stream": True}) as stream:
+            chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+        assert chunks[0]["choices"][0]["text"].startswith(text), [c["choices"] for c in chunks]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1, "prompt_logprobs": 1})
+        plp = r.json()["choices"][0]["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == len(ids) and all(str(t) in e and len(e) <= 2 for t, e in zip(ids[1:], plp[1:]))
+        assert [e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:])] == pytest.approx(given, abs=1e-3)
+        r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                                                      "prompt_logprobs": 0})
+        assert r.status_code == 200 and len(r.json()["prompt_logprobs"]) == r.json()["usage"]["prompt_tokens"], r.text
+        assert client.post("/v1/completions", json={**body, "echo": False}).status_code == 400  # (max_tokens 0 without echo)
 
 
 def test_choices_carry_stop_reason(server: Server) -> None:

@@ -82,6 +82,7 @@ class RequestHandle:
         self.params = params
         self.arrival_time = time.monotonic()
         self.cached_tokens = 0  # prompt tokens found in the prefix cache (set when the prompt is in)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None  # (params.prompt_logprobs: set when the prompt is in)
         self._loop = loop
         self._cond = threading.Condition()
         self._items: deque[SequenceOutput] = deque()
@@ -299,8 +300,8 @@ class EngineLoop:
             if owner is None:
                 continue
             req, k = owner
-            if k == 0 and len(seq.output_token_ids) == 1:
-                req.handle.cached_tokens = seq.num_prefix_cached
+            if k == 0 and len(seq.output_token_ids) <= 1:
+                req.handle.cached_tokens, req.handle.prompt_logprobs = seq.num_prefix_cached, seq.prompt_logprobs
             logprobs = [update.logprobs] if update.logprobs is not None else None
             reason = update.finish_reason  # (a speculative step emits several tokens: only its last may finish)
             if reason == "error":

@@ -13,7 +13,7 @@ from ..conversation import chat_prompt_ids
 from ..engine.async_engine import RequestHandle, SequenceOutput
 from .body import read_json
 from .errors import APIError
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import ChatCompletionRequest
 from .serving import (
     Choice,
@@ -35,6 +35,7 @@ class ChatGeneration(Generation):
         self.tool_mode, self.forced_function, self.parallel_tool_calls = body.tool_mode, body.forced_function, body.parallel_tool_calls
         self.tool_names = [t.function.name for t in body.tools or []]
         self.readers: dict[int, ToolCallReader] = {}  # (streaming: each choice's, as it goes)
+        self.want_prompt_logprobs = body.prompt_logprobs is not None
 
     def reader(self) -> ToolCallReader | None:
         return ToolCallReader(self.tool_mode, self.tool_names, self.parallel_tool_calls, self.forced_function) if self.tool_mode else None
@@ -68,6 +69,13 @@ class ChatGeneration(Generation):
             called = reader.finish_reason_for_calls if reader else None
             pieces[-1].update(finish_reason=called or out.finish_reason, stop_reason=out.stop_reason)
         return pieces
+
+    def response(self) -> dict[str, Any]:
+        """As for any request, with vLLM's prompt_logprobs of the rendered prompt where asked."""
+        out = super().response()
+        if self.want_prompt_logprobs:
+            out["prompt_logprobs"] = prompt_logprobs(self.state.tokens, self.handles[0].prompt_logprobs or [], self.token_names_as_ids)
+        return out
 
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
         logprobs = {"content": choice.extra or []} if handle.params.logprobs is not None else None

@@ -1,7 +1,12 @@
-"""POST /v1/completions: prompts (strings or token ids) in, `text_completion` objects out."""
+"""POST /v1/completions: prompts (strings or token ids) in, `text_completion` objects out.
+
+echo puts each prompt's text before its completion, and with logprobs its tokens' logprobs
+before the completion's (null for the first); max_tokens 0 with echo returns the prompt alone
+(how lm-evaluation-harness scores a text: its tokens' logprobs given the ones before)."""
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from typing import Any
 
@@ -10,7 +15,7 @@ from fastapi.responses import Response
 
 from ..engine.async_engine import RequestHandle, SequenceOutput
 from .body import read_json
-from .logprobs import CompletionLogprobs
+from .logprobs import CompletionLogprobs, prompt_logprobs
 from .protocol import CompletionRequest
 from .serving import (
     Choice,
@@ -27,23 +32,72 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
 class CompletionGeneration(Generation):
     chunk_object = response_object = "text_completion"
 
-    def add_logprobs(self, choice: Choice, handle: RequestHandle, out: SequenceOutput) -> dict[str, list[Any]]:
+    def __init__(self, state: ServerState, handles: list[RequestHandle], response_id: str, body: CompletionRequest) -> None:
+        super().__init__(state, handles, response_id, body)
+        self.echo, self.echo_only = body.echo, body.echo and body.max_tokens == 0
+        self.num_logprobs, self.num_prompt_logprobs = body.logprobs, body.prompt_logprobs
+        tokenizer = state.loop.engine.tokenizer
+        self.prompt_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None  # (the text as sent)
+                             else tokenizer.decode(h.prompt_token_ids, body.skip_special_tokens) if tokenizer else ""
+                             for p, h in zip(body.prompt, handles)]
+        self.started: set[int] = set()  # choices that had an output
+        self.prompt_logprobs_sent: set[int] = set()  # (streaming)
+
+    def logprobs_of(self, choice: Choice) -> CompletionLogprobs:
         if choice.extra is None:
             choice.extra = CompletionLogprobs(self.state.tokens, self.token_names_as_ids)
-        return choice.extra.add(out.token_ids, out.logprobs or [])
+        return choice.extra
+
+    def _apply(self, prompt_index: int, out: SequenceOutput) -> tuple[Choice, SequenceOutput, Any]:
+        """As for any request, and on a choice's first output with echo the prompt before it; with
+        max_tokens 0 the token drawn is dropped."""
+        handle, choice = self.handles[prompt_index], self.choices[prompt_index * self.n + out.index]
+        echoed: dict[str, list[Any]] | None = None
+        if self.echo and choice.index not in self.started and out.finish_reason not in ("error", "abort"):
+            if self.num_logprobs is not None:
+                echoed = self.logprobs_of(choice).add(handle.prompt_token_ids, handle.prompt_logprobs or [], self.num_logprobs)
+            prefix = self.prompt_texts[prompt_index]
+        else:
+            prefix = ""
+        self.started.add(choice.index)
+        if self.echo_only and out.finish_reason not in ("error", "abort"):
+            out = dataclasses.replace(out, text="", token_ids=[], logprobs=None, stop_reason=None,
+                                      finish_reason=None if out.finish_reason is None else "length")
+        choice, out, logprobs = super()._apply(prompt_index, dataclasses.replace(out, text=prefix + out.text))
+        if echoed is not None:
+            logprobs = echoed if logprobs is None else {k: echoed[k] + logprobs[k] for k in echoed}
+        return choice, out, logprobs
+
+    def add_logprobs(self, choice: Choice, handle: RequestHandle, out: SequenceOutput) -> dict[str, list[Any]]:
+        return self.logprobs_of(choice).add(out.token_ids, out.logprobs or [])
+
+    def prompt_logprobs(self, handle: RequestHandle) -> list[dict[str, Any] | None] | None:
+        """vLLM's prompt_logprobs of a choice's prompt (the token and the top prompt_logprobs)."""
+        if self.num_prompt_logprobs is None:
+            return None
+        n, ids = self.num_prompt_logprobs, handle.prompt_token_ids
+        entries = [None if e is None else {t: lp for t, lp in e.items() if t == tok or getattr(lp, "rank", 0) <= n}
+                   for e, tok in zip(handle.prompt_logprobs or [], ids)]
+        return prompt_logprobs(self.state.tokens, entries, self.token_names_as_ids)
 
     def chunk_choices(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> list[dict[str, Any]]:
-        if not out.text and logprobs is None and out.finish_reason is None:
+        first = self.num_prompt_logprobs is not None and choice.index not in self.prompt_logprobs_sent
+        if not out.text and logprobs is None and out.finish_reason is None and not first:
             return []
-        return [{"index": choice.index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason,
-                 **({"stop_reason": out.stop_reason} if out.finish_reason else {})}]
+        piece = {"index": choice.index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                 **({"stop_reason": out.stop_reason} if out.finish_reason else {})}
+        if first:
+            self.prompt_logprobs_sent.add(choice.index)
+            piece["prompt_logprobs"] = self.prompt_logprobs(self.handles[choice.index // self.n])
+        return [piece]
 
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
-        logprobs = None
-        if handle.params.logprobs is not None:
-            logprobs = (choice.extra or CompletionLogprobs(self.state.tokens, self.token_names_as_ids)).all
-        return {"index": choice.index, "text": "".join(choice.text), "logprobs": logprobs, "finish_reason": choice.finish_reason,
-                "stop_reason": choice.stop_reason}
+        logprobs = self.logprobs_of(choice).all if self.num_logprobs is not None else None
+        final = {"index": choice.index, "text": "".join(choice.text), "logprobs": logprobs, "finish_reason": choice.finish_reason,
+                 "stop_reason": choice.stop_reason}
+        if self.num_prompt_logprobs is not None:
+            final["prompt_logprobs"] = self.prompt_logprobs(handle)
+        return final
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:

@@ -1,8 +1,10 @@
 """Token log-probabilities in the two OpenAI shapes.
 
 The engine gives one {token id: logprob} dict per generated token (the chosen token plus the
-top N). /v1/completions wants `{tokens, token_logprobs, top_logprobs, text_offset}` lists;
-/v1/chat/completions wants `content: [{token, logprob, bytes, top_logprobs: [...]}]`."""
+top N). /v1/completions wants `{tokens, token_logprobs, top_logprobs, text_offset}` lists (with
+echo, the prompt's tokens first: null for the first); /v1/chat/completions wants
+`content: [{token, logprob, bytes, top_logprobs: [...]}]`; vLLM's prompt_logprobs are one
+{token id: {logprob, rank, decoded_token}} a prompt token (null for the first)."""
 
 from __future__ import annotations
 
@@ -78,13 +80,16 @@ class CompletionLogprobs:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         return text
 
-    def add(self, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, list[Any]]:
-        """The entries of these tokens (also kept for the whole response)."""
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float] | None], top_n: int | None = None) -> dict[str, list[Any]]:
+        """The entries of these tokens (also kept for the whole response); a token without logprobs
+        (a prompt's first) has null ones. top_n: the alternatives shown, where the dicts hold more."""
         part: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tok, top in zip(token_ids, logprobs):
             part["tokens"].append(self._name(tok))
-            part["token_logprobs"].append(_finite(top[tok]))
-            part["top_logprobs"].append({self._name(t): _finite(lp) for t, lp in top.items()})
+            part["token_logprobs"].append(None if top is None else _finite(top[tok]))
+            if top is not None and top_n is not None:
+                top = dict(sorted(top.items(), key=lambda kv: -kv[1])[:top_n]) | {tok: top[tok]}
+            part["top_logprobs"].append(None if top is None else {self._name(t): _finite(lp) for t, lp in top.items()})
             part["text_offset"].append(self.offset)
             self.offset += len(self._utf8.decode(self.tokens.get(tok)[1]))
         for key, values in part.items():
@@ -106,3 +111,14 @@ def chat_logprobs(tokens: TokenTexts, token_ids: list[int], logprobs: list[dict[
         best = sorted(top.items(), key=lambda kv: -kv[1])[:top_n]  # top holds the true top N plus the chosen token
         out.append({**entry(tok, top[tok]), "top_logprobs": [entry(t, lp) for t, lp in best]})
     return out
+
+
+def prompt_logprobs(tokens: TokenTexts, entries: list[dict[int, Any] | None], as_ids: bool = False) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: per prompt token, null (the first) or {token id: {logprob, rank,
+    decoded_token}} of the token and the top N."""
+
+    def name(t: int) -> str:
+        return f"token_id:{t}" if as_ids else tokens.text(t)
+
+    return [None if e is None else {str(t): {"logprob": _finite(lp), "rank": getattr(lp, "rank", None), "decoded_token": name(t)}
+                                    for t, lp in e.items()} for e in entries]

@@ -1,13 +1,13 @@
 """Request bodies of the OpenAI API (the fields we honour), validated strictly.
 
 Strict mode: a string is not a number and 5.0 is not an integer, as in OpenAI's API; NaN and
-infinities are refused; null is as if the field were not sent. Fields we cannot honour (echo,
-suffix, vLLM's use_beam_search, ...: REFUSED) are refused when set to anything but their
+infinities are refused; null is as if the field were not sent. Fields we cannot honour (suffix,
+chat's echo, vLLM's use_beam_search, ...: REFUSED) are refused when set to anything but their
 default rather than silently ignored; unknown fields are ignored, as OpenAI does. Tools and
 tool_choice: see tools.py.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, allowed_token_ids, bad_words, include_stop_str_in_output,
-truncate_prompt_tokens, return_tokens_as_token_ids, and structured output: response_format (json_object,
+truncate_prompt_tokens, return_tokens_as_token_ids, prompt_logprobs, and structured output: response_format (json_object,
 json_schema), guided_json, guided_regex, guided_grammar (a Lark or GBNF grammar), guided_choice, and
 structured_outputs (vLLM's newer name for them)."""
 
@@ -50,7 +50,7 @@ class _Strict(BaseModel):
 # one to anything else is refused (ignoring it would answer another question than the one asked)
 REFUSED: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
                            "logits_processors": None, "guided_whitespace_pattern": None, "priority": 0, "return_token_ids": False,
-                           "prompt_logprobs": None, "mm_processor_kwargs": None, "documents": None}
+                           "mm_processor_kwargs": None, "documents": None}
 
 
 class StreamOptions(_Strict):
@@ -110,6 +110,7 @@ class GenerationRequest(_Strict):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last k tokens (-1: as many as the context holds)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>"
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # each prompt token's logprob and the top N (vLLM's)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None  # structured output, vLLM's extension names
     guided_regex: str | None = None
@@ -181,6 +182,7 @@ class GenerationRequest(_Strict):
             ignore_eos=self.ignore_eos,
             min_tokens=min(self.min_tokens, max_tokens),  # (max_tokens cut to the context; a smaller one asked for: refused before)
             logprobs=logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
             n=self.n,
             skip_special_tokens=self.skip_special_tokens,
             logit_bias=self.logit_bias,
@@ -189,6 +191,11 @@ class GenerationRequest(_Strict):
             include_stop_str_in_output=self.include_stop_str_in_output,
             **self._constraint(),
         )
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The engine's prompt_logprobs count (None: none computed)."""
+        return self.prompt_logprobs
 
     def param_of(self, message: str) -> str | None:
         """The request field an engine error is about, as OpenAI names `param`: the field its
@@ -233,7 +240,7 @@ Prompt = str | list[int]
 
 class CompletionRequest(GenerationRequest):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], checked below for a clear message
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # (0 only with echo: the prompt alone, scored)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -261,12 +268,19 @@ class CompletionRequest(GenerationRequest):
 
     refused: ClassVar[dict[str, Any]] = {**REFUSED, "add_special_tokens": True}
 
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs, or with echo the logprobs the echoed prompt shows (the larger)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     @model_validator(mode="after")
     def _unsupported(self) -> CompletionRequest:
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise _refuse("min_tokens", f"min_tokens ({self.min_tokens}) must be at most max_tokens ({self.max_tokens})")
-        if self.echo:
-            raise _refuse("echo", "echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise _refuse("max_tokens", "max_tokens must be at least 1 (0 only with echo: the prompt alone)")
         if self.suffix:
             raise _refuse("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:

@@ -87,7 +87,7 @@ async def start_requests(state: ServerState, prompts: Seq[list[int]], body: Gene
                            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
                            "Please reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
         else:
-            budget = max_tokens
+            budget = max(max_tokens, 1)  # (0: echo's prompt alone; the engine draws a token, which is dropped)
         try:
             params.append(body.sampling_params(budget, logprobs))
         except FasterLlamaError as e:
@@ -227,9 +227,9 @@ class Generation:
             for t in tasks:
                 t.cancel()
 
-    def _apply(self, prompt_index: int, out: SequenceOutput) -> tuple[Choice, Any]:
-        """Fold one output into its choice (returned with the output's logprobs);
-        GenerationFailed if it ends the sequence in error."""
+    def _apply(self, prompt_index: int, out: SequenceOutput) -> tuple[Choice, SequenceOutput, Any]:
+        """Fold one output into its choice (returned with the output as the response shows it and
+        its logprobs); GenerationFailed if it ends the sequence in error."""
         handle = self.handles[prompt_index]
         choice = self.choices[prompt_index * self.n + out.index]
         if out.finish_reason in ("error", "abort"):
@@ -240,7 +240,7 @@ class Generation:
             choice.num_tokens += len(out.token_ids)
         choice.text.append(out.text)
         choice.finish_reason, choice.stop_reason = out.finish_reason, out.stop_reason
-        return choice, self.add_logprobs(choice, handle, out) if out.logprobs is not None else None
+        return choice, out, self.add_logprobs(choice, handle, out) if out.logprobs is not None else None
 
     # -- streaming ---------------------------------------------------------------------------------
     async def stream(self) -> AsyncIterator[str]:
@@ -252,7 +252,7 @@ class Generation:
                 yield sse(self.chunk([c]))
             async with aclosing(self.outputs()) as outputs:
                 async for i, out in outputs:
-                    choice, logprobs = self._apply(i, out)
+                    choice, out, logprobs = self._apply(i, out)
                     for piece in self.chunk_choices(choice, out, logprobs):
                         yield sse(self.chunk([piece]))
             if self.include_usage:
