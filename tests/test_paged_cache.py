@@ -174,6 +174,34 @@ def test_drafts_never_cost_a_later_sequence_its_next_token():
     assert [(item.seq, item.num_tokens, item.drafts) for item in batch] == [(a, 3, [1, 2]), (b, 1, [])]
 
 
+def test_a_short_prompt_starts_beside_a_long_one_being_prefilled():
+    """Head-of-line blocking: a 300-token prompt prefills at the whole budget (64) while nothing
+    waits; a 5-token request arriving behind it starts at the next step, the long one taking a
+    quarter of the budget then (a short step), and the whole budget back after."""
+    from fasterllama.engine.scheduler import Scheduler
+
+    bm = BlockManager(64, 16, _Copies())
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    long = _seq(list(range(300)))
+    sched.add(long)
+
+    def step() -> list[tuple[Sequence, int]]:
+        batch = sched.schedule()
+        sched.advance(batch)
+        return [(item.seq, item.num_tokens) for item in batch]
+
+    assert step() == [(long, 64)]
+    short = _seq(list(range(500, 505)))
+    sched.add(short)
+    assert step() == [(long, 16), (short, 5)]
+    sched.finish(short, "length")  # (its one token drawn)
+    assert step() == [(long, 64)]
+    shorts = [_seq(list(range(600 + 30 * k, 620 + 30 * k))) for k in range(3)]
+    for seq in shorts:
+        sched.add(seq)
+    assert step() == [(long, 16), (shorts[0], 20), (shorts[1], 20), (shorts[2], 8)]
+
+
 def test_parse_memory():
     assert parse_memory("2GiB") == 2 << 30 and parse_memory("512MB") == 512 * 10**6 and parse_memory("0.5") == 0.5
     assert parse_memory(1 << 20) == 1 << 20 and parse_memory(0.25) == 0.25 and parse_memory("1e9") == 10**9

@@ -4,6 +4,10 @@ A waiting sequence whose next uncached block another sequence computes in this s
 step and takes it from the prefix cache: prompts sharing a prefix that arrive together (a system
 prompt, n requests of one prompt) compute it once.
 
+A long prompt is prefilled in chunks of the step's budget, but of a quarter of it while requests
+wait to start: a short request arriving behind an 8,000-token prompt starts at the next step, a
+short one, not after the whole prompt (head-of-line blocking; vLLM's long_prefill_token_threshold).
+
 When blocks run out the newest running sequence is preempted: its blocks are freed and it waits
 at the front of the queue to be recomputed (prompt and output so far; the prefix cache usually
 still holds most of it). No request fails because the cache is momentarily full."""
@@ -15,6 +19,8 @@ from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+
+LONG_PREFILL_SHARE = 4  # a prompt being prefilled takes 1 / this of a step's budget while others wait to start
 
 
 @dataclass
@@ -50,9 +56,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted, i = self.num_preemptions, 0
+        prefill_cap = budget // LONG_PREFILL_SHARE if self._starts_waiting() else budget
         while i < len(self.running) and budget > 0:  # decodes first, then prompts still being prefilled
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_cached, budget)
+            left = seq.num_tokens - seq.num_cached
+            n = min(left, budget, left if left == 1 else prefill_cap)
             if not self._reserve(seq, seq.num_cached + n):
                 break  # seq itself was preempted, and everything after it
             batch.append(ScheduledSeq(seq, n))
@@ -63,7 +71,7 @@ class Scheduler:
         budget = self._add_drafts(batch, budget)
         # (a running parent's forks start once its prompt is in: their seats stay taken while it is
         # prefilled in chunks)
-        seats = self.max_num_seqs - len(self.running) - sum(not child.is_finished for seq in self.running for child in seq.forks)
+        seats = self._free_seats()
         computing = {self.blocks.next_block_hash(item.seq, item.seq.num_cached + item.num_tokens - len(item.drafts)) for item in batch}
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and seats >= 1 + len(self.waiting[0].forks):
@@ -91,6 +99,13 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # first in the queue next step, in their order
         return batch
+
+    def _free_seats(self) -> int:
+        return self.max_num_seqs - len(self.running) - sum(not child.is_finished for seq in self.running for child in seq.forks)
+
+    def _starts_waiting(self) -> bool:
+        """Whether a waiting sequence has the seats to start now."""
+        return bool(self.waiting) and self._free_seats() >= 1 + len(self.waiting[0].forks)
 
     def _add_drafts(self, batch: list[ScheduledSeq], budget: int) -> int:
         """Speculative tokens for the decoding sequences, from the budget and blocks every running
