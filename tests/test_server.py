@@ -271,6 +271,7 @@ def test_models_health_metrics(server: Server) -> None:
     models = server.client().models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(server.base + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    assert httpx.head(server.base + "/health", timeout=TIMEOUT).status_code == 200  # (load balancers probe with HEAD)
     text = server.metrics()
     assert metric(text, "fasterllama_kv_blocks_total") == server.llm.engine.blocks.num_blocks > 0
     for name in ("fasterllama_time_to_first_token_seconds_count", "fasterllama_inter_token_latency_seconds_count",

@@ -44,7 +44,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
     app = FastAPI(title="fasterllama", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, state.metrics.count_http_error)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health() -> Response:
         if not loop.is_running:
             return JSONResponse({"status": "stopped"}, status_code=503)
