@@ -474,3 +474,17 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+    def flush(self, upto: int | None = None) -> str:
+        """The text held back at the end (tokens that end inside a character: as decode shows them,
+        replacement characters), so that the text is the decode of the first `upto` ids (all)."""
+        ids = self.ids[:upto]
+        if self.read_offset > len(ids):  # (nothing held before the ids left out)
+            return ""
+        decode = self.tokenizer.decode
+        prefix_text = decode(ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        new_text = decode(ids[self.prefix_offset :], self.skip_special_tokens)
+        delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
+        self.prefix_offset = self.read_offset = len(ids)
+        self.text += delta
+        return delta

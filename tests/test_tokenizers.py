@@ -289,6 +289,26 @@ def test_incremental_detokenizer_never_breaks_utf8(default_llm):
     assert any(d == "" for d in deltas)  # some tokens were partial characters and were held back
 
 
+def test_a_text_cut_inside_a_character_ends_as_decode_ends_it(default_llm):
+    """Tokens held back as part of a character are given out when the sequence ends (they were
+    lost): a generation cut by max_tokens mid-character, and one of byte tokens only, end with
+    decode's replacement characters, so that .text == decode(token_ids); an end token's text
+    stays out, what the tokens before it held comes out."""
+    from fasterllama import SamplingParams
+
+    tok = default_llm.tokenizer
+    bytes_only = [i for i in range(tok.vocab_size) if tok.decode([i]) == "\ufffd"][:4]  # (tokens of a partial character)
+    eos = default_llm.config.eos_token_ids[0]
+    cases = [(["日本の首都は"], SamplingParams(temperature=0, max_tokens=2)),
+             (["Hi"], SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=bytes_only)),
+             (["Hi"], SamplingParams(temperature=1.0, seed=3, max_tokens=6, allowed_token_ids=bytes_only + [eos], min_tokens=2))]
+    for prompts, params in cases:
+        out = default_llm.generate(prompts, params)[0]
+        shown = [t for t in out.token_ids if t != eos]
+        assert out.text == tok.decode(shown, skip_special_tokens=True) and out.text, (out.token_ids, out.text)
+        assert "".join(default_llm.stream(prompts[0], params)) == out.text  # (the stream's last delta carries it too)
+
+
 @pytest.mark.parametrize("pre", ["tekken", "llama-bpe", "default"])
 def test_gguf_byte_level_splits_as_transformers(tmp_path, pre):
     """A byte-level GGUF vocabulary splits text as its `tokenizer.ggml.pre` says, as transformers

@@ -707,14 +707,20 @@ class LLMEngine:
                 reason = self._truncate_at_stop(seq) or reason
             else:  # no stop string before min_tokens (as vLLM): the text so far is not searched again
                 seq.num_checked = len(seq.text)
+        text_final = reason is not None and isinstance(seq.stop_reason, str)  # (cut before a stop string)
         if reason is None:
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = "stop"
                 seq.stop_reason = tok if tok in p.stop_token_ids else None  # (vLLM's: the stop token id; None for EOS)
                 if not p.include_stop_str_in_output:  # the ending token's text is not the output's (vLLM)
                     seq.text = text_before
+                    if seq.detokenizer:  # (what the tokens before it held back: the text ends as decode ends it)
+                        seq.text += seq.detokenizer.flush(len(seq.output_token_ids) - 1)
+                    text_final = True
             elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
+        if reason is not None and seq.detokenizer and not text_final:
+            seq.text += seq.detokenizer.flush()  # a last token inside a character: as decode shows it
         if reason is not None:
             self._finish(seq, reason)
             safe_end = len(seq.text)
