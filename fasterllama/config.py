@@ -12,6 +12,12 @@ MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}  # 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
+def per_head(hidden: object, heads: object) -> int:
+    """hidden // heads, or 0 where either is not a positive integer (ModelConfig then says which)."""
+    ok = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (hidden, heads))
+    return hidden // heads if ok else 0  # type: ignore[operator]
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int
@@ -33,6 +39,10 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ModelLoadError(f"the model's {name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_heads}) is not a multiple of "
@@ -87,7 +97,7 @@ class ModelConfig:
                 num_layers=cfg["num_hidden_layers"],
                 num_heads=heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                head_dim=cfg.get("head_dim") or hidden // heads,
+                head_dim=cfg.get("head_dim") or per_head(hidden, heads),
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
                 rope_theta=float(rope_theta),
                 rope_scaling=rope_scaling,

@@ -137,6 +137,25 @@ def test_mistral_window_is_the_context(tmp_path) -> None:
         LLM(folder, max_model_len=32, progress=False)
 
 
+def test_damaged_weights_are_an_error_not_token_0(tmp_path) -> None:
+    """A NaN in the weights (a damaged file) made every logit NaN, and generation drew token 0
+    each step with no error; now the request fails, saying so."""
+    import tiny_models as tm
+    import torch
+
+    from fasterllama import LLM, SamplingParams
+    from fasterllama.errors import FasterLlamaError
+
+    hf = tm.build_hf_model(tm.SPECS["gqa"])
+    with torch.no_grad():
+        hf.model.norm.weight[0] = float("nan")
+    llm = LLM(tm.save_hf_checkpoint(hf, str(tmp_path / "nan")), progress=False)
+    for params in (SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0.8, seed=1, max_tokens=4, top_k=5)):
+        with pytest.raises(FasterLlamaError, match="logits are not finite"):
+            llm.generate([[5, 6, 7]], params)
+    assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used == 0
+
+
 def test_other_activation_rejected(tmp_path):
     """hidden_act other than SiLU: refused (it ran as SiLU: other logits, no error)."""
     (tmp_path / "config.json").write_text(json.dumps({

@@ -572,6 +572,7 @@ class LLMEngine:
         """Draw each sequence's tokens from its logits rows (one, then one after each draft),
         verify its drafts, and append what it keeps."""
         row_seqs = [(seq, d[:j]) for seq, d in zip(seqs, drafts) for j in range(len(d) + 1)]
+        broken = self._nonfinite_first_rows(row_seqs, logits)
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # the model's, before any constraint (vLLM's raw logprobs)
         if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
@@ -580,6 +581,11 @@ class LLMEngine:
         updates = []
         row = 0
         for seq, d in zip(seqs, drafts):
+            if seq in broken:
+                updates.append(self._fail(seq, "the model's logits are not finite (NaN or infinity): its weights may be damaged "
+                                               "(a corrupt file) or overflow this dtype"))
+                row += len(d) + 1
+                continue
             emitted = speculative.verify(d, token_ids[row : row + len(d) + 1])
             shown = 0  # tokens appended before one ended the sequence
             for j, tok in enumerate(emitted):
@@ -602,6 +608,16 @@ class LLMEngine:
                 self.speculator.record(seq, len(d), min(len(emitted) - 1, shown))
             row += len(d) + 1
         return updates
+
+    @staticmethod
+    def _nonfinite_first_rows(row_seqs: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> set[Sequence]:
+        """The sequences drawing their first token whose logits are not all finite (damaged
+        weights: their argmax is token 0 every step); checked once a sequence, after its prompt."""
+        first = [i for i, (seq, extra) in enumerate(row_seqs) if not seq.output_token_ids and not extra]
+        if not first:
+            return set()
+        bad = (~logits[first].isfinite().all(dim=-1)).tolist()
+        return {row_seqs[i][0] for i, b in zip(first, bad) if b}
 
     # -- chained decode steps --------------------------------------------------------------
     def _chains(self, batch: list[ScheduledSeq]) -> bool:

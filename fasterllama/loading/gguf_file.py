@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, per_head
 from ..errors import ModelLoadError
 
 SUPPORTED_ARCHS = ("llama", "mistral")
@@ -208,7 +208,7 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if rope_freqs is not None:  # llama.cpp writes llama3 scaling as per-frequency divisors
         rope_scaling = {"rope_type": "freq_factors", "factors": [float(x) for x in np.asarray(rope_freqs.data)]}
-    head_dim = int(get("attention.key_length", hidden // heads))
+    head_dim = int(get("attention.key_length", per_head(hidden, heads)))
     rotary = get("rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:  # (llama.cpp refuses these llama files too)
         raise ModelLoadError(f"{path}: rotary embedding over {int(rotary)} of {head_dim} head dimensions is not supported")
