@@ -151,7 +151,7 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
-        max_num_seqs=max_num_seqs or 16,
+        max_num_seqs=16 if max_num_seqs is None else max_num_seqs,
         kv_cache_memory=getattr(args, "kv_cache_memory", None),  # (`quantize` has no cache flags)
         enable_prefix_caching=not getattr(args, "no_prefix_caching", False),
         progress=not args.quiet and sys.stderr.isatty(),  # (bars in a log or a pipe are \r frames)
@@ -204,10 +204,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _sampling_params(args)  # validate before the (slow) load
     prompt = _argv_text(args.prompt)
     args.system = _argv_text(args.system)
+    if args.system is not None and not args.chat:
+        raise FasterLlamaError("--system needs --chat (a system message goes through the chat template)")
     if prompt is None or prompt == "-":
         _tolerant_stdin()
-        prompt = sys.stdin.read()
-        prompt = prompt[:-1] if prompt.endswith("\n") else prompt  # (echo's line end: the same prompt as the argument)
+        if sys.stdin.isatty():
+            print("reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
+        prompt = sys.stdin.read().removeprefix("\ufeff")  # (a file's UTF-8 byte order mark is not the prompt's)
+        for end in ("\r\n", "\n"):  # echo's line end (a CRLF file's too): the same prompt as the argument
+            if prompt.endswith(end):
+                prompt = prompt[: -len(end)]
+                break
     if not prompt:
         raise FasterLlamaError("empty prompt")
     llm = _load(args)
@@ -231,8 +238,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
     failed = False  # a message was refused (the exit status says so)
+    commands = "/reset clears the history, /exit (or Ctrl-D) quits, /help says so"
+    if system and len(llm.chat_prompt(system)) >= llm.engine.max_model_len:
+        raise ContextLengthError(f"the system message alone takes {len(llm.chat_prompt(system))} tokens with the chat template, "
+                                 f"but the context is {llm.engine.max_model_len} tokens")
     if interactive:
-        print("Chatting with the model. /reset clears the history, /exit (or Ctrl-D) quits.", file=sys.stderr)
+        print(f"Chatting with the model. {commands}.", file=sys.stderr)
     while True:
         if interactive:
             try:
@@ -253,6 +264,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if line == "/reset":
             history.clear()
             print("(history cleared)", file=sys.stderr)
+            continue
+        if line == "/help" or (line.startswith("/") and " " not in line and line[1:].isalpha()):  # (not a message: "/usr/bin ..." is one)
+            print(f"({commands}{'' if line == '/help' else f'; {line} is not a command'})", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
         try:
@@ -440,7 +454,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = _Parser(prog="fasterllama", description="Fast, hackable inference for LLaMA-family models.")  # --debug: see _Parser
+    parser.add_argument("--version", action="version", version=f"fasterllama {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate a continuation of PROMPT (streamed to stdout)")
@@ -522,6 +539,18 @@ def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     return parser
 
 
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll's POLLERR on the write end)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -536,11 +565,10 @@ def main(argv: list[str] | None = None) -> int:
         print(file=sys.stderr)
         return 130
     except BrokenPipeError:  # a reader that stopped early (| head): fine, unless stdout still works (stderr broke: the output was cut)
-        try:
-            sys.stdout.flush()
-        except (BrokenPipeError, ValueError):
-            return 0
-        return 141
+        if not _stdout_reader_gone():
+            return 141
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush of what is left would fail again)
+        return 0
     except Exception as e:
         if debug:
             raise

@@ -43,8 +43,20 @@ def test_generate_streams_greedy_text(default_llm):
     assert proc.returncode == 0, proc.stderr
     expected = default_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].text
     assert proc.stdout == expected + "\n"
-    piped = run_cli("generate", "-q", "--temperature", "0", "--max-tokens", "16", "--ignore-eos", stdin="The capital of France is\n")  # (echo's)
-    assert piped.returncode == 0 and piped.stdout == proc.stdout, piped.stderr
+    for stdin in ("The capital of France is\n", "\ufeffThe capital of France is\r\n"):  # (echo's; a Windows file's BOM and CRLF)
+        piped = run_cli("generate", "-q", "--temperature", "0", "--max-tokens", "16", "--ignore-eos", stdin=stdin)
+        assert piped.returncode == 0 and piped.stdout == proc.stdout, piped.stderr
+
+
+@needs_model
+def test_a_reader_stopping_early_is_fine():
+    """`fasterllama generate ... | head -c 5`: exit 0, not 141 (the reader's leaving is not an error)."""
+    proc = subprocess.Popen([sys.executable, "-m", "fasterllama", "generate", "-q", "-t", "0", "-n", "200", "--ignore-eos", "Count: 1, 2, 3,"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert len(proc.stdout.read(5)) == 5
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and b"Traceback" not in err and b"Exception ignored" not in err, err
 
 
 @needs_model
@@ -61,8 +73,9 @@ def test_generate_chat_flag_uses_template(default_llm):
 def test_chat_piped_keeps_history(default_llm):
     from fasterllama import SamplingParams
 
-    proc = run_cli("chat", "-q", "--temperature", "0", "--max-tokens", "20", stdin="My name is Ada.\n/reset\nWhat is 2+2?\n/exit\nnever read\n")
+    proc = run_cli("chat", "-q", "--temperature", "0", "--max-tokens", "20", stdin="My name is Ada.\n/reset\n/help\n/resett\nWhat is 2+2?\n/exit\nnever read\n")
     assert proc.returncode == 0, proc.stderr
+    assert "/resett is not a command" in proc.stderr and "/help says so" in proc.stderr  # (neither went to the model)
     lines = list(proc.stdout.split("\n"))
     params = SamplingParams(temperature=0, max_tokens=20)
     first = default_llm.chat([{"role": "user", "content": "My name is Ada."}], params)[0].text
@@ -93,6 +106,8 @@ def test_chat_says_a_message_over_the_context_and_goes_on(default_llm):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [proc.stderr.strip().splitlines()[0]]
     assert "context is 256 tokens" in proc.stderr
+    too_long = run_cli("chat", "-q", "--max-model-len", "256", "--system", long, stdin="Hi there\n")  # (said once, up front)
+    assert_clean_error(too_long, "the system message alone takes", "context is 256 tokens")
     params = SamplingParams(temperature=0, max_tokens=8)
     h = [{"role": "user", "content": "Hi there"}]
     first = default_llm.chat(h, params)[0].text
@@ -197,6 +212,23 @@ def _write_gguf(path, arch: str, tensor_type=gguf.GGMLQuantizationType.F32) -> N
     w.close()
 
 
+def test_error_a_zero_head_count(tmp_path):
+    path = tmp_path / "zero_heads.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(8)
+    w.add_feed_forward_length(16)
+    w.add_head_count(0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert_clean_error(run_cli("generate", "--model", str(path), "hi"), "num_heads must be a positive integer, got 0")
+
+
 def test_error_unsupported_architecture(tmp_path):
     path = tmp_path / "gpt2.gguf"
     _write_gguf(path, "gpt2")
@@ -229,6 +261,8 @@ def test_error_prompt_longer_than_context():
         (["--max-tokens", "abc"], "max-tokens"),
         (["--top-k", "-3"], "top_k"),
         (["--dtype", "float8"], "dtype"),
+        (["--system", "Be brief."], "--system needs --chat"),
+        (["--kv-cache-memory", "1.5"], "fraction of free memory must be in (0, 1]"),
     ],
 )
 def test_error_invalid_parameters(args, fragment):
@@ -289,6 +323,13 @@ def test_bench_fixed_prompt_ids_are_deterministic():
     a = fixed_prompt_ids(64, 49152)
     assert a == fixed_prompt_ids(64, 49152) and a != fixed_prompt_ids(64, 49152, seed=1)
     assert all(100 <= t < 49152 for t in a) and len(set(a)) > 50
+
+
+def test_version() -> None:
+    from fasterllama import __version__
+
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"fasterllama {__version__}"
 
 
 def test_help_does_not_import_torch() -> None:

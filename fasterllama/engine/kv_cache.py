@@ -55,7 +55,10 @@ def parse_memory(value: float | str) -> int | float:
         if m is None or m.group(2).lower() not in _UNITS:
             raise FasterLlamaError(f"kv_cache_memory {value!r} is not a size such as 2GiB, 512MB or 0.5 (a fraction of free memory)")
         number, unit = float(m.group(1)), m.group(2).lower()
-        value = number if not unit and number <= 1 and "." in m.group(1) else int(number * _UNITS[unit])
+        if not unit and "." in m.group(1):  # a fraction; "1.5" is neither that nor a count of bytes
+            value = number
+        else:
+            value = int(number * _UNITS[unit])
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise FasterLlamaError(f"kv_cache_memory must be bytes (an int or a string such as 2GiB) or a fraction of free memory, got {value!r}")
     if isinstance(value, float) and not 0 < value <= 1:
