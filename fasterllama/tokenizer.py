@@ -278,13 +278,18 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # -- transformers' spellings (what scripts call on vLLM's get_tokenizer()) ----------------
-    def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> Encoding:
-        """{"input_ids", "attention_mask"} of a text (or of each of a list of texts)."""
+    def __call__(self, text: str | list[str], add_special_tokens: bool = True, return_tensors: str | None = None) -> Encoding:
+        """{"input_ids", "attention_mask"} of a text (or of each of a list of texts, of one length
+        where return_tensors="pt": [batch, length] tensors, as transformers gives them unpadded)."""
+        if return_tensors not in (None, "pt"):
+            raise FasterLlamaError(f"return_tensors must be None or 'pt', got {return_tensors!r}")
         if isinstance(text, str):
             ids = self.encode(text, add_special_tokens)
-            return Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+            enc = Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+            return enc if return_tensors is None else _as_tensors(Encoding(input_ids=[ids], attention_mask=[enc["attention_mask"]]))
         ids_list = [self.encode(t, add_special_tokens) for t in text]
-        return Encoding(input_ids=ids_list, attention_mask=[[1] * len(ids) for ids in ids_list])
+        enc = Encoding(input_ids=ids_list, attention_mask=[[1] * len(ids) for ids in ids_list])
+        return enc if return_tensors is None else _as_tensors(enc)
 
     def __len__(self) -> int:
         return self.vocab_size
@@ -299,7 +304,13 @@ class Tokenizer:
         return self.backend.id_to_token(int(ids)) if isinstance(ids, Integral) else [self.backend.id_to_token(int(i)) for i in ids]
 
     def convert_tokens_to_ids(self, tokens: str | Sequence[str]) -> int | None | list[int | None]:
-        return self.token_to_id(tokens) if isinstance(tokens, str) else [self.token_to_id(t) for t in tokens]
+        """Ids of tokens; an unknown one is the unk token's id, as in transformers (None without one)."""
+
+        def one(t: str) -> int | None:
+            found = self.token_to_id(t)
+            return self.unk_token_id if found is None else found
+
+        return one(tokens) if isinstance(tokens, str) else [one(t) for t in tokens]
 
     def convert_tokens_to_string(self, tokens: Sequence[str]) -> str:
         return self.backend.decoder.decode(list(tokens)) if self.backend.decoder is not None else "".join(tokens)
@@ -392,6 +403,16 @@ class Encoding(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+def _as_tensors(enc: Encoding) -> Encoding:
+    """A batch's lists as int64 torch tensors (return_tensors="pt"); rows of different lengths
+    are an error, as in transformers without padding."""
+    import torch
+
+    if len({len(row) for row in enc["input_ids"]}) > 1:
+        raise FasterLlamaError("return_tensors='pt' needs texts of one length in tokens (this tokenizer does not pad)")
+    return Encoding({k: torch.tensor(v, dtype=torch.int64) for k, v in enc.items()})
 
 
 def _sentencepiece_file_backend(path: str, legacy: bool) -> BackendTokenizer:

@@ -67,6 +67,10 @@ def test_tokenizer_speaks_transformers(default_llm, hf_tokenizer):
     assert ours.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids) and ours.convert_ids_to_tokens(ids[0]) == hf.convert_ids_to_tokens(ids[0])
     assert ours.tokenize(texts[1]) == hf.tokenize(texts[1])
     assert ours.convert_tokens_to_ids(ours.tokenize(texts[1])) == hf.convert_tokens_to_ids(hf.tokenize(texts[1]))
+    assert ours.convert_tokens_to_ids(["zzzunk", "Hello"]) == hf.convert_tokens_to_ids(["zzzunk", "Hello"])  # (unknown: the unk id)
+    for text in (texts[0], [texts[0], texts[0]]):  # return_tensors="pt": [batch, length] int64 tensors
+        got, want = ours(text, return_tensors="pt"), hf(text, return_tensors="pt")
+        assert all(torch.equal(got[k], want[k]) for k in ("input_ids", "attention_mask"))
     assert ours.convert_tokens_to_string(ours.tokenize(texts[1])) == hf.convert_tokens_to_string(hf.tokenize(texts[1]))
     assert ours.batch_decode([ids, ids[:3]]) == hf.batch_decode([ids, ids[:3]]) and ours.decode(ids[0]) == hf.decode(ids[0])
     assert len(ours) == len(hf) and ours.get_vocab() == hf.get_vocab()
