@@ -134,11 +134,25 @@ def _sampling_params(args: argparse.Namespace) -> Any:
     )
 
 
+def _check_calibrates(spec: str | None) -> None:
+    """--calibration-file with a mode that reads no text is refused (it was ignored)."""
+    from .quant import QuantConfig
+
+    try:
+        calibrates = spec is not None and QuantConfig.parse(spec).needs_calibration
+    except FasterLlamaError:
+        return  # (not a mode of ours: the load says what is wrong with it)
+    if not calibrates:
+        raise FasterLlamaError(f"--calibration-file is read by the modes that calibrate (w8a8-static, SmoothQuant, w4's importance "
+                               f"weights); {spec or 'no --quantization'} reads none")
+
+
 def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
     from .llm import LLM
 
     calibration_text = None
     if getattr(args, "calibration_file", None):
+        _check_calibrates(args.quantization)
         try:
             with open(args.calibration_file, encoding="utf-8", errors="replace") as fh:
                 calibration_text = fh.read()

@@ -70,11 +70,17 @@ def test_peak_load_memory_is_near_the_weights():
 def test_hf_folder_errors(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         open_checkpoint(str(tmp_path))
+    (tmp_path / "model-Q4_K_M.gguf").write_bytes(b"")  # (a folder of GGUF files: the error names one to give)
+    with pytest.raises(ModelLoadError, match="it holds GGUF files: give one as the model, e.g. .*model-Q4_K_M.gguf"):
+        open_checkpoint(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2, "num_hidden_layers": 1,
         "intermediate_size": 16, "vocab_size": 10,
     }))
-    with pytest.raises(ModelLoadError, match="no model.safetensors"):
+    with pytest.raises(ModelLoadError, match="no model.safetensors or model.safetensors.index.json$"):
+        open_checkpoint(str(tmp_path))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ModelLoadError, match="its PyTorch .bin weights are not read"):
         open_checkpoint(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(ModelLoadError, match="safetensors"):

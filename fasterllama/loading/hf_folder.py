@@ -46,7 +46,9 @@ def _read_json(path: str) -> dict:
 def open_hf_folder(path: str) -> HFCheckpoint:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise ModelLoadError(f"{path}: no config.json (expected a HF checkpoint folder or a .gguf file)")
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf")) if os.path.isdir(path) else []
+        hint = f"; it holds GGUF files: give one as the model, e.g. {os.path.join(path, ggufs[0])}" if ggufs else ""
+        raise ModelLoadError(f"{path}: no config.json (expected a HF checkpoint folder or a .gguf file){hint}")
     raw_config = _read_json(cfg_path)
     config = ModelConfig.from_hf_dict(raw_config)
     quantization = raw_config.get("quantization_config")
@@ -77,5 +79,7 @@ def open_hf_folder(path: str) -> HFCheckpoint:
         except Exception as e:
             raise ModelLoadError(f"{single_path}: cannot read safetensors ({e})") from None
     else:
-        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        pickled = any(f.endswith((".bin", ".pt")) for f in os.listdir(path))
+        hint = " (its PyTorch .bin weights are not read: save them as safetensors, e.g. with transformers' save_pretrained)" if pickled else ""
+        raise ModelLoadError(f"{path}: no model.safetensors or model.safetensors.index.json{hint}")
     return HFCheckpoint(path=path, config=config, shards=shards, quantization=quantization)
