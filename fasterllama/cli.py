@@ -573,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         hint = " (quote a prompt of several words)" if getattr(args, "prompt", None) and not any(e.startswith("-") for e in extra) else ""
         _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     debug = getattr(args, "debug", False) or os.environ.get("FASTERLLAMA_DEBUG") == "1"
+    if isinstance(sys.stdout, io.TextIOWrapper):  # text a terminal's encoding lacks (PYTHONIOENCODING=ascii, a C locale) shows as "?"
+        sys.stdout.reconfigure(errors="replace")
     try:
         return args.func(args)
     except KeyboardInterrupt:

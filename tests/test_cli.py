@@ -60,6 +60,13 @@ def test_a_reader_stopping_early_is_fine():
 
 
 @needs_model
+def test_text_the_terminal_cannot_show_is_replaced_not_an_error():
+    proc = subprocess.run([sys.executable, "-m", "fasterllama", "generate", "-q", "-t", "0", "-n", "6", "--ignore-eos", "日本の首都は"],
+                          capture_output=True, timeout=300, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert proc.returncode == 0 and b"?" in proc.stdout, proc.stderr
+
+
+@needs_model
 def test_generate_chat_flag_uses_template(default_llm):
     from fasterllama import SamplingParams
 
