@@ -172,6 +172,7 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         speculative_config=_text_or_file(getattr(args, "speculative_config", None), "speculative config"),
         enforce_eager=getattr(args, "enforce_eager", False),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", 2048),
     )
 
 
@@ -532,6 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $FASTERLLAMA_API_KEY, else none)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model, or the default model's name)")
     sv.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default 16)")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                    help="most tokens a step computes: prompt chunks and decodes together (default 2048)")
     sv.add_argument("--trust-request-chat-template", action="store_true",
                     help="let requests bring their own chat_template (a template is a program: only for trusted clients)")
     sv.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no access log")

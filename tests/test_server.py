@@ -846,7 +846,8 @@ def test_cli_serve_sigterm_ends_streams_and_exits_0(model_dir: str, tmp_path: An
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "fasterllama", "serve", "--model", model_dir, "--port", str(port), "-q",
-                                 "--served-model-name", MODEL, "--max-num-seqs", "2"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                 "--served-model-name", MODEL, "--max-num-seqs", "2", "--max-num-batched-tokens", "64",
+                                 "--trust-request-chat-template"], stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -860,6 +861,10 @@ def test_cli_serve_sigterm_ends_streams_and_exits_0(model_dir: str, tmp_path: An
                 time.sleep(0.1)
         assert httpx.get(base + "/v1/models", timeout=TIMEOUT).status_code == 401
         headers = {"Authorization": "Bearer k3y"}
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi " * 100}], "max_tokens": 2,
+                "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"}  # (trusted here; its prompt in steps of 64)
+        r = httpx.post(base + "/v1/chat/completions", json=chat, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] > 64, r.text
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": CONTEXT - 16, "ignore_eos": True, "stream": True}
         events: list[Any] = []
         with httpx.stream("POST", base + "/v1/completions", json=body, headers=headers, timeout=TIMEOUT) as response:
