@@ -54,6 +54,8 @@ ROPE = {"qkv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_out_ptr":
 A8 = {"x_ptr": "*bf16", "s_ptr": "*fp16", "mn_ptr": "*fp16", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32",
       "K_SPLIT": "i32", "G": "i32", "xw_ptr": "*i32", "xs_ptr": "*fp32", "xsum_ptr": "*fp32",
       **dict.fromkeys(("BITS", "E", "GS", "WB", "PER_GROUP", "HAS_MINS", "BLOCK_N", "TWO", "PDL", "ASM", "ROUND_IN_LOOP"), "constexpr"), **SPLIT}
+SILU_QUANT_ROWS = {"gu_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "static_ptr": "*fp32", "K": "i32",
+                   **dict.fromkeys(("BLOCK", "HAS_STATIC", "CLIP", "RECOMPUTE", "PDL"), "constexpr")}
 CASES = {  # name: (module, kernel, signature, constexprs, warps)
     "sampler": ("triton_sampling", "_sample_kernel", SAMPLE, {"BLOCK": 4096, "CAP": 256, "LOCAL_CAP": 64, "P_PAD": 32, "PDL": True}, 8),
     "sampler's chunks": ("triton_sampling", "_chunk_kernel", SAMPLE_CHUNKS, {"CHUNK": 2048, "LOCAL_CAP": 64, "PDL": True}, 8),
@@ -77,10 +79,10 @@ CASES = {  # name: (module, kernel, signature, constexprs, warps)
                                                             "PDL": "constexpr"}, {"HALF": 64, "BLOCK_T": 32, "BLOCK_HALF": 64, "PDL": True}, 4),
     "residual add + RMSNorm": ("triton_norm", "_rms_norm_kernel", NORM,
                                {"BLOCK": 4096, "HAS_RESIDUAL": True, "QUANT": False, "HAS_STATIC": False, "CLIP": False, "PDL": True}, 8),
-    "SiLU·mul quantized in chunks": ("triton_norm", "_silu_and_mul_quant_rows_kernel",
-                                     {"gu_ptr": "*bf16", "y_ptr": "*bf16", "q_ptr": "*i8", "scale_ptr": "*fp32", "static_ptr": "*fp32", "K": "i32",
-                                      "BLOCK": "constexpr", "HAS_STATIC": "constexpr", "CLIP": "constexpr", "PDL": "constexpr"},
-                                     {"BLOCK": 2048, "HAS_STATIC": True, "CLIP": False, "PDL": True}, 8),
+    "SiLU·mul quantized in chunks": ("triton_norm", "_silu_and_mul_quant_rows_kernel", SILU_QUANT_ROWS,
+                                     {"BLOCK": 2048, "HAS_STATIC": True, "CLIP": False, "RECOMPUTE": False, "PDL": True}, 8),
+    "SiLU·mul quantized in chunks, made twice": ("triton_norm", "_silu_and_mul_quant_rows_kernel", SILU_QUANT_ROWS,
+                                                 {"BLOCK": 2048, "HAS_STATIC": True, "CLIP": False, "RECOMPUTE": True, "PDL": True}, 8),
     "W8A8 GEMM, persistent, TMA": ("triton_linear", "_int8_gemm_tma_kernel",
                                    {"a_desc": "tensordesc<i8[128, 128]>", "w_desc": "tensordesc<i8[256, 128]>", "xs_ptr": "*fp32", "ws_ptr": "*fp32",
                                     "b_ptr": "*fp32", "out_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32",

@@ -95,13 +95,16 @@ def test_triton_norm_quant(dtype, static) -> None:
     _assert_int8_close(*tn.quantize_per_token(x, scale, clip), *quantized.quantize_per_token(x, scale, clip), loose)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("static", [None, "scale", "clip"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_silu_and_mul_quant_in_chunks(monkeypatch, dtype, static) -> None:
+def test_triton_silu_and_mul_quant_in_chunks(monkeypatch, dtype, static, recompute) -> None:
     """The chunked kernel of many rows (a prefill's) quantizes as the reference does: rows of
-    several chunks and a partial last one, a row whose absmax lies in a late chunk."""
+    several chunks and a partial last one, a row whose absmax lies in a late chunk; SiLU·mul read
+    back or made again."""
     M, K = (6, 3 * 32 + 8) if DEVICE == "cpu" else (300, 11008)
     monkeypatch.setattr(tn, "SILU_QUANT_ROWS", 1)
+    monkeypatch.setattr(tn, "SILU_QUANT_RECOMPUTE", recompute)
     if DEVICE == "cpu":
         monkeypatch.setattr(tn, "SILU_QUANT_BLOCK", 32)
     gu = _rand(M, 2 * K, dtype=dtype, scale=2)

@@ -113,12 +113,15 @@ def _silu_and_mul_kernel(
 @triton.jit
 def _silu_and_mul_quant_rows_kernel(
     gu_ptr, y_ptr, q_ptr, scale_ptr, static_ptr, K,
-    BLOCK: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr, PDL: tl.constexpr,
+    BLOCK: tl.constexpr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr, RECOMPUTE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Quantizing SiLU·mul of one row in column chunks: each chunk's SiLU·mul (in the model dtype)
-    goes to y_ptr as the row's absmax grows, then comes back (from L2) to be quantized. The
-    one-block kernel holds a prefill row of 11,008 in 16 warps at 88 registers, one program an SM;
-    this one 8 warps at 40. On an H200 at 2,048 x 11,008: 54.4 µs against 58.6 (2026-11-30)."""
+    goes to y_ptr as the row's absmax grows, then comes back to be quantized; or (RECOMPUTE) the
+    first pass keeps only the absmax and the second reads gate and up again (their row, 44 KB at
+    7B, just read: from L2) and makes the same values, so y never goes to memory. The one-block
+    kernel holds a prefill row of 11,008 in 16 warps at 88 registers, one program an SM; this one
+    8 warps at 40. On an H200 at 2,048 x 11,008: 54.4 µs against 58.6 and the plain SiLU·mul's 33.5
+    (2026-11-30): ~22 µs more, what y's 45 MB out and back take from DRAM. RECOMPUTE: not yet timed."""
     pdl.wait_prior(PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = gu_ptr.dtype.element_ty
@@ -129,14 +132,22 @@ def _silu_and_mul_quant_rows_kernel(
         g = tl.load(gu_ptr + row * 2 * K + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gu_ptr + row * 2 * K + K + cols, mask=mask, other=0.0).to(tl.float32)
         y = silu_mul(g, up, dtype)
-        tl.store(y_ptr + row * K + cols, y, mask=mask)
+        if not RECOMPUTE:
+            tl.store(y_ptr + row * K + cols, y, mask=mask)
         amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))  # (masked columns are SiLU(0) * 0 = 0)
     scale = _row_scale(tl.max(amax, axis=0), static_ptr, HAS_STATIC, CLIP)
-    tl.debug_barrier()  # (every thread's stores of y before any thread reads them back)
+    if not RECOMPUTE:
+        tl.debug_barrier()  # (every thread's stores of y before any thread reads them back)
     for c0 in range(0, K, BLOCK):
         cols = c0 + tl.arange(0, BLOCK)
         mask = cols < K
-        _store_quantized(tl.load(y_ptr + row * K + cols, mask=mask, other=0.0).to(tl.float32), scale, cols, mask, q_ptr, row, K)
+        if RECOMPUTE:
+            g = tl.load(gu_ptr + row * 2 * K + cols, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(gu_ptr + row * 2 * K + K + cols, mask=mask, other=0.0).to(tl.float32)
+            y = silu_mul(g, up, dtype)
+        else:
+            y = tl.load(y_ptr + row * K + cols, mask=mask, other=0.0)
+        _store_quantized(y.to(tl.float32), scale, cols, mask, q_ptr, row, K)
     tl.store(scale_ptr + row, scale)
 
 
@@ -152,8 +163,9 @@ def _quantize_kernel(x_ptr, q_ptr, scale_ptr, static_ptr, K, BLOCK: tl.constexpr
 
 
 SILU_BLOCK = 2048  # columns a SiLU·mul program takes (without quantization)
-# quantizing, batches of SILU_QUANT_ROWS rows or more take the chunked kernel, SILU_QUANT_BLOCK columns a chunk
-SILU_QUANT_ROWS, SILU_QUANT_BLOCK = 128, 2048
+# quantizing, batches of SILU_QUANT_ROWS rows or more take the chunked kernel, SILU_QUANT_BLOCK columns a chunk;
+# SILU_QUANT_RECOMPUTE: its second pass makes SiLU·mul again rather than reading it back (gpu_session.sh SILU_AB=1 times both)
+SILU_QUANT_ROWS, SILU_QUANT_BLOCK, SILU_QUANT_RECOMPUTE = 128, 2048, False
 
 
 def _launch_config(k: int) -> tuple[int, int]:
@@ -217,7 +229,8 @@ def _silu(gate_up: torch.Tensor, quant: bool, static_scale=None, clip=False):
     if quant and M >= SILU_QUANT_ROWS:
         _silu_and_mul_quant_rows_kernel[(M,)](
             gu, out, q, scale, static_scale if static_scale is not None else scale, K,
-            BLOCK=SILU_QUANT_BLOCK, HAS_STATIC=static_scale is not None, CLIP=clip, num_warps=max(1, min(8, SILU_QUANT_BLOCK // 256)),
+            BLOCK=SILU_QUANT_BLOCK, HAS_STATIC=static_scale is not None, CLIP=clip, RECOMPUTE=SILU_QUANT_RECOMPUTE,
+            num_warps=max(1, min(8, SILU_QUANT_BLOCK // 256)),
             **pdl.launch_args(gu),
         )
         return q.view(shape), scale.view(shape[:-1])
