@@ -200,6 +200,15 @@ def test_a_short_prompt_starts_beside_a_long_one_being_prefilled():
     for seq in shorts:
         sched.add(seq)
     assert step() == [(long, 16), (shorts[0], 20), (shorts[1], 20), (shorts[2], 8)]
+    # one that waits for the prefix the long one is filling does not start: the long one keeps the whole budget
+    bm2 = BlockManager(64, 16, _Copies())
+    sched = Scheduler(bm2, max_num_seqs=8, max_num_batched_tokens=64)
+    first, second = _seq(list(range(300))), _seq(list(range(300)) + [7])
+    sched.add(first)
+    assert step() == [(first, 64)]
+    sched.add(second)
+    steps = [step() for _ in range(4)]
+    assert steps[:3] == [[(first, 64)]] * 3 and steps[3] == [(first, 44)] + steps[3][1:], steps  # (the prefix computed once)
 
 
 def test_parse_memory():

@@ -1,12 +1,14 @@
 """Scheduler: picks each step's work — one token for every decoding sequence plus prompt chunks
 of waiting sequences — within a token budget, max_num_seqs and the KV cache's free blocks.
-A waiting sequence whose next uncached block another sequence computes in this step waits one
-step and takes it from the prefix cache: prompts sharing a prefix that arrive together (a system
-prompt, n requests of one prompt) compute it once.
+A waiting sequence whose next uncached block another sequence is filling (in this step, or a
+later one for a prompt in chunks) waits, and takes it from the prefix cache: prompts sharing a
+prefix that arrive together (a system prompt, n requests of one prompt) compute it once.
 
-A long prompt is prefilled in chunks of the step's budget, but of a quarter of it while requests
-wait to start: a short request arriving behind an 8,000-token prompt starts at the next step, a
-short one, not after the whole prompt (head-of-line blocking; vLLM's long_prefill_token_threshold).
+A long prompt is prefilled in chunks of the step's budget, but of a quarter of it in a step where
+a waiting request starts: a short request arriving behind an 8,000-token prompt starts at the
+next step, a short one, not after the whole prompt (head-of-line blocking; vLLM's
+long_prefill_token_threshold). Where none can start (it waits for the prefix the prompt is
+computing, or for blocks) the prompt takes the whole budget after all.
 
 When blocks run out the newest running sequence is preempted: its blocks are freed and it waits
 at the front of the queue to be recomputed (prompt and output so far; the prefix cache usually
@@ -56,7 +58,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[ScheduledSeq] = []
         preempted, i = self.num_preemptions, 0
-        prefill_cap = budget // LONG_PREFILL_SHARE if self._starts_waiting() else budget
+        prefill_cap = max(1, budget // LONG_PREFILL_SHARE) if self._starts_waiting() else budget
+        capped: list[ScheduledSeq] = []  # prefills cut to the cap (the budget goes back to them if no waiting sequence starts)
         while i < len(self.running) and budget > 0:  # decodes first, then prompts still being prefilled
             seq = self.running[i]
             left = seq.num_tokens - seq.num_cached
@@ -64,6 +67,8 @@ class Scheduler:
             if not self._reserve(seq, seq.num_cached + n):
                 break  # seq itself was preempted, and everything after it
             batch.append(ScheduledSeq(seq, n))
+            if n < min(left, budget):
+                capped.append(batch[-1])
             budget -= n
             i += 1
         if self.num_preemptions != preempted:
@@ -72,8 +77,10 @@ class Scheduler:
         # (a running parent's forks start once its prompt is in: their seats stay taken while it is
         # prefilled in chunks)
         seats = self._free_seats()
-        computing = {self.blocks.next_block_hash(item.seq, item.seq.num_cached + item.num_tokens - len(item.drafts)) for item in batch}
+        # the block each running sequence fills next, in this step or (a prompt in chunks) a later one
+        computing = {self.blocks.next_block_hash(item.seq, item.seq.num_tokens) for item in batch}
         deferred: list[Sequence] = []
+        admitted_from = len(batch)
         while self.waiting and budget > 0 and seats >= 1 + len(self.waiting[0].forks):
             seq = self.waiting[0]
             self.blocks.reuse_prefix(seq)
@@ -87,7 +94,7 @@ class Scheduler:
                 self.blocks.free(seq)
                 break
             self.waiting.popleft()
-            computing.add(self.blocks.next_block_hash(seq, seq.num_cached + n))
+            computing.add(self.blocks.next_block_hash(seq, seq.num_tokens))
             if not seq.admitted:  # (not a preempted sequence coming back: what it finds, it computed itself; as vLLM counts)
                 seq.num_prefix_cached, seq.admitted = seq.num_cached, True
             self.prefix_queried_tokens += seq.num_tokens
@@ -98,7 +105,20 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # first in the queue next step, in their order
+        if len(batch) == admitted_from:  # none started (one waits for a prefix being computed, too few blocks)
+            self._give_back(capped, budget)
         return batch
+
+    def _give_back(self, capped: list[ScheduledSeq], budget: int) -> None:
+        """The budget back to the prefills capped for waiting sequences that did not start, as far
+        as free blocks go (never a cause of preemption). Where one did start, the step stays short:
+        its first token comes sooner."""
+        for item in capped:
+            seq = item.seq
+            extra = min(seq.num_tokens - seq.num_cached - item.num_tokens, budget)
+            if extra > 0 and self.blocks.reserve(seq, seq.num_cached + item.num_tokens + extra):
+                item.num_tokens += extra
+                budget -= extra
 
     def _free_seats(self) -> int:
         return self.max_num_seqs - len(self.running) - sum(not child.is_finished for seq in self.running for child in seq.forks)
