@@ -482,8 +482,10 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
+        self._before_last = (0, 0, 0)  # (prefix_offset, read_offset, len(text)) before the last add: drop_last
 
     def add(self, token_id: int) -> str:
+        self._before_last = (self.prefix_offset, self.read_offset, len(self.text))
         self.ids.append(token_id)
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
@@ -496,16 +498,19 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
-    def flush(self, upto: int | None = None) -> str:
+    def drop_last(self) -> None:
+        """Undo the last add (an ending token whose text is not the output's)."""
+        self.prefix_offset, self.read_offset, kept = self._before_last
+        self.ids.pop()
+        self.text = self.text[:kept]
+
+    def flush(self) -> str:
         """The text held back at the end (tokens that end inside a character: as decode shows them,
-        replacement characters), so that the text is the decode of the first `upto` ids (all)."""
-        ids = self.ids[:upto]
-        if self.read_offset > len(ids):  # (nothing held before the ids left out)
-            return ""
+        replacement characters), so that the text is the decode of all the ids."""
         decode = self.tokenizer.decode
-        prefix_text = decode(ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
-        new_text = decode(ids[self.prefix_offset :], self.skip_special_tokens)
+        prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        new_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         delta = new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
-        self.prefix_offset = self.read_offset = len(ids)
+        self.prefix_offset = self.read_offset = len(self.ids)
         self.text += delta
         return delta

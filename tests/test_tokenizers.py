@@ -302,9 +302,12 @@ def test_a_text_cut_inside_a_character_ends_as_decode_ends_it(default_llm):
     cases = [(["日本の首都は"], SamplingParams(temperature=0, max_tokens=2)),
              (["Hi"], SamplingParams(temperature=0, max_tokens=3, allowed_token_ids=bytes_only)),
              (["Hi"], SamplingParams(temperature=1.0, seed=3, max_tokens=6, allowed_token_ids=bytes_only + [eos], min_tokens=2))]
+    word = tok.encode("hello", add_special_tokens=False)[0]  # an ending token with text of its own, after a partial character
+    cases += [(["Hi"], SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[bytes_only[0], word], stop_token_ids=[word],
+                                      min_tokens=1, logit_bias={word: 100}))]
     for prompts, params in cases:
         out = default_llm.generate(prompts, params)[0]
-        shown = [t for t in out.token_ids if t != eos]
+        shown = [t for t in out.token_ids if t not in (eos, *params.stop_token_ids)]
         assert out.text == tok.decode(shown, skip_special_tokens=True) and out.text, (out.token_ids, out.text)
         assert "".join(default_llm.stream(prompts[0], params)) == out.text  # (the stream's last delta carries it too)
 

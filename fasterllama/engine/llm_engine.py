@@ -731,7 +731,8 @@ class LLMEngine:
                 if not p.include_stop_str_in_output:  # the ending token's text is not the output's (vLLM)
                     seq.text = text_before
                     if seq.detokenizer:  # (what the tokens before it held back: the text ends as decode ends it)
-                        seq.text += seq.detokenizer.flush(len(seq.output_token_ids) - 1)
+                        seq.detokenizer.drop_last()
+                        seq.text += seq.detokenizer.flush()
                     text_final = True
             elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = "length"
