@@ -138,13 +138,14 @@ def _check_calibrates(spec: str | None) -> None:
     """--calibration-file with a mode that reads no text is refused (it was ignored)."""
     from .quant import QuantConfig
 
+    file_modes = ("none", "gguf", "gguf-a8", *GGUF_MODES)  # (weights as a file has them, or llama.cpp's types: no calibration)
     try:
-        calibrates = spec is not None and QuantConfig.parse(spec).needs_calibration
+        calibrates = spec is not None and spec.lower() not in file_modes and QuantConfig.parse(spec).needs_calibration
     except FasterLlamaError:
         return  # (not a mode of ours: the load says what is wrong with it)
     if not calibrates:
-        raise FasterLlamaError(f"--calibration-file is read by the modes that calibrate (w8a8-static, SmoothQuant, w4's importance "
-                               f"weights); {spec or 'no --quantization'} reads none")
+        raise FasterLlamaError(f"--calibration-file is read only by the modes that calibrate (w8a8-static, SmoothQuant, w4's importance "
+                               f"weights): {spec or 'no --quantization'} does not")
 
 
 def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
@@ -352,6 +353,8 @@ GGUF_MODES = ("q4_k_m", "q4_k", "q5_k", "q6_k", "q2_k", "q8_0", "q5_0", "q5_1", 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     args.mode = args.mode.lower()  # (Q4_K_M as llama.cpp spells it)
+    if args.calibration_file:
+        _check_calibrates(args.mode)
     if args.mode in GGUF_MODES:
         return _quantize_gguf(args)
     from .loading.registry import resolve_model_path

@@ -270,7 +270,8 @@ def test_error_prompt_longer_than_context():
         (["--dtype", "float8"], "dtype"),
         (["--system", "Be brief."], "--system needs --chat"),
         (["--kv-cache-memory", "1.5"], "fraction of free memory must be in (0, 1]"),
-        (["--quantization", "w8", "--calibration-file", "notes.txt"], "w8 reads none"),
+        (["--quantization", "w8", "--calibration-file", "notes.txt"], "w8 does not"),
+        (["--quantization", "none", "--calibration-file", "notes.txt"], "none does not"),
     ],
 )
 def test_error_invalid_parameters(args, fragment):

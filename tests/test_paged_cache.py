@@ -213,7 +213,7 @@ def test_a_short_prompt_starts_beside_a_long_one_being_prefilled():
 
 def test_parse_memory():
     assert parse_memory("2GiB") == 2 << 30 and parse_memory("512MB") == 512 * 10**6 and parse_memory("0.5") == 0.5
-    assert parse_memory(1 << 20) == 1 << 20 and parse_memory(0.25) == 0.25 and parse_memory("1e9") == 10**9
+    assert parse_memory(1 << 20) == 1 << 20 and parse_memory(0.25) == 0.25 and parse_memory("1e9") == 10**9 and parse_memory("1.5e9") == 1.5e9
     for bad in ("lots", "2 parsecs", -1, 0, 1.5, "1.5", "0", True, None):
         with pytest.raises(FasterLlamaError):
             parse_memory(bad)

@@ -55,7 +55,7 @@ def parse_memory(value: float | str) -> int | float:
         if m is None or m.group(2).lower() not in _UNITS:
             raise FasterLlamaError(f"kv_cache_memory {value!r} is not a size such as 2GiB, 512MB or 0.5 (a fraction of free memory)")
         number, unit = float(m.group(1)), m.group(2).lower()
-        if not unit and "." in m.group(1):  # a fraction; "1.5" is neither that nor a count of bytes
+        if not unit and "." in m.group(1) and "e" not in m.group(1).lower():  # a fraction; "1.5" is neither that nor bytes ("1.5e9" is)
             value = number
         else:
             value = int(number * _UNITS[unit])
