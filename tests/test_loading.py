@@ -160,6 +160,18 @@ def test_damaged_weights_are_an_error_not_token_0(tmp_path) -> None:
         with pytest.raises(FasterLlamaError, match="logits are not finite"):
             llm.generate([[5, 6, 7]], params)
     assert not llm.engine.has_unfinished() and llm.engine.blocks.num_used == 0
+    # a NaN that shows later (token 77's input embedding: finite logits until 77 is drawn), on the sampled path:
+    # the model's fault (a server answers 500), not "no token is allowed"
+    hf = tm.build_hf_model(tm.SPECS["gqa"])
+    assert not hf.config.tie_word_embeddings
+    with torch.no_grad():
+        hf.model.embed_tokens.weight[77] = float("nan")
+    engine = LLM(tm.save_hf_checkpoint(hf, str(tmp_path / "nan77")), progress=False).engine
+    seq = engine.add_request([5, 6, 7], SamplingParams(temperature=0.8, seed=1, max_tokens=4, logit_bias={77: 100}))
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_token_ids == [77] and seq.finish_reason == "error" and "logits are not finite" in seq.error
+    assert not seq.error_is_request
 
 
 def test_other_activation_rejected(tmp_path):

@@ -305,7 +305,7 @@ class EngineLoop:
             logprobs = [update.logprobs] if update.logprobs is not None else None
             reason = update.finish_reason  # (a speculative step emits several tokens: only its last may finish)
             if reason == "error":
-                req.handle._push(SequenceOutput(k, "", [], None, reason, now, error=seq.error, request_error=True))
+                req.handle._push(SequenceOutput(k, "", [], None, reason, now, error=seq.error, request_error=seq.error_is_request))
             else:
                 req.handle._push(SequenceOutput(k, update.text_delta, [update.token_id], logprobs, reason, now, stop_reason=seq.stop_reason))
             if reason is not None:

@@ -41,6 +41,7 @@ from .stop_strings import cut_at_stop, find_stop, stop_prefix_len
 from .structured import StructuredOutput
 
 log = logging.getLogger(__name__)
+NONFINITE_ERROR = "the model's logits are not finite (NaN or infinity): its weights may be damaged (a corrupt file) or overflow this dtype"
 
 FILE_MODES = (None, *GGUF_NATIVE, "none")  # quantization values that load a checkpoint as it is (no quantize step)
 
@@ -582,8 +583,7 @@ class LLMEngine:
         row = 0
         for seq, d in zip(seqs, drafts):
             if seq in broken:
-                updates.append(self._fail(seq, "the model's logits are not finite (NaN or infinity): its weights may be damaged "
-                                               "(a corrupt file) or overflow this dtype"))
+                updates.append(self._fail(seq, NONFINITE_ERROR, request_error=False))
                 row += len(d) + 1
                 continue
             emitted = speculative.verify(d, token_ids[row : row + len(d) + 1])
@@ -593,6 +593,9 @@ class LLMEngine:
                     updates.append(self._fail(seq, f"no token is allowed at output token {len(seq.output_token_ids) + 1}: its "
                                               "allowed_token_ids, bad_words, min_tokens (no end token before it) and "
                                               "structured output leave none"))
+                    break
+                if tok == sampler.NOT_FINITE:
+                    updates.append(self._fail(seq, NONFINITE_ERROR, request_error=False))
                     break
                 top = None
                 if logprobs is not None and seq.params.logprobs is not None:
@@ -747,9 +750,10 @@ class LLMEngine:
         seq.num_emitted = max(seq.num_emitted, safe_end)
         return StepUpdate(seq, tok, delta, logprobs, reason)
 
-    def _fail(self, seq: Sequence, error: str, tok: int = sampler.NO_TOKEN, logprobs: dict[int, Logprob] | None = None) -> StepUpdate:
-        """End a sequence with its request's own error (the others in the step go on)."""
-        seq.error = error
+    def _fail(self, seq: Sequence, error: str, tok: int = sampler.NO_TOKEN, logprobs: dict[int, Logprob] | None = None,
+              request_error: bool = True) -> StepUpdate:
+        """End a sequence with an error (the others in the step go on): its request's own, or the model's."""
+        seq.error, seq.error_is_request = error, request_error
         self._finish(seq, "error")
         return StepUpdate(seq, tok, "", logprobs, "error")
 

@@ -120,7 +120,7 @@ class DraftModelProposer:
             engine.scheduler.advance(batch)
             rows = [(active[i][0], drafts[i]) for i in live]
             tokens = sampler.next_tokens(logits, rows, self.draft.eos_token_ids)
-            ended = {i for j, i in enumerate(live) if tokens[j] == sampler.NO_TOKEN}  # (every token banned: no more drafts)
+            ended = {i for j, i in enumerate(live) if tokens[j] in (sampler.NO_TOKEN, sampler.NOT_FINITE)}  # (no token to draft)
             for j, i in enumerate(live):
                 drafts[i] += [] if i in ended else [tokens[j]]
             live = [i for i in live if i not in ended and len(drafts[i]) < active[i][2]]

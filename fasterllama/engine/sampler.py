@@ -237,13 +237,14 @@ def sample(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
 
 
 NO_TOKEN = -1  # next_tokens' token for a row whose every token is banned
+NOT_FINITE = -2  # ... and for a row whose drawn logit is NaN or +inf (a model's fault: damaged weights, an overflow)
 
 
 def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eos_token_ids: Iterable[int]) -> list[int]:
     """The token each row draws (rows as in sampling_batch): a plain argmax where every row is
     greedy with unprocessed logits (no per-row tensors), else `sample` on the rows' batch; NO_TOKEN
     where the row's bans (its -inf logits: a constraint's mask, allowed_token_ids, bad words, end
-    tokens before min_tokens) leave no token."""
+    tokens before min_tokens) leave no token, NOT_FINITE where the drawn token's logit is NaN or +inf."""
     if all(s.params.greedy and plain_logits(s, len(extra)) for s, extra in rows):
         return ops.argmax_tokens(logits)
     b = sampling_batch(rows, logits.shape[-1], eos_token_ids, logits.device)
@@ -254,7 +255,8 @@ def next_tokens(logits: torch.Tensor, rows: list[tuple[Sequence, list[int]]], eo
         value = value + b.bias.gather(1, chosen)
     if b.suppress is not None:
         value = value.masked_fill(b.suppress.gather(1, chosen), float("-inf"))
-    return torch.where(value[:, 0].isfinite(), drawn, NO_TOKEN).tolist()
+    value = value[:, 0]
+    return torch.where(value.isfinite(), drawn, torch.where(value == float("-inf"), NO_TOKEN, NOT_FINITE)).tolist()
 
 
 def token_tensor(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Iterable[int], ahead: int = 0) -> torch.Tensor:

@@ -58,6 +58,7 @@ class Sequence:
         self.forks: list[Sequence] = []  # the other samples of its request: they share its prompt once prefilled
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it ended with finish_reason "error" (its constraint failed)
+        self.error_is_request = True  # the error is the request's own (a server answers 400), not the model's (500)
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's)
         self.bad_words_ids: list[list[int]] = []  # params.bad_words as token ids (each with and without a leading space)
         self.logprobs: list[dict[int, float]] = []
