@@ -331,6 +331,20 @@ def test_completion_logprobs_name_parts_of_characters_by_their_bytes(offline: LL
     assert part["text_offset"] == [len(b.decode("utf-8", errors="ignore")) for b in done]
 
 
+def test_an_added_bos_takes_no_room_in_an_echoed_text(offline: LLM) -> None:
+    """Echoing a text prompt its tokenizer put a BOS before: the BOS's entry has offset 0 and the
+    text's tokens keep theirs (they were shifted by the BOS's text)."""
+    from fasterllama.server.completions import _added_specials
+
+    tok = offline.tokenizer
+    special = next(iter(tok.all_special_ids))
+    text = "Hello there"
+    ids = [special, *tok.encode(text)]
+    assert _added_specials(tok, text, ids) == 1 and _added_specials(tok, tok.decode(ids), ids) == 0
+    part = CompletionLogprobs(TokenTexts(tok)).add(ids, [None] + [{t: -1.0} for t in ids[1:]], zero_width=1)
+    assert part["text_offset"][:2] == [0, 0] and all(text[o:].startswith(t) for o, t in zip(part["text_offset"][1:], part["tokens"][1:]))
+
+
 def test_completion_streaming_seeded_n2_matches_offline(server: Server, offline: LLM) -> None:
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, n=2, logprobs=1)
     ref = offline.generate(["The quick brown fox"], params)[0]
@@ -623,6 +637,9 @@ MALFORMED: list[tuple[str, Any, int]] = [
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "stream_options": {"include_usage": True}}, 400),  # without stream
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "truncate_prompt_tokens": 0}, 400),
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "min_tokens": 40}, 400),  # (over max_tokens' default, 16)
+    ("/v1/completions", {"model": MODEL, "prompt": "Hi", "prompt_embeds": "AAAA"}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True, "prompt_logprobs": 1}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2, "min_tokens": 3}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "echo": True}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"abc": 1}}, 400),
@@ -752,7 +769,7 @@ def test_vllm_prompt_and_logprob_extras(server: Server, offline: LLM) -> None:
     prompt = list(range(40, 52))
     with httpx.Client(base_url=server.base, timeout=TIMEOUT) as client:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "truncate_prompt_tokens": 5, "logprobs": 1,
-                "return_tokens_as_token_ids": True, "use_beam_search": False, "add_special_tokens": True, "priority": 0}
+                "return_tokens_as_token_ids": True, "use_beam_search": False, "add_special_tokens": True, "priority": 0, "logits_processors": []}
         r = client.post("/v1/completions", json=body)
         assert r.status_code == 200, r.text
         want = offline.generate([prompt[-5:]], SamplingParams(temperature=0, max_tokens=4))[0]
@@ -789,6 +806,12 @@ def test_echo_and_prompt_logprobs(server: Server, offline: LLM) -> None:
         assert choice["text"] == text and choice["finish_reason"] == "length" and usage["completion_tokens"] == 0
         lp = choice["logprobs"]
         assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert lp["text_offset"][-1] + len(lp["tokens"][-1]) == len(text)  # (offsets in the echoed text: a BOS the tokenizer added takes none)
+        bos = offline.tokenizer.bos_token_id
+        for prompt in ([bos, *ids[1:]] if bos is not None else ids, text):  # token ids (BOS shown) and text
+            r = client.post("/v1/completions", json={**body, "prompt": prompt})
+            lp, echoed = r.json()["choices"][0]["logprobs"], r.json()["choices"][0]["text"]
+            assert all(echoed[off:].startswith(tok) for off, tok in zip(lp["text_offset"], lp["tokens"]) if tok in echoed), (echoed, lp)
         assert lp["token_logprobs"][1:] == pytest.approx(given, abs=1e-3)
         assert all(len(top) <= 3 for top in lp["top_logprobs"][1:])
         want = offline.generate([text], SamplingParams(temperature=0, max_tokens=3, logprobs=2))[0]

@@ -74,7 +74,7 @@ class ChatGeneration(Generation):
         """As for any request, with vLLM's prompt_logprobs of the rendered prompt where asked."""
         out = super().response()
         if self.want_prompt_logprobs:
-            out["prompt_logprobs"] = prompt_logprobs(self.state.tokens, self.handles[0].prompt_logprobs or [], self.token_names_as_ids)
+            out["prompt_logprobs"] = prompt_logprobs(self.state.tokens, self.handles[0].prompt_logprobs or [])
         return out
 
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:

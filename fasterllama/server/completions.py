@@ -37,9 +37,12 @@ class CompletionGeneration(Generation):
         self.echo, self.echo_only = body.echo, body.echo and body.max_tokens == 0
         self.num_logprobs, self.num_prompt_logprobs = body.logprobs, body.prompt_logprobs
         tokenizer = state.loop.engine.tokenizer
-        self.prompt_texts = [p if isinstance(p, str) and body.truncate_prompt_tokens is None  # (the text as sent)
-                             else tokenizer.decode(h.prompt_token_ids, body.skip_special_tokens) if tokenizer else ""
-                             for p, h in zip(body.prompt, handles)]
+        as_sent = [isinstance(p, str) and body.truncate_prompt_tokens is None for p in body.prompt]
+        # the text echoed: the prompt as sent, or its tokens' (special ones shown: each token's text in it, as text_offset counts)
+        self.prompt_texts = [p if sent else tokenizer.decode(h.prompt_token_ids) if tokenizer else ""
+                             for p, h, sent in zip(body.prompt, handles, as_sent)]
+        self.zero_width = [_added_specials(tokenizer, p, h.prompt_token_ids) if sent and tokenizer else 0
+                           for p, h, sent in zip(body.prompt, handles, as_sent)]
         self.started: set[int] = set()  # choices that had an output
         self.prompt_logprobs_sent: set[int] = set()  # (streaming)
 
@@ -55,7 +58,8 @@ class CompletionGeneration(Generation):
         echoed: dict[str, list[Any]] | None = None
         if self.echo and choice.index not in self.started and out.finish_reason not in ("error", "abort"):
             if self.num_logprobs is not None:
-                echoed = self.logprobs_of(choice).add(handle.prompt_token_ids, handle.prompt_logprobs or [], self.num_logprobs)
+                echoed = self.logprobs_of(choice).add(handle.prompt_token_ids, handle.prompt_logprobs or [], self.num_logprobs,
+                                                      self.zero_width[prompt_index])
             prefix = self.prompt_texts[prompt_index]
         else:
             prefix = ""
@@ -78,7 +82,7 @@ class CompletionGeneration(Generation):
         n, ids = self.num_prompt_logprobs, handle.prompt_token_ids
         entries = [None if e is None else {t: lp for t, lp in e.items() if t == tok or getattr(lp, "rank", 0) <= n}
                    for e, tok in zip(handle.prompt_logprobs or [], ids)]
-        return prompt_logprobs(self.state.tokens, entries, self.token_names_as_ids)
+        return prompt_logprobs(self.state.tokens, entries)
 
     def chunk_choices(self, choice: Choice, out: SequenceOutput, logprobs: Any) -> list[dict[str, Any]]:
         first = self.num_prompt_logprobs is not None and choice.index not in self.prompt_logprobs_sent
@@ -98,6 +102,15 @@ class CompletionGeneration(Generation):
         if self.num_prompt_logprobs is not None:
             final["prompt_logprobs"] = self.prompt_logprobs(handle)
         return final
+
+
+def _added_specials(tokenizer: Any, text: str, ids: list[int]) -> int:
+    """How many of a prompt's leading tokens are special ones the tokenizer added (a BOS), not in
+    its text."""
+    special, n = set(tokenizer.all_special_ids), 0
+    while n < len(ids) and ids[n] in special and not text.startswith(tokenizer.decode([ids[n]])):
+        n += 1
+    return n
 
 
 async def create_completion(request: Request, state: ServerState) -> Response:

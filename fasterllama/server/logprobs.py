@@ -80,18 +80,22 @@ class CompletionLogprobs:
             return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
         return text
 
-    def add(self, token_ids: list[int], logprobs: list[dict[int, float] | None], top_n: int | None = None) -> dict[str, list[Any]]:
+    def add(self, token_ids: list[int], logprobs: list[dict[int, float] | None], top_n: int | None = None,
+            zero_width: int = 0) -> dict[str, list[Any]]:
         """The entries of these tokens (also kept for the whole response); a token without logprobs
-        (a prompt's first) has null ones. top_n: the alternatives shown, where the dicts hold more."""
+        (a prompt's first) has null ones. top_n: the alternatives shown, where the dicts hold more;
+        zero_width: leading tokens whose text the text does not hold (a BOS the tokenizer added to
+        an echoed prompt)."""
         part: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tok, top in zip(token_ids, logprobs):
+        for i, (tok, top) in enumerate(zip(token_ids, logprobs)):
             part["tokens"].append(self._name(tok))
             part["token_logprobs"].append(None if top is None else _finite(top[tok]))
             if top is not None and top_n is not None:
                 top = dict(sorted(top.items(), key=lambda kv: -kv[1])[:top_n]) | {tok: top[tok]}
             part["top_logprobs"].append(None if top is None else {self._name(t): _finite(lp) for t, lp in top.items()})
             part["text_offset"].append(self.offset)
-            self.offset += len(self._utf8.decode(self.tokens.get(tok)[1]))
+            if i >= zero_width:
+                self.offset += len(self._utf8.decode(self.tokens.get(tok)[1]))
         for key, values in part.items():
             self.all[key].extend(values)
         return part
@@ -113,12 +117,9 @@ def chat_logprobs(tokens: TokenTexts, token_ids: list[int], logprobs: list[dict[
     return out
 
 
-def prompt_logprobs(tokens: TokenTexts, entries: list[dict[int, Any] | None], as_ids: bool = False) -> list[dict[str, Any] | None]:
+def prompt_logprobs(tokens: TokenTexts, entries: list[dict[int, Any] | None]) -> list[dict[str, Any] | None]:
     """vLLM's prompt_logprobs: per prompt token, null (the first) or {token id: {logprob, rank,
-    decoded_token}} of the token and the top N."""
-
-    def name(t: int) -> str:
-        return f"token_id:{t}" if as_ids else tokens.text(t)
-
-    return [None if e is None else {str(t): {"logprob": _finite(lp), "rank": getattr(lp, "rank", None), "decoded_token": name(t)}
+    decoded_token}} of the token and the top N (keyed by id: decoded_token is the text, also
+    under return_tokens_as_token_ids, as vLLM's)."""
+    return [None if e is None else {str(t): {"logprob": _finite(lp), "rank": getattr(lp, "rank", None), "decoded_token": tokens.text(t)}
                                     for t, lp in e.items()} for e in entries]

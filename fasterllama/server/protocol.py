@@ -50,7 +50,7 @@ class _Strict(BaseModel):
 # one to anything else is refused (ignoring it would answer another question than the one asked)
 REFUSED: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
                            "logits_processors": None, "guided_whitespace_pattern": None, "priority": 0, "return_token_ids": False,
-                           "mm_processor_kwargs": None, "documents": None}
+                           "mm_processor_kwargs": None, "documents": None, "prompt_embeds": None}
 
 
 class StreamOptions(_Strict):
@@ -124,7 +124,8 @@ class GenerationRequest(_Strict):
     @classmethod
     def _refused(cls, data: Any) -> Any:
         for name, default in cls.refused.items():
-            if isinstance(data, dict) and data.get(name) is not None and data[name] != default:
+            value = data.get(name) if isinstance(data, dict) else None
+            if value is not None and value != default and value not in ([], {}):  # (an empty list or dict asks nothing)
                 raise _refuse(name, f"{name} is not supported")
         return data
 
@@ -410,6 +411,8 @@ class ChatCompletionRequest(GenerationRequest):
                 raise _refuse("tool_choice", f"tool_choice names function {self.tool_choice.function.name!r}, which is not in tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise _refuse("top_logprobs", "top_logprobs requires logprobs to be true")
+        if self.stream and self.prompt_logprobs is not None:  # (as vLLM: they would come with no chunk)
+            raise _refuse("prompt_logprobs", "prompt_logprobs are not available when stream is true")
         return self
 
     @property

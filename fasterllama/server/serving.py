@@ -80,6 +80,9 @@ async def start_requests(state: ServerState, prompts: Seq[list[int]], body: Gene
     params: list[SamplingParams] = []
     for ids in prompts:
         room = loop.max_model_len - len(ids)
+        if max_tokens is None and default_max_tokens is not None and body.min_tokens > default_max_tokens:
+            raise APIError(400, f"min_tokens ({body.min_tokens}) is more than max_tokens' default ({default_max_tokens}): give max_tokens",
+                           param="min_tokens", code="invalid_value")
         if max_tokens is None:
             budget = room if default_max_tokens is None else min(default_max_tokens, room)
         elif max_tokens > room:
