@@ -1415,6 +1415,7 @@ static void top_p_mask(float *e, prob_idx_t *cand, float *mark, int64_t V, float
             cs += cand[kept].p;
             if (!((float)cs - cand[kept].p < top_p)) break;
         }
+        if (c == 0) return; /* every token banned (e all 0): nothing to keep; the caller draws no real token */
         kept = kept > 0 ? kept : 1; /* the top token always stays */
         memset(mark, 0, (size_t)V * sizeof(float));
         for (int64_t j = 0; j < kept; j++) mark[cand[j].i] = 1.0f;
