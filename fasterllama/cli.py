@@ -226,11 +226,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _tolerant_stdin()
         if sys.stdin.isatty():
             print("reading the prompt from stdin (end it with Ctrl-D)", file=sys.stderr)
-        prompt = sys.stdin.read().removeprefix("\ufeff")  # (a file's UTF-8 byte order mark is not the prompt's)
-        for end in ("\r\n", "\n"):  # echo's line end (a CRLF file's too): the same prompt as the argument
-            if prompt.endswith(end):
-                prompt = prompt[: -len(end)]
-                break
+        prompt = sys.stdin.read().removeprefix("\ufeff").replace("\r\n", "\n")  # (a Windows file's byte order mark and line ends)
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt  # (echo's line end: the same prompt as the argument)
     if not prompt:
         raise FasterLlamaError("empty prompt")
     llm = _load(args)
@@ -245,6 +242,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _system_tokens(llm: Any, system: list[dict[str, str]]) -> int:
+    """The system message's tokens with the chat template (0 where there is none, or the template
+    renders no conversation of a system message alone: each message's check then says it)."""
+    try:
+        return len(llm.chat_prompt(system)) if system else 0
+    except FasterLlamaError:
+        return 0
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     args.system = _argv_text(args.system)
@@ -255,8 +261,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     history: list[dict[str, str]] = []
     failed = False  # a message was refused (the exit status says so)
     commands = "/reset clears the history, /exit (or Ctrl-D) quits, /help says so"
-    if system and len(llm.chat_prompt(system)) >= llm.engine.max_model_len:
-        raise ContextLengthError(f"the system message alone takes {len(llm.chat_prompt(system))} tokens with the chat template, "
+    alone = _system_tokens(llm, system)
+    if alone >= llm.engine.max_model_len:
+        raise ContextLengthError(f"the system message alone takes {alone} tokens with the chat template, "
                                  f"but the context is {llm.engine.max_model_len} tokens")
     if interactive:
         print(f"Chatting with the model. {commands}.", file=sys.stderr)
