@@ -19,6 +19,7 @@ pytestmark = [
 ]
 
 from fasterllama.backends.cuda import triton_linear as tlin
+from fasterllama.backends.cuda import triton_norm as tn
 from fasterllama.ops import quantized as ref
 
 DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
@@ -156,10 +157,13 @@ def test_tune_prefill_keeps_the_fastest(monkeypatch, tmp_path) -> None:
     net = load_model(path, torch.float32, torch.device(DEVICE), None, True, progress=False).model
     quantize_model(net, QuantConfig.parse("w8a8-nosq"))  # (no calibration run)
     fastest = tlin.PREFILL_INT8_CONFIGS[1]
-    monkeypatch.setattr(gemv, "_time", lambda fn: 0.5 if fn.__defaults__[0] == fastest else 1.0)
+    monkeypatch.setattr(gemv, "_time", lambda fn: 0.5 if (fn.__defaults__ or [None])[0] == fastest else 1.0)
     monkeypatch.setattr(tlin, "_PREFILL_INT8", {})
+    monkeypatch.setattr(tn, "_SILU_TUNED", {})
+    monkeypatch.setattr(tn, "SILU_QUANT_RECOMPUTE", False)
     timings = tlin.tune_prefill(net, rows=32)  # (the interpreter: few rows)
     shapes = {(m.out_features, m.in_features) for m in net.modules() if isinstance(m, W8A8Linear)}
+    assert timings.pop(("w8a8 silu quant", net.layers[0].mlp.down_proj.in_features, 32)) == {"read back": 1.0, "made again": 1.0}
     assert {k[1:3] for k in timings} == shapes and all(len(t) == len(tlin.PREFILL_INT8_CONFIGS) for t in timings.values())
     assert tlin._PREFILL_INT8 == dict.fromkeys(shapes, fastest)
     N, K = next(iter(shapes))

@@ -668,8 +668,10 @@ def int8_gemm_dequant(xq: torch.Tensor, x_scale: torch.Tensor, qweight: torch.Te
 def tune_prefill(model: torch.nn.Module, rows: int = 2048) -> dict[tuple, dict[str, float]]:
     """Time PREFILL_INT8_CONFIGS for each distinct W8A8 weight shape of the model at `rows` rows
     (from a CUDA graph, as gemv.tune times) and remember the fastest for GEMMs of PREFILL_ROWS rows
-    or more. Returns {("w8a8 prefill", N, K, rows): {config: ms}} (CUDA only)."""
+    or more; and the quantizing SiLU·mul's two ways (triton_norm.tune_silu_quant). Returns
+    {("w8a8 prefill", N, K, rows): {config: ms}, ("w8a8 silu quant", K, rows): {way: ms}} (CUDA only)."""
     from ...quant.linear import W8A8Linear
+    from . import triton_norm
 
     timings: dict[tuple, dict[str, float]] = {}
     with torch.inference_mode():
@@ -680,6 +682,9 @@ def tune_prefill(model: torch.nn.Module, rows: int = 2048) -> dict[tuple, dict[s
                 if ms:
                     _PREFILL_INT8[shape] = min(ms, key=ms.get)
                     timings[("w8a8 prefill", *shape, rows)] = {str(cfg): t for cfg, t in ms.items()}
+        down = next((m for name, m in model.named_modules() if name.endswith("down_proj") and isinstance(m, W8A8Linear)), None)
+        if down is not None:  # (its input: the quantizing SiLU·mul's output)
+            timings.update(triton_norm.tune_silu_quant(down.in_features, model.norm.weight.dtype, down.qweight.device, rows))
     return timings
 
 
