@@ -95,10 +95,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"head": ROOT}
         if args.base:
-            archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.base, "fasterllama"], check=True, capture_output=True).stdout
-            (Path(tmp) / "base").mkdir()
-            subprocess.run(["tar", "-x", "-C", str(Path(tmp) / "base")], input=archive, check=True)
-            trees["base"] = Path(tmp) / "base"
+            from ab_commits import extract  # (this folder's: git archive of the revision's package)
+
+            extract(args.base, Path(tmp), "fasterllama")
+            trees["base"] = Path(tmp)
         for mode in args.modes.split(","):
             for tokens in map(int, args.tokens.split(",")):
                 got = {name: [] for name in trees}
