@@ -579,13 +579,11 @@ class LLMEngine:
         if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
             self.structured.mask(logits, [(s.matcher, extra) for s, extra in row_seqs])
         token_ids = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
+        for i in broken:  # (the plain argmax does not look: a first token's row is checked here, once a sequence)
+            token_ids[i] = sampler.NOT_FINITE
         updates = []
         row = 0
         for seq, d in zip(seqs, drafts):
-            if seq in broken:
-                updates.append(self._fail(seq, NONFINITE_ERROR, request_error=False))
-                row += len(d) + 1
-                continue
             emitted = speculative.verify(d, token_ids[row : row + len(d) + 1])
             shown = 0  # tokens appended before one ended the sequence
             for j, tok in enumerate(emitted):
@@ -613,14 +611,14 @@ class LLMEngine:
         return updates
 
     @staticmethod
-    def _nonfinite_first_rows(row_seqs: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> set[Sequence]:
-        """The sequences drawing their first token whose logits are not all finite (damaged
-        weights: their argmax is token 0 every step); checked once a sequence, after its prompt."""
+    def _nonfinite_first_rows(row_seqs: list[tuple[Sequence, list[int]]], logits: torch.Tensor) -> list[int]:
+        """The rows drawing a sequence's first token whose logits are not all finite (damaged
+        weights: their argmax is token 0 every step)."""
         first = [i for i, (seq, extra) in enumerate(row_seqs) if not seq.output_token_ids and not extra]
         if not first:
-            return set()
+            return []
         bad = (~logits[first].isfinite().all(dim=-1)).tolist()
-        return {row_seqs[i][0] for i, b in zip(first, bad) if b}
+        return [i for i, b in zip(first, bad) if b]
 
     # -- chained decode steps --------------------------------------------------------------
     def _chains(self, batch: list[ScheduledSeq]) -> bool:
