@@ -82,6 +82,16 @@ def _port(text: str) -> int:
     return port
 
 
+def _origins(text: str) -> list[str]:
+    """--allowed-origins: '*' or origins as browsers send them (scheme://host[:port], no path)."""
+    origins = [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
+    for origin in origins:
+        scheme, sep, rest = origin.partition("://")
+        if origin != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
+            raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (e.g. https://chat.example.com or http://host:3000, or '*')")
+    return origins
+
+
 def _json_output(path: str | None) -> None:
     """--json FILE checked before the work whose result it keeps: a folder that exists, not a folder itself."""
     if path is None:
@@ -472,7 +482,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         llm = _load(args, max_num_seqs=args.max_num_seqs)
         name = args.served_model_name or args.model or DEFAULT_MODEL
         serve(EngineLoop(llm.engine), name, args.host, args.port, api_key, "warning" if args.quiet else "info", sock=sock,
-              trust_request_chat_template=args.trust_request_chat_template)
+              trust_request_chat_template=args.trust_request_chat_template, allowed_origins=args.allowed_origins)
     finally:
         sock.close()
     return 0
@@ -547,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="most tokens a step computes: prompt chunks and decodes together (default 2048)")
     sv.add_argument("--trust-request-chat-template", action="store_true",
                     help="let requests bring their own chat_template (a template is a program: only for trusted clients)")
+    sv.add_argument("--allowed-origins", type=_origins, default=[], metavar="ORIGINS",
+                    help="web pages at these origins may call the API from a browser (CORS), comma-separated, e.g. "
+                    "https://chat.example.com; '*': any. Pages on localhost always may")
     sv.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no access log")
     sv.set_defaults(func=cmd_serve)
 

@@ -143,6 +143,9 @@ def test_outputs_and_flags_checked_before_the_work(tmp_path):
     assert_clean_error(run_cli("generate", "--json-schema", f"@{tmp_path / 's.json'}", "hi"), "is not UTF-8 text")
     proc = run_cli("serve", "--port", "99999")
     assert proc.returncode == 2 and "a port is 0..65535" in proc.stderr
+    for origins in ("chat.example.com", "https://chat.example.com/app", "ftp://x"):  # (a browser's Origin is scheme://host[:port])
+        proc = run_cli("serve", "--allowed-origins", origins)
+        assert proc.returncode == 2 and "not an origin" in proc.stderr, origins
     proc = run_cli("generate", "The", "capital", "of")  # (the subcommand's help, and why)
     assert proc.returncode == 2 and "quote a prompt of several words" in proc.stderr and "'fasterllama generate --help'" in proc.stderr
     assert "'fasterllama eval perplexity --help'" in run_cli("eval", "perplexity", "--bogus", str(text)).stderr

@@ -603,11 +603,29 @@ def test_api_key(model_dir: str) -> None:
             r = await client.post("/v1/chat/completions", json=chat, headers=ok)  # (a request's template: only where the server trusts it)
             assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template", r.text
             assert "--trust-request-chat-template" in r.json()["error"]["message"]
+            await check_cors(client, allowed=["http://localhost:3000", "http://127.0.0.1", "https://[::1]:8443"],
+                             refused=["https://chat.example.com", "http://localhost.example.com", "null"])
+        named = create_app(loop, MODEL, api_key="sekrit", allowed_origins=["https://chat.example.com"])
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=named), base_url="http://testserver", timeout=TIMEOUT) as client:
+            await check_cors(client, allowed=["https://chat.example.com", "http://localhost:5173"],
+                             refused=["https://chat.example.com:8443", "https://other.example.com"])
 
     try:
         asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         loop.shutdown(timeout=15)
+
+
+async def check_cors(client: httpx.AsyncClient, allowed: list[str], refused: list[str]) -> None:
+    """A browser's preflight (no API key: browsers send none) and the request after it are allowed
+    from `allowed` origins and from no other."""
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
+    for origin in allowed + refused:
+        r = await client.options("/v1/chat/completions", headers={"Origin": origin, **preflight})
+        assert (r.status_code == 200) == (origin in allowed), (origin, r.status_code)
+        assert r.headers.get("access-control-allow-origin") == (origin if origin in allowed else None), origin
+        r = await client.get("/v1/models", headers={"Origin": origin, "Authorization": "Bearer sekrit"})
+        assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == (origin if origin in allowed else None)
 
 
 MALFORMED: list[tuple[str, Any, int]] = [

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from ..engine.async_engine import EngineLoop
@@ -16,6 +18,10 @@ from .errors import APIError, install_error_handlers
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .serving import ServerState
+
+# Pages served from this machine (any port, http or https) may call the API from a browser, as
+# Ollama allows by default; other origins only when named (`serve --allowed-origins`, '*': all).
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
 
 
 def _auth(api_key: str | None) -> Any:
@@ -32,17 +38,19 @@ def _auth(api_key: str | None) -> Any:
 
 
 def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               trust_request_chat_template: bool = False) -> FastAPI:
+               trust_request_chat_template: bool = False, allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The OpenAI-compatible API over `loop`, serving it as `model_name`.
 
     /v1/* need the API key when one is given; /health and /metrics never do (probes, scrapers).
     A request's own chat_template is refused unless trust_request_chat_template (a template is a
     program: a short one can build gigabytes of text). The loop is the caller's: the app does not
-    shut it down."""
+    shut it down. Browsers may call it from pages on this machine and from allowed_origins (CORS)."""
     state = ServerState(loop, model_name, ServerMetrics(loop), TokenTexts(loop.engine.tokenizer), max_body_bytes,
                         trust_request_chat_template)
     app = FastAPI(title="fasterllama", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, state.metrics.count_http_error)
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_origin_regex=LOCAL_ORIGINS,
+                       allow_methods=["*"], allow_headers=["*"])
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health() -> Response:

@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
@@ -71,12 +72,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          log_level: str = "info", sock: socket.socket | None = None, trust_request_chat_template: bool = False) -> None:
+          log_level: str = "info", sock: socket.socket | None = None, trust_request_chat_template: bool = False,
+          allowed_origins: Sequence[str] = ()) -> None:
     """Serve until a signal; the loop is shut down on return. sock: already bound by bind()
     (the CLI binds before the slow model load, so a busy port fails at once)."""
     sock = sock or bind(host, port)
     release_openmp_threads()
-    app = create_app(loop, model_name, api_key, trust_request_chat_template=trust_request_chat_template)
+    app = create_app(loop, model_name, api_key, trust_request_chat_template=trust_request_chat_template,
+                     allowed_origins=allowed_origins)
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="off")
     server = _Server(config, loop)
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
