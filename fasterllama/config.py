@@ -73,7 +73,7 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):  # (the MLP is SwiGLU: another activation would run as SiLU, wrongly)
             raise ModelLoadError(f"unsupported hidden_act {act!r} (supported: silu)")
-        max_positions = cfg.get("max_position_embeddings", 131072 if arch == "MistralForCausalLM" else 4096)  # (HF's defaults)
+        max_positions = cfg.get("max_position_embeddings", 131072 if arch == "MistralForCausalLM" else 2048)  # (HF's defaults)
         window = cfg.get("sliding_window") if arch == "MistralForCausalLM" else None  # (HF's Llama has none)
         if window is not None and not (isinstance(window, int) and window > 0):
             raise ModelLoadError(f"config.json's sliding_window must be a positive integer or null, got {window!r}")

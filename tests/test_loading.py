@@ -109,6 +109,7 @@ def test_config_model_type_and_mistral_window() -> None:
         assert (cfg.max_position_embeddings, cfg.sliding_window) == (16, 16), extra
     assert ModelConfig.from_hf_dict({**mistral, "max_position_embeddings": 16}).sliding_window is None
     assert ModelConfig.from_hf_dict({**base, "model_type": "mistral"}).max_position_embeddings == 131072  # (HF's default)
+    assert ModelConfig.from_hf_dict({**base, "model_type": "llama"}).max_position_embeddings == 2048  # (HF LlamaConfig's)
     llama = ModelConfig.from_hf_dict({**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 16, "max_position_embeddings": 64})
     assert (llama.max_position_embeddings, llama.sliding_window) == (64, None)
     with pytest.raises(ModelLoadError, match="sliding_window must be a positive integer"):
@@ -141,6 +142,33 @@ def test_mistral_window_is_the_context(tmp_path) -> None:
         llm.compute_logits(ids + [5])
     with pytest.raises(FasterLlamaError, match="sliding window"):
         LLM(folder, max_model_len=32, progress=False)
+
+
+def test_eos_ids_and_an_untied_head_left_out(tmp_path) -> None:
+    """The tokenizer's EOS ends sequences besides config.json's ids (vLLM's rule: a chat model whose
+    config names another end ran on to max_tokens); an untied lm_head missing from the files is an
+    error (it was tied to the embedding in silence: a truncated checkpoint gave wrong logits)."""
+    import tiny_models as tm
+    from safetensors.torch import load_file, save_file
+
+    from fasterllama.tokenizer import Tokenizer
+
+    folder = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "m"))
+    tokenizer_eos = Tokenizer.from_folder(folder).eos_token_id
+    config = json.loads(open(os.path.join(folder, "config.json")).read())
+    other = 0 if tokenizer_eos != 0 else 1
+    config["eos_token_id"] = other
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(config, fh)
+    assert tokenizer_eos is not None and open_checkpoint(folder).config.eos_token_ids == [other, tokenizer_eos]
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    assert not config.get("tie_word_embeddings") and "lm_head.weight" in weights
+    del weights["lm_head.weight"]
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    from fasterllama import LLM
+
+    with pytest.raises(ModelLoadError, match="lacks 1 tensors, e.g. 'lm_head.weight' .*tie_word_embeddings is false"):
+        LLM(folder, progress=False)
 
 
 def test_damaged_weights_are_an_error_not_token_0(tmp_path) -> None:

@@ -43,8 +43,8 @@ def open_checkpoint(model: str | None) -> Checkpoint:
     cfg = ckpt.config
     if cfg.bos_token_id is None:
         cfg.bos_token_id = tokenizer.bos_token_id
-    if not cfg.eos_token_ids and tokenizer.eos_token_id is not None:  # the config's list wins, as in HF
-        cfg.eos_token_ids.append(tokenizer.eos_token_id)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in cfg.eos_token_ids:
+        cfg.eos_token_ids.append(tokenizer.eos_token_id)  # (ends sequences besides the config's, as in vLLM: a chat model's end-of-turn)
     return Checkpoint(path, fmt, cfg, tokenizer, ckpt.tensor_names(), ckpt.iter_tensors, ckpt)
 
 

@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
                 seen.add(f"{target}#{part[1]}")
         if "embed_tokens.weight" in seen and self.embed_tokens.weight.device.type == "meta":
             seen.add("lm_head.weight")  # the caller provides the embedding (and ties lm_head to it)
-        elif cfg.tie_word_embeddings or "lm_head.weight" not in seen:
+        elif cfg.tie_word_embeddings:  # (untied and absent: an error below, as in vLLM; HF would start it at random)
             self.lm_head.weight = self.embed_tokens.weight
             seen.add("lm_head.weight")
         missing = []
@@ -225,7 +225,8 @@ class LlamaForCausalLM(nn.Module):
             keys = [f"{pname}#{i}" for i in range(len(split_sizes[fused]))] if fused else [pname]
             missing += [k for k in keys if k not in seen]
         if missing:
-            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}")
+            untied = " (the config does not tie it to the embedding: tie_word_embeddings is false)" if missing == ["lm_head.weight"] else ""
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}{untied}")
         self.inv_freq = self.inv_freq.to(device)
 
     def _materialize(self, target: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
