@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from numbers import Number
@@ -292,7 +292,7 @@ class LLM:
         self,
         prompts: Prompt | Seq[Prompt],
         params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
         *,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         lora_request: None = None,
@@ -300,14 +300,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or vLLM's {"prompt": ...} /
         {"prompt_token_ids": ...}); one output per prompt. sampling_params: vLLM's name for params;
-        use_tqdm: a progress bar of the prompts done. Calls from several threads take turns.
+        use_tqdm: a progress bar of the prompts done (a callable: what makes the bar, tqdm's
+        arguments, as vLLM takes it). Calls from several threads take turns.
         (lora_request and priority: vLLM's, taken at their defaults.)"""
         check_unused("lora_request", lora_request)
         check_unused("priority", None if priority is None or not any(priority) else priority)
         with self._lock:
             return self._generate(prompts, _either(params, sampling_params), use_tqdm)
 
-    def _generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None,
+                  use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         prompts = prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompts)
@@ -345,7 +347,8 @@ class LLM:
             if use_tqdm:
                 from tqdm import tqdm
 
-                bar = tqdm(total=len(prompts), initial=len(results), desc="Processed prompts", unit="prompt")
+                make_bar = use_tqdm if callable(use_tqdm) else tqdm
+                bar = make_bar(total=len(prompts), initial=len(results), desc="Processed prompts", unit="prompt")
             while engine.has_unfinished():
                 engine.step()
                 if bar is not None:
@@ -394,7 +397,7 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
         params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = False,
         *,
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
@@ -424,7 +427,7 @@ class LLM:
             out.prompt = self.tokenizer.decode(out.prompt_token_ids)
         return outs
 
-    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool | Callable[..., Any] = False) -> list[BeamSearchOutput]:
         """vLLM's beam-search call: generate with params.beam_width beams, each prompt's best
         beams as BeamSearchSequences whose tokens and text include the prompt's, as vLLM's do."""
         if not isinstance(params, BeamSearchParams):

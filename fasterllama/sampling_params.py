@@ -172,7 +172,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # (vLLM's; HF's fast tokenizers, whose decoding this is, have no such choice)
     detokenize: bool = True  # False: token ids only, text ""
-    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as the context holds)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's; -100 / 100 ban / force)
     allowed_token_ids: list[int] | None = None  # only these tokens may be drawn (vLLM's)
     bad_words: list[str] | None = None  # words never generated (vLLM's: a word's last token is banned after its others)
@@ -229,7 +229,10 @@ class SamplingParams:
         if not self.detokenize and self.stop:
             raise FasterLlamaError("stop strings need detokenize=True (they are searched for in the text)")
         if self.truncate_prompt_tokens is not None:
-            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, note=" or None")
+            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1,
+                                                     note=", not 0 (-1: as many as the context holds), or None")
+            if self.truncate_prompt_tokens == 0:
+                raise FasterLlamaError("truncate_prompt_tokens must be -1 (as many as the context holds), an integer >= 1 or None, got 0")
         self._check_token_biases()
         self._check_constraint()
         if self.seed == -1 and not isinstance(self.seed, bool):  # (vLLM's: -1 is no seed)

@@ -177,8 +177,15 @@ def test_vllm_spellings_and_stop_rules(tiny_beam_model):
     ids = llm.tokenizer.encode(word, add_special_tokens=False)
     banned = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, bad_words=[word]))[0].token_ids
     assert banned[0] == free.token_ids[0] and not any(banned[i : i + len(ids)] == ids for i in range(len(banned)))
-    short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=4, detokenize=False))[0]
+    short = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=4, detokenize=False, logprobs=1))[0]
     assert short.prompt_token_ids == prompt[-4:] and short.text == "" and len(short.token_ids) == 3
+    assert all(v.decoded_token is None for step in short.logprobs for v in step.values())  # (vLLM's: no text without detokenize)
+    bars: list[dict] = []
+    fits = llm.generate([prompt * 40], SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1),  # (-1: what the context holds)
+                        use_tqdm=lambda **kw: bars.append(kw) or __import__("tqdm").tqdm(disable=True, **kw))[0]
+    assert fits.prompt_token_ids == (prompt * 40)[-(llm.engine.max_model_len - 1):] and bars[0]["total"] == 1  # (a callable makes the bar, as vLLM's)
+    with pytest.raises(FasterLlamaError, match="truncate_prompt_tokens must be -1"):
+        SamplingParams(truncate_prompt_tokens=0)
     long = prompt * 40  # (past the context: truncated first, then checked)
     beams, sampled = (llm.generate([long], SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=5, **b))[0]
                       for b in ({"beam_width": 2}, {}))

@@ -358,7 +358,8 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Seq[int], keep_last: int | None = None) -> list[int]:
         """Token ids of a prompt (a string, or token ids checked against the vocabulary); only
-        its last keep_last tokens where given (truncate_prompt_tokens), before the context check."""
+        its last keep_last tokens where given (truncate_prompt_tokens; -1: the most that leaves a
+        token to generate), before the context check."""
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
         elif isinstance(prompt, (bytes, bytearray)):
@@ -366,7 +367,7 @@ class LLMEngine:
         else:
             ids = self.check_token_ids(prompt, "prompt")
         if keep_last:
-            ids = ids[-keep_last:]
+            ids = ids[-(self.max_model_len - 1 if keep_last == -1 else keep_last):]
         if not ids:
             raise FasterLlamaError("the prompt is empty")
         if len(ids) >= self.max_model_len:
@@ -597,7 +598,7 @@ class LLMEngine:
                     break
                 top = None
                 if logprobs is not None and seq.params.logprobs is not None:
-                    top = self._top_logprobs(logprobs[row + j], tok, seq.params.logprobs)
+                    top = self._top_logprobs(logprobs[row + j], tok, seq.params.logprobs, seq.params.detokenize)
                     seq.logprobs.append(top)
                     seq.cumulative_logprob += top[tok]
                 updates.append(self._append_token(seq, tok, top))
@@ -704,7 +705,7 @@ class LLMEngine:
         for i in range(logits.shape[0]):
             nxt = start + i + 1
             if nxt < len(prompt):
-                seq.prompt_logprobs.append(self._top_logprobs(lp[i], prompt[nxt], seq.params.prompt_logprobs))
+                seq.prompt_logprobs.append(self._top_logprobs(lp[i], prompt[nxt], seq.params.prompt_logprobs, seq.params.detokenize))
 
     def _append_token(self, seq: Sequence, tok: int, logprobs: dict[int, float] | None = None) -> StepUpdate:
         seq.output_token_ids.append(tok)
@@ -768,10 +769,10 @@ class LLMEngine:
         seq.stop_reason = found[1]
         return "stop"
 
-    def _top_logprobs(self, row: torch.Tensor, tok: int, n: int) -> dict[int, Logprob]:
+    def _top_logprobs(self, row: torch.Tensor, tok: int, n: int, detokenize: bool = True) -> dict[int, Logprob]:
         """The token's log-probability and the top n's, each with its rank in the vocabulary and
-        its text (vLLM's Logprob)."""
-        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        its text (vLLM's Logprob; no text under detokenize=False, as in vLLM)."""
+        text = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None and detokenize else (lambda t: None)
         out = {tok: Logprob(float(row[tok]), int((row > row[tok]).sum()) + 1, text(tok))}
         if n:
             values, idx = row.topk(n)

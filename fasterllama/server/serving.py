@@ -57,11 +57,8 @@ async def encode_prompts(loop: EngineLoop, render: Callable[[], list[list[int] |
     """Token ids of each prompt (rendered and encoded off the event loop; only the last
     truncate_prompt_tokens where given); 400 when a prompt is empty, has ids outside the vocabulary
     or does not fit the context."""
-    keep = body.truncate_prompt_tokens
-    keep_last = loop.max_model_len - 1 if keep == -1 else keep  # (-1: the most that leaves a token to generate)
-
     def work() -> list[list[int]]:
-        return [loop.encode(p, keep_last) for p in render()]
+        return [loop.encode(p, body.truncate_prompt_tokens) for p in render()]
 
     try:
         return await run_in_threadpool(work)
