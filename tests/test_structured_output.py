@@ -76,6 +76,20 @@ def test_regex_grammar_and_schema_hold_greedy_and_sampled(tiny: LLM) -> None:
                 assert [[c.text for c in o.outputs] for o in tiny.generate(prompts, params)] == [[c.text for c in o.outputs] for o in outs]
 
 
+def test_special_token_strings_in_a_constraint_are_text(tiny: LLM) -> None:
+    """A constraint whose text holds a special token's string ("</s>" in a choice, a const, a
+    regex) is written with ordinary tokens: llguidance tokenized the forced text into the special
+    token, which its grammar then refused, and every such request failed at that token."""
+    eos = tiny.tokenizer.eos_token
+    assert tiny.tokenizer.encode(eos, add_special_tokens=False) == [tiny.tokenizer.eos_token_id]
+    for constraint in ({"choice": [f"say {eos} now"]}, {"json_schema": {"const": eos}}, {"regex": re.escape(f"{eos}<s>")}):
+        for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 3}):
+            out = tiny.generate([[5, 6, 7]], SamplingParams(max_tokens=32, **constraint, **extra))[0].outputs[0]
+            want = {"choice": f"say {eos} now", "json_schema": json.dumps(eos), "regex": f"{eos}<s>"}[next(iter(constraint))]
+            assert (out.text, out.finish_reason) == (want, "stop"), constraint
+            assert tiny.tokenizer.eos_token_id not in out.token_ids[:-1] and tiny.tokenizer.bos_token_id not in out.token_ids
+
+
 def test_a_constraint_failing_mid_way_ends_its_own_sequence(tiny: LLM, monkeypatch) -> None:
     """A constraint that compiles but passes llguidance's parser limits once a token is taken
     (2,001 alternatives: "Current row has 2002 items; max is 2000"), or allowed_token_ids it never

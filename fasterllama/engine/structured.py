@@ -13,6 +13,7 @@ finish_reason "error", never the step of the others."""
 from __future__ import annotations
 
 import collections
+import copy
 import re
 import threading
 import time
@@ -61,6 +62,30 @@ COMPILED_CACHE_ENTRIES = 64
 COMPILED_CACHE_CHARS = 4 << 20
 
 
+class _TextTokenizer:
+    """llguidance's view of the tokenizer (its TokenizerWrapper protocol): the tokens' bytes and
+    which are special, as llguidance reads them from the tokenizer's JSON, but text tokenized with
+    special-token strings split as plain text. llguidance tokenizes the text a constraint forces
+    (a choice, a const, a regex's literal) with the tokenizer; the JSON's own tokenizer turned a
+    forced "<|im_end|>" into the special token, which the grammar then refused: every constraint
+    whose text holds a special token's string failed at that token."""
+
+    is_tokenizer_wrapper = True
+
+    def __init__(self, from_json: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+        ids = range(from_json.vocab_size)
+        self.tokens = [from_json.decode_bytes([i]) for i in ids]
+        self.special_token_ids = [i for i in ids if from_json.is_special_token(i)]
+        self.eos_token_id, self.bos_token_id = from_json.eos_token, tokenizer.bos_token_id
+        self._backend = copy.copy(tokenizer.backend)
+        self._backend.encode_special_tokens = True
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+
 class StructuredOutput:
     """One engine's constraint compiler and masker (the tokenizer's llguidance view is built once)."""
 
@@ -80,7 +105,8 @@ class StructuredOutput:
                     raise FasterLlamaError("structured output needs the model's tokenizer")
                 import llguidance
 
-                self._ll = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                from_json = llguidance.LLTokenizer(self.tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
+                self._ll = llguidance.LLTokenizer(_TextTokenizer(from_json, self.tokenizer), n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
             return self._ll
 
     def matcher(self, params: SamplingParams) -> llguidance.LLMatcher | None:
