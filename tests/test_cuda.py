@@ -228,7 +228,7 @@ def test_cuda_speculative_decoding_same_tokens(models) -> None:
     for spec in ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
                  {"method": "draft_model", "model": path, "num_speculative_tokens": 3}):
         llm = LLM(model=path, device="cuda", dtype="float32", progress=False, speculative_config=spec)
-        print(spec["method"], "row cost", llm.engine.speculator.row_cost)
-        llm.engine.speculator.row_cost = 0.0
+        print(spec["method"], "row cost", llm.engine.speculator.row_cost, "draft cost", llm.engine.speculator.draft_cost)
+        llm.engine.speculator.row_cost = llm.engine.speculator.draft_cost = 0.0
         assert _greedy(llm, prompts) == want
         assert llm.engine.speculator.num_accepted_tokens > 0

@@ -78,7 +78,7 @@ class Server:
         self.llm = LLM(model_dir, progress=False, max_num_seqs=MAX_NUM_SEQS, tensor_parallel_size=tensor_parallel_size,
                        speculative_config=speculative_config)
         if speculative_config is not None:
-            self.llm.engine.speculator.row_cost = 0.0  # draft all it may: every answer goes through verify steps
+            self.llm.engine.speculator.row_cost = self.llm.engine.speculator.draft_cost = 0.0  # draft all it may: every answer goes through verify steps
         self.loop = EngineLoop(self.llm.engine)
         self.app = create_app(self.loop, MODEL, api_key, trust_request_chat_template=True)  # (its refusal: test_api_key's app)
         sock = socket.socket()

@@ -50,7 +50,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def _always_draft(llm: LLM) -> LLM:
     """Draft as much as allowed whatever the measured cost, so every test exercises verification."""
-    llm.engine.speculator.row_cost = 0.0
+    llm.engine.speculator.row_cost = llm.engine.speculator.draft_cost = 0.0
     return llm
 
 
@@ -122,8 +122,9 @@ def test_ngram_lookup_matches_a_brute_force_search(lo: int, hi: int) -> None:
 
 
 def test_draft_lengths_follow_acceptance_and_cost() -> None:
-    def lengths(rates: list[tuple[float, float]], caps: list[int], cost: float, max_rows: int = 16, probe: float | None = None) -> list[int]:
-        return Speculator(None, 15, cost, max_rows)._lengths([(a, b, a if probe is None else probe) for a, b in rates], caps)
+    def lengths(rates: list[tuple[float, float]], caps: list[int], cost: float, max_rows: int = 16, probe: float | None = None,
+                draft_cost: float = 0.0) -> list[int]:
+        return Speculator(None, 15, cost, max_rows, draft_cost)._lengths([(a, b, a if probe is None else probe) for a, b in rates], caps)
 
     assert lengths([(0.99, 0.99)], [15], 0.35) == [15]  # a copy going on: as many as allowed
     assert lengths([(0.99, 0.99)], [6], 0.35) == [6]  # the cap (tokens the request may still emit)
@@ -135,6 +136,13 @@ def test_draft_lengths_follow_acceptance_and_cost() -> None:
     assert sum(both) + 2 <= 16 and both[0] > both[1]  # rows go where they pay most, within the step's limit
     assert lengths([(0.7, 0.9)] * 6, [15] * 6, 0.35) == [0] * 6  # in a batch a draft must beat a higher bar
     assert lengths([(0.99, 0.99)] * 16, [15] * 16, 0.0) == [0] * 16  # the batch fills the rows already
+    # a draft model's steps count: one as slow as the target (a model drafting for itself) never pays,
+    # even every draft right; a 10x faster one does where drafts hold, less where they do not
+    assert lengths([(0.999, 0.999)], [15], 0.35, draft_cost=1.0) == [0]
+    assert lengths([(0.999, 0.999)], [15], 0.35, probe=1.0, draft_cost=1.0) == [0]
+    assert lengths([(0.99, 0.99)], [15], 0.35, draft_cost=0.1)[0] >= 12
+    assert 0 < lengths([(0.8, 0.8)], [15], 0.35, draft_cost=0.1)[0] < lengths([(0.8, 0.8)], [15], 0.35)[0]
+    assert lengths([(0.9, 0.9)], [15], 0.0, draft_cost=0.3)[0] < 15  # free rows on a GPU, but the draft steps are not
 
 
 # -- exactness on tiny models ----------------------------------------------------------------------

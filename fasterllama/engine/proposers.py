@@ -6,6 +6,7 @@ draft_token_ids."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from ..errors import FasterLlamaError
@@ -37,9 +38,12 @@ class NgramProposer:
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> float | None:
+        """Set each sequence's draft_token_ids (at most its limit); the seconds a draft step took
+        (None: no model ran; lookups cost next to nothing)."""
         for seq, k in zip(seqs, limits):
             seq.draft_token_ids = self._lookup(seq, k) if k > 0 else []
+        return None
 
     @staticmethod
     def release(seq: Sequence) -> None:
@@ -95,7 +99,9 @@ class DraftModelProposer:
         if entry is not None:
             self.draft.blocks.free(entry.seq)
 
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> None:
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> float | None:
+        """Set each sequence's draft_token_ids; the seconds a draft step took on average (its
+        forward pass, sampling and bookkeeping; a new prompt's catch-up left out), None if none ran."""
         engine = self.draft
         active: list[tuple[Sequence, _Shadow, int]] = []
         for seq, k in zip(seqs, limits):
@@ -110,8 +116,9 @@ class DraftModelProposer:
             if engine.blocks.reserve(shadow.seq, shadow.seq.num_tokens + k - 1):
                 active.append((seq, shadow, k))
         if not active:
-            return
+            return None
         self._catch_up([shadow.seq for _, shadow, _ in active])
+        start, passes = time.perf_counter(), 0
         drafts: list[list[int]] = [[] for _ in active]
         batch = [ScheduledSeq(shadow.seq, shadow.seq.num_tokens - shadow.seq.num_cached) for _, shadow, _ in active]
         live = list(range(len(active)))
@@ -127,8 +134,10 @@ class DraftModelProposer:
             for i in live:
                 active[i][1].seq.output_token_ids.append(drafts[i][-1])
             batch = [ScheduledSeq(active[i][1].seq, 1) for i in live]
+            passes += 1
         for (seq, _, _), tokens in zip(active, drafts):
             seq.draft_token_ids = tokens
+        return (time.perf_counter() - start) / passes
 
     def _sync(self, target: Sequence, shadow: _Shadow) -> None:
         """Make the shadow's tokens the target's: keep the drafts the target accepted, roll back

@@ -94,12 +94,13 @@ def _int(value: dict[str, Any], key: str, default: int | None, low: int, high: i
 
 def make_speculator(config: SpeculativeConfig, target: LLMEngine, progress: bool) -> Speculator:
     """The speculator of an engine whose model and cache are ready."""
-    if config.method == "ngram":
-        proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    else:
-        proposer = DraftModelProposer(load_draft_model(config.model, config.quantization, target, progress))
     max_rows = target.runner.max_verify_rows
-    return Speculator(proposer, config.num_speculative_tokens, measure_row_cost(target, min(9, max_rows)), max_rows)
+    row_cost, step_seconds = measure_row_cost(target, min(9, max_rows))
+    if config.method == "ngram":
+        return Speculator(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), config.num_speculative_tokens, row_cost, max_rows)
+    draft = load_draft_model(config.model, config.quantization, target, progress)
+    draft_cost = measure_row_cost(draft, 1)[1] / step_seconds if step_seconds > 0 else 1.0
+    return Speculator(DraftModelProposer(draft), config.num_speculative_tokens, row_cost, max_rows, draft_cost, step_seconds)
 
 
 # -- how many to draft -------------------------------------------------------------------------
@@ -147,8 +148,12 @@ class Speculator:
 
     A verify step of R rows costs about 1 + c (R - 1) plain decode steps (c, the cost of a row
     beyond the first, measured on the engine at start: about 0.35 on a 2-core CPU, where a row's
-    multiply-adds bound the step, near 0 on a GPU, where streaming the weights does). A draft pays
-    off the chance that it and every draft before it hold (_Acceptance's rates). Drafts are added
+    multiply-adds bound the step, near 0 on a GPU, where streaming the weights does), and a draft
+    model's drafts d a step of its own (d: its step as a share of the target's one-row step,
+    measured at start and then followed in the steps it drafts: a draft step's sampling and
+    bookkeeping cost as much as its forward pass for a small model on a CPU; 0 for prompt lookup),
+    c d for a row in a step it takes anyway. A draft pays off the
+    chance that it and every draft before it hold (_Acceptance's rates). Drafts are added
     one at a time to the sequence whose next one pays most, while that raises the step's tokens
     per unit of time, up to k per sequence and `max_rows` rows a step (the whole-step decode's
     limit). So a sequence copying its prompt drafts many, free text few or none: the rate of a
@@ -157,8 +162,12 @@ class Speculator:
     DECAY = 0.85  # per verify step
     IDLE_DECAY = 0.9  # per step without drafts
 
-    def __init__(self, proposer: NgramProposer | DraftModelProposer, k: int, row_cost: float, max_rows: int) -> None:
-        self.proposer, self.k, self.row_cost, self.max_rows = proposer, k, row_cost, max_rows
+    COST_KEEP = 0.8  # of the draft cost's estimate, per draft step timed
+
+    def __init__(self, proposer: NgramProposer | DraftModelProposer, k: int, row_cost: float, max_rows: int, draft_cost: float = 0.0,
+                 step_seconds: float = 0.0) -> None:
+        self.proposer, self.k, self.row_cost, self.max_rows, self.draft_cost = proposer, k, row_cost, max_rows, draft_cost
+        self.step_seconds = step_seconds  # the target's one-row step: the unit of the costs
         self.num_draft_tokens = self.num_accepted_tokens = 0  # over the engine's life
 
     def propose(self, seqs: list[Sequence], caps: list[int]) -> None:
@@ -168,7 +177,10 @@ class Speculator:
         for st, n in zip(stats, limits):
             if n == 0:
                 st.decay(self.IDLE_DECAY)
-        self.proposer.propose(seqs, limits)
+        seconds = self.proposer.propose(seqs, limits)
+        if seconds is not None and self.step_seconds > 0:  # (each timing moves it at most 2x: a stall is not a price)
+            seen = min(max(seconds / self.step_seconds, self.draft_cost / 2), self.draft_cost * 2)
+            self.draft_cost = self.COST_KEEP * self.draft_cost + (1 - self.COST_KEEP) * seen
 
     def _lengths(self, rates: list[tuple[float, float, float]], caps: list[int]) -> list[int]:
         """Drafts per sequence: the ones that raise the step's expected tokens per unit of time,
@@ -180,11 +192,15 @@ class Speculator:
             while rows < self.max_rows:
                 open_ = [i for i in range(len(rates)) if lengths[i] < caps[i] and not (probing and lengths[i])]
                 best = max(open_, key=(lambda i: rates[i][2]) if probing else gains.__getitem__, default=None)
-                if best is None or (tokens + (rates[best][2] if probing else gains[best])) / (cost + self.row_cost) <= tokens / cost:
+                if best is None:
+                    break
+                # the draft's verify row, and its row in the draft model's step (a step of its own past the deepest draft)
+                more = self.row_cost + self.draft_cost * (1.0 if lengths[best] == max(lengths) else self.row_cost)
+                if (tokens + (rates[best][2] if probing else gains[best])) / (cost + more) <= tokens / cost:
                     break
                 lengths[best] += 1
                 tokens += gains[best]
-                cost += self.row_cost
+                cost += more
                 gains[best] *= rates[best][1]
                 rows += 1
         return lengths
@@ -210,29 +226,27 @@ class Speculator:
         return seq.acceptance
 
 
-def measure_row_cost(engine: LLMEngine, rows: int = 9, repeats: int = 3, context: int = 256) -> float:
-    """c: what a verify row beyond the first adds to a decode step, as a share of a one-row step,
-    timed on this engine's model runner at a typical context (`context` cached positions, whose
-    K/V are whatever the cache holds: only the time counts), best of `repeats`. The blocks it
-    writes to are taken from the cache and given back."""
-    if rows < 2:
-        return 0.0
+def measure_row_cost(engine: LLMEngine, rows: int = 9, repeats: int = 3, context: int = 256) -> tuple[float, float]:
+    """(c, t): what a verify row beyond the first adds to a decode step, as a share of a one-row
+    step, and the one-row step's seconds, timed on this engine's model runner at a typical context
+    (`context` cached positions, whose K/V are whatever the cache holds: only the time counts),
+    best of `repeats`. The blocks it writes to are taken from the cache and given back."""
     context = max(1, min(context, engine.max_model_len - rows, (engine.blocks.num_free - 1) * engine.blocks.block_size - rows))
     seq = Sequence([0] * context, SamplingParams(max_tokens=1), None, 0)
     if not engine.blocks.reserve(seq, context + rows - 1):
-        return 0.5  # a cache too small to time in: a CPU's cost, roughly
+        return 0.5, 0.0  # a cache too small to time in: a CPU's cost, roughly
     seq.num_cached = context - 1  # (never committed: nothing reaches the prefix cache)
-    one, many = [ScheduledSeq(seq, 1)], [ScheduledSeq(seq, rows, [0] * (rows - 1))]
+    batches = [[ScheduledSeq(seq, 1)]] + ([[ScheduledSeq(seq, rows, [0] * (rows - 1))]] if rows > 1 else [])
     best = {1: float("inf"), rows: float("inf")}
     try:
         for _ in range(repeats + 1):  # the first of each warms up
-            for batch in (one, many):
+            for batch in batches:
                 start = time.perf_counter()
                 engine.runner.execute(batch)
                 best[batch[0].num_tokens] = min(best[batch[0].num_tokens], time.perf_counter() - start)
     finally:
         engine.blocks.free(seq)
-    return max(0.0, (best[rows] / best[1] - 1) / (rows - 1))
+    return (max(0.0, (best[rows] / best[1] - 1) / (rows - 1)) if rows > 1 else 0.0), best[1]
 
 
 # -- verification -----------------------------------------------------------------------------
