@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from .errors import ContextLengthError, FasterLlamaError
@@ -370,6 +372,8 @@ GGUF_MODES = ("q4_k_m", "q4_k", "q5_k", "q6_k", "q2_k", "q8_0", "q5_0", "q5_1", 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     args.mode = args.mode.lower()  # (Q4_K_M as llama.cpp spells it)
+    if not args.output.strip():
+        raise FasterLlamaError("-o/--output is empty: give the folder (or, for a GGUF mode, the .gguf file) to write")
     if args.calibration_file:
         _check_calibrates(args.mode)
     if args.mode in GGUF_MODES:
@@ -389,7 +393,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if os.path.exists(args.output) and os.path.samefile(resolve_model_path(args.src), args.output):  # (loaded lazily from it)
         raise FasterLlamaError(f"{args.output} is the model being quantized: write to another folder")
     llm = _load(args)
-    save_quantized(llm.engine, args.output)
+    with _writing(args.output):
+        save_quantized(llm.engine, args.output)
     from .quant import weight_bytes
 
     print(f"wrote {args.output} ({args.quantization}, {weight_bytes(llm.engine.model) / 1e6:.1f} MB of weights)")
@@ -420,13 +425,23 @@ def _quantize_gguf(args: argparse.Namespace) -> int:
         bar = tqdm(desc="Quantizing", unit="tensor", file=sys.stderr, leave=False)
     t = time.perf_counter()
     try:
-        counts = requantize(src, args.output, args.mode, None if bar is None else bar.update)
+        with _writing(args.output):
+            counts = requantize(src, args.output, args.mode, None if bar is None else bar.update)
     finally:
         if bar is not None:
             bar.close()
     mix = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
     print(f"wrote {args.output} ({args.mode}: {mix}; {os.path.getsize(args.output) / 1e6:.1f} MB) in {time.perf_counter() - t:.1f} s")
     return 0
+
+
+@contextlib.contextmanager
+def _writing(path: str) -> Iterator[None]:
+    """An OS error while writing `path` (a read-only place, a full disk) as one line naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise FasterLlamaError(f"cannot write {e.filename or path}: {e.strerror or e}") from None
 
 
 def _int_list(text: str) -> list[int]:

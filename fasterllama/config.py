@@ -119,6 +119,17 @@ class ModelConfig:
         mlp = 3 * h * self.intermediate_size + ((2 * self.intermediate_size + h) if self.mlp_bias else 0)
         return self.vocab_size * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * (attention + mlp + 2 * h) + h
 
+    def tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape a checkpoint tensor of this (canonical, HF) name must have, [out, in] for a
+        linear's weight; None for names this checks nothing of."""
+        h, inter, q, kv = self.hidden_size, self.intermediate_size, self.q_size, self.kv_size
+        weights = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h), "up_proj": (inter, h),
+                   "down_proj": (h, inter), "embed_tokens": (self.vocab_size, h), "lm_head": (self.vocab_size, h),
+                   "input_layernorm": (h,), "post_attention_layernorm": (h,), "norm": (h,)}
+        part, kind = name.rsplit(".", 2)[-2:]
+        shape = weights.get(part)
+        return shape if kind == "weight" or shape is None else shape[:1]
+
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

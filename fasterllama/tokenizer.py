@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from .errors import FasterLlamaError, ModelLoadError
 
 # GGUF token types (llama.cpp's llama_token_type).
-_CONTROL, _USER_DEFINED = 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
 # Pre-tokenizer split patterns named by a GGUF's `tokenizer.ggml.pre` (the ones llama.cpp and
 # transformers agree on); any other name uses GPT-2's byte-level split.
@@ -172,9 +172,11 @@ class Tokenizer:
             raise ModelLoadError("GGUF file has no tokenizer vocabulary")
         token_types = get("tokenizer.ggml.token_type") or []
         merges = get("tokenizer.ggml.merges")
-        added = [i for i, ty in enumerate(token_types) if ty in (_CONTROL, _USER_DEFINED)]  # (llama.cpp writes them as text)
+        added = [i for i, ty in enumerate(token_types) if ty in (_UNKNOWN, _CONTROL, _USER_DEFINED)]  # (llama.cpp writes them as text)
         if kind == "gpt2":
-            backend = byte_level_bpe(tokens, merges or [], get("tokenizer.ggml.pre"), raw=added)
+            if not merges:  # (without them every word falls apart into bytes: llama.cpp refuses such a file too)
+                raise ModelLoadError("GGUF file's gpt2 (BPE) tokenizer has no merges (tokenizer.ggml.merges)")
+            backend = byte_level_bpe(tokens, merges, get("tokenizer.ggml.pre"), raw=added)
             add_bos_default = False
         elif kind == "llama":
             backend = sentencepiece_bpe(tokens, get("tokenizer.ggml.scores") or [0.0] * len(tokens), merges,
@@ -182,7 +184,8 @@ class Tokenizer:
             add_bos_default = True
         else:
             raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
-        backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in added if token_types[i] == _CONTROL])
+        # special, as in llama.cpp (and as HF's GGUF reader makes unk, bos and eos): control tokens and the unknown token
+        backend.add_special_tokens([AddedToken(tokens[i], normalized=False, special=True) for i in added if token_types[i] != _USER_DEFINED])
         vocab = backend.get_vocab()
         backend.add_tokens([AddedToken(tokens[i], normalized=False, special=False) for i in added if token_types[i] == _USER_DEFINED and tokens[i] in vocab])
 

@@ -139,6 +139,11 @@ def test_outputs_and_flags_checked_before_the_work(tmp_path):
     assert_clean_error(run_cli("eval", "perplexity", "-q", "--json", str(tmp_path), str(text)), "is a folder")
     assert_clean_error(run_cli("bench", "-q", "--json", str(tmp_path)), "is a folder")
     assert_clean_error(run_cli("quantize", "smollm2-135m-instruct", "--mode", "w8", "-o", str(text)), "is a file")
+    assert_clean_error(run_cli("quantize", "smollm2-135m-instruct", "--mode", "q4_0", "-o", ""), "-o/--output is empty")
+    import tiny_models as tm
+
+    folder = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "gqa"))
+    assert_clean_error(run_cli("quantize", folder, "-q", "--mode", "w8", "-o", "/proc/fasterllama-no-such"), "cannot write /proc/fasterllama-no-such")
     (tmp_path / "s.json").write_bytes(b"\xff\xfe{}")
     assert_clean_error(run_cli("generate", "--json-schema", f"@{tmp_path / 's.json'}", "hi"), "is not UTF-8 text")
     proc = run_cli("serve", "--port", "99999")

@@ -440,6 +440,20 @@ def test_gguf_metadata_llama_cpp_requires_or_refuses(tmp_path) -> None:
         with pytest.raises(ModelLoadError, match=message):
             open_checkpoint(path)
     assert open_checkpoint(tm.write_gguf(model, str(tmp_path / "dense.gguf"), metadata={"llama.expert_count": 0})).config.vocab_size > 0
+    # metadata the tensors disagree with: refused at open, before the kernels (which trust the config's
+    # sizes) run past the weights (a feed_forward_length off by half: "double free or corruption")
+    spec = tm.SPECS["gqa"]
+    for metadata, tensor in (({"llama.feed_forward_length": spec.intermediate_size // 2}, "blk.0.ffn_gate.weight"),
+                             ({"llama.vocab_size": spec.vocab_size - 10}, "token_embd.weight"),
+                             ({"llama.attention.head_count_kv": None}, "blk.0.attn_k.weight")):  # (absent: as many as the query heads)
+        path = tm.write_gguf(tm.quantize_roundtrip_(tm.build_hf_model(spec), "q8_0"), str(tmp_path / "odd.gguf"), weight_type="q8_0", metadata=metadata)
+        with pytest.raises(ModelLoadError, match=f"tensor {tensor} has shape .*, but the file's metadata makes it"):
+            open_checkpoint(path)
+    linear = tm.write_gguf(model, str(tmp_path / "linear.gguf"), metadata={"llama.rope.scaling.type": "linear"})  # (no factor: no scaling, as llama.cpp)
+    assert open_checkpoint(linear).config.rope_scaling is None
+    assert torch.equal(LLM(linear, progress=False).compute_logits(ids), full.compute_logits(ids))
+    with pytest.raises(ModelLoadError, match="gpt2 .* tokenizer has no merges"):
+        open_checkpoint(tm.write_gguf(model, str(tmp_path / "nomerges.gguf"), metadata={"tokenizer.ggml.merges": None}))
 
 
 def test_no_progress_frames_in_a_pipe(tmp_path) -> None:

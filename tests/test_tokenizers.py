@@ -108,6 +108,9 @@ def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
     _assert_same(ours, hf)
     assert ours.encode("x")[0] == 1  # llama.cpp adds BOS to sentencepiece vocabularies by default
+    text = "a <unk> b</s><s>"  # the unknown token is special as the control ones (llama.cpp, HF): it was spelled out
+    assert ours.encode(text) == hf.encode(text) and 0 in ours.encode(text)
+    assert ours.decode(ours.encode(text), skip_special_tokens=True) == hf.decode(hf.encode(text), skip_special_tokens=True)
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
 

@@ -145,7 +145,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_NL",
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
                           "IQ4_XS")
 
 
@@ -179,6 +179,11 @@ def open_gguf(path: str) -> GGUFCheckpoint:
                              "only dense models are supported")
     metadata = dict(reader.fields.items())
     config = _config_from_gguf(reader, arch, path)
+    for t in reader.tensors:  # (the kernels trust the config's sizes: a feed_forward_length off by half ran past the weights)
+        name = canonical_name(t.name)
+        shape, expected = tuple(int(d) for d in reversed(t.shape)), None if name is None else config.tensor_shape(name)
+        if expected is not None and shape != expected:
+            raise ModelLoadError(f"{path}: tensor {t.name} has shape {list(shape)}, but the file's metadata makes it {list(expected)}")
     return GGUFCheckpoint(path=path, config=config, metadata=metadata, reader=reader)
 
 
@@ -202,7 +207,8 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
     rope_scaling = None
     scaling_type = get("rope.scaling.type")
     if scaling_type == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+        factor = get("rope.scaling.factor", get("rope.scale_linear"))  # (llama.cpp: absent or 0 is no scaling)
+        rope_scaling = {"rope_type": "linear", "factor": float(factor)} if factor else None
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"{path}: unsupported rope scaling {scaling_type!r}")
     rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
