@@ -198,6 +198,9 @@ def test_error_not_a_gguf(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_text("definitely not a model")
     assert_clean_error(run_cli("generate", "--model", str(bad), "hi"), "not a GGUF")
+    for head, message in ((b"GGUF\x01\x00\x00\x00", "GGUF version 1 is not supported"), (b"GGUF\x00\x00\x00\x03", "a big-endian GGUF file")):
+        bad.write_bytes(head + bytes(64))
+        assert_clean_error(run_cli("generate", "--model", str(bad), "hi"), message)
 
 
 @needs_model

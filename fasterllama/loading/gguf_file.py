@@ -154,8 +154,14 @@ def open_gguf(path: str) -> GGUFCheckpoint:
     from .gguf_reader import GGUFFile
 
     with open(path, "rb") as fh:
-        if fh.read(4) != b"GGUF":
-            raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
+        head = fh.read(8)
+    if head[:4] != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
+    if len(head) == 8 and (version := int.from_bytes(head[4:], "little")) not in (2, 3):
+        if int.from_bytes(head[4:], "big") in (2, 3):
+            raise ModelLoadError(f"{path}: a big-endian GGUF file (for s390x and the like): convert it to little-endian")
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (versions 2 and 3 are; version 1 files predate "
+                             "llama.cpp's 2023 format: convert the model again)")
     try:
         reader = GGUFFile(path)
     except Exception as e:  # the gguf package raises ValueError/IndexError/etc. on corrupt files
