@@ -90,6 +90,44 @@ def test_special_token_strings_in_a_constraint_are_text(tiny: LLM) -> None:
             assert tiny.tokenizer.eos_token_id not in out.token_ids[:-1] and tiny.tokenizer.bos_token_id not in out.token_ids
 
 
+@pytest.mark.parametrize("form", ["metaspace", "prepend"])
+def test_sentencepiece_vocabularies_take_constraints(tmp_path, form: str) -> None:
+    """A LLaMA-2-style SentencePiece vocabulary (tokenizer.model; or tokenizer.json with the dummy
+    prefix as a Prepend normalizer, Llama-2's HF form): constrained outputs hold and end. The text a
+    constraint forces is a fragment, tokenized without the prompt's leading "▁": with it every
+    constraint failed at its first token."""
+    import dataclasses
+    import glob
+    import os
+
+    spm = pytest.importorskip("sentencepiece")
+    texts = [open(p, encoding="utf-8", errors="ignore").read() for p in sorted(glob.glob("/usr/share/common-licenses/*")) if os.path.isfile(p)]
+    (tmp_path / "corpus.txt").write_text("\n".join(texts) or "hello world, yes or no " * 1000, encoding="utf-8")
+    spm.SentencePieceTrainer.train(input=str(tmp_path / "corpus.txt"), model_prefix=str(tmp_path / "m"), vocab_size=1000, model_type="bpe",
+                                   byte_fallback=True, add_dummy_prefix=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2)
+    folder = tmp_path / "model"
+    tm.build_hf_model(dataclasses.replace(tm.SPECS["gqa"], vocab_size=1000)).save_pretrained(str(folder))
+    os.rename(tmp_path / "m.model", folder / "tokenizer.model")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}))
+    if form == "prepend":
+        from fasterllama.tokenizer import Tokenizer
+
+        spec = json.loads(Tokenizer.from_folder(str(folder)).backend.to_str())
+        spec["pre_tokenizer"] = None
+        spec["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                                                  {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+        (folder / "tokenizer.json").write_text(json.dumps(spec))
+    llm = LLM(str(folder), progress=False)
+    if form == "prepend":
+        assert "Prepend" in str(llm.tokenizer.backend.normalizer)
+    cases = [({"json_schema": TINY_SCHEMA}, lambda t: _valid(json.loads(t), TINY_SCHEMA)), ({"choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+             ({"regex": r"(ab|cd) [0-9]"}, lambda t: re.fullmatch(r"(ab|cd) [0-9]", t)), ({"choice": ["say </s> now"]}, lambda t: t == "say </s> now")]
+    for constraint, check in cases:
+        for extra in ({"temperature": 0}, {"temperature": 1.0, "seed": 2}):
+            out = llm.generate(["Hello"], SamplingParams(max_tokens=48, **constraint, **extra))[0].outputs[0]
+            assert out.finish_reason == "stop" and check(out.text), (constraint, out.text)
+
+
 def test_a_constraint_failing_mid_way_ends_its_own_sequence(tiny: LLM, monkeypatch) -> None:
     """A constraint that compiles but passes llguidance's parser limits once a token is taken
     (2,001 alternatives: "Current row has 2002 items; max is 2000"), or allowed_token_ids it never

@@ -13,11 +13,11 @@ finish_reason "error", never the step of the others."""
 from __future__ import annotations
 
 import collections
-import copy
+import json
 import re
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -73,17 +73,46 @@ class _TextTokenizer:
     is_tokenizer_wrapper = True
 
     def __init__(self, from_json: llguidance.LLTokenizer, tokenizer: Tokenizer) -> None:
+        from tokenizers import Tokenizer as BackendTokenizer
+
         ids = range(from_json.vocab_size)
         self.tokens = [from_json.decode_bytes([i]) for i in ids]
         self.special_token_ids = [i for i in ids if from_json.is_special_token(i)]
         self.eos_token_id, self.bos_token_id = from_json.eos_token, tokenizer.bos_token_id
-        self._backend = copy.copy(tokenizer.backend)
+        # a fragment of text, not the start of a prompt: no SentencePiece "▁" or byte-level space before
+        # it (llguidance's own reading of the JSON drops it too; with it every forced fragment began with a space)
+        spec = json.loads(tokenizer.backend.to_str())
+        spec["normalizer"] = _without_prepend(spec.get("normalizer"))
+        spec["pre_tokenizer"] = _without_prefix_space(spec.get("pre_tokenizer"))
+        self._backend = BackendTokenizer.from_str(json.dumps(spec))
         self._backend.encode_special_tokens = True
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8")
         return self._backend.encode(text, add_special_tokens=False).ids
+
+
+def _without_prepend(normalizer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tokenizer.json normalizer less its Prepend("▁") steps (Llama-2's HF form of the dummy prefix)."""
+    if normalizer is None or normalizer.get("type") == "Prepend":
+        return None
+    if normalizer.get("type") == "Sequence":
+        normalizer["normalizers"] = [n for n in map(_without_prepend, normalizer["normalizers"]) if n is not None]
+    return normalizer
+
+
+def _without_prefix_space(pre: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A tokenizer.json pre-tokenizer that adds no space before the text (Metaspace's prepend, ByteLevel's)."""
+    if pre is None:
+        return None
+    if pre.get("type") == "Metaspace":
+        pre["prepend_scheme"], pre["add_prefix_space"] = "never", False
+    elif pre.get("type") == "ByteLevel":
+        pre["add_prefix_space"] = False
+    elif pre.get("type") == "Sequence":
+        pre["pretokenizers"] = [_without_prefix_space(p) for p in pre["pretokenizers"]]
+    return pre
 
 
 class StructuredOutput:
