@@ -145,6 +145,45 @@ def test_draft_lengths_follow_acceptance_and_cost() -> None:
     assert lengths([(0.9, 0.9)], [15], 0.0, draft_cost=0.3)[0] < 15  # free rows on a GPU, but the draft steps are not
 
 
+def test_draft_cost_follows_the_draft_steps() -> None:
+    """A draft model's cost d is timed in the steps it drafts (a batch's step counted as its rows
+    cost): slow steps price drafts out; then, with nothing drafted and so nothing timed, d drifts
+    back toward the start's measure and drafting resumes (it stayed off for good after a stall)."""
+
+    class Seq:
+        def __init__(self, i: int) -> None:
+            self.acceptance, self.draft_token_ids, self.is_finished, self.seq_id = None, [], False, i
+
+    class TimedProposer:
+        seconds = 0.0
+
+        def propose(self, seqs: list, limits: list[int]) -> float | None:
+            for seq, k in zip(seqs, limits):
+                seq.draft_token_ids = [0] * k
+            return self.seconds if any(limits) else None
+
+    step, c = 0.05, 0.35
+    proposer, seqs = TimedProposer(), [Seq(0)]
+    spec = Speculator(proposer, 5, c, 16, draft_cost=0.2, step_seconds=step)
+
+    def run(n: int, d: float) -> list[int]:
+        proposer.seconds, drafted = d * step * (1 + spec.row_cost * (len(seqs) - 1)), []
+        for _ in range(n):
+            spec.propose(seqs, [100] * len(seqs))
+            drafted.append(sum(len(s.draft_token_ids) for s in seqs))
+            for s in seqs:
+                if s.draft_token_ids:
+                    spec.record(s, len(s.draft_token_ids), len(s.draft_token_ids))  # every draft right
+        return drafted
+
+    assert run(10, 0.2)[-1] == 5 and spec.draft_cost == pytest.approx(0.2)
+    assert run(10, 5.0)[-1] == 0 and spec.draft_cost > 0.5  # stalled draft steps: drafting stops
+    assert sum(run(300, 0.2)[-50:]) > 0 and spec.draft_cost == pytest.approx(0.2, abs=0.02)  # and comes back
+    seqs[:] = [Seq(i) for i in range(4)]
+    spec.row_cost = 0.05  # (rows nearly free: all four draft)
+    assert run(50, 0.2)[-1] >= 4 and spec.draft_cost == pytest.approx(0.2, abs=0.02)  # a four-row draft step is not four times d
+
+
 # -- exactness on tiny models ----------------------------------------------------------------------
 class OracleProposer:
     """Drafts the reference continuation, every `wrong`-th draft of it changed: accepted and

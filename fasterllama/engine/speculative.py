@@ -151,8 +151,9 @@ class Speculator:
     multiply-adds bound the step, near 0 on a GPU, where streaming the weights does), and a draft
     model's drafts d a step of its own (d: its step as a share of the target's one-row step,
     measured at start and then followed in the steps it drafts: a draft step's sampling and
-    bookkeeping cost as much as its forward pass for a small model on a CPU; 0 for prompt lookup),
-    c d for a row in a step it takes anyway. A draft pays off the
+    bookkeeping cost as much as its forward pass for a small model on a CPU; in steps without drafts
+    it drifts back toward the start's measure, so a stall that priced drafts out is tried again;
+    0 for prompt lookup), c d for a row in a step it takes anyway. A draft pays off the
     chance that it and every draft before it hold (_Acceptance's rates). Drafts are added
     one at a time to the sequence whose next one pays most, while that raises the step's tokens
     per unit of time, up to k per sequence and `max_rows` rows a step (the whole-step decode's
@@ -163,11 +164,13 @@ class Speculator:
     IDLE_DECAY = 0.9  # per step without drafts
 
     COST_KEEP = 0.8  # of the draft cost's estimate, per draft step timed
+    COST_IDLE_KEEP = 0.98  # of its excess over the cost measured at start, per step without drafts
 
     def __init__(self, proposer: NgramProposer | DraftModelProposer, k: int, row_cost: float, max_rows: int, draft_cost: float = 0.0,
                  step_seconds: float = 0.0) -> None:
         self.proposer, self.k, self.row_cost, self.max_rows, self.draft_cost = proposer, k, row_cost, max_rows, draft_cost
         self.step_seconds = step_seconds  # the target's one-row step: the unit of the costs
+        self.measured_cost = draft_cost  # d as measured at start (the forward pass alone: a floor)
         self.num_draft_tokens = self.num_accepted_tokens = 0  # over the engine's life
 
     def propose(self, seqs: list[Sequence], caps: list[int]) -> None:
@@ -179,8 +182,12 @@ class Speculator:
                 st.decay(self.IDLE_DECAY)
         seconds = self.proposer.propose(seqs, limits)
         if seconds is not None and self.step_seconds > 0:  # (each timing moves it at most 2x: a stall is not a price)
-            seen = min(max(seconds / self.step_seconds, self.draft_cost / 2), self.draft_cost * 2)
+            drafting = sum(n > 0 for n in limits)  # the rows of a draft step: one at the cost d, the others c d each
+            seen = seconds / self.step_seconds / (1 + self.row_cost * (drafting - 1))
+            seen = min(max(seen, self.draft_cost / 2), self.draft_cost * 2)
             self.draft_cost = self.COST_KEEP * self.draft_cost + (1 - self.COST_KEEP) * seen
+        elif self.draft_cost > self.measured_cost:  # nothing drafted, nothing timed: drift back, so that drafts are tried again
+            self.draft_cost = self.measured_cost + (self.draft_cost - self.measured_cost) * self.COST_IDLE_KEEP
 
     def _lengths(self, rates: list[tuple[float, float, float]], caps: list[int]) -> list[int]:
         """Drafts per sequence: the ones that raise the step's expected tokens per unit of time,
