@@ -85,12 +85,14 @@ def _port(text: str) -> int:
 
 
 def _origins(text: str) -> list[str]:
-    """--allowed-origins: '*' or origins as browsers send them (scheme://host[:port], no path)."""
-    origins = [o.strip().rstrip("/") for o in text.split(",") if o.strip()]
-    for origin in origins:
+    """--allowed-origins: '*' or origins as browsers send them (scheme://host[:port] in lower case,
+    no default port, no path)."""
+    origins = []
+    for origin in (o.strip().rstrip("/").lower() for o in text.split(",") if o.strip()):
         scheme, sep, rest = origin.partition("://")
-        if origin != "*" and (not sep or scheme not in ("http", "https") or not rest or "/" in rest):
+        if origin != "*" and (not sep or scheme not in ("http", "https") or not rest or any(c in rest for c in "/?#@")):
             raise argparse.ArgumentTypeError(f"not an origin: {origin!r} (e.g. https://chat.example.com or http://host:3000, or '*')")
+        origins.append(origin.removesuffix({"http": ":80", "https": ":443"}.get(scheme, "")))
     return origins
 
 
@@ -441,7 +443,9 @@ def _writing(path: str) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise FasterLlamaError(f"cannot write {e.filename or path}: {e.strerror or e}") from None
+        name = e.filename or path
+        verb = "write" if os.path.abspath(name).startswith(os.path.abspath(path)) else "read"
+        raise FasterLlamaError(f"cannot {verb} {name}: {e.strerror or e}") from None
 
 
 def _int_list(text: str) -> list[int]:

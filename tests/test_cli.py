@@ -148,7 +148,10 @@ def test_outputs_and_flags_checked_before_the_work(tmp_path):
     assert_clean_error(run_cli("generate", "--json-schema", f"@{tmp_path / 's.json'}", "hi"), "is not UTF-8 text")
     proc = run_cli("serve", "--port", "99999")
     assert proc.returncode == 2 and "a port is 0..65535" in proc.stderr
-    for origins in ("chat.example.com", "https://chat.example.com/app", "ftp://x"):  # (a browser's Origin is scheme://host[:port])
+    from fasterllama.cli import _origins
+
+    assert _origins("HTTPS://Chat.Example.com:443/, http://a:80,http://b:8080") == ["https://chat.example.com", "http://a", "http://b:8080"]
+    for origins in ("chat.example.com", "https://chat.example.com/app", "ftp://x", "http://a?b"):  # (a browser's Origin is scheme://host[:port])
         proc = run_cli("serve", "--allowed-origins", origins)
         assert proc.returncode == 2 and "not an origin" in proc.stderr, origins
     proc = run_cli("generate", "The", "capital", "of")  # (the subcommand's help, and why)

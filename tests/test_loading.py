@@ -451,6 +451,8 @@ def test_gguf_metadata_llama_cpp_requires_or_refuses(tmp_path) -> None:
             open_checkpoint(path)
     linear = tm.write_gguf(model, str(tmp_path / "linear.gguf"), metadata={"llama.rope.scaling.type": "linear"})  # (no factor: no scaling, as llama.cpp)
     assert open_checkpoint(linear).config.rope_scaling is None
+    factor_alone = tm.write_gguf(model, str(tmp_path / "factor.gguf"), metadata={"llama.rope.scaling.factor": 2.0})  # (llama.cpp: linear)
+    assert open_checkpoint(factor_alone).config.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert torch.equal(LLM(linear, progress=False).compute_logits(ids), full.compute_logits(ids))
     with pytest.raises(ModelLoadError, match="gpt2 .* tokenizer has no merges"):
         open_checkpoint(tm.write_gguf(model, str(tmp_path / "nomerges.gguf"), metadata={"tokenizer.ggml.merges": None}))

@@ -211,7 +211,7 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
     if vocab is None:
         vocab = int(next(t.shape[1] for t in reader.tensors if t.name == "token_embd.weight"))
     rope_scaling = None
-    scaling_type = get("rope.scaling.type")
+    scaling_type = get("rope.scaling.type", "linear")  # (llama.cpp's default: a factor alone is linear scaling)
     if scaling_type == "linear":
         factor = get("rope.scaling.factor", get("rope.scale_linear"))  # (llama.cpp: absent or 0 is no scaling)
         rope_scaling = {"rope_type": "linear", "factor": float(factor)} if factor else None

@@ -21,7 +21,7 @@ from .serving import ServerState
 
 # Pages served from this machine (any port, http or https) may call the API from a browser, as
 # Ollama allows by default; other origins only when named (`serve --allowed-origins`, '*': all).
-LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?"
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]+)?$"  # ($: some Starlette versions match only a prefix)
 
 
 def _auth(api_key: str | None) -> Any:
