@@ -17,13 +17,15 @@ def _kind(value: object) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def check_messages(messages: object) -> list[dict[str, Any]]:
+def check_messages(messages: object, content_format: str = "string") -> list[dict[str, Any]]:
     """One conversation: a non-empty list of {"role": ..., "content": ...} dicts, as transformers
     hands them to a chat template: keys set to None dropped (the OpenAI client sends
-    "tool_calls": None), "reasoning" / "thinking" as "reasoning_content"; content a string, OpenAI's
-    list of text parts (joined), or absent / None on an assistant's tool calls (a tool's result may
-    be JSON; a call's arguments sent as JSON text are parsed); role "developer" is "system". Checked here so a missing content is one clear error,
-    not a KeyError in the chat template."""
+    "tool_calls": None), any of "reasoning_content", "thinking" and "reasoning" given under the
+    first two too (transformers'); content a string, OpenAI's list of text parts (content_format
+    "string": joined by newlines, as vLLM joins them; "openai": kept as parts, a string made one),
+    or absent / None on an assistant's tool calls (a tool's result may be JSON; a call's arguments
+    sent as JSON text are parsed); role "developer" is "system". Checked here so a missing content
+    is one clear error, not a KeyError in the chat template."""
     if not isinstance(messages, (list, tuple)):
         raise FasterLlamaError(f"a conversation must be a list of message dicts, got {_kind(messages)}")
     if not messages:
@@ -36,9 +38,9 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise FasterLlamaError(f"message {i}: role must be a non-empty string ({', '.join(CHAT_ROLES)}, ...), got {role!r}")
-        for alias in ("reasoning", "thinking"):
-            if alias in m and "reasoning_content" not in m:
-                m["reasoning_content"] = m.pop(alias)
+        reasoning = next((m[k] for k in ("reasoning_content", "thinking", "reasoning") if k in m), None)
+        if reasoning is not None:
+            m = {"reasoning_content": reasoning, "thinking": reasoning, **m}
         if isinstance(m.get("tool_calls"), list):
             m["tool_calls"] = [_call_with_parsed_arguments(c) for c in m["tool_calls"]]
         if "content" not in m:
@@ -47,14 +49,18 @@ def check_messages(messages: object) -> list[dict[str, Any]]:
                 continue
             raise FasterLlamaError(f"message {i} ({role}) has no 'content'")
         content = m["content"]
-        if isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)  # OpenAI's content parts, text only
+        parts = isinstance(content, list) and content and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                                                               for p in content)
+        if parts:
+            content = "\n".join(p["text"] for p in content)  # OpenAI's content parts, text only
         if role in ("tool", "ipython") and isinstance(content, (dict, list)):
             checked.append({**m, "content": content})  # (a tool's JSON result: templates tojson it)
             continue
         if not isinstance(content, str):
             raise FasterLlamaError(f"message {i} ({role}): content must be a string (or a list of text parts), got {_kind(m['content'])}")
         check_text(content, f"message {i} ({role})")
+        if content_format == "openai":
+            content = [{"type": "text", "text": p["text"]} for p in m["content"]] if parts else [{"type": "text", "text": content}]
         checked.append({**m, "role": "system" if role == "developer" else role, "content": content})
     return checked
 
@@ -76,11 +82,11 @@ def _call_with_parsed_arguments(call: Any) -> Any:
 
 def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object, add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None, *, chat_template: str | None = None,
-                    continue_final_message: bool = False, tools: list[Any] | None = None) -> list[int]:
+                    continue_final_message: bool = False, tools: list[Any] | None = None, content_format: str = "string") -> list[int]:
     """Token ids of one conversation rendered by the model's chat template, or `chat_template`
     (messages checked); chat_template_kwargs: more variables for the template (enable_thinking...);
     continue_final_message: the last message's turn left open (add_generation_prompt=False);
-    tools: the functions the template describes to the model."""
+    tools: the functions the template describes to the model; content_format: check_messages'."""
     if tokenizer is None:
         raise FasterLlamaError("this model has no tokenizer, so it cannot chat")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
@@ -91,5 +97,5 @@ def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object, add_generatio
     Tokenizer.check_template_variables(extra, "chat_template_kwargs")
     if tools is not None:
         extra["tools"] = tools
-    return tokenizer.apply_chat_template(check_messages(messages), add_generation_prompt=bool(add_generation_prompt), tokenize=True,
+    return tokenizer.apply_chat_template(check_messages(messages, content_format), add_generation_prompt=bool(add_generation_prompt), tokenize=True,
                                          chat_template=chat_template, continue_final_message=bool(continue_final_message), **extra)

@@ -387,11 +387,16 @@ class LLM:
         return TextStream(self.engine, batch[0], self.engine.new_sequence(batch[0], params), self._lock)
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-                    *, chat_template: str | None = None, continue_final_message: bool = False, tools: list[Any] | None = None) -> list[int]:
+                    *, chat_template: str | None = None, continue_final_message: bool = False, tools: list[Any] | None = None,
+                    chat_template_content_format: str = "auto") -> list[int]:
         """Token ids of one conversation rendered by the model's chat template, or `chat_template`
-        (conversation.py: as the server renders it)."""
+        (conversation.py: as the server renders it). chat_template_content_format "openai" hands
+        the template each content as a list of text parts; "auto" and "string" as one string."""
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise FasterLlamaError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {chat_template_content_format!r}")
         return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs, chat_template=chat_template,
-                               continue_final_message=continue_final_message, tools=tools)
+                               continue_final_message=continue_final_message, tools=tools,
+                               content_format="openai" if chat_template_content_format == "openai" else "string")
 
     def chat(
         self,
@@ -415,13 +420,12 @@ class LLM:
         is the rendered text."""
         check_unused("lora_request", lora_request)
         check_unused("mm_processor_kwargs", mm_processor_kwargs)
-        if chat_template_content_format not in ("auto", "string", "openai"):
-            raise FasterLlamaError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {chat_template_content_format!r}")
         if not isinstance(messages, (list, tuple)):
             raise FasterLlamaError(f"messages must be a list of message dicts (or a list of such lists), got {_kind(messages)}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt(c, add_generation_prompt, chat_template_kwargs, chat_template=chat_template,
-                                    continue_final_message=continue_final_message, tools=tools) for c in conversations]
+                                    continue_final_message=continue_final_message, tools=tools,
+                                    chat_template_content_format=chat_template_content_format) for c in conversations]
         outs = self.generate(prompts, _either(params, sampling_params), use_tqdm)
         for out in outs:
             out.prompt = self.tokenizer.decode(out.prompt_token_ids)

@@ -244,6 +244,8 @@ class Tokenizer:
                 if name.endswith(".jinja"):
                     with open(os.path.join(more, name), encoding="utf-8") as fh:
                         named[name.removesuffix(".jinja")] = fh.read()
+        if template is not None:
+            named["default"] = template  # (the one in use, named as transformers names it)
         add_bos = cfg.get("add_bos_token", add_bos_default)
         tok = cls(
             backend,
@@ -370,9 +372,9 @@ class Tokenizer:
         """Render messages with the model's template, or `chat_template` (as transformers does,
         with its defaults); ids if tokenize. continue_final_message: the text ends where the last
         message's content does, its turn left open for the model to go on (transformers' rule)."""
-        template = chat_template
+        template = self.named_templates.get(chat_template, chat_template)  # (a folder's template by its name, as transformers takes it)
         if template is None:  # (with tools, a "tool_use" template where the model has one, as transformers picks)
-            template = self.named_templates.get("tool_use") if kwargs.get("tools") else None
+            template = self.named_templates.get("tool_use") if kwargs.get("tools") is not None else None
             template = template or self.chat_template
         if not template:
             raise FasterLlamaError("this model has no chat template; use plain generation instead")
@@ -383,19 +385,38 @@ class Tokenizer:
             raise FasterLlamaError("continue_final_message and add_generation_prompt do not combine (the last turn is the one continued)")
         special = {k: v for k, v in self.special_tokens.items() if v is not None}  # (an unset token is undefined: renders as "")
         variables = {"tools": None, "documents": None, **special, **kwargs}  # (transformers passes tools and documents, None if not given)
+        if continue_final_message:
+            messages = _tag_final_message(messages)
         try:
             text = _compiled_template(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
         except FasterLlamaError:
             raise
         except Exception as e:  # (jinja2's UndefinedError, a TypeError on a value the template does not expect...)
             raise FasterLlamaError(f"the chat template cannot render these messages: {type(e).__name__}: {e}") from None
-        if continue_final_message:
-            final = messages[-1].get("content") if messages else None
-            if not isinstance(final, str) or not final.strip() or final.strip() not in text:
+        if continue_final_message:  # the text ends where the tag after the last message's content starts
+            at = text.rfind(CONTINUE_TAG.strip())
+            if at < 0:
                 raise FasterLlamaError("continue_final_message needs a last message whose text content the template renders")
-            end = final if final in text else final.strip()
-            text = text[: text.rindex(end) + len(end)]
+            text = text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()  # (a template that trims took the space)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # (transformers' own)
+
+
+def _tag_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with a tag after the last message's text (its last text part), found again in
+    the rendered text: where the content itself ends ("<" also ends "<|eot_id|>")."""
+    final = dict(messages[-1]) if messages else {}
+    content = final.get("content")
+    if isinstance(content, str):
+        final["content"] = content + CONTINUE_TAG
+    elif isinstance(content, list) and any(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        last = max(i for i, p in enumerate(content) if isinstance(p, dict) and isinstance(p.get("text"), str))
+        final["content"] = [*content[:last], {**content[last], "text": content[last]["text"] + CONTINUE_TAG}, *content[last + 1 :]]
+    else:
+        raise FasterLlamaError("continue_final_message needs a last message with text content to continue")
+    return [*messages[:-1], final]
 
 
 class Encoding(dict):

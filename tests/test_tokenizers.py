@@ -247,6 +247,18 @@ def test_tool_conversations_render_as_transformers_does(tmp_path):
         want = hf.apply_chat_template(messages, tokenize=False, **kwargs)
         assert ours.apply_chat_template(check_messages(messages), tokenize=False, **kwargs) == want, kwargs
     assert want.endswith("<|assistant|>So")
+    # the continued turn ends where its content does, also where that text comes again after it ("<" of "<|end|>",
+    # "end"); an empty or newline-ended content too (transformers' tag: the last occurrence cut inside "<|end|>")
+    for final in ("<", "end", "", "Roses\n", "|>"):
+        turns = [messages[0], {"role": "assistant", "content": final}]
+        want = hf.apply_chat_template(turns, tokenize=False, continue_final_message=True)
+        assert ours.apply_chat_template(check_messages(turns), tokenize=False, continue_final_message=True) == want, final
+        assert want.endswith("<|assistant|>" + final)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}]}]
+    assert check_messages(parts)[0]["content"] == "Part one.\nPart two."  # (joined as vLLM joins them)
+    assert check_messages(parts, "openai")[0]["content"] == parts[0]["content"]  # (kept for templates that loop over parts)
+    assert check_messages(messages[:1], "openai")[0]["content"] == [{"type": "text", "text": "hi"}]
+    assert check_messages([{"role": "assistant", "content": "x", "thinking": "t"}])[0]["reasoning_content"] == "t"  # (and "thinking" kept)
     other = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
     assert ours.apply_chat_template(check_messages(messages[:1]), chat_template=other, tokenize=False) == "[user]hi"
     with pytest.raises(FasterLlamaError, match="cannot render these messages: UndefinedError"):
@@ -264,9 +276,12 @@ def test_tool_conversations_render_as_transformers_does(tmp_path):
             (tmp_path / "additional_chat_templates").mkdir()
             (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("F{{ tools | length }}")
         ours, hf = Tokenizer.from_folder(str(tmp_path)), transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-        for tools in (None, [{"type": "function", "function": {"name": "f"}}]):
+        for tools in (None, [], [{"type": "function", "function": {"name": "f"}}]):  # ([]: not None, so "tool_use", as transformers picks)
             want = hf.apply_chat_template(messages[:1], tools=tools, tokenize=False)
             assert ours.apply_chat_template(check_messages(messages[:1]), tools=tools, tokenize=False) == want, (folder_template, tools, want)
+        for name in ("default", "tool_use"):  # a template named, not written out (it rendered the name as the prompt)
+            want = hf.apply_chat_template(messages[:1], chat_template=name, tools=[], tokenize=False)
+            assert ours.apply_chat_template(check_messages(messages[:1]), chat_template=name, tools=[], tokenize=False) == want != name
 
 
 def test_tokenizer_json_folder(default_llm, hf_tokenizer, tmp_path):

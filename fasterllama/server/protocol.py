@@ -346,7 +346,7 @@ class ChatMessage(_Strict):
             if not isinstance(text, str):
                 raise ValueError(f"a content part of type {part.type!r} needs its {part.type!r} string")
             texts.append(text)
-        return "".join(texts)
+        return "\n".join(texts)  # (as vLLM joins them)
 
     def template_dict(self) -> dict[str, Any]:
         """The message for conversation.py (content sent as null or left out is empty, as
