@@ -101,7 +101,8 @@ class DraftModelProposer:
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> float | None:
         """Set each sequence's draft_token_ids; the seconds a draft step took on average (its
-        forward pass, sampling and bookkeeping; a new prompt's catch-up left out), None if none ran."""
+        forward pass, sampling and bookkeeping; steps that also read a new prompt left out), None
+        if none such ran."""
         engine = self.draft
         active: list[tuple[Sequence, _Shadow, int]] = []
         for seq, k in zip(seqs, limits):
@@ -118,11 +119,13 @@ class DraftModelProposer:
         if not active:
             return None
         self._catch_up([shadow.seq for _, shadow, _ in active])
-        start, passes = time.perf_counter(), 0
+        seconds, passes = 0.0, 0
         drafts: list[list[int]] = [[] for _ in active]
         batch = [ScheduledSeq(shadow.seq, shadow.seq.num_tokens - shadow.seq.num_cached) for _, shadow, _ in active]
         live = list(range(len(active)))
         while live:
+            start = time.perf_counter()
+            decoding = sum(item.num_tokens for item in batch) <= 2 * len(batch)  # (a pass that also reads a new prompt is not timed)
             logits = engine.runner.execute(batch, self._last_rows(batch))
             engine.scheduler.advance(batch)
             rows = [(active[i][0], drafts[i]) for i in live]
@@ -134,10 +137,11 @@ class DraftModelProposer:
             for i in live:
                 active[i][1].seq.output_token_ids.append(drafts[i][-1])
             batch = [ScheduledSeq(active[i][1].seq, 1) for i in live]
-            passes += 1
+            if decoding:
+                seconds, passes = seconds + time.perf_counter() - start, passes + 1
         for (seq, _, _), tokens in zip(active, drafts):
             seq.draft_token_ids = tokens
-        return (time.perf_counter() - start) / passes
+        return seconds / passes if passes else None
 
     def _sync(self, target: Sequence, shadow: _Shadow) -> None:
         """Make the shadow's tokens the target's: keep the drafts the target accepted, roll back
