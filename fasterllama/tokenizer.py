@@ -351,6 +351,14 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         return [i for t in self.all_special_tokens if (i := self.token_to_id(t)) is not None]
 
+    def decode_continuation(self, ids: Sequence[int], context: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of ids as they follow context (a prompt: its last tokens), as the incremental
+        detokenizer shows an output: a SentencePiece "▁yes" is " yes" there, "yes" decoded alone."""
+        before = list(context[-IncrementalDetokenizer.CONTEXT :])
+        head = self.decode(before, skip_special_tokens)
+        whole = self.decode(before + list(ids), skip_special_tokens)
+        return whole[len(head) :] if whole.startswith(head) else self.decode(ids, skip_special_tokens)
+
     # -- chat templates ---------------------------------------------------------------------
     @staticmethod
     def check_template_variables(variables: dict[str, Any], what: str) -> None:
@@ -497,14 +505,18 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never end in a broken UTF-8 character.
 
     Decodes a small window (prefix..end) and emits what it adds beyond (prefix..read), so each
-    step costs O(window) and byte-fallback / multi-byte tokens are held until complete."""
+    step costs O(window) and byte-fallback / multi-byte tokens are held until complete. The window
+    starts with the prompt's last tokens (`context`, as vLLM's does): the first output token is
+    read as it follows them, so a SentencePiece "▁yes" is " yes", not the "yes" of a text's start."""
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    CONTEXT = 5  # prompt tokens before the output (vLLM's initial offset)
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = list(context[-self.CONTEXT :]) if context else []
         self.prefix_offset = 0
-        self.read_offset = 0
+        self.read_offset = len(self.ids)
         self.text = ""
         self._before_last = (0, 0, 0)  # (prefix_offset, read_offset, len(text)) before the last add: drop_last
 

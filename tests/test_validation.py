@@ -261,7 +261,7 @@ def test_good_chat_matches_its_template(llm: LLM) -> None:
     assert llm.chat_prompt(messages) == ids
     assert llm.chat(messages, GREEDY)[0].token_ids == llm.generate(ids, GREEDY)[0].token_ids
     # vLLM's spellings: content parts, the developer role, sampling_params=, add_generation_prompt, get_tokenizer()
-    parts = [{"role": "developer", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]}, {"role": "user", "content": "hi"}]
+    parts = [{"role": "developer", "content": [{"type": "text", "text": "be brief"}]}, {"role": "user", "content": "hi"}]  # (parts join by "\n")
     assert llm.chat(parts, sampling_params=GREEDY)[0].token_ids == llm.generate(ids, sampling_params=GREEDY)[0].token_ids
     assert llm.chat_prompt(messages, add_generation_prompt=False) == ids[: -len(llm.tokenizer.encode("<s>assistant\n", add_special_tokens=False))]
     assert llm.get_tokenizer() is llm.tokenizer

@@ -115,36 +115,37 @@ class BeamSearch:
         out = []
         for st in states:
             ranked = sorted(st.finished, key=lambda f: -f[0])[: params.n]
-            out.append([BeamHypothesis(t, *self._final_text(t, reason, params), cumulative_logprob=lp, score=sc, finish_reason=reason)
+            out.append([BeamHypothesis(t, *self._final_text(t, reason, params, st.prompt), cumulative_logprob=lp, score=sc, finish_reason=reason)
                         for sc, lp, t, reason in ranked])
         return out
 
-    def _stop_at(self, tokens: list[int], p: SamplingParams) -> tuple[str, int | None, str | None]:
-        """A beam's text, where its first stop string starts (None: nowhere) and which string, of
-        those ending past min_tokens' first tokens, as a sampled sequence searches them."""
-        decode = self.engine.tokenizer.decode
-        text = decode(tokens, skip_special_tokens=p.skip_special_tokens)
+    def _stop_at(self, tokens: list[int], p: SamplingParams, prompt: list[int]) -> tuple[str, int | None, str | None]:
+        """A beam's text (as it follows the prompt), where its first stop string starts (None:
+        nowhere) and which string, of those ending past min_tokens' first tokens, as a sampled
+        sequence searches them."""
+        text = self.engine.tokenizer.decode_continuation(tokens, prompt, p.skip_special_tokens)
         if not p.stop:
             return text, None, None
         start = 0
         if p.min_tokens > 1:
-            start = max(0, len(decode(tokens[: p.min_tokens - 1], skip_special_tokens=p.skip_special_tokens)) - max(map(len, p.stop)) + 1)
+            head = self.engine.tokenizer.decode_continuation(tokens[: p.min_tokens - 1], prompt, p.skip_special_tokens)
+            start = max(0, len(head) - max(map(len, p.stop)) + 1)
         at, stop = find_stop(text, p.stop, start) or (None, None)
         return text, at, stop
 
-    def _final_text(self, tokens: list[int], reason: str, p: SamplingParams) -> tuple[str, int | str | None]:
+    def _final_text(self, tokens: list[int], reason: str, p: SamplingParams, prompt: list[int]) -> tuple[str, int | str | None]:
         """A hypothesis' text and stop_reason by a sampled sequence's rules (LLMEngine._append_token):
         cut before its stop string (after it with include_stop_str_in_output), its ending stop
         token's text left out (kept with include_stop_str_in_output); "" without detokenize."""
         if not p.detokenize:
             return "", tokens[-1] if reason == "stop" and tokens and tokens[-1] in p.stop_token_ids else None
-        text, at, stop = self._stop_at(tokens, p)
+        text, at, stop = self._stop_at(tokens, p, prompt)
         if reason == "stop" and at is not None:
             return cut_at_stop(text, at, stop, p.include_stop_str_in_output), stop
         last = tokens[-1] if tokens else None
         if reason == "stop" and (last in p.stop_token_ids or (not p.ignore_eos and last in self.engine.eos_token_ids)):
             if not p.include_stop_str_in_output:
-                text = self.engine.tokenizer.decode(tokens[:-1], skip_special_tokens=p.skip_special_tokens)
+                text = self.engine.tokenizer.decode_continuation(tokens[:-1], prompt, p.skip_special_tokens)
             return text, last if last in p.stop_token_ids else None
         return text, None
 
@@ -172,7 +173,7 @@ class BeamSearch:
         beam_l, token_l, true_l = beam.tolist(), token.tolist(), true_lp.tolist()
         new_len = cur_len + 1
         strings = p.stop and new_len - prompt_len >= p.min_tokens  # (stop strings count from min_tokens on, as in sampling)
-        reasons = [("stop" if t in ends or (strings and self._stop_at(st.tokens[b] + [t], p)[2] is not None) else "length" if new_len >= st.max_length else None)
+        reasons = [("stop" if t in ends or (strings and self._stop_at(st.tokens[b] + [t], p, st.prompt)[2] is not None) else "length" if new_len >= st.max_length else None)
                    for b, t in zip(beam_l, token_l)]
         hits = torch.tensor([r is not None for r in reasons])
 

@@ -66,7 +66,7 @@ class Sequence:
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_logits: list[torch.Tensor] | None = None  # when a list: every prompt row's fp32 logits, step by step
         self.uncached_prompt = False  # True: every prompt position computed, nothing taken from the prefix cache
-        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens) if tokenizer else None
+        self.detokenizer = IncrementalDetokenizer(tokenizer, params.skip_special_tokens, self.prompt_token_ids) if tokenizer else None
         self.text = ""  # output text so far (truncated before a stop string)
         self.num_emitted = 0  # chars of text already streamed
         self.num_checked = 0  # chars of text already searched for stop strings
