@@ -90,6 +90,24 @@ def test_special_token_strings_in_a_constraint_are_text(tiny: LLM) -> None:
             assert tiny.tokenizer.eos_token_id not in out.token_ids[:-1] and tiny.tokenizer.bos_token_id not in out.token_ids
 
 
+def test_forced_text_a_normalizer_would_change(tmp_path) -> None:
+    """A vocabulary whose normalizer changes text (lowercase, NFC: Qwen2's): the text a constraint
+    forces keeps its own bytes (it was tokenized normalized, "title" for "Title", which the grammar
+    refused: the request failed)."""
+    from tokenizers import normalizers
+
+    from fasterllama.tokenizer import Tokenizer
+
+    folder = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "m"))
+    for normalizer, choice in ((normalizers.Lowercase(), "Title Case"), (normalizers.NFC(), "cafe\u0301")):
+        llm = LLM(folder, progress=False)
+        tokenizer = Tokenizer.from_folder(folder)
+        tokenizer.backend.normalizer = normalizer
+        llm.engine.use_tokenizer(tokenizer)
+        out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=32, temperature=0, choice=[choice]))[0].outputs[0]
+        assert (out.text, out.finish_reason) == (choice, "stop")
+
+
 @pytest.mark.parametrize("form", ["metaspace", "prepend"])
 def test_sentencepiece_vocabularies_take_constraints(tmp_path, form: str) -> None:
     """A LLaMA-2-style SentencePiece vocabulary (tokenizer.model; or tokenizer.json with the dummy

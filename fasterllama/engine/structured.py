@@ -86,11 +86,14 @@ class _TextTokenizer:
         spec["pre_tokenizer"] = _without_prefix_space(spec.get("pre_tokenizer"))
         self._backend = BackendTokenizer.from_str(json.dumps(spec))
         self._backend.encode_special_tokens = True
+        self._greedy = from_json.greedy_tokenize
 
     def __call__(self, text: str | bytes) -> list[int]:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8")
-        return self._backend.encode(text, add_special_tokens=False).ids
+        raw = text if isinstance(text, bytes) else text.encode("utf-8")
+        ids = self._backend.encode(raw.decode("utf-8"), add_special_tokens=False).ids
+        if b"".join(self.tokens[i] for i in ids) != raw:  # (a normalizer changed it: NFC, lowercase; llguidance needs its bytes)
+            ids = self._greedy(raw.decode("utf-8"))
+        return ids
 
 
 def _without_prepend(normalizer: dict[str, Any] | None) -> dict[str, Any] | None:
