@@ -351,10 +351,21 @@ class Tokenizer:
     def all_special_ids(self) -> list[int]:
         return [i for t in self.all_special_tokens if (i := self.token_to_id(t)) is not None]
 
-    def decode_continuation(self, ids: Sequence[int], context: Sequence[int], skip_special_tokens: bool = False) -> str:
-        """The text of ids as they follow context (a prompt: its last tokens), as the incremental
-        detokenizer shows an output: a SentencePiece "▁yes" is " yes" there, "yes" decoded alone."""
-        before = list(context[-IncrementalDetokenizer.CONTEXT :])
+    def output_context(self, prompt: Sequence[int], skip_special_tokens: bool = False) -> list[int]:
+        """The prompt's last tokens an output is read after (at most IncrementalDetokenizer.CONTEXT),
+        whole characters only: tokens ending inside a character (a byte-fallback or byte-level
+        token's part) are left out, else the output's first bytes would complete them."""
+        context = list(prompt[-IncrementalDetokenizer.CONTEXT :])
+        while context and self.decode(context, skip_special_tokens).startswith("\ufffd"):
+            context.pop(0)
+        while context and self.decode(context, skip_special_tokens).endswith("\ufffd"):
+            context.pop()
+        return context
+
+    def decode_continuation(self, ids: Sequence[int], prompt: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """The text of ids as they follow the prompt, as the incremental detokenizer shows an
+        output: a SentencePiece "▁yes" is " yes" there, "yes" decoded alone."""
+        before = self.output_context(prompt, skip_special_tokens)
         head = self.decode(before, skip_special_tokens)
         whole = self.decode(before + list(ids), skip_special_tokens)
         return whole[len(head) :] if whole.startswith(head) else self.decode(ids, skip_special_tokens)
@@ -368,6 +379,17 @@ class Tokenizer:
         if taken:
             raise FasterLlamaError(f"{what}: {', '.join(taken)} are arguments of the chat call, not template variables")
 
+    def resolve_template(self, chat_template: str | None = None, tools: object = None) -> str:
+        """The template's text: `chat_template` (or a folder's template of that name, as
+        transformers takes it), else "tool_use" where tools are given and the model has one, else
+        the model's own."""
+        template = self.named_templates.get(chat_template, chat_template)
+        if template is None:
+            template = (self.named_templates.get("tool_use") if tools is not None else None) or self.chat_template
+        if not template:
+            raise FasterLlamaError("this model has no chat template; use plain generation instead")
+        return template
+
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
@@ -380,12 +402,7 @@ class Tokenizer:
         """Render messages with the model's template, or `chat_template` (as transformers does,
         with its defaults); ids if tokenize. continue_final_message: the text ends where the last
         message's content does, its turn left open for the model to go on (transformers' rule)."""
-        template = self.named_templates.get(chat_template, chat_template)  # (a folder's template by its name, as transformers takes it)
-        if template is None:  # (with tools, a "tool_use" template where the model has one, as transformers picks)
-            template = self.named_templates.get("tool_use") if kwargs.get("tools") is not None else None
-            template = template or self.chat_template
-        if not template:
-            raise FasterLlamaError("this model has no chat template; use plain generation instead")
+        template = self.resolve_template(chat_template, kwargs.get("tools"))
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
                 raise FasterLlamaError("each chat message must be a dict with 'role' and 'content'")
@@ -506,15 +523,15 @@ class IncrementalDetokenizer:
 
     Decodes a small window (prefix..end) and emits what it adds beyond (prefix..read), so each
     step costs O(window) and byte-fallback / multi-byte tokens are held until complete. The window
-    starts with the prompt's last tokens (`context`, as vLLM's does): the first output token is
+    starts with the prompt's last tokens (`Tokenizer.output_context`, as vLLM's does): the first output token is
     read as it follows them, so a SentencePiece "▁yes" is " yes", not the "yes" of a text's start."""
 
     CONTEXT = 5  # prompt tokens before the output (vLLM's initial offset)
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, prompt: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = list(context[-self.CONTEXT :]) if context else []
+        self.ids: list[int] = tokenizer.output_context(prompt, skip_special_tokens) if prompt else []
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""

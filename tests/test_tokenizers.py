@@ -59,6 +59,26 @@ def _assert_same(ours: Tokenizer, hf) -> None:
         assert ours.decode(ids, skip_special_tokens=True) == hf.decode(ids, skip_special_tokens=True), s
 
 
+def test_output_text_is_read_after_the_prompt(sp_model, tmp_path):
+    """An output's text follows its prompt, as vLLM reads it: a SentencePiece "▁yes" first token is
+    " yes" (decoded alone, "yes"); a prompt ending inside a character (byte-fallback tokens) leaves
+    that character's bytes out of the context, so the output's own characters stay whole."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(open(sp_model, "rb").read())
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    tok = Tokenizer.from_folder(str(folder))
+    byte = lambda b: tok.token_to_id(f"<0x{b:02X}>")  # noqa: E731
+    hello, yes = tok.encode("Hello", add_special_tokens=False), tok.encode(" yes", add_special_tokens=False)
+    assert tok.backend.id_to_token(yes[0]).startswith("▁") and tok.decode(yes) == "yes"
+    nihao = [byte(b) for b in "好".encode()]
+    for prompt, output, want in (([1, *hello], yes, " yes"), ([1, *hello, byte(0xE4), byte(0xBD)], nihao + yes, "好 yes"),
+                                 ([1, *hello, byte(0xE4)], nihao + nihao + yes, "好好 yes"), ([1], yes, "yes")):
+        detok = IncrementalDetokenizer(tok, True, prompt)
+        streamed = "".join(detok.add(t) for t in output) + detok.flush()
+        assert streamed == detok.text == tok.decode_continuation(output, prompt, True) == want, (prompt, output)
+
+
 @pytest.mark.parametrize("legacy", [None, True, False])
 def test_tokenizer_model_folder(sp_model, tmp_path, legacy):
     """A tokenizer.model folder; "legacy": true puts "▁" before the text after each special token."""
