@@ -4,6 +4,7 @@ then rendered to prompt ids. One path for the Python API (LLM.chat) and the serv
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from .engine.llm_engine import check_text
@@ -80,13 +81,23 @@ def _call_with_parsed_arguments(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": parsed}} if isinstance(parsed, dict) else call
 
 
+_LOOPS_OVER_CONTENT = re.compile(r"\{%-?\s*for\s+\w+\s+in\s+\w+\s*(\.\s*content|\[\s*['\"]content['\"]\s*\])\s*(\||-?%\})")
+
+
+def content_format_of(template: str) -> str:
+    """"openai" for a template that loops over a message's content (its list of parts), else
+    "string": vLLM's "auto" choice (a template written for parts rendered a string as nothing)."""
+    return "openai" if _LOOPS_OVER_CONTENT.search(template) else "string"
+
+
 def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object, add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None, *, chat_template: str | None = None,
-                    continue_final_message: bool = False, tools: list[Any] | None = None, content_format: str = "string") -> list[int]:
+                    continue_final_message: bool = False, tools: list[Any] | None = None, content_format: str = "auto") -> list[int]:
     """Token ids of one conversation rendered by the model's chat template, or `chat_template`
     (messages checked); chat_template_kwargs: more variables for the template (enable_thinking...);
     continue_final_message: the last message's turn left open (add_generation_prompt=False);
-    tools: the functions the template describes to the model; content_format: check_messages'."""
+    tools: the functions the template describes to the model; content_format: check_messages',
+    or "auto": the template's (content_format_of)."""
     if tokenizer is None:
         raise FasterLlamaError("this model has no tokenizer, so it cannot chat")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
@@ -97,5 +108,7 @@ def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object, add_generatio
     Tokenizer.check_template_variables(extra, "chat_template_kwargs")
     if tools is not None:
         extra["tools"] = tools
+    if content_format == "auto":
+        content_format = content_format_of(tokenizer.resolve_template(chat_template, tools))
     return tokenizer.apply_chat_template(check_messages(messages, content_format), add_generation_prompt=bool(add_generation_prompt), tokenize=True,
                                          chat_template=chat_template, continue_final_message=bool(continue_final_message), **extra)

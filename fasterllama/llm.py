@@ -391,12 +391,13 @@ class LLM:
                     chat_template_content_format: str = "auto") -> list[int]:
         """Token ids of one conversation rendered by the model's chat template, or `chat_template`
         (conversation.py: as the server renders it). chat_template_content_format "openai" hands
-        the template each content as a list of text parts; "auto" and "string" as one string."""
+        the template each content as a list of text parts, "string" as one string, "auto" as the
+        template reads them (a loop over the content: parts)."""
         if chat_template_content_format not in ("auto", "string", "openai"):
             raise FasterLlamaError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {chat_template_content_format!r}")
         return chat_prompt_ids(self.tokenizer, messages, add_generation_prompt, chat_template_kwargs, chat_template=chat_template,
                                continue_final_message=continue_final_message, tools=tools,
-                               content_format="openai" if chat_template_content_format == "openai" else "string")
+                               content_format=chat_template_content_format)
 
     def chat(
         self,

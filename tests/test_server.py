@@ -780,8 +780,8 @@ def test_chat_template_extras_over_http(server: Server, offline: LLM) -> None:
         assert offline.tokenizer.decode(ids) == "[narrator]Once[assistant]thinkYes"
         parts = [{"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
         looped = "{% for m in messages %}{% if m.content is string %}S[{{ m.content }}]{% else %}{% for p in m.content %}P[{{ p.text }}]{% endfor %}{% endif %}{% endfor %}"
-        assert offline.tokenizer.decode(offline.chat_prompt(parts, chat_template=looped)) == "S[one\ntwo]"  # (joined as vLLM joins)
-        assert offline.tokenizer.decode(offline.chat_prompt(parts, chat_template=looped, chat_template_content_format="openai")) == "P[one]P[two]"
+        for content_format, want in (("string", "S[one\ntwo]"), ("openai", "P[one]P[two]"), ("auto", "P[one]P[two]")):  # (auto: it loops over parts)
+            assert offline.tokenizer.decode(offline.chat_prompt(parts, chat_template=looped, chat_template_content_format=content_format)) == want
         r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": parts, "max_tokens": 1, "chat_template": looped})
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(offline.chat_prompt(parts, chat_template=looped)), r.text
 

@@ -333,9 +333,10 @@ class ChatMessage(_Strict):
 
     @field_validator("content")
     @classmethod
-    def _content(cls, v: str | list[ContentPart] | None) -> str:
-        """Text parts joined (an assistant's refusal parts are text too); other part types
-        (images, audio) are refused."""
+    def _content(cls, v: str | list[ContentPart] | None) -> str | list[dict[str, str]]:
+        """Text parts as {"type": "text", "text"} (an assistant's refusal parts are text too),
+        joined or kept as the template reads them (conversation.py); other part types (images,
+        audio) are refused."""
         if v is None or isinstance(v, str):
             return v or ""
         texts = []
@@ -346,12 +347,12 @@ class ChatMessage(_Strict):
             if not isinstance(text, str):
                 raise ValueError(f"a content part of type {part.type!r} needs its {part.type!r} string")
             texts.append(text)
-        return "\n".join(texts)  # (as vLLM joins them)
+        return [{"type": "text", "text": text} for text in texts]
 
     def template_dict(self) -> dict[str, Any]:
         """The message for conversation.py (content sent as null or left out is empty, as
         transformers renders it, not "None")."""
-        return {**self.model_dump(exclude_none=True), "content": self.content or ""}
+        return {**self.model_dump(exclude_none=True, exclude={"content"}), "content": self.content or ""}
 
 
 class ChatCompletionRequest(GenerationRequest):
