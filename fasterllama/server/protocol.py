@@ -439,7 +439,7 @@ class ChatCompletionRequest(GenerationRequest):
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools as the chat template sees them (OpenAI's shape, unset fields left out)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools is not None else None  # ([]: given, as vLLM passes it)
 
     def _constraint(self) -> dict[str, Any]:
         """A forced call ("required" or a named function) constrains the reply to the call's JSON
