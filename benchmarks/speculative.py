@@ -9,6 +9,11 @@ prefill step), its speedup the ratio to plain decoding in the same round (median
 tokens per verify, and a check that every output equals plain decoding's token for token.
 
     python benchmarks/speculative.py [--model M] [--rounds 3] [--ks 2,4,8] [--batch 1] [--max-tokens 256]
+        [--draft-model D [--draft-quantization Q] [--draft-ks 4]]
+
+--draft-model adds draft-model configurations (D drafting k tokens; D may be the model itself, e.g.
+quantized with --draft-quantization w4: drafts that always hold, at a draft step as slow as the
+target's, which the cost model should decline).
 """
 
 from __future__ import annotations
@@ -85,15 +90,23 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--prompt-lookup-min", type=int, default=None)
     ap.add_argument("--prompt-lookup-max", type=int, default=None)
+    ap.add_argument("--draft-model", default=None, help="also compare a draft model drafting --draft-ks tokens")
+    ap.add_argument("--draft-quantization", default=None)
+    ap.add_argument("--draft-ks", default="4")
     args = ap.parse_args()
     llm = LLM(args.model, progress=False)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     lookup = {k: v for k, v in (("prompt_lookup_min", args.prompt_lookup_min), ("prompt_lookup_max", args.prompt_lookup_max)) if v is not None}
     configs: dict[str, object] = {"plain": None}
-    for k in (int(x) for x in args.ks.split(",")):
+    for k in (int(x) for x in args.ks.split(",") if x):
         spec = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": k, **lookup})
         configs[f"ngram k={k}"] = make_speculator(spec, engine, False)
+    for k in (int(x) for x in args.draft_ks.split(",") if x and args.draft_model):
+        spec = SpeculativeConfig.parse({"method": "draft_model", "model": args.draft_model, "num_speculative_tokens": k,
+                                        **({"quantization": args.draft_quantization} if args.draft_quantization else {})})
+        configs[f"draft k={k}"] = make_speculator(spec, engine, False)
+        print(f"draft k={k}: draft step measured at {configs[f'draft k={k}'].draft_cost:.2f} of a target step")
     row_cost = next(s for s in configs.values() if s is not None).row_cost
     groups = {"copy": COPY_PROMPTS, "free": FREE_PROMPTS}
     batches = {g: [[llm.chat_prompt([{"role": "user", "content": p}]) for p in ps[i : i + args.batch]] for i in range(0, len(ps), args.batch)]
@@ -140,6 +153,9 @@ def main() -> None:
                 line += f"  (rounds {', '.join(f'{x:.3f}' for x in speedups[(group, name)])}); drafts accepted {accepted}/{drafted}"
                 line += f" = {accepted / max(1, drafted):.0%}"
             print(line)
+    for name, spec in configs.items():
+        if spec is not None and spec.measured_cost:
+            print(f"{name}: draft step {spec.draft_cost:.2f} of a target step at the end (measured at start: {spec.measured_cost:.2f})")
     print("every output identical to plain decoding's")
 
 
