@@ -33,9 +33,11 @@ ALIGNED = ("x_ptr", "p_ptr", "w_ptr", "s_ptr", "mn_ptr", "out_ptr", "N", "K", "s
            "stride_qo_t", "stride_qo_h", "xw_ptr", "xs_ptr", "xsum_ptr")
 
 
-def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[str, str]:
-    """(SASS, resource usage) of one specialization. Constexprs left out take their defaults, as a
-    launch does (ASTSource would compile them as None)."""
+def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple[str, str, int]:
+    """(SASS, resource usage, shared memory bytes) of one specialization. Constexprs left out take
+    their defaults, as a launch does (ASTSource would compile them as None). The shared memory is
+    Triton's dynamic allocation, which cuobjdump's usage leaves out: over the device's limit (an
+    H100/H200: 232,448 bytes) the launch fails, not the compile."""
     constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     signature = {**{p.name: "constexpr" for p in fn.params if p.is_constexpr and p.has_default}, **signature}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED if n in signature}
@@ -46,7 +48,7 @@ def compile_sm90(fn, signature: dict, constexprs: dict, num_warps: int) -> tuple
         f.flush()
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return sass, usage
+    return sass, usage, kernel.metadata.shared
 
 
 def k_loop(sass: str, marker: str = "") -> list[str]:
@@ -156,7 +158,7 @@ def main() -> None:
         if "factored" in name:
             consts.update(GPS=256 // g)
         weights = cfg.block_n * gpb * g / (32 * cfg.warps)
-        sass, usage = compile_sm90(fn, sig, consts, cfg.warps)
+        sass, usage, _ = compile_sm90(fn, sig, consts, cfg.warps)
         marker = "IDP" if "a8" in name else ""
         n = loop_length(sass, marker)
         res = re.search(r"REG:(\d+) STACK:(\d+)", usage)

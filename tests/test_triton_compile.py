@@ -178,7 +178,7 @@ from gpu_sass import compile_sm90
 module, kernel, sig, consts, warps = json.loads(sys.argv[1])
 fn = getattr(importlib.import_module("fasterllama.backends.cuda." + module), kernel)
 try:
-    sass, usage = compile_sm90(fn, sig, consts, warps)
+    sass, usage, shared = compile_sm90(fn, sig, consts, warps)
 except FileNotFoundError as e:
     sys.exit(f"SKIP no sm_90 toolchain: {e}")
 words = [line.split("*/")[1].split() for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line]
@@ -190,7 +190,7 @@ last = lambda prefix: max((i for i, o in enumerate(ops[:atom]) if o.startswith(p
 fenced = None if atom is None else last("STG") < last("BAR.SYNC") < last("MEMBAR.ALL.GPU")
 first_store = next((i for i, o in enumerate(ops) if o.startswith("STG")), len(ops))
 late_loads = sum(o.startswith("LDG") for o in ops[first_store:])  # (a load after a store waits for it: it may alias)
-print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
+print(json.dumps({"spills": "LOCAL:0" not in usage, "shared": shared, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
                   "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced,
                   "loads_after_a_store": late_loads, "dp4a": sum(o.startswith("IDP.4A") for o in ops),
                   "tma": sum(o.startswith("UTMALDG") for o in ops), "wgmma": sum(o.startswith(("HGMMA", "IGMMA")) for o in ops),
@@ -198,15 +198,24 @@ print(json.dumps({"spills": "LOCAL:0" not in usage, "atomics": "ATOMS" in sass, 
 """
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_triton_kernel_compiles_for_sm90(name: str) -> None:
+SHARED_LIMIT = 232_448  # bytes of shared memory a block may have on sm_90 (H100, H200): more fails at launch
+
+
+def _compile(case: tuple) -> dict:
+    """The compile's findings (CODE's JSON), in a process without TRITON_INTERPRET."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", CODE, json.dumps(CASES[name])], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", CODE, json.dumps(case)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     if "SKIP" in run.stderr:
         pytest.skip(run.stderr.strip())
     assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout)
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernel_compiles_for_sm90(name: str) -> None:
+    got = _compile(CASES[name])
     assert not got["spills"] and got["instructions"] > 10
+    assert got["shared"] <= SHARED_LIMIT, got["shared"]
     assert got["wait"] and got["release"]  # PDL: the kernel waits for the one before, then lets the next launch
     if name in ("RoPE + KV store", "residual add + RMSNorm"):  # every load out before the first store: one trip to memory
         assert got["loads_after_a_store"] == 0, got
@@ -226,3 +235,25 @@ def test_triton_kernel_compiles_for_sm90(name: str) -> None:
         assert got["dp4a"] > 0, got
     if name == "sampler":
         assert got["atomics"]  # the radix select's digit counts: shared-memory atomics
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_triton_mma_gemv_tiles_fit_in_shared_memory(bits: int) -> None:
+    """The MMA GEMV's largest tile that gemv_mma.fitting() lets tune() try (at one activation row,
+    where a tile holds the most groups) launches on sm_90; the smallest it turns away would not."""
+    from fasterllama.backends.cuda import gemv_mma
+
+    def case(cfg, gs: int) -> tuple:
+        sig = dict(MMA, ASM="constexpr", BITS="constexpr", PER_GROUP="constexpr", SPLITS_PAD="constexpr", HAS_BIAS="constexpr")
+        if bits == 8:
+            sig["p_ptr"] = "*i8"
+        consts = {"GS": gs, "GPB": gemv_mma.groups_a_tile(cfg, gs, 1, bits), "BLOCK_N": cfg.block_n, "M_PAD": 1, "PDL": True, "ASM": True,
+                  "BITS": bits, "PER_GROUP": True, "SPLITS_PAD": 1, "HAS_BIAS": False}
+        return "gemv_mma", "_mma_gemv_kernel", sig, consts, cfg.warps
+
+    pairs = [(cfg, gs) for gs in (32, 64, 128) for cfg in gemv_mma.MMA_CONFIGS]
+    fits = [(c, gs) for c, gs in pairs if c in gemv_mma.fitting(gemv_mma.MMA_CONFIGS, gs, bits, 1)]
+    refused = [pair for pair in pairs if pair not in fits]
+    assert fits and refused  # (groups of 128 at one row: 8 of them a tile, 128-256 rows, too many for some configs)
+    assert _compile(case(*max(fits, key=lambda p: gemv_mma.weight_tile_bytes(*p, bits, 1))))["shared"] <= SHARED_LIMIT
+    assert _compile(case(*min(refused, key=lambda p: gemv_mma.weight_tile_bytes(*p, bits, 1))))["shared"] > SHARED_LIMIT

@@ -346,3 +346,32 @@ def test_triton_gemv_tune_leaves_out_wrong_candidates(monkeypatch) -> None:
            "rounded": lambda: ref.bfloat16()}
     assert list(gemv._checked(("float", 64, 64), fns)) == ["ref", "rounded"]
     assert [r.split(": ")[0].split()[-1] for r in gemv.REJECTED] == ["wrong", "nan", "broken"]
+
+
+@pytest.mark.parametrize("wrong_at_two_rows", [False, True])
+def test_triton_gemv_tune_checks_the_choice_at_two_rows(monkeypatch, wrong_at_two_rows) -> None:
+    """The one-row choice serves two rows too, by kernels of their own (two rows a program, two
+    padded MMA rows): one that fails or disagrees there gives way to the reference (cuBLAS here)."""
+    monkeypatch.setattr(gemv, "REJECTED", [])
+    monkeypatch.setattr(gemv, "_CHOICE", {})
+    refs = {rows: torch.randn(rows, 8) for rows in (1, 2)}
+
+    def candidates(module, x):
+        rows = x.shape[0]
+        gemv_out = refs[rows] * (1.5 if wrong_at_two_rows and rows == 2 else 1.0)
+        gemv_fn = lambda: gemv_out  # noqa: E731
+        gemv_fn.fast = True
+        return ("float", 8, 8, torch.float32), {("cublas", gemv.DEFAULT_CONFIG): lambda: refs[rows], ("gemv", gemv.CONFIGS[0]): gemv_fn}
+
+    monkeypatch.setattr(gemv, "_candidates", candidates)
+    monkeypatch.setattr(gemv, "_batch_candidates", lambda module, x: ((), {}))
+    monkeypatch.setattr(gemv, "_time", lambda fn: 0.5 if getattr(fn, "fast", False) else 1.0)
+    net = torch.nn.Module()
+    net.norm = torch.nn.Module()
+    net.norm.weight = torch.nn.Parameter(torch.ones(8))
+    net.proj = torch.nn.Linear(8, 8)
+    timings = gemv.tune(net, torch.float32)
+    key = ("float", 8, 8, torch.float32)
+    assert timings[key] == {"cublas": 1.0, f"gemv{tuple(gemv.CONFIGS[0])}": 0.5}  # (timed at one row, where both agree)
+    assert gemv._CHOICE[key] == (("cublas", gemv.DEFAULT_CONFIG) if wrong_at_two_rows else ("gemv", gemv.CONFIGS[0]))
+    assert any("relative error" in r for r in gemv.REJECTED) == wrong_at_two_rows

@@ -995,7 +995,8 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
         from . import gemv_mma
 
         if gemv_mma.supports(module.in_features, module.group_size or 32, x.dtype):
-            fns.update({("gemv-mma", c): (lambda c=c: gemv_mma.int8_gemv_mma(x, q, s, cfg=c, mins=m)) for c in gemv_mma.MMA_CONFIGS})
+            fns.update({("gemv-mma", c): (lambda c=c: gemv_mma.int8_gemv_mma(x, q, s, cfg=c, mins=m))
+                        for c in gemv_mma.fitting(gemv_mma.MMA_CONFIGS, module.group_size or 32, 8, 1)})
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(x, q, s, mins=m), **fns}
     if kind == "int4":
         args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
@@ -1004,7 +1005,8 @@ def _candidates(module, x: torch.Tensor) -> tuple[tuple, dict]:
         from . import gemv_mma
 
         if gemv_mma.supports(module.in_features, module.group_size, x.dtype):
-            fns.update({("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(x, *args, cfg=c, sups=sups)) for c in gemv_mma.MMA_CONFIGS})
+            fns.update({("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(x, *args, cfg=c, sups=sups))
+                        for c in gemv_mma.fitting(gemv_mma.MMA_CONFIGS, module.group_size, 4, 1)})
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(x, *args, sups=sups), **fns}
     return (), {}
 
@@ -1022,12 +1024,14 @@ def _batch_candidates(module, x: torch.Tensor, rows: int = BATCH_ROWS) -> tuple[
     if kind == "int4" and gemv_mma.supports(module.in_features, module.group_size, x.dtype):
         args, sups = (module.qweight, module.scales, module.mins, module.group_size), module.sups
         key = shape_key("int4rows", module.out_features, module.in_features, module.group_size, x.dtype, _int4_variant(module.mins, sups))
-        fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(xb, *args, cfg=c, sups=sups)) for c in gemv_mma.BATCH_CONFIGS}
+        fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int4_gemv_mma(xb, *args, cfg=c, sups=sups))
+               for c in gemv_mma.fitting(gemv_mma.BATCH_CONFIGS, module.group_size, 4, 3)}
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int4_weight_linear(xb, *args, sups=sups), **fns}
     if kind == "int8" and gemv_mma.supports(module.in_features, module.group_size or 32, x.dtype):
         q, s, m = module.qweight, module.weight_scale, module.weight_min
         key = shape_key("int8rows", module.out_features, module.in_features, module.group_size or 0, x.dtype, "mins" if m is not None else None)
-        fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int8_gemv_mma(xb, q, s, mins=m, cfg=c)) for c in gemv_mma.BATCH_CONFIGS}
+        fns = {("gemv-mma", c): (lambda c=c: gemv_mma.int8_gemv_mma(xb, q, s, mins=m, cfg=c))
+               for c in gemv_mma.fitting(gemv_mma.BATCH_CONFIGS, module.group_size or 32, 8, 3)}
         return key, {("tiled", DEFAULT_CONFIG): lambda: triton_linear.int8_weight_linear(xb, q, s, mins=m), **fns}
     return (), {}
 
@@ -1040,6 +1044,15 @@ def _batch_rows_agree(module, cfg: Config, key: tuple, x: torch.Tensor) -> bool:
         if ("gemv-mma", cfg) not in _checked(key + (rows,), {("tiled", DEFAULT_CONFIG): fns[("tiled", DEFAULT_CONFIG)], ("gemv-mma", cfg): fns[("gemv-mma", cfg)]}):
             return False
     return True
+
+
+def _rows_agree(module, name: tuple[str, Config], key: tuple, x: torch.Tensor) -> bool:
+    """Whether the candidate timed fastest at one row also compiles and agrees with the reference
+    (cuBLAS or the tiled kernel) at the other rows it serves, up to MAX_ROWS (kernels of their own:
+    two rows a program, two padded MMA rows)."""
+    fns = _candidates(module, torch.randn(MAX_ROWS, x.shape[-1], dtype=x.dtype, device=x.device))[1]
+    reference = next(iter(fns))
+    return name == reference or name in _checked(key + (MAX_ROWS,), {reference: fns[reference], name: fns[name]})
 
 
 REJECTED: list[str] = []  # candidates tune() left out: "shape kernel(config): why"
@@ -1088,6 +1101,8 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
                 _CHOICE[key] = min(ms, key=ms.get)
                 if key[0].endswith("rows") and _CHOICE[key][0] == "gemv-mma" and not _batch_rows_agree(module, _CHOICE[key][1], key, x):
                     _CHOICE[key] = ("tiled", DEFAULT_CONFIG)
+                elif not key[0].endswith("rows") and not _rows_agree(module, _CHOICE[key], key, x):
+                    _CHOICE[key] = next(iter(fns))  # (cuBLAS or the tiled kernel)
                 timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
         for mlp in (m for m in model.modules() if type(getattr(m, "act", None)) is SiluAndMul):
             key = _key(mlp.down_proj, dtype)

@@ -75,7 +75,8 @@ _PAIRS8_FP16 = tl.constexpr(_PAIRS8_BF16.value.replace("0x43004300", "0x64006400
 
 
 def supports(K: int, group_size: int, dtype: torch.dtype) -> bool:
-    """Groups of 32..128 dividing K (int8 per channel: blocks of 32), half-precision activations (the MMA's operands)."""
+    """Groups of 32..128 dividing K (int8 per channel: blocks of 32), half-precision activations (the
+    MMA's operands); of the configs, those whose tiles fit (fitting())."""
     return group_size in (32, 64, 128) and K % group_size == 0 and dtype in (torch.bfloat16, torch.float16)
 
 
@@ -260,6 +261,22 @@ def groups_a_tile(cfg: Config, group_size: int, rows: int = 1, bits: int = 4) ->
     16 words deep and 8 columns."""
     m_pad = next_power_of_2(rows)
     return max(cfg.tile_bytes * 2 // group_size // m_pad, cdiv(256, group_size * bits), cdiv(8, m_pad))
+
+
+# a tile's weight bytes (program rows x groups_a_tile x a group's bytes) at most: sm_90's ptxas gave
+# 64 KiB tiles 135 KB of shared memory, 128 KiB ones 266-278 KB, over an H200's 227 KB (launches
+# then fail; groups of 64-128 at one or two rows, where the 8-column floor holds 8 groups a tile)
+MAX_TILE_BYTES = 64 * 1024
+
+
+def weight_tile_bytes(cfg: Config, group_size: int, bits: int, rows: int) -> int:
+    return cfg.block_n * groups_a_tile(cfg, group_size, rows, bits) * group_size * bits // 8
+
+
+def fitting(configs: tuple[Config, ...], group_size: int, bits: int, rows: int) -> tuple[Config, ...]:
+    """The configs whose tiles fit in shared memory at `rows` activation rows (and so at more: a tile
+    holds fewer groups the more rows there are)."""
+    return tuple(c for c in configs if weight_tile_bytes(c, group_size, bits, rows) <= MAX_TILE_BYTES)
 
 
 def int4_gemv_mma(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
