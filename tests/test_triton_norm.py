@@ -139,3 +139,19 @@ def test_triton_round_half_even() -> None:
     q, _ = tn.quantize_per_token(row, one, True)
     assert q.tolist() == [[127, 2, 2, 0, -2, 4, 0, -126, 127]]
     assert torch.equal(q, quantized.quantize_per_token(row, one, True)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_quantize_per_token_divides_as_torch(dtype) -> None:
+    """Scales and int8 codes equal torch's bit for bit, near-ties of x / scale included: the kernel
+    divides correctly rounded (a GPU's "/" is PTX div.full, 2 ulp: one step off at near-ties)."""
+    M, K = SHAPES[1]
+    x = _rand(M, K, dtype=dtype, scale=3)
+    amax = x.float().abs().amax(dim=1, keepdim=True)
+    k = torch.randint(-120, 120, (M, K), device=DEVICE).float()
+    near = ((k + 0.5) * (amax / 127) * (1 + torch.randn(M, K, device=DEVICE) * 1e-7)).to(dtype)
+    x = torch.where(torch.rand(M, K, device=DEVICE) < 0.5, near, x)
+    x[:, 0] = amax[:, 0].to(dtype)  # (the absmax kept)
+    q, s = tn.quantize_per_token(x)
+    q_ref, s_ref = quantized.quantize_per_token(x)
+    assert torch.equal(s, s_ref) and torch.equal(q, q_ref)

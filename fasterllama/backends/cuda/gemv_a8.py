@@ -37,7 +37,7 @@ from ...ops import quantized
 from . import pdl, triton_linear
 from .gemv import MAX_ROWS, Config, _int8_store, _launch, _rows, _rows_of, _store_rows
 from .launch import cdiv
-from .triton_norm import INTERPRET
+from .triton_norm import INTERPRET, RCP_127, quotient
 
 # rows a program owns, bytes of each row a tile, warps, programs an SM before split-K. Many rows: the
 # rounding of x, redone by every row block, costs 1/BLOCK_N of the weights' work; more programs an SM
@@ -51,7 +51,6 @@ A8_CONFIGS = (Config(64, 256, 4, 2), Config(128, 128, 4, 2), Config(256, 64, 4, 
               Config(64, 256, 4, 2, round_first=True), Config(128, 128, 4, 4, round_first=True))
 DEFAULT_A8_CONFIG = A8_CONFIGS[0]
 QUANT_BLOCK = tl.constexpr(32)  # chunks of x a program rounds at a time
-RCP_127 = tl.constexpr(0.007874015718698502)  # 1 / 127 in fp32, correctly rounded (numpy: float32(1) / float32(127))
 
 
 def supports(bits: int, K: int, group_size: int | None) -> bool:
@@ -88,22 +87,13 @@ def _bit_or(a, b):
 
 
 @triton.jit
-def _quotient(a, b, r):
-    """a / b correctly rounded, as torch divides (Triton's "/" is PTX div.full: 2 ulp), from r, the
-    correctly rounded 1 / b (one division a chunk): t = a r, then one FMA correction step
-    (Markstein's theorem: the result is a / b rounded to nearest)."""
-    t = a * r
-    return tl.fma(tl.fma(-t, b, a), r, t)
-
-
-@triton.jit
 def _round_chunks(x, E: tl.constexpr, CH: tl.constexpr):
     """x [CH, E] (fp32) rounded per row (a chunk, round_activations): (words [CH, E/4] of four int8
     values, scales [CH], scale * the sum of each chunk's values [CH])."""
-    scale = _quotient(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 127.0, RCP_127)
+    scale = quotient(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), 127.0, RCP_127)
     # x / scale in -127..127 (|x| <= absmax), rounded (halves to even) by adding 1.5 * 2^23:
     # the bits of the sum hold 0x4B400000 + q, whose low byte is q's
-    bits = (_quotient(x, scale[:, None], tl.div_rn(1.0, scale)[:, None]) + 12582912.0).to(tl.int32, bitcast=True)
+    bits = (quotient(x, scale[:, None], tl.div_rn(1.0, scale)[:, None]) + 12582912.0).to(tl.int32, bitcast=True)
     shift = (8 * (tl.arange(0, E) % 4))[None, :]
     words = tl.reduce(tl.reshape((bits & 0xFF) << shift, [CH, E // 4, 4]), 2, _bit_or)
     return words, scale, tl.sum(bits - 0x4B400000, axis=1).to(tl.float32) * scale

@@ -30,10 +30,28 @@ def _round_half_even(v):
     return tl.where(((r - v) == 0.5) & odd, r - 1.0, r)
 
 
+RCP_127 = tl.constexpr(0.007874015718698502)  # 1 / 127 in fp32, correctly rounded (numpy: float32(1) / float32(127))
+
+
+FUSED_FMA = tl.constexpr(not INTERPRET)  # (the interpreter's tl.fma rounds the product, then the sum)
+
+
+@triton.jit
+def quotient(a, b, r):
+    """a / b correctly rounded, as torch divides (Triton's "/" is PTX div.full: 2 ulp, so a scale or
+    an int8 code at a near-tie could differ from torch's by one step), from r, the correctly rounded
+    1 / b (one division a row): t = a r, then one FMA correction step (Markstein's theorem: the
+    result is a / b rounded to nearest). The interpreter, whose "/" is numpy's, divides."""
+    if FUSED_FMA:
+        t = a * r
+        return tl.fma(tl.fma(-t, b, a), r, t)
+    return tl.div_rn(a, b)
+
+
 @triton.jit
 def _row_scale(amax, static_ptr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr):
     """A row's quantization scale from its absmax (and the calibrated static scale, if any)."""
-    scale = tl.maximum(amax, 1e-12) / 127.0
+    scale = quotient(tl.maximum(amax, 1e-12), 127.0, RCP_127)
     if HAS_STATIC:
         static = tl.load(static_ptr).to(tl.float32)
         if CLIP:
@@ -45,7 +63,7 @@ def _row_scale(amax, static_ptr, HAS_STATIC: tl.constexpr, CLIP: tl.constexpr):
 
 @triton.jit
 def _store_quantized(y, scale, cols, mask, q_ptr, row, K):
-    q = tl.minimum(tl.maximum(_round_half_even(y / scale), -127.0), 127.0)
+    q = tl.minimum(tl.maximum(_round_half_even(quotient(y, scale, tl.div_rn(1.0, scale))), -127.0), 127.0)
     tl.store(q_ptr + row * K + cols, q.to(tl.int8), mask=mask)
 
 
