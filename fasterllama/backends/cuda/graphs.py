@@ -118,8 +118,11 @@ class CUDAGraphDecode:
         for i, table in enumerate(step.block_tables):
             tables[i, : len(table)] = table
         tables[B:n, :width] = 0
-        self.inputs[:, :n].copy_(self.host[:, :n], non_blocking=True)
-        self.tables[:n, :width].copy_(self.host_tables[:n, :width], non_blocking=True)
+        # contiguous on both sides, so the copies go straight from pinned memory: torch copies a
+        # strided slice through a pageable temporary, and from pageable memory CUDA waits for the
+        # stream (the last step) before it copies, which would undo chained steps' overlap
+        self.inputs.copy_(self.host, non_blocking=True)  # (every bucket's columns: 4 x 256 ids at most)
+        self.tables[:n].copy_(self.host_tables[:n], non_blocking=True)  # (whole rows: columns past width unread)
         if source is not None:
             ids = self.inputs[_IDS, :B]
             ids.copy_(source[0].index_select(0, ids))
