@@ -516,3 +516,31 @@ def test_cached_tokens_are_counted_at_first_admission(tiny_folder):
     assert engine.scheduler.num_preemptions >= 1
     assert late.num_prefix_cached == 0
     assert late.output_token_ids == roomy.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0].token_ids
+
+
+def test_beam_search_runs_in_a_cache_of_exactly_the_blocks_it_needs(tiny_folder):
+    """W beams need the prompt's full blocks once and W blocks each of their own: the prompt's
+    partial last block is copied by W - 1 beams, the last writes the original (it asked one
+    block more, refusing searches that fit)."""
+    from fasterllama.engine.kv_cache import KVCache
+
+    probe = _llm(tiny_folder)
+    per_block = KVCache.bytes_per_block(probe.engine.config, 16, probe.engine.dtype)
+    prompt = [(7 * i) % 300 + 10 for i in range(20)]  # one full block of 16, four tokens in a second
+    llm = _llm(tiny_folder, kv_cache_memory=4 * per_block)  # 1 + 3 beams x 1 block (30 tokens: 2 blocks a beam)
+    assert llm.engine.blocks.num_blocks == 4
+    params = SamplingParams(beam_width=3, n=3, max_tokens=10, ignore_eos=True)
+    got = llm.generate([prompt], params)[0]
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in probe.generate([prompt], params)[0].outputs]
+    assert llm.engine.blocks.num_used == 0
+
+
+def test_beam_search_wider_than_the_vocabulary_returns_only_real_hypotheses(tiny_folder):
+    """Beams past the vocabulary's candidates (the first step's padding beams) are no hypotheses:
+    each returned one is distinct and ranked, as HF gives them -1e9 scores."""
+    llm = _llm(tiny_folder, max_num_seqs=400)
+    vocab = llm.config.vocab_size
+    outs = llm.generate([[10, 11, 12]], SamplingParams(beam_width=vocab + 40, n=vocab + 40, max_tokens=1, ignore_eos=True))[0].outputs
+    assert len(outs) == vocab and len({tuple(o.token_ids) for o in outs}) == vocab
+    scores = [o.cumulative_logprob for o in outs]
+    assert scores == sorted(scores, reverse=True)

@@ -52,14 +52,17 @@ class BeamSearch:
 
     def run(self, prompts: list[list[int]], params: SamplingParams) -> list[list[BeamHypothesis]]:
         """The best hypotheses of each prompt; as many prompts at a time as the free blocks hold
-        at their longest (the prompt's blocks once, each beam's new blocks W times)."""
+        at their longest: the prompt's full blocks once, each beam's own blocks W times (its copy
+        of the prompt's partial last block among them: the last of the W beams to write it keeps
+        the original)."""
         blocks, W = self.engine.blocks, params.beam_width
         results: list[list[BeamHypothesis]] = []
         group: list[list[int]] = []
         budget = blocks.num_free
         for prompt in prompts:
             max_length = min(len(prompt) + params.max_tokens, self.engine.max_model_len)
-            need = blocks.blocks_for(len(prompt)) + W * (blocks.blocks_for(max_length) - len(prompt) // blocks.block_size)
+            full = len(prompt) // blocks.block_size
+            need = full + W * (blocks.blocks_for(max_length) - full)
             if need > blocks.num_free:
                 from ..errors import FasterLlamaError
 
@@ -177,11 +180,12 @@ class BeamSearch:
                    for b, t in zip(beam_l, token_l)]
         hits = torch.tensor([r is not None for r in reasons])
 
-        # finished hypotheses: only among the top W candidates
+        # finished hypotheses: only among the top W candidates, none continuing a padding beam (the
+        # NEG-scored beams of the first step, or after it if W exceeds the candidates: W > V)
         if st.improvable and not (p.early_stopping is True and len(st.finished) >= W):
             norm = (new_len - prompt_len) ** p.length_penalty
             for j in range(W):
-                if hits[j]:
+                if hits[j] and cand_scores[j] > NEG / 2:
                     b = beam_l[j]
                     st.finished.append((float(cand_scores[j]) / norm, st.logprobs[b] + true_l[j], st.tokens[b] + [token_l[j]], reasons[j]))
             st.finished = sorted(st.finished, key=lambda f: -f[0])[:W]
