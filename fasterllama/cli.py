@@ -258,11 +258,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _system_tokens(llm: Any, system: list[dict[str, str]]) -> int:
     """The system message's tokens with the chat template (0 where there is none, or the template
-    renders no conversation of a system message alone: each message's check then says it)."""
-    try:
-        return len(llm.chat_prompt(system)) if system else 0
-    except FasterLlamaError:
+    renders no conversation of a system message alone: each message's check then says it). A
+    template that refuses a system message before a user's (Mistral v0.1's) is an error now,
+    not at the first message."""
+    if not system:
         return 0
+    try:
+        return len(llm.chat_prompt(system))
+    except FasterLlamaError:
+        pass
+    try:
+        llm.chat_prompt(system + [{"role": "user", "content": "Hello."}])
+    except FasterLlamaError as e:
+        raise FasterLlamaError(f"--system: this model's chat template refuses a system message ({e})") from None
+    return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

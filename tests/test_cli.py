@@ -366,3 +366,18 @@ def test_help_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "serve" in out.stdout
+
+
+def test_chat_system_refused_by_the_template_is_an_error_up_front(tmp_path):
+    """A template that refuses a system message (Mistral v0.1's: roles must alternate from the
+    user's) says so when the chat starts, not at the first message."""
+    import tiny_models as tm
+
+    folder = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "hf"))
+    tm.add_chat_template(folder, "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                                 "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+                                 "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    proc = run_cli("chat", "-q", "--model", folder, "--system", "Be brief.", "-n", "2", stdin="")  # (no message at all)
+    assert_clean_error(proc, "--system", "refuses a system message", "roles must alternate")
+    ok = run_cli("chat", "-q", "--model", folder, "-n", "2", "-t", "0", stdin="Hi\n")
+    assert ok.returncode == 0, ok.stderr
