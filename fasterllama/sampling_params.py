@@ -165,7 +165,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N log-probabilities per generated token
     prompt_logprobs: int | None = None  # top-N log-probabilities per prompt token
     n: int = 1  # independent samples per prompt (with beam search: beams returned)
-    beam_width: int = 1  # > 1: beam search (deterministic; sampling knobs are ignored)
+    beam_width: int = 1  # > 1: beam search (deterministic: temperature, top_k/p and min_p are ignored; penalties refused)
     length_penalty: float = 1.0  # beams ranked by cumulative logprob / length ** length_penalty
     early_stopping: bool | str = False  # True, False or "never", as in HF generate
     diversity_rate: float = 0.0  # FasterTransformer: r-th best continuation of a beam loses rate * r
@@ -275,6 +275,9 @@ class SamplingParams:
             self.bad_words = words or None
         if self.beam_width > 1 and (self.logit_bias or self.allowed_token_ids or self.bad_words):
             raise FasterLlamaError("logit_bias, allowed_token_ids and bad_words do not combine with beam search")
+        if self.beam_width > 1 and (self.repetition_penalty != 1 or self.presence_penalty or self.frequency_penalty):
+            raise FasterLlamaError("repetition_penalty, presence_penalty and frequency_penalty do not combine with beam search "
+                                   "(beams are ranked by the model's own log-probabilities)")
 
     def clone(self) -> SamplingParams:
         """A deep copy (vLLM's)."""
