@@ -592,12 +592,16 @@ def test_api_key(model_dir: str) -> None:
                     assert r.status_code == 401, (headers, path)
                     assert r.json()["error"]["code"] == "invalid_api_key"
             ok = {"Authorization": "Bearer sekrit"}
+            for path in ("/tokenize", "/detokenize"):  # (vLLM's, outside /v1: the key all the same)
+                assert (await client.post(path, json={"prompt": "Hi", "tokens": [5]})).status_code == 401
+                assert (await client.post(path, json={"prompt": "Hi", "tokens": [5]}, headers=ok)).status_code == 200
+            assert (await client.get("/version")).status_code == 200
             assert (await client.get("/v1/models", headers=ok)).status_code == 200
             r = await client.post("/v1/completions", json=body, headers=ok)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
             assert (await client.get("/health")).status_code == 200
             metrics = (await client.get("/metrics")).text
-            assert metric(metrics, "fasterllama_requests_total", 'status="rejected"') == 12
+            assert metric(metrics, "fasterllama_requests_total", 'status="rejected"') == 14
             assert metric(metrics, "fasterllama_requests_total", 'status="ok"') == 1
             chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "chat_template": "{{ 'ab' * 10 }}"}
             r = await client.post("/v1/chat/completions", json=chat, headers=ok)  # (a request's template: only where the server trusts it)
@@ -969,7 +973,7 @@ def test_fuzzed_bodies_never_get_a_5xx(server_one: Server) -> None:
         {"model": st.just(MODEL), "messages": st.lists(chat_message, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)}, optional=sensible,
     ))
     mutated = st.builds(lambda pb, m: (pb[0], {**pb[1], **m}), valid, st.dictionaries(st.sampled_from(sorted(fields)), value, max_size=2))
-    request = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body | raw) | valid | mutated
+    request = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), body | raw) | valid | mutated
     seen: list[int] = []
     deadline = time.monotonic() + 240
 
@@ -995,6 +999,40 @@ def test_fuzzed_bodies_never_get_a_5xx(server_one: Server) -> None:
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
     wait_for(lambda: slots_free(server), what="every KV slot free after fuzzing")
+
+
+def test_tokenize_and_detokenize(server_one: Server, offline: LLM) -> None:
+    """vLLM's /tokenize (a prompt, or a conversation as chat renders it) and /detokenize give the
+    model's own tokens and text, a prompt over the context included (counting is what they are
+    for); bad bodies get 400s, another model a 404; /version answers."""
+    import fasterllama
+
+    tok = offline.tokenizer
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as client:
+        r = client.post("/tokenize", json={"model": MODEL, "prompt": "Hello there"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"count": len(tok.encode("Hello there")), "max_model_len": CONTEXT, "tokens": tok.encode("Hello there"), "token_strs": None}
+        r = client.post("/tokenize", json={"prompt": "Hello there", "add_special_tokens": False, "return_token_strs": True}).json()
+        assert r["tokens"] == tok.encode("Hello there", add_special_tokens=False) and r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+        chat = client.post("/tokenize", json={"messages": messages}).json()
+        assert chat["tokens"] == offline.chat_prompt(messages) and chat["count"] == len(chat["tokens"])
+        continued = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert continued["tokens"] == offline.chat_prompt(messages, add_generation_prompt=False) != chat["tokens"]
+        long = client.post("/tokenize", json={"prompt": "word " * CONTEXT}).json()
+        assert long["count"] > long["max_model_len"] == CONTEXT
+        ids = chat["tokens"]
+        r = client.post("/detokenize", json={"model": MODEL, "tokens": ids})
+        assert r.status_code == 200 and r.json() == {"prompt": tok.decode(ids)}
+        for path, body, status, param in [("/tokenize", {"prompt": 5}, 400, "prompt"), ("/tokenize", {}, 400, None),
+                                          ("/tokenize", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
+                                          ("/tokenize", {"messages": []}, 400, "messages"), ("/tokenize", {"prompt": "\ud800"}, 400, None),
+                                          ("/detokenize", {"tokens": [tm.SPECS["gqa"].vocab_size]}, 400, "tokens"),
+                                          ("/detokenize", {"tokens": [1.5]}, 400, "tokens"), ("/detokenize", {"tokens": "abc"}, 400, "tokens")]:
+            r = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            assert r.status_code == status and (param is None or (r.json()["error"]["param"] or "").startswith(param)), (path, body, r.text)
+        assert client.post("/tokenize", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+        assert client.get("/version").json() == {"version": fasterllama.__version__}
 
 
 def test_release_openmp_threads_frees_the_idle_team_and_torch_still_runs() -> None:

@@ -10,6 +10,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from .. import __version__
 from ..engine.async_engine import EngineLoop
 from .body import DEFAULT_MAX_BODY_BYTES
 from .chat import create_chat_completion
@@ -18,6 +19,7 @@ from .errors import APIError, install_error_handlers
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .serving import ServerState
+from .tokenize import detokenize, tokenize
 
 # Pages served from this machine (any port, http or https) may call the API from a browser, as
 # Ollama allows by default; other origins only when named (`serve --allowed-origins`, '*': all).
@@ -41,7 +43,8 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
                trust_request_chat_template: bool = False, allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The OpenAI-compatible API over `loop`, serving it as `model_name`.
 
-    /v1/* need the API key when one is given; /health and /metrics never do (probes, scrapers).
+    /v1/*, /tokenize and /detokenize need the API key when one is given; /health, /metrics and
+    /version never do (probes, scrapers).
     A request's own chat_template is refused unless trust_request_chat_template (a template is a
     program: a short one can build gigabytes of text). The loop is the caller's: the app does not
     shut it down. Browsers may call it from pages on this machine and from allowed_origins (CORS)."""
@@ -90,4 +93,21 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
         return await create_chat_completion(request, state)
 
     app.include_router(v1)
+
+    extras = APIRouter(dependencies=[Depends(_auth(api_key))])  # (vLLM's, outside /v1)
+
+    @extras.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return await tokenize(request, state)
+
+    @extras.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return await detokenize(request, state)
+
+    app.include_router(extras)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     return app

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -93,20 +94,24 @@ class ChatGeneration(Generation):
                 "stop_reason": choice.stop_reason}
 
 
-async def create_chat_completion(request: Request, state: ServerState) -> Response:
-    body = await read_json(request, ChatCompletionRequest, state.max_body_bytes)
-    check_model(state, body.model)
+def chat_renderer(state: ServerState, body: ChatCompletionRequest) -> Callable[[], list[int]]:
+    """The call that renders the request's conversation by the chat template into token ids (run
+    off the event loop: a template can take a while); 400 for a request's own template unless
+    the server trusts them."""
     if body.chat_template is not None and not state.trust_request_chat_template:
         raise APIError(400, "a request's own chat_template is refused: start the server with --trust-request-chat-template to allow "
                        "it (a template is a program, and a short one can build gigabytes of text)", param="chat_template", code="invalid_value")
     messages = [m.template_dict() for m in body.messages]
     tools = body.template_tools()
+    return lambda: chat_prompt_ids(state.loop.engine.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
+                                   chat_template=body.chat_template, continue_final_message=body.continue_final_message, tools=tools)
 
-    def render() -> list[list[int] | str]:
-        return [chat_prompt_ids(state.loop.engine.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                chat_template=body.chat_template, continue_final_message=body.continue_final_message, tools=tools)]
 
-    prompts = await encode_prompts(state.loop, render, "messages", body)
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    body = await read_json(request, ChatCompletionRequest, state.max_body_bytes)
+    check_model(state, body.model)
+    render = chat_renderer(state, body)
+    prompts = await encode_prompts(state.loop, lambda: [render()], "messages", body)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     handles = await start_requests(state, prompts, body, body.requested_max_tokens, None, body.num_logprobs, request_id)
     generation = ChatGeneration(state, handles, request_id, body)

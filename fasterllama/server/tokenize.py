@@ -1,0 +1,89 @@
+"""vLLM's POST /tokenize and /detokenize: a prompt or a conversation in the model's tokens, and
+token ids back to text, without generating (clients count tokens and check a prompt fits the
+context before they send it: the answer carries max_model_len)."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ValidationError
+
+from ..engine.llm_engine import check_text
+from ..errors import FasterLlamaError
+from .body import read_body
+from .chat import chat_renderer
+from .errors import APIError, from_validation_error
+from .protocol import ChatCompletionRequest, _Strict
+from .serving import ServerState, check_model
+
+
+class TokenizeRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # (a BOS where the model's tokenizer adds one)
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """A conversation as /v1/chat/completions renders it (the template adds any BOS itself)."""
+
+    model: str | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def _parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def _tokenizer(state: ServerState):
+    tokenizer = state.loop.engine.tokenizer
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer", code="invalid_value")
+    return tokenizer
+
+
+async def tokenize(request: Request, state: ServerState) -> dict:
+    """{"count", "max_model_len", "tokens", "token_strs"} of a prompt ({"prompt": ...}) or of a
+    conversation ({"messages": ...}, with chat's template fields)."""
+    raw = await read_body(request, state.max_body_bytes)
+    try:
+        chat = isinstance(data := json.loads(raw), dict) and "messages" in data
+    except ValueError:
+        chat = False  # (the parse below says what is wrong)
+    body = _parse(raw, TokenizeChatRequest if chat else TokenizeRequest)
+    if body.model is not None:
+        check_model(state, body.model)
+    tokenizer = _tokenizer(state)
+    if chat:
+        work = chat_renderer(state, body)
+    else:
+        work = lambda: tokenizer.encode(check_text(body.prompt, "the prompt"), add_special_tokens=body.add_special_tokens)  # noqa: E731
+    try:
+        ids = await run_in_threadpool(work)
+    except FasterLlamaError as e:
+        raise APIError(400, str(e), param="messages" if chat else "prompt", code="invalid_value") from None
+    return {"count": len(ids), "max_model_len": state.loop.max_model_len, "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+
+async def detokenize(request: Request, state: ServerState) -> dict:
+    """{"prompt": the text of the token ids} (special tokens shown, as a prompt's text holds them)."""
+    body = _parse(await read_body(request, state.max_body_bytes), DetokenizeRequest)
+    if body.model is not None:
+        check_model(state, body.model)
+    tokenizer = _tokenizer(state)
+    try:
+        ids = state.loop.engine.check_token_ids(body.tokens, "tokens")
+    except FasterLlamaError as e:
+        raise APIError(400, str(e), param="tokens", code="invalid_value") from None
+    return {"prompt": await run_in_threadpool(tokenizer.decode, ids)}
