@@ -19,7 +19,7 @@ from .errors import APIError, install_error_handlers
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .serving import ServerState
-from .tokenize import detokenize, tokenize
+from .tokenization import detokenize, tokenize
 
 # Pages served from this machine (any port, http or https) may call the API from a browser, as
 # Ollama allows by default; other origins only when named (`serve --allowed-origins`, '*': all).
