@@ -374,3 +374,25 @@ def test_calibration_passes_leave_no_float_kv_in_the_prefix_cache(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     assert llm.generate([ids], params)[0].token_ids == fresh.generate([ids], params)[0].token_ids
     assert llm.engine.blocks.cached  # the prompt's own blocks are cached as usual
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8, torch.bfloat16])
+def test_panel_order_and_the_fp16_check(dtype):
+    """_panel_order (numpy's strided copy) lays rows out as the torch formula it replaced, every
+    shape and dtype, its last panel padded with zero rows; panel_scales inverts it. PackedLinear
+    keeps scales in fp16 exactly where every one is an fp16 value."""
+    import torch.nn.functional as F
+
+    from fasterllama.ops import quantized
+    from fasterllama.quant.linear import _as, _fp16_exact
+
+    for n, g in ((1, 3), (31, 5), (32, 2), (33, 7), (100, 18)):
+        t = (torch.randn(n, g) * 10).to(dtype)
+        p = -(-n // 32)
+        want = F.pad(t, (0, 0, 0, p * 32 - n)).view(p, 32, g).transpose(1, 2).contiguous()
+        got = quantized._panel_order(t)
+        assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, want)
+        assert torch.equal(quantized.panel_scales(got, n), t)
+    half = torch.randn(64, 4).half().float()
+    assert _fp16_exact(half) and _as(half, torch.float16).dtype == torch.float16 and torch.equal(_as(half, torch.float16).float(), half)
+    assert not _fp16_exact(half + 1e-6) and not _fp16_exact(torch.tensor([[70000.0]])) and _fp16_exact(torch.tensor([[65504.0]]))

@@ -3,6 +3,7 @@ its weights quantized in memory; `dequantize()` gives the float weight back (tes
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -168,6 +169,22 @@ class Int4Linear(_PanelStorage, nn.Module):
         return dequantize_int4(*self._rows(rows), dtype)
 
 
+def _fp16_exact(t: torch.Tensor) -> bool:
+    """Whether every value of t is an fp16 value. In numpy, as _as converts: torch's CPU fp32 ->
+    fp16 copy ran ~6x slower, and a load checks every linear's scales."""
+    a = t.detach().cpu().float().numpy()
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t (CPU, float) in fp16 or fp32."""
+    if t.dtype == dtype:
+        return t
+    with np.errstate(over="ignore"):
+        return torch.from_numpy(t.detach().cpu().float().numpy().astype(np.float16 if dtype == torch.float16 else np.float32))
+
+
 class PackedLinear(nn.Module):
     """Weights of 2-6 or 8 bits kept in the CPU kernels' panels (ops.pack_panels) with a scale
     and a min per row and group: w = scale * q + min. GGUF's block types repack into it exactly
@@ -195,13 +212,13 @@ class PackedLinear(nn.Module):
             self.scale_super = _buffer(order(scale_super.half()))
             self.min_super = None if mins is None else _buffer(order(min_super.half()))
         else:
-            exact16 = all(t is None or torch.equal(t.float().half().float(), t.float()) for t in (scale, mins))
+            exact16 = all(t is None or _fp16_exact(t) for t in (scale, mins))
             sdtype = torch.float16 if exact16 else torch.float32
             self.scale_super = self.min_super = None
         lanes = bits in (5, 6) and self.group_size % 8 == 0 and cpu_kernels.value_lanes()  # the layout the CPU kernels read best
         self.qweight = _buffer(ops.pack_panels(q, self.group_size, bits, lanes))
-        self.scales = _buffer(order(scale.to(sdtype)))
-        self.mins = None if mins is None else _buffer(order(mins.to(sdtype)))
+        self.scales = _buffer(order(_as(scale, sdtype)))
+        self.mins = None if mins is None else _buffer(order(_as(mins, sdtype)))
         self.bias = None if bias is None else _buffer(bias)
 
     @property
