@@ -92,12 +92,14 @@ def content_format_of(template: str) -> str:
 
 def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object, add_generation_prompt: bool = True,
                     chat_template_kwargs: dict[str, Any] | None = None, *, chat_template: str | None = None,
-                    continue_final_message: bool = False, tools: list[Any] | None = None, content_format: str = "auto") -> list[int]:
+                    continue_final_message: bool = False, tools: list[Any] | None = None, content_format: str = "auto",
+                    add_special_tokens: bool = False) -> list[int]:
     """Token ids of one conversation rendered by the model's chat template, or `chat_template`
     (messages checked); chat_template_kwargs: more variables for the template (enable_thinking...);
     continue_final_message: the last message's turn left open (add_generation_prompt=False);
     tools: the functions the template describes to the model; content_format: check_messages',
-    or "auto": the template's (content_format_of)."""
+    or "auto": the template's (content_format_of); add_special_tokens: the text encoded with the
+    tokenizer's own BOS/EOS too (vLLM's option: a template writes its own)."""
     if tokenizer is None:
         raise FasterLlamaError("this model has no tokenizer, so it cannot chat")
     if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
@@ -110,5 +112,7 @@ def chat_prompt_ids(tokenizer: Tokenizer | None, messages: object, add_generatio
         extra["tools"] = tools
     if content_format == "auto":
         content_format = content_format_of(tokenizer.resolve_template(chat_template, tools))
-    return tokenizer.apply_chat_template(check_messages(messages, content_format), add_generation_prompt=bool(add_generation_prompt), tokenize=True,
-                                         chat_template=chat_template, continue_final_message=bool(continue_final_message), **extra)
+    rendered = tokenizer.apply_chat_template(check_messages(messages, content_format), add_generation_prompt=bool(add_generation_prompt),
+                                             tokenize=not add_special_tokens, chat_template=chat_template,
+                                             continue_final_message=bool(continue_final_message), **extra)
+    return tokenizer.encode(rendered, add_special_tokens=True) if add_special_tokens else rendered

@@ -132,6 +132,11 @@ class Tokenizer:
             self._set_template(adds_bos if add_bos_token is None else bool(add_bos_token),
                                adds_eos if add_eos_token is None else bool(add_eos_token))
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether encode(add_special_tokens=True) puts BOS first."""
+        return self._post_processor_adds()[0]
+
     def _post_processor_adds(self) -> tuple[bool, bool]:
         """Whether the backend's own post-processor puts BOS first / EOS last (False, False without one)."""
         if self.backend.post_processor is None:

@@ -371,6 +371,26 @@ def test_completion_streaming_seeded_n2_matches_offline(server: Server, offline:
     assert usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_continuous_usage_stats(server_one: Server) -> None:
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the
+    usage so far, counting up to the final usage chunk's; without it chunks carry null."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as client:
+        for continuous in (True, False):
+            options = {"include_usage": True, "continuous_usage_stats": continuous}
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream_options": options}) as r:
+                events = sse_events(r)
+            assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+            final, chunks = events[-2]["usage"], events[:-2]
+            assert final["completion_tokens"] == 6 and final["total_tokens"] == final["prompt_tokens"] + 6
+            if not continuous:
+                assert all(c["usage"] is None for c in chunks)
+                continue
+            counts = [c["usage"]["completion_tokens"] for c in chunks]
+            assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6
+            assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] for c in chunks)
+
+
 def test_chat_matches_offline(server: Server, offline: LLM) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
     ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10, logprobs=3))[0]
@@ -595,13 +615,15 @@ def test_api_key(model_dir: str) -> None:
             for path in ("/tokenize", "/detokenize"):  # (vLLM's, outside /v1: the key all the same)
                 assert (await client.post(path, json={"prompt": "Hi", "tokens": [5]})).status_code == 401
                 assert (await client.post(path, json={"prompt": "Hi", "tokens": [5]}, headers=ok)).status_code == 200
+            assert (await client.get("/tokenizer_info")).status_code == 401
+            assert (await client.get("/tokenizer_info", headers=ok)).status_code == 200
             assert (await client.get("/version")).status_code == 200
             assert (await client.get("/v1/models", headers=ok)).status_code == 200
             r = await client.post("/v1/completions", json=body, headers=ok)
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
             assert (await client.get("/health")).status_code == 200
             metrics = (await client.get("/metrics")).text
-            assert metric(metrics, "fasterllama_requests_total", 'status="rejected"') == 14
+            assert metric(metrics, "fasterllama_requests_total", 'status="rejected"') == 15
             assert metric(metrics, "fasterllama_requests_total", 'status="ok"') == 1
             chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "chat_template": "{{ 'ab' * 10 }}"}
             r = await client.post("/v1/chat/completions", json=chat, headers=ok)  # (a request's template: only where the server trusts it)
@@ -935,6 +957,24 @@ def test_cli_serve_sigterm_ends_streams_and_exits_0(model_dir: str, tmp_path: An
             proc.wait(10)
 
 
+def test_only_json_bodies_are_read(server_one: Server) -> None:
+    """A body labelled text or form (what a web page may POST to any origin without a CORS
+    preflight) gets a 415 and starts no generation; JSON with a charset, application/*+json and
+    no Content-Type at all are read as JSON."""
+    body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1})
+    with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as client:
+        before = metric(server_one.metrics(), "fasterllama_requests_total", 'status="ok"')
+        for content_type in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
+            for path in ("/v1/completions", "/tokenize"):
+                r = client.post(path, content=body, headers={"Content-Type": content_type, "Origin": "https://evil.example"})
+                assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (content_type, path, r.text)
+        assert metric(server_one.metrics(), "fasterllama_requests_total", 'status="ok"') == before
+        for content_type in ("application/json; charset=utf-8", "APPLICATION/JSON", "application/vnd.api+json", None):
+            headers = {} if content_type is None else {"Content-Type": content_type}
+            r = client.post("/v1/completions", content=body, headers=headers)
+            assert r.status_code == 200, (content_type, r.text)
+
+
 def test_fuzzed_bodies_never_get_a_5xx(server_one: Server) -> None:
     """600 bodies from hypothesis (hostile ones: fields of both endpoints with values of every JSON
     type, out-of-range numbers, unknown keys, non-JSON bytes; valid ones, and valid ones with one or
@@ -1033,6 +1073,11 @@ def test_tokenize_and_detokenize(server_one: Server, offline: LLM) -> None:
             assert r.status_code == status and (param is None or (r.json()["error"]["param"] or "").startswith(param)), (path, body, r.text)
         assert client.post("/tokenize", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
         assert client.get("/version").json() == {"version": fasterllama.__version__}
+        with_bos = client.post("/tokenize", json={"messages": messages, "add_special_tokens": True}).json()["tokens"]
+        assert with_bos == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=True)
+        info = client.get("/tokenizer_info").json()  # (lm-evaluation-harness's remote tokenizer starts here)
+        assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token and info["model_max_length"] == CONTEXT
+        assert info["chat_template"] == CHAT_TEMPLATE and info["add_bos_token"] == (tok.encode("a")[:1] == [tok.bos_token_id])
 
 
 def test_release_openmp_threads_frees_the_idle_team_and_torch_still_runs() -> None:

@@ -19,7 +19,7 @@ from .errors import APIError, install_error_handlers
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .serving import ServerState
-from .tokenization import detokenize, tokenize
+from .tokenization import detokenize, tokenize, tokenizer_info
 
 # Pages served from this machine (any port, http or https) may call the API from a browser, as
 # Ollama allows by default; other origins only when named (`serve --allowed-origins`, '*': all).
@@ -43,7 +43,7 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
                trust_request_chat_template: bool = False, allowed_origins: Sequence[str] = ()) -> FastAPI:
     """The OpenAI-compatible API over `loop`, serving it as `model_name`.
 
-    /v1/*, /tokenize and /detokenize need the API key when one is given; /health, /metrics and
+    /v1/*, /tokenize, /detokenize and /tokenizer_info need the API key when one is given; /health, /metrics and
     /version never do (probes, scrapers).
     A request's own chat_template is refused unless trust_request_chat_template (a template is a
     program: a short one can build gigabytes of text). The loop is the caller's: the app does not
@@ -103,6 +103,10 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
     @extras.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
         return await detokenize(request, state)
+
+    @extras.get("/tokenizer_info")
+    async def tokenizer_info_route() -> dict[str, Any]:
+        return tokenizer_info(state)
 
     app.include_router(extras)
 

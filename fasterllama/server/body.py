@@ -22,8 +22,21 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"The request body is larger than the limit of {limit} bytes.", code="request_too_large")
 
 
+def _not_json(content_type: str | None) -> bool:
+    media = (content_type or "").split(";")[0].strip().lower()
+    return bool(media) and media != "application/json" and not (media.startswith("application/") and media.endswith("+json"))
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, or a 413 as soon as it is known to exceed limit bytes."""
+    """The raw body, or a 413 as soon as it is known to exceed limit bytes; a 415 for a body that
+    says it is not JSON (text/plain, a form): a browser sends those from any page without asking
+    (no CORS preflight), so a page from anywhere could make the server generate, as FastAPI's own
+    body parsing refuses them for (CVE-2021-32677). A body with no Content-Type is read as JSON."""
+    if _not_json(request.headers.get("content-type")):
+        declared = request.headers.get("content-length", "")
+        await _drain(request, int(declared) if declared.isdigit() else _DRAIN_LIMIT + 1)  # (no length: not read)
+        raise APIError(415, f"The request body must be JSON: send 'Content-Type: application/json' (got {request.headers['content-type'][:100]!r}).",
+                       code="unsupported_media_type")
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         await _drain(request, int(declared))

@@ -94,7 +94,7 @@ class ChatGeneration(Generation):
                 "stop_reason": choice.stop_reason}
 
 
-def chat_renderer(state: ServerState, body: ChatCompletionRequest) -> Callable[[], list[int]]:
+def chat_renderer(state: ServerState, body: ChatCompletionRequest, add_special_tokens: bool = False) -> Callable[[], list[int]]:
     """The call that renders the request's conversation by the chat template into token ids (run
     off the event loop: a template can take a while); 400 for a request's own template unless
     the server trusts them."""
@@ -104,7 +104,8 @@ def chat_renderer(state: ServerState, body: ChatCompletionRequest) -> Callable[[
     messages = [m.template_dict() for m in body.messages]
     tools = body.template_tools()
     return lambda: chat_prompt_ids(state.loop.engine.tokenizer, messages, body.add_generation_prompt, body.chat_template_kwargs,
-                                   chat_template=body.chat_template, continue_final_message=body.continue_final_message, tools=tools)
+                                   chat_template=body.chat_template, continue_final_message=body.continue_final_message, tools=tools,
+                                   add_special_tokens=add_special_tokens)
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:

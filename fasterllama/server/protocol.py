@@ -55,6 +55,7 @@ REFUSED: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "spa
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # (vLLM's: with include_usage, every chunk carries the usage so far)
 
 
 class JSONSchemaFormat(_Strict):
@@ -165,6 +166,10 @@ class GenerationRequest(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """SamplingParams for one prompt (FasterLlamaError on a combination it refuses)."""

@@ -155,7 +155,7 @@ class Generation:
         self.handles = handles
         self.id = response_id
         self.created = int(time.time())
-        self.include_usage = body.include_usage
+        self.include_usage, self.continuous_usage = body.include_usage, body.continuous_usage
         self.token_names_as_ids = body.return_tokens_as_token_ids  # logprobs' tokens as "token_id:<id>" (vLLM's)
         self.n = handles[0].params.n
         self.choices = [Choice(i) for i in range(len(handles) * self.n)]
@@ -189,7 +189,7 @@ class Generation:
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         payload = self.envelope(self.chunk_object, choices)
         if self.include_usage:
-            payload["usage"] = None
+            payload["usage"] = self.usage() if self.continuous_usage else None
         return payload
 
     def response(self) -> dict[str, Any]:

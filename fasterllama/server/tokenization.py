@@ -1,10 +1,12 @@
 """vLLM's POST /tokenize and /detokenize: a prompt or a conversation in the model's tokens, and
 token ids back to text, without generating (clients count tokens and check a prompt fits the
-context before they send it: the answer carries max_model_len)."""
+context before they send it: the answer carries max_model_len); GET /tokenizer_info: the special
+tokens, the chat template and the context."""
 
 from __future__ import annotations
 
 import json
+from typing import Any, ClassVar
 
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
@@ -27,9 +29,12 @@ class TokenizeRequest(_Strict):
 
 
 class TokenizeChatRequest(ChatCompletionRequest):
-    """A conversation as /v1/chat/completions renders it (the template adds any BOS itself)."""
+    """A conversation as /v1/chat/completions renders it (the template writes any BOS itself;
+    add_special_tokens adds the tokenizer's too, as vLLM's option does)."""
 
+    refused: ClassVar[dict[str, Any]] = {k: v for k, v in ChatCompletionRequest.refused.items() if k != "add_special_tokens"}
     model: str | None = None
+    add_special_tokens: bool = False
     return_token_strs: bool = False
 
 
@@ -65,7 +70,7 @@ async def tokenize(request: Request, state: ServerState) -> dict:
         check_model(state, body.model)
     tokenizer = _tokenizer(state)
     if chat:
-        work = chat_renderer(state, body)
+        work = chat_renderer(state, body, body.add_special_tokens)
     else:
         work = lambda: tokenizer.encode(check_text(body.prompt, "the prompt"), add_special_tokens=body.add_special_tokens)  # noqa: E731
     try:
@@ -74,6 +79,16 @@ async def tokenize(request: Request, state: ServerState) -> dict:
         raise APIError(400, str(e), param="messages" if chat else "prompt", code="invalid_value") from None
     return {"count": len(ids), "max_model_len": state.loop.max_model_len, "tokens": ids,
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None}
+
+
+def tokenizer_info(state: ServerState) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: what a client needs to count and end texts as the server does
+    (lm-evaluation-harness's "remote" tokenizer reads its eos_token here, then uses /tokenize)."""
+    tokenizer = _tokenizer(state)
+    return {"tokenizer_class": "PreTrainedTokenizerFast", **dict.fromkeys(("bos_token", "eos_token", "pad_token", "unk_token")),
+            **tokenizer.special_tokens_map, "add_bos_token": tokenizer.adds_bos, "vocab_size": state.loop.engine.config.vocab_size,
+            "model_max_length": state.loop.max_model_len, "chat_template": tokenizer.chat_template,
+            **({"named_chat_templates": tokenizer.named_templates} if tokenizer.named_templates else {})}
 
 
 async def detokenize(request: Request, state: ServerState) -> dict:
