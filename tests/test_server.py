@@ -372,8 +372,9 @@ def test_completion_streaming_seeded_n2_matches_offline(server: Server, offline:
 
 
 def test_continuous_usage_stats(server_one: Server) -> None:
-    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries the
-    usage so far, counting up to the final usage chunk's; without it chunks carry null."""
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries its
+    choice's usage so far (its prompt, its tokens), counting up to the final usage chunk's; without
+    it chunks carry null. With two prompts and n=2, each choice counts its own."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as client:
         for continuous in (True, False):
@@ -389,6 +390,18 @@ def test_continuous_usage_stats(server_one: Server) -> None:
             counts = [c["usage"]["completion_tokens"] for c in chunks]
             assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6
             assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] for c in chunks)
+        prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+        many = {"model": MODEL, "prompt": prompts, "n": 2, "max_tokens": 4, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        with client.stream("POST", "/v1/completions", json=many) as r:
+            events = sse_events(r)
+        seen: dict[int, list[int]] = {}
+        for e in events[:-2]:
+            (c,) = e["choices"]
+            assert e["usage"]["prompt_tokens"] == len(prompts[c["index"] // 2])
+            seen.setdefault(c["index"], []).append(e["usage"]["completion_tokens"])
+        assert sorted(seen) == [0, 1, 2, 3] and all(v == sorted(v) and v[-1] == 4 for v in seen.values()), seen
+        assert events[-2]["usage"]["completion_tokens"] == 16 and events[-2]["usage"]["prompt_tokens"] == 8
 
 
 def test_chat_matches_offline(server: Server, offline: LLM) -> None:
@@ -644,14 +657,21 @@ def test_api_key(model_dir: str) -> None:
 
 async def check_cors(client: httpx.AsyncClient, allowed: list[str], refused: list[str]) -> None:
     """A browser's preflight (no API key: browsers send none) and the request after it are allowed
-    from `allowed` origins and from no other."""
+    from `allowed` origins and from no other: a request from another page's origin is refused
+    (403) before it runs, whatever its body says it is (a simple POST needs no preflight)."""
     preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"}
     for origin in allowed + refused:
         r = await client.options("/v1/chat/completions", headers={"Origin": origin, **preflight})
         assert (r.status_code == 200) == (origin in allowed), (origin, r.status_code)
         assert r.headers.get("access-control-allow-origin") == (origin if origin in allowed else None), origin
         r = await client.get("/v1/models", headers={"Origin": origin, "Authorization": "Bearer sekrit"})
-        assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == (origin if origin in allowed else None)
+        if origin in allowed:
+            assert r.status_code == 200 and r.headers.get("access-control-allow-origin") == origin
+        else:
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed", (origin, r.text)
+            r = await client.post("/v1/completions", content=b'{"model": "tiny", "prompt": "Hi", "max_tokens": 1}',  # (an untyped body)
+                                  headers={"Origin": origin, "Authorization": "Bearer sekrit"})
+            assert r.status_code == 403, (origin, r.text)
 
 
 MALFORMED: list[tuple[str, Any, int]] = [
@@ -959,15 +979,17 @@ def test_cli_serve_sigterm_ends_streams_and_exits_0(model_dir: str, tmp_path: An
 
 def test_only_json_bodies_are_read(server_one: Server) -> None:
     """A body labelled text or form (what a web page may POST to any origin without a CORS
-    preflight) gets a 415 and starts no generation; JSON with a charset, application/*+json and
-    no Content-Type at all are read as JSON."""
+    preflight; from a page elsewhere the Origin check refuses it first) gets a 415 and starts no
+    generation; JSON with a charset, application/*+json and no Content-Type at all are read as JSON."""
     body = json.dumps({"model": MODEL, "prompt": "Hi", "max_tokens": 1})
     with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as client:
         before = metric(server_one.metrics(), "fasterllama_requests_total", 'status="ok"')
         for content_type in ("text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"):
             for path in ("/v1/completions", "/tokenize"):
-                r = client.post(path, content=body, headers={"Content-Type": content_type, "Origin": "https://evil.example"})
+                r = client.post(path, content=body, headers={"Content-Type": content_type})
                 assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type", (content_type, path, r.text)
+                r = client.post(path, content=body, headers={"Content-Type": content_type, "Origin": "https://evil.example"})
+                assert r.status_code == 403, r.text  # (a page elsewhere: refused first, whatever the body)
         assert metric(server_one.metrics(), "fasterllama_requests_total", 'status="ok"') == before
         for content_type in ("application/json; charset=utf-8", "APPLICATION/JSON", "application/vnd.api+json", None):
             headers = {} if content_type is None else {"Content-Type": content_type}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,13 +48,31 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
     /version never do (probes, scrapers).
     A request's own chat_template is refused unless trust_request_chat_template (a template is a
     program: a short one can build gigabytes of text). The loop is the caller's: the app does not
-    shut it down. Browsers may call it from pages on this machine and from allowed_origins (CORS)."""
+    shut it down. Browsers may call it from pages on this machine and from allowed_origins (CORS);
+    a request from a page elsewhere is refused (403)."""
     state = ServerState(loop, model_name, ServerMetrics(loop), TokenTexts(loop.engine.tokenizer), max_body_bytes,
                         trust_request_chat_template)
     app = FastAPI(title="fasterllama", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app, state.metrics.count_http_error)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_origin_regex=LOCAL_ORIGINS,
                        allow_methods=["*"], allow_headers=["*"])
+    origins = set(allowed_origins)
+
+    @app.middleware("http")
+    async def refuse_other_origins(request: Request, call_next: Any) -> Response:
+        """A request a browser sends from a page of another origin (it says which: Origin) is
+        refused before it runs: CORS only keeps the page from reading the answer, and a simple
+        POST (text, a form, an untyped body) needs no preflight, so without this any page the
+        user opens could make the server generate. Clients other than browsers send no Origin."""
+        origin = request.headers.get("origin")
+        if origin is None or "*" in origins or origin in origins or re.fullmatch(LOCAL_ORIGINS, origin):
+            return await call_next(request)
+        if request.method == "OPTIONS" and "access-control-request-method" in request.headers:
+            return await call_next(request)  # (a preflight: the CORS middleware refuses it)
+        error = APIError(403, f"Requests from pages of {origin[:100]!r} are refused: start the server with --allowed-origins to allow them.",
+                         code="origin_not_allowed")
+        state.metrics.count_http_error(error.status)
+        return error.response()
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health() -> Response:

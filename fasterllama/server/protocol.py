@@ -55,7 +55,7 @@ REFUSED: dict[str, Any] = {"use_beam_search": False, "length_penalty": 1.0, "spa
 
 class StreamOptions(_Strict):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # (vLLM's: with include_usage, every chunk carries the usage so far)
+    continuous_usage_stats: bool = False  # (vLLM's: with include_usage, every chunk carries its choice's usage so far)
 
 
 class JSONSchemaFormat(_Strict):

@@ -189,8 +189,14 @@ class Generation:
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         payload = self.envelope(self.chunk_object, choices)
         if self.include_usage:
-            payload["usage"] = self.usage() if self.continuous_usage else None
+            payload["usage"] = self.choice_usage(choices[0]["index"]) if self.continuous_usage and choices else None
         return payload
+
+    def choice_usage(self, index: int) -> dict[str, Any]:
+        """continuous_usage_stats' usage of a chunk, as vLLM counts it: its choice's prompt and
+        tokens so far (the final usage chunk sums every choice)."""
+        prompt, completion = len(self.handles[index // self.n].prompt_token_ids), self.choices[index].num_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def response(self) -> dict[str, Any]:
         choices = [self.final_choice(c, self.handles[c.index // self.n]) for c in self.choices]

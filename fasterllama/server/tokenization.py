@@ -62,8 +62,8 @@ async def tokenize(request: Request, state: ServerState) -> dict:
     conversation ({"messages": ...}, with chat's template fields)."""
     raw = await read_body(request, state.max_body_bytes)
     try:
-        chat = isinstance(data := json.loads(raw), dict) and "messages" in data
-    except ValueError:
+        chat = isinstance(data := json.loads(raw), dict) and data.get("messages") is not None  # (null: unset, as everywhere)
+    except (ValueError, RecursionError):
         chat = False  # (the parse below says what is wrong)
     body = _parse(raw, TokenizeChatRequest if chat else TokenizeRequest)
     if body.model is not None:
