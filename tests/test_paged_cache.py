@@ -544,3 +544,5 @@ def test_beam_search_wider_than_the_vocabulary_returns_only_real_hypotheses(tiny
     assert len(outs) == vocab and len({tuple(o.token_ids) for o in outs}) == vocab
     scores = [o.cumulative_logprob for o in outs]
     assert scores == sorted(scores, reverse=True)
+    diverse = llm.generate([[10, 11, 12]], SamplingParams(beam_width=4, n=4, max_tokens=4, ignore_eos=True, diversity_rate=1e9))[0].outputs
+    assert len(diverse) == 4  # (real beams, however far the diversity penalty ranks them down)

@@ -11,6 +11,7 @@ batch."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ class _BeamState:
     tokens: list[list[int]] = field(default_factory=list)  # running beams' generated tokens
     scores: torch.Tensor | None = None  # running beams' ranking scores [W]
     logprobs: list[float] = field(default_factory=list)  # running beams' true cumulative logprobs
+    real: list[bool] = field(default_factory=list)  # running beams that continue the prompt (not the first step's padding)
     finished: list[tuple[float, float, list[int], str]] = field(default_factory=list)  # (score, cum lp, tokens, finish reason)
     improvable: bool = True
     done: bool = False
@@ -84,7 +86,8 @@ class BeamSearch:
             seqs = [Sequence(prompt, params, None, 0) for _ in range(W)]
             max_length = min(len(prompt) + params.max_tokens, engine.max_model_len)
             states.append(_BeamState(prompt, seqs, max_length, tokens=[[] for _ in range(W)],
-                                     scores=torch.tensor([0.0] + [NEG] * (W - 1)), logprobs=[0.0] * W))
+                                     scores=torch.tensor([0.0] + [-math.inf] * (W - 1)), logprobs=[0.0] * W,
+                                     real=[True] + [False] * (W - 1)))  # (beam 0 alone: -inf never outranks it, whatever diversity_rate takes off)
         try:
             first = True
             while True:
@@ -181,11 +184,12 @@ class BeamSearch:
         hits = torch.tensor([r is not None for r in reasons])
 
         # finished hypotheses: only among the top W candidates, none continuing a padding beam (the
-        # NEG-scored beams of the first step, or after it if W exceeds the candidates: W > V)
+        # first step's, still running after it where W exceeds the candidates, or one that ended)
+        real = [st.real[b] for b in beam_l]
         if st.improvable and not (p.early_stopping is True and len(st.finished) >= W):
             norm = (new_len - prompt_len) ** p.length_penalty
             for j in range(W):
-                if hits[j] and cand_scores[j] > NEG / 2:
+                if hits[j] and real[j]:
                     b = beam_l[j]
                     st.finished.append((float(cand_scores[j]) / norm, st.logprobs[b] + true_l[j], st.tokens[b] + [token_l[j]], reasons[j]))
             st.finished = sorted(st.finished, key=lambda f: -f[0])[:W]
@@ -198,7 +202,7 @@ class BeamSearch:
         new_logprobs = [st.logprobs[beam_l[j]] + true_l[j] for j in pick]
         if src_beams != list(range(W)):  # beams continued from others take their blocks
             self.engine.blocks.share(st.seqs, [st.seqs[b] for b in src_beams])
-        st.tokens, st.logprobs, st.scores = new_tokens, new_logprobs, running.values
+        st.tokens, st.logprobs, st.scores, st.real = new_tokens, new_logprobs, running.values, [real[j] and not hits[j] for j in pick]
         for s, t in zip(st.seqs, new_tokens):
             s.output_token_ids = t
 
