@@ -267,9 +267,11 @@ def _system_tokens(llm: Any, system: list[dict[str, str]]) -> int:
         return len(llm.chat_prompt(system))
     except FasterLlamaError:
         pass
+    user = [{"role": "user", "content": "Hello."}]
     try:
-        llm.chat_prompt(system + [{"role": "user", "content": "Hello."}])
+        llm.chat_prompt(system + user)
     except FasterLlamaError as e:
+        llm.chat_prompt(user)  # (no template, no tokenizer: that error, as it is)
         raise FasterLlamaError(f"--system: this model's chat template refuses a system message ({e})") from None
     return 0
 

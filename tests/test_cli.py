@@ -381,3 +381,7 @@ def test_chat_system_refused_by_the_template_is_an_error_up_front(tmp_path):
     assert_clean_error(proc, "--system", "refuses a system message", "roles must alternate")
     ok = run_cli("chat", "-q", "--model", folder, "-n", "2", "-t", "0", stdin="Hi\n")
     assert ok.returncode == 0, ok.stderr
+    bare = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "bare"))  # (no chat template at all: said as such)
+    proc = run_cli("chat", "-q", "--model", bare, "--system", "Be brief.", stdin="")
+    assert_clean_error(proc, "no chat template")
+    assert "refuses" not in proc.stderr
