@@ -319,19 +319,28 @@ def test_triton_gemv_tune_a8_times_the_integer_gemvs(monkeypatch, tmp_path) -> N
     assert _rel(gemv.rounded_int4(x, m.qweight, m.scales, m.mins, 32), want) < 1e-5
 
 
-def test_triton_gemv_tune_keeps_the_silu_kernel_when_the_gated_gemv_fails(monkeypatch) -> None:
-    """A gated GEMV that fails to compile (or disagrees) leaves the SiLU kernel in place, said in REJECTED."""
+@pytest.mark.parametrize("fails_at_rows", [1, 2, None])
+def test_triton_gemv_tune_keeps_the_silu_kernel_when_the_gated_gemv_fails(monkeypatch, fails_at_rows) -> None:
+    """A gated GEMV that fails to compile (or disagrees), at one row or at two (a kernel of its
+    own), leaves the SiLU kernel in place, said in REJECTED, however fast it timed; one that
+    works at both is kept where it is faster."""
+    from fasterllama import ops
+
     monkeypatch.setattr(gemv, "REJECTED", [])
 
     def module_gemv(down, x, gated=False):
-        if gated:
+        if gated and x.shape[0] == fails_at_rows:
             raise RuntimeError("no such instruction")
-        return x[..., :4]
+        return ops.silu_and_mul(x)[..., :4] if gated else x[..., :4]
 
     monkeypatch.setattr(gemv, "_module_gemv", module_gemv)
+    calls: list[int] = []
+    monkeypatch.setattr(gemv, "_time", lambda fn: calls.append(1) or (0.5 if len(calls) == 2 else 1.0))  # (the fused call, timed second: faster)
+    timings: dict = {}
     down = torch.nn.Linear(8, 4)
-    assert gemv._time_gated(down, ("float", 4, 8), {}, torch.device("cpu"), torch.float32) is False
-    assert "gated gemv: RuntimeError" in gemv.REJECTED[0]
+    got = gemv._time_gated(down, ("float", 4, 8), timings, torch.device("cpu"), torch.float32)
+    assert got is (fails_at_rows is None)
+    assert [r for r in gemv.REJECTED if "gated gemv: RuntimeError" in r] == ([] if fails_at_rows is None else gemv.REJECTED[:1])
 
 
 def test_triton_gemv_tune_leaves_out_wrong_candidates(monkeypatch) -> None:

@@ -178,9 +178,9 @@ def _fp16_exact(t: torch.Tensor) -> bool:
 
 
 def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """t (CPU, float) in fp16 or fp32."""
-    if t.dtype == dtype:
-        return t
+    """t in dtype (fp16 and fp32 from floats by numpy, as _fp16_exact checks them)."""
+    if t.dtype == dtype or dtype not in (torch.float16, torch.float32) or not t.is_floating_point():
+        return t.to(dtype)
     with np.errstate(over="ignore"):
         return torch.from_numpy(t.detach().cpu().float().numpy().astype(np.float16 if dtype == torch.float16 else np.float32))
 

@@ -23,6 +23,7 @@ kernels."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -1116,10 +1117,12 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
     return timings
 
 
-def _time_fused(key: tuple, timings: dict, fns: dict) -> bool:
+def _time_fused(key: tuple, timings: dict, fns_at: Callable[[int], dict]) -> bool:
     """Whether the fused call (fns' second) beats the two launches it replaces (the first), both timed
-    from a CUDA graph into `timings`; False where no GEMV serves the shape, or the fused one fails
-    or differs by more than bf16 rounding (said in REJECTED)."""
+    from a CUDA graph into `timings` at one row; False where no GEMV serves the shape, or the fused
+    one fails or differs by more than bf16 rounding (said in REJECTED), at one row or at the others
+    it serves, up to MAX_ROWS (kernels of their own). fns_at(rows): the two calls at that many rows."""
+    fns = fns_at(1)
     unfused, fused = fns
     if fns[unfused]() is None:
         return False
@@ -1127,21 +1130,27 @@ def _time_fused(key: tuple, timings: dict, fns: dict) -> bool:
     if fused not in kept:
         return False
     timings[unfused], timings[fused] = _time(kept[unfused]), _time(kept[fused])
-    return timings[fused] < timings[unfused]
+    return timings[fused] < timings[unfused] and fused in _checked(key + (MAX_ROWS,), fns_at(MAX_ROWS))
 
 
 def _time_gated(down, key: tuple, timings: dict, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether down's chosen GEMV making SiLU·mul itself beats the SiLU·mul kernel before it."""
     from ... import ops
 
-    gate_up = torch.randn(1, 2 * down.in_features, dtype=dtype, device=device)
-    return _time_fused(key, timings, {"silu+gemv": lambda: _module_gemv(down, ops.silu_and_mul(gate_up)),
-                                      "gated gemv": lambda: _module_gemv(down, gate_up, gated=True)})
+    def fns_at(rows: int) -> dict:
+        gate_up = torch.randn(rows, 2 * down.in_features, dtype=dtype, device=device)
+        return {"silu+gemv": lambda: _module_gemv(down, ops.silu_and_mul(gate_up)), "gated gemv": lambda: _module_gemv(down, gate_up, gated=True)}
+
+    return _time_fused(key, timings, fns_at)
 
 
 def _time_normed(norm, linear, key: tuple, timings: dict, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linear's chosen GEMV making the add + RMSNorm before it itself beats the norm kernel."""
-    h, residual = (torch.randn(1, linear.in_features, dtype=dtype, device=device) for _ in range(2))
-    res_out = torch.empty_like(h)
-    return _time_fused(key, timings, {"norm+gemv": lambda: _module_gemv(linear, norm(h, residual)[0]),
-                                      "normed gemv": lambda: _module_gemv(linear, h, norm=Norm(residual, norm.weight, norm.eps, res_out))})
+
+    def fns_at(rows: int) -> dict:
+        h, residual = (torch.randn(rows, linear.in_features, dtype=dtype, device=device) for _ in range(2))
+        res_out = torch.empty_like(h)
+        return {"norm+gemv": lambda: _module_gemv(linear, norm(h, residual)[0]),
+                "normed gemv": lambda: _module_gemv(linear, h, norm=Norm(residual, norm.weight, norm.eps, res_out))}
+
+    return _time_fused(key, timings, fns_at)
