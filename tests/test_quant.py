@@ -396,3 +396,4 @@ def test_panel_order_and_the_fp16_check(dtype):
     half = torch.randn(64, 4).half().float()
     assert _fp16_exact(half) and _as(half, torch.float16).dtype == torch.float16 and torch.equal(_as(half, torch.float16).float(), half)
     assert not _fp16_exact(half + 1e-6) and not _fp16_exact(torch.tensor([[70000.0]])) and _fp16_exact(torch.tensor([[65504.0]]))
+    assert _as(torch.tensor([[3, -4]], dtype=torch.int16), torch.int8).dtype == torch.int8  # (other dtypes: torch's .to)

@@ -1094,6 +1094,10 @@ def test_tokenize_and_detokenize(server_one: Server, offline: LLM) -> None:
             r = client.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
             assert r.status_code == status and (param is None or (r.json()["error"]["param"] or "").startswith(param)), (path, body, r.text)
         assert client.post("/tokenize", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+        deep = b'{"prompt": "x", "a": ' + b"[" * 5000 + b"]" * 5000 + b"}"  # (json.loads: RecursionError, not a ValueError)
+        r = client.post("/tokenize", content=deep, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "error" in r.json(), r.text
+        assert client.post("/tokenize", json={"prompt": "Hello there", "messages": None}).json()["tokens"] == tok.encode("Hello there")
         assert client.get("/version").json() == {"version": fasterllama.__version__}
         with_bos = client.post("/tokenize", json={"messages": messages, "add_special_tokens": True}).json()["tokens"]
         assert with_bos == tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=True)
