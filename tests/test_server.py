@@ -404,6 +404,46 @@ def test_continuous_usage_stats(server_one: Server) -> None:
         assert events[-2]["usage"]["completion_tokens"] == 16 and events[-2]["usage"]["prompt_tokens"] == 8
 
 
+def test_responses_api(server_one: Server, offline: LLM) -> None:
+    """POST /v1/responses (OpenAI's Responses API, text): the chat completion of the same
+    conversation, whole or as the API's events through the official client; json_schema through
+    text.format; what it does not do refused by name."""
+    client = server_one.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
+                {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Name a colour."}]
+    want = offline.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0]
+    r = client.responses.create(model=MODEL, instructions="Be brief.", temperature=0, max_output_tokens=8,
+                                input=[{"role": "user", "content": "Hello there"},
+                                       {"role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]},
+                                       {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]}])
+    assert r.output_text == want.outputs[0].text and r.usage.output_tokens == len(want.outputs[0].token_ids)
+    assert r.usage.input_tokens == len(want.prompt_token_ids) and r.id.startswith("resp_")
+    finished = want.outputs[0].finish_reason == "length"
+    assert r.status == ("incomplete" if finished else "completed") and (r.incomplete_details is not None) == finished
+    events = list(client.responses.create(model=MODEL, input="Hello there", max_output_tokens=6, temperature=0, stream=True))
+    alone = offline.chat([{"role": "user", "content": "Hello there"}], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if alone.finish_reason == "length" else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == alone.text == events[-1].response.output_text and events[-1].response.usage.output_tokens == len(alone.token_ids)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Answer in JSON.", max_output_tokens=20, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+    assert isinstance(json.loads(r.output_text)["ok"], bool)
+    with httpx.Client(base_url=server_one.base, timeout=TIMEOUT) as raw:
+        for body, param in [({"tools": [{"type": "function", "name": "f"}]}, "tools"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
+                            ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
+                            ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+                            ({"input": []}, None), ({"max_output_tokens": 0}, "max_output_tokens")]:
+            r = raw.post("/v1/responses", json={"model": MODEL, "input": "Hi", **body})
+            assert r.status_code == 400 and (param is None or (r.json()["error"]["param"] or "").startswith(param)), (body, r.text)
+        assert raw.post("/v1/responses", json={"model": "gpt-4", "input": "Hi"}).status_code == 404
+    wait_for(lambda: slots_free(server_one), what="every KV slot free after the responses")
+
+
 def test_chat_matches_offline(server: Server, offline: LLM) -> None:
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+2?"}]
     ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10, logprobs=3))[0]
@@ -620,7 +660,7 @@ def test_api_key(model_dir: str) -> None:
         async with httpx.AsyncClient(transport=transport, base_url="http://testserver", timeout=TIMEOUT) as client:
             body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}  # (sampled: EOS could end it sooner)
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}, {"Authorization": "Basic sekrit"}):
-                for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+                for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses")):
                     r = await client.request(method, path, json=body, headers=headers)
                     assert r.status_code == 401, (headers, path)
                     assert r.json()["error"]["code"] == "invalid_api_key"
@@ -636,7 +676,7 @@ def test_api_key(model_dir: str) -> None:
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
             assert (await client.get("/health")).status_code == 200
             metrics = (await client.get("/metrics")).text
-            assert metric(metrics, "fasterllama_requests_total", 'status="rejected"') == 15
+            assert metric(metrics, "fasterllama_requests_total", 'status="rejected"') == 19
             assert metric(metrics, "fasterllama_requests_total", 'status="ok"') == 1
             chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, "chat_template": "{{ 'ab' * 10 }}"}
             r = await client.post("/v1/chat/completions", json=chat, headers=ok)  # (a request's template: only where the server trusts it)
@@ -1035,7 +1075,7 @@ def test_fuzzed_bodies_never_get_a_5xx(server_one: Server) -> None:
         {"model": st.just(MODEL), "messages": st.lists(chat_message, min_size=1, max_size=3), "max_tokens": st.integers(1, 4)}, optional=sensible,
     ))
     mutated = st.builds(lambda pb, m: (pb[0], {**pb[1], **m}), valid, st.dictionaries(st.sampled_from(sorted(fields)), value, max_size=2))
-    request = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]), body | raw) | valid | mutated
+    request = st.tuples(st.sampled_from(["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"]), body | raw) | valid | mutated
     seen: list[int] = []
     deadline = time.monotonic() + 240
 

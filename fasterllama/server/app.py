@@ -19,6 +19,7 @@ from .completions import create_completion
 from .errors import APIError, install_error_handlers
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
+from .responses import create_response
 from .serving import ServerState
 from .tokenization import detokenize, tokenize, tokenizer_info
 
@@ -110,6 +111,10 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await create_chat_completion(request, state)
+
+    @v1.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await create_response(request, state)
 
     app.include_router(v1)
 

@@ -176,6 +176,10 @@ class Generation:
     def final_choice(self, choice: Choice, handle: RequestHandle) -> dict[str, Any]:
         raise NotImplementedError
 
+    def end_chunks(self) -> list[dict[str, Any]]:
+        """What a stream sends after the last output, before [DONE]: the usage chunk when asked."""
+        return [{**self.envelope(self.chunk_object, []), "usage": self.usage()}] if self.include_usage else []
+
     # -- shared ----------------------------------------------------------------------------------
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(h.prompt_token_ids) for h in self.handles)
@@ -261,8 +265,8 @@ class Generation:
                     choice, out, logprobs = self._apply(i, out)
                     for piece in self.chunk_choices(choice, out, logprobs):
                         yield sse(self.chunk([piece]))
-            if self.include_usage:
-                yield sse({**self.envelope(self.chunk_object, []), "usage": self.usage()})
+            for event in self.end_chunks():
+                yield sse(event)
             status = "ok"
             yield sse("[DONE]")
         except GenerationFailed as e:
