@@ -420,8 +420,10 @@ def test_responses_api(server_one: Server, offline: LLM) -> None:
     assert r.usage.input_tokens == len(want.prompt_token_ids) and r.id.startswith("resp_")
     finished = want.outputs[0].finish_reason == "length"
     assert r.status == ("incomplete" if finished else "completed") and (r.incomplete_details is not None) == finished
-    events = list(client.responses.create(model=MODEL, input="Hello there", max_output_tokens=6, temperature=0, stream=True))
-    alone = offline.chat([{"role": "user", "content": "Hello there"}], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    events = list(client.responses.create(model=MODEL, input="Hello there", max_output_tokens=6, temperature=0, stream=True,
+                                          extra_body={"ignore_eos": True}))  # (vLLM's sampling extras apply as on chat)
+    alone = offline.chat([{"role": "user", "content": "Hello there"}], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0]
+    assert alone.finish_reason == "length" and len(alone.token_ids) == 6
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
@@ -437,7 +439,7 @@ def test_responses_api(server_one: Server, offline: LLM) -> None:
         for body, param in [({"tools": [{"type": "function", "name": "f"}]}, "tools"), ({"previous_response_id": "resp_1"}, "previous_response_id"),
                             ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input"),
                             ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
-                            ({"input": []}, None), ({"max_output_tokens": 0}, "max_output_tokens")]:
+                            ({"input": []}, None), ({"max_output_tokens": 0}, "max_output_tokens"), ({"top_k": "x"}, "top_k")]:
             r = raw.post("/v1/responses", json={"model": MODEL, "input": "Hi", **body})
             assert r.status_code == 400 and (param is None or (r.json()["error"]["param"] or "").startswith(param)), (body, r.text)
         assert raw.post("/v1/responses", json={"model": "gpt-4", "input": "Hi"}).status_code == 404

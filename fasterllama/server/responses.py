@@ -6,7 +6,8 @@ by default), run as the chat completion of the same conversation.
 text.format (text, json_object, json_schema: structured output) apply. One message item comes
 back, streamed as the API's events (response.created ... response.output_text.delta ...
 response.completed). Nothing is stored: previous_response_id, background runs, tools and items
-other than messages are refused (400), not ignored."""
+other than messages are refused (400), not ignored; vLLM's sampling extras (top_k, ignore_eos,
+seed, stop...) apply as on chat."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from ..engine.async_engine import RequestHandle, SequenceOutput
 from .body import read_json
@@ -47,7 +48,13 @@ class TextOptions(_Strict):
     format: TextFormat = TextFormat()
 
 
+# vLLM's sampling extras a Responses request may carry, as /v1/chat/completions takes them
+SAMPLING_EXTRAS = ("seed", "stop", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
+                   "min_tokens", "stop_token_ids", "bad_words", "include_stop_str_in_output")
+
+
 class ResponsesRequest(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # (SAMPLING_EXTRAS pass on; other fields: ignored)
     model: str
     input: str | list[InputMessage]
     instructions: str | None = None
@@ -90,8 +97,9 @@ class ResponsesRequest(_Strict):
         fmt = self.text.format
         response_format = None if fmt.type == "text" else {"type": fmt.type} if fmt.type == "json_object" else {
             "type": "json_schema", "json_schema": {"name": fmt.name, "schema": fmt.schema_ or {}, "strict": fmt.strict}}
+        extras = {k: v for k, v in (self.model_extra or {}).items() if k in SAMPLING_EXTRAS}
         body = {"model": self.model, "messages": messages, "max_tokens": self.max_output_tokens, "temperature": self.temperature,
-                "top_p": self.top_p, "response_format": response_format}
+                "top_p": self.top_p, "response_format": response_format, **extras}
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 
