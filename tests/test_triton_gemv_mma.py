@@ -184,7 +184,7 @@ def test_triton_int8_mma_gemv_is_a_candidate_and_dispatched(monkeypatch) -> None
     qw, sw = module.qweight, module.weight_scale
     assert torch.equal(gemv._module_gemv(module, x), gemv_mma.int8_gemv_mma(x, qw, sw, cfg=gemv_mma.MMA_CONFIGS[0]))
     assert torch.equal(gemv._module_gemv(module, xb), gemv_mma.int8_gemv_mma(xb, qw, sw, cfg=gemv_mma.BATCH_CONFIGS[0]))
-    assert gemv._batch_rows_agree(module, gemv_mma.BATCH_CONFIGS[0], batch_key, x)
+    assert gemv._serves_rows(module, ("gemv-mma", gemv_mma.BATCH_CONFIGS[0]), batch_key, x, batch=True)
 
 
 def test_triton_int4_mma_gemv_checks_every_row_padding_it_serves(monkeypatch) -> None:
@@ -198,9 +198,9 @@ def test_triton_int4_mma_gemv_checks_every_row_padding_it_serves(monkeypatch) ->
     x = torch.randn(1, K, device=DEVICE).to(torch.bfloat16)
     key, cfg = gemv._batch_candidates(module, x)[0], gemv_mma.BATCH_CONFIGS[0]
     assert gemv_mma.int4_gemv_mma(x[:0], module.qweight, module.scales, module.mins, 32, cfg=cfg).shape == (0, N)
-    assert gemv._batch_rows_agree(module, cfg, key, x)
+    assert gemv._serves_rows(module, ("gemv-mma", cfg), key, x, batch=True)
     real = gemv_mma.int4_gemv_mma
     monkeypatch.setattr(gemv_mma, "int4_gemv_mma", lambda xr, *a, **k: real(xr, *a, **k) * (2 if xr.shape[0] == 16 else 1))
     monkeypatch.setattr(gemv, "REJECTED", [])
-    assert not gemv._batch_rows_agree(module, cfg, key, x)
+    assert not gemv._serves_rows(module, ("gemv-mma", cfg), key, x, batch=True)
     assert gemv.REJECTED and "relative error" in gemv.REJECTED[0]

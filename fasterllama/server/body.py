@@ -65,7 +65,11 @@ async def _drain(request: Request, declared: int) -> None:
 
 async def read_json(request: Request, model: type[M], limit: int) -> M:
     """The body parsed and validated as `model` (400 on bad JSON or values, 413 when too big)."""
-    raw = await read_body(request, limit)
+    return parse_json(await read_body(request, limit), model)
+
+
+def parse_json(raw: bytes, model: type[M]) -> M:
+    """raw parsed and validated as `model` (400 on bad JSON or values)."""
     try:
         return model.model_validate_json(raw)
     except ValidationError as e:

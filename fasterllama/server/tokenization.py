@@ -10,13 +10,12 @@ from typing import Any, ClassVar
 
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
-from pydantic import BaseModel, ValidationError
 
 from ..engine.llm_engine import check_text
 from ..errors import FasterLlamaError
-from .body import read_body
+from .body import parse_json, read_body
 from .chat import chat_renderer
-from .errors import APIError, from_validation_error
+from .errors import APIError
 from .protocol import ChatCompletionRequest, _Strict
 from .serving import ServerState, check_model
 
@@ -43,13 +42,6 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def _parse(raw: bytes, model: type[BaseModel]) -> BaseModel:
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
-
-
 def _tokenizer(state: ServerState):
     tokenizer = state.loop.engine.tokenizer
     if tokenizer is None:
@@ -65,7 +57,7 @@ async def tokenize(request: Request, state: ServerState) -> dict:
         chat = isinstance(data := json.loads(raw), dict) and data.get("messages") is not None  # (null: unset, as everywhere)
     except (ValueError, RecursionError):
         chat = False  # (the parse below says what is wrong)
-    body = _parse(raw, TokenizeChatRequest if chat else TokenizeRequest)
+    body = parse_json(raw, TokenizeChatRequest if chat else TokenizeRequest)
     if body.model is not None:
         check_model(state, body.model)
     tokenizer = _tokenizer(state)
@@ -93,7 +85,7 @@ def tokenizer_info(state: ServerState) -> dict[str, Any]:
 
 async def detokenize(request: Request, state: ServerState) -> dict:
     """{"prompt": the text of the token ids} (special tokens shown, as a prompt's text holds them)."""
-    body = _parse(await read_body(request, state.max_body_bytes), DetokenizeRequest)
+    body = parse_json(await read_body(request, state.max_body_bytes), DetokenizeRequest)
     if body.model is not None:
         check_model(state, body.model)
     tokenizer = _tokenizer(state)

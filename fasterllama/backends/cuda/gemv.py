@@ -1037,23 +1037,18 @@ def _batch_candidates(module, x: torch.Tensor, rows: int = BATCH_ROWS) -> tuple[
     return (), {}
 
 
-def _batch_rows_agree(module, cfg: Config, key: tuple, x: torch.Tensor) -> bool:
-    """Whether the MMA GEMV in the config timed fastest at BATCH_ROWS also compiles and agrees with
-    the tiled kernel at the other row paddings it serves (4 and 16: kernels of their own)."""
-    for rows in (4, BATCH_MAX_ROWS):
-        fns = _batch_candidates(module, x, rows)[1]
-        if ("gemv-mma", cfg) not in _checked(key + (rows,), {("tiled", DEFAULT_CONFIG): fns[("tiled", DEFAULT_CONFIG)], ("gemv-mma", cfg): fns[("gemv-mma", cfg)]}):
+def _serves_rows(module, name: tuple[str, Config], key: tuple, x: torch.Tensor, batch: bool) -> bool:
+    """Whether the candidate timed fastest (at one row, or at BATCH_ROWS) also compiles and agrees
+    with its shape's reference (the first candidate: cuBLAS or the tiled kernel) at the other rows
+    it serves, each a kernel of its own: up to MAX_ROWS (two rows a program, two padded MMA rows),
+    or the MMA GEMV's row paddings 4 and 16."""
+    for rows in (4, BATCH_MAX_ROWS) if batch else (MAX_ROWS,):
+        xr = torch.randn(rows, x.shape[-1], dtype=x.dtype, device=x.device)
+        fns = (_batch_candidates(module, x, rows) if batch else _candidates(module, xr))[1]
+        reference = next(iter(fns))
+        if name != reference and name not in _checked(key + (rows,), {reference: fns[reference], name: fns[name]}):
             return False
     return True
-
-
-def _rows_agree(module, name: tuple[str, Config], key: tuple, x: torch.Tensor) -> bool:
-    """Whether the candidate timed fastest at one row also compiles and agrees with the reference
-    (cuBLAS or the tiled kernel) at the other rows it serves, up to MAX_ROWS (kernels of their own:
-    two rows a program, two padded MMA rows)."""
-    fns = _candidates(module, torch.randn(MAX_ROWS, x.shape[-1], dtype=x.dtype, device=x.device))[1]
-    reference = next(iter(fns))
-    return name == reference or name in _checked(key + (MAX_ROWS,), {reference: fns[reference], name: fns[name]})
 
 
 REJECTED: list[str] = []  # candidates tune() left out: "shape kernel(config): why"
@@ -1100,9 +1095,7 @@ def tune(model: torch.nn.Module, dtype: torch.dtype) -> dict[tuple, dict[str, fl
                 if not ms:
                     continue
                 _CHOICE[key] = min(ms, key=ms.get)
-                if key[0].endswith("rows") and _CHOICE[key][0] == "gemv-mma" and not _batch_rows_agree(module, _CHOICE[key][1], key, x):
-                    _CHOICE[key] = ("tiled", DEFAULT_CONFIG)
-                elif not key[0].endswith("rows") and not _rows_agree(module, _CHOICE[key], key, x):
+                if not _serves_rows(module, _CHOICE[key], key, x, batch=key[0].endswith("rows")):
                     _CHOICE[key] = next(iter(fns))  # (cuBLAS or the tiled kernel)
                 timings[key] = {f"{name}{tuple(cfg) if name.startswith('gemv') else ''}": t for (name, cfg), t in ms.items()}
         for mlp in (m for m in model.modules() if type(getattr(m, "act", None)) is SiluAndMul):
