@@ -435,6 +435,26 @@ def test_rms_norm_and_silu():
 
 
 
+def test_quantized_silu_quantizes_the_c_silu():
+    """w8a8 on the CPU quantizes the C SiLU·mul's values, as a tensor-parallel rank does (its
+    SiluAndMul runs the C op and RowParallel quantizes the whole row): a row whose absmax is one
+    where torch's SiLU and the C one differ in the last bit takes the same scale on both paths."""
+    gates = torch.linspace(-6, 6, 4096).reshape(-1, 8)
+    gate_up = torch.cat([gates, torch.ones_like(gates)], dim=1)
+    differs = (ck.silu_and_mul(gate_up) != ref.silu_and_mul(gate_up)).any(dim=1)
+    assert differs.any()  # (else this test could not tell the two apart)
+    g = gate_up[differs]
+    mask = ck.silu_and_mul(g) != ref.silu_and_mul(g)
+    g[:, :8] = torch.where(mask, g[:, :8], 0.0)  # each row's absmax: an element where they differ
+    from fasterllama.backends import get_backend
+
+    get_backend(torch.device("cpu")).register_ops()
+    q, s = ops.get_op("silu_and_mul_quant", torch.device("cpu"))(g)
+    q_c, s_c = qops.quantize_per_token(ck.silu_and_mul(g))
+    assert torch.equal(s, s_c) and torch.equal(q, q_c)
+    assert not torch.equal(s, qops.quantize_per_token(ref.silu_and_mul(g))[1])
+
+
 @pytest.mark.parametrize("n", [1, 7, 32, 77, 40001, 49152])
 def test_argmax_is_torch_argmax(n):
     """Greedy decoding's argmax: torch's index on random rows, ties (the first), -inf rows and NaN

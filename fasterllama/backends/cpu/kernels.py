@@ -371,6 +371,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def silu_and_mul_quant(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None, clip: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantized.silu_and_mul_quant from this build's SiLU·mul: the float row a tensor-parallel
+    rank's SiluAndMul gives RowParallel, so both quantize the same values (torch's SiLU and the C
+    one differ in the last bit, and a row's absmax took it into its scale)."""
+    return quantized.quantize_per_token(silu_and_mul(gate_up), static_scale, clip)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     if not _f32(x) or x.dim() != 2 or x.shape[1] == 0:
         return reference.argmax(x)
@@ -468,7 +475,8 @@ def value_lanes() -> bool:
 
 OPS = {
     "linear": linear, "panel_linear": panel_linear, "panel_linear_a8": panel_linear_a8, "dequantize_panel_rows": dequantize_panel_rows,
-    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "argmax": argmax, "argmax_tokens": argmax_tokens, "sample_rows": sample_rows,
+    "rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul, "silu_and_mul_quant": silu_and_mul_quant,
+    "argmax": argmax, "argmax_tokens": argmax_tokens, "sample_rows": sample_rows,
     "rope_and_store_kv": rope_and_store_kv, "attention": attention, "search_scale_min": search_scale_min,
 }
 
