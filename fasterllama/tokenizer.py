@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from numbers import Integral
 from typing import Any
 
@@ -212,15 +212,8 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, path: str) -> Tokenizer:
         """Build from a HF folder: tokenizer.json or tokenizer.model, plus tokenizer_config.json."""
-        cfg: dict[str, Any] = {}
-        cfg_path = os.path.join(path, "tokenizer_config.json")
-        if os.path.isfile(cfg_path):
-            with open(cfg_path, encoding="utf-8") as fh:
-                cfg = json.load(fh)
-        special_map_path = os.path.join(path, "special_tokens_map.json")
-        if os.path.isfile(special_map_path):  # (its tokens win over tokenizer_config.json's, as transformers reads them)
-            with open(special_map_path, encoding="utf-8") as fh:
-                cfg.update(json.load(fh))
+        cfg = _json_object(os.path.join(path, "tokenizer_config.json"))
+        cfg.update(_json_object(os.path.join(path, "special_tokens_map.json")))  # (its tokens win, as transformers reads them)
         json_path = os.path.join(path, "tokenizer.json")
         sp_path = os.path.join(path, "tokenizer.model")
         if os.path.isfile(json_path):
@@ -228,9 +221,12 @@ class Tokenizer:
                 backend = BackendTokenizer.from_file(json_path)
             except Exception as e:
                 raise ModelLoadError(f"{json_path}: cannot read tokenizer ({e})") from None
+            if cfg.get("add_prefix_space") is False:
+                backend = _without_space_prefix(backend)
             add_bos_default = None
         elif os.path.isfile(sp_path):
-            backend = _sentencepiece_file_backend(sp_path, legacy=cfg.get("legacy") is True)
+            backend = _sentencepiece_file_backend(sp_path, legacy=cfg.get("legacy") is True, space_prefix=cfg.get("add_prefix_space") is not False)
+            _add_folder_tokens(backend, path, cfg)
             add_bos_default = True
         else:
             raise ModelLoadError(f"{path}: no tokenizer.json or tokenizer.model")
@@ -363,9 +359,18 @@ class Tokenizer:
         context = list(prompt[-IncrementalDetokenizer.CONTEXT :])
         while context and self.decode(context, skip_special_tokens).startswith("\ufffd"):
             context.pop(0)
-        while context and self.decode(context, skip_special_tokens).endswith("\ufffd"):
+        while context and (context[-1] in self.byte_token_ids or self.decode(context, skip_special_tokens).endswith("\ufffd")):
             context.pop()
         return context
+
+    @cached_property
+    def byte_token_ids(self) -> frozenset[int]:
+        """The byte-fallback tokens (<0x41>) of a SentencePiece vocabulary: a run of them decodes as
+        a whole (one replacement character a byte where the run is not UTF-8), so text read
+        before a run ends may change after it."""
+        if not getattr(self.backend.model, "byte_fallback", False):
+            return frozenset()
+        return frozenset(i for t, i in self.backend.get_vocab(with_added_tokens=False).items() if len(t) == 6 and t.startswith("<0x") and t.endswith(">"))
 
     def decode_continuation(self, ids: Sequence[int], prompt: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of ids as they follow the prompt, as the incremental detokenizer shows an
@@ -469,8 +474,80 @@ def _as_tensors(enc: Encoding) -> Encoding:
     return Encoding({k: torch.tensor(v, dtype=torch.int64) for k, v in enc.items()})
 
 
-def _sentencepiece_file_backend(path: str, legacy: bool) -> BackendTokenizer:
-    """tokenizer.model (sentencepiece BPE) -> the same BPE + byte fallback HF converts it to."""
+def _json_object(path: str) -> dict[str, Any]:
+    """A folder's JSON settings file ({} where there is none)."""
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: cannot read JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _without_space_prefix(backend: BackendTokenizer) -> BackendTokenizer:
+    """A SentencePiece-style tokenizer.json under the folder's "add_prefix_space": false, as
+    transformers rebuilds it: no "▁" put before the text (the Metaspace pre-tokenizer's or a
+    Prepend normalizer's), and none stripped off again when decoding."""
+    spec = json.loads(backend.to_str())
+
+    def keep(node: dict[str, Any] | None, drop: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        if node is None or (drop is not None and all(node.get(k) == v for k, v in drop.items())):
+            return None
+        if node.get("type") == "Metaspace":
+            node["prepend_scheme"] = "never"
+            if "add_prefix_space" in node:  # (older files' form of it)
+                node["add_prefix_space"] = False
+        for key in ("normalizers", "pretokenizers", "decoders"):
+            if key in node:
+                node[key] = [n for n in (keep(n, drop) for n in node[key]) if n is not None]
+        return node
+
+    spec["normalizer"] = keep(spec.get("normalizer"), {"type": "Prepend", "prepend": "▁"})
+    spec["pre_tokenizer"] = keep(spec.get("pre_tokenizer"))
+    spec["decoder"] = keep(spec.get("decoder"), {"type": "Strip", "content": " ", "start": 1, "stop": 0})
+    return BackendTokenizer.from_str(json.dumps(spec))
+
+
+def _add_folder_tokens(backend: BackendTokenizer, path: str, cfg: dict[str, Any]) -> None:
+    """The tokens a tokenizer.model folder adds beyond the sentencepiece vocabulary (added_tokens.json,
+    tokenizer_config.json's added_tokens_decoder: ChatML's <|im_start|> in an OpenHermes-style
+    folder), at the ids they name, special where the folder says so, as transformers adds them."""
+    specials = {_token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    specials |= {_token_str(t) for t in cfg.get("additional_special_tokens") or []}
+    by_id: dict[int, AddedToken] = {}
+    for content, idx in _json_object(os.path.join(path, "added_tokens.json")).items():
+        by_id[int(idx)] = AddedToken(content, normalized=False, special=content in specials)
+    for idx, entry in (cfg.get("added_tokens_decoder") or {}).items():
+        if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+            by_id[int(idx)] = AddedToken(entry["content"], single_word=bool(entry.get("single_word")), lstrip=bool(entry.get("lstrip")),
+                                         rstrip=bool(entry.get("rstrip")), normalized=bool(entry.get("normalized")),
+                                         special=bool(entry.get("special", entry["content"] in specials)))
+    pieces = backend.get_vocab_size(with_added_tokens=False)
+    for idx in sorted(by_id):
+        token = by_id[idx]
+        have = backend.token_to_id(token.content)
+        if idx < pieces or have is not None:
+            if have != idx:
+                raise ModelLoadError(f"{path}: added token {token.content!r} is at id {idx}, but the vocabulary has it at {have}")
+            if token.special:  # (a piece the model already has: only marked special)
+                backend.add_special_tokens([token])
+            continue
+        if idx != backend.get_vocab_size(with_added_tokens=True):
+            raise ModelLoadError(f"{path}: added token {token.content!r} at id {idx} leaves a gap after the vocabulary's "
+                                 f"{backend.get_vocab_size(with_added_tokens=True)} tokens")
+        (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    for content in specials - {None}:  # named special pieces of the vocabulary itself
+        if backend.token_to_id(content) is not None:
+            backend.add_special_tokens([AddedToken(content, normalized=False, special=True)])
+
+
+def _sentencepiece_file_backend(path: str, legacy: bool, space_prefix: bool = True) -> BackendTokenizer:
+    """tokenizer.model (sentencepiece BPE) -> the same BPE + byte fallback HF converts it to
+    (space_prefix false: the folder's "add_prefix_space": false, no "▁" before the text)."""
     import sentencepiece as spm
 
     try:
@@ -479,7 +556,7 @@ def _sentencepiece_file_backend(path: str, legacy: bool) -> BackendTokenizer:
         raise ModelLoadError(f"{path}: cannot read sentencepiece model ({e})") from None
     tokens = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     scores = [sp.get_score(i) for i in range(sp.get_piece_size())]
-    backend = sentencepiece_bpe(tokens, scores, legacy=legacy)
+    backend = sentencepiece_bpe(tokens, scores, legacy=legacy, space_prefix=space_prefix)
     backend.add_special_tokens(
         [AddedToken(tokens[i], normalized=False, special=True) for i in range(len(tokens)) if sp.is_control(i) or sp.is_unknown(i)]
     )
@@ -527,7 +604,8 @@ class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas that never end in a broken UTF-8 character.
 
     Decodes a small window (prefix..end) and emits what it adds beyond (prefix..read), so each
-    step costs O(window) and byte-fallback / multi-byte tokens are held until complete. The window
+    step costs O(window) and multi-byte tokens are held until complete, a run of byte-fallback
+    tokens until it ends (a later byte can make the whole run replacement characters). The window
     starts with the prompt's last tokens (`Tokenizer.output_context`, as vLLM's does): the first output token is
     read as it follows them, so a SentencePiece "▁yes" is " yes", not the "yes" of a text's start."""
 
@@ -548,7 +626,7 @@ class IncrementalDetokenizer:
         decode = self.tokenizer.decode
         prefix_text = decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
         new_text = decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd") and token_id not in self.tokenizer.byte_token_ids:
             delta = new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.ids)

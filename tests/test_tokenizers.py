@@ -51,8 +51,8 @@ def sp_model(tmp_path_factory) -> str:
     return str(d / "m.model")
 
 
-def _assert_same(ours: Tokenizer, hf) -> None:
-    for s in STRINGS:
+def _assert_same(ours: Tokenizer, hf, strings: list[str] = STRINGS) -> None:
+    for s in strings:
         ids = hf(s)["input_ids"]
         assert ours.encode(s) == ids, s
         assert ours.decode(ids) == hf.decode(ids), s
@@ -77,6 +77,74 @@ def test_output_text_is_read_after_the_prompt(sp_model, tmp_path):
         detok = IncrementalDetokenizer(tok, True, prompt)
         streamed = "".join(detok.add(t) for t in output) + detok.flush()
         assert streamed == detok.text == tok.decode_continuation(output, prompt, True) == want, (prompt, output)
+
+
+def test_a_byte_run_streams_as_it_decodes(sp_model, tmp_path):
+    """A run of byte-fallback tokens decodes as a whole: "A" then a lone 0xE2 is two replacement
+    characters, so the stream holds the run's "A" until the run ends (it sent "A" at once, and the
+    output's text was not the decode of its ids)."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(open(sp_model, "rb").read())
+    tok = Tokenizer.from_folder(str(folder))
+    byte = lambda b: tok.token_to_id(f"<0x{b:02X}>")  # noqa: E731
+    word = tok.encode(" the", add_special_tokens=False)
+    for run in ([0x41, 0xE2], [0x41, 0xE4, 0xBD, 0xA0], [0x0B, 0xE2, 0x0B], [0xF0, 0x9F, 0x41]):
+        for tail in (word, []):
+            ids = word + [byte(b) for b in run] + tail
+            detok = IncrementalDetokenizer(tok, True)
+            deltas = [detok.add(t) for t in ids] + [detok.flush()]
+            assert "".join(deltas) == detok.text == tok.decode(ids, True), (run, deltas)
+    assert len(tok.byte_token_ids) == 256
+
+
+@pytest.mark.parametrize("where", ["added_tokens.json", "added_tokens_decoder"])
+def test_tokenizer_model_folder_with_added_tokens(sp_model, tmp_path, where):
+    """An OpenHermes-style folder: tokenizer.model and ChatML's tokens past its vocabulary, named in
+    added_tokens.json or tokenizer_config.json's added_tokens_decoder. They were left out: the chat
+    prompt fell apart into bytes, EOS was None, and decode dropped them."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(open(sp_model, "rb").read())
+    chatml = ["<|im_start|>", "<|im_end|>"]
+    cfg = {"bos_token": "<s>", "eos_token": "<|im_end|>", "unk_token": "<unk>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer",
+           "additional_special_tokens": chatml,
+           "chat_template": "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"}
+    if where == "added_tokens.json":
+        (folder / "added_tokens.json").write_text(json.dumps({t: 1000 + i for i, t in enumerate(chatml)}))
+    else:
+        entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+        cfg["added_tokens_decoder"] = {str(1000 + i): {"content": t, **entry} for i, t in enumerate(chatml)}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ours = Tokenizer.from_folder(str(folder))
+    assert (len(ours), ours.eos_token_id, ours.token_to_id("<|im_start|>")) == (len(hf), hf.eos_token_id, 1000) == (1002, 1001, 1000)
+    _assert_same(ours, hf, [s for s in STRINGS if "</s>" not in s])  # (no longer EOS, "</s>" is special to transformers 4, text to 5)
+    text = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert ours.encode(text) == hf(text)["input_ids"]
+    assert ours.apply_chat_template(CHAT[1:2]) == hf.apply_chat_template(CHAT[1:2], tokenize=True, return_dict=False)
+    for skip in (False, True):
+        assert ours.decode([1000, 263, 1001], skip) == hf.decode([1000, 263, 1001], skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("form", ["tokenizer.model", "tokenizer.json"])
+def test_no_prefix_space(sp_model, tmp_path, form):
+    """"add_prefix_space": false puts no "▁" before the text ("Hello" is not "▁Hello"), as transformers
+    builds the tokenizer from either file; it was ignored."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "tokenizer.model").write_bytes(open(sp_model, "rb").read())
+    cfg = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "tokenizer_class": "LlamaTokenizer"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    if form == "tokenizer.json":  # (as transformers saves one: a Metaspace prepending "▁" first)
+        transformers.AutoTokenizer.from_pretrained(str(folder)).save_pretrained(str(folder))
+        os.remove(folder / "tokenizer.model")
+        cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_prefix_space": False}))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    ours = Tokenizer.from_folder(str(folder))
+    _assert_same(ours, hf)
+    assert ours.tokenize("Hello") == hf.tokenize("Hello") and not ours.tokenize("Hello")[0].startswith("▁")
 
 
 @pytest.mark.parametrize("legacy", [None, True, False])
