@@ -10,6 +10,11 @@ from .errors import ModelLoadError
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}  # config.json's model_type -> its class
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+_ROPE_KEYS = {  # what each scaling reads (model.llama.rope_inv_freq)
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "freq_factors": ("factors",),
+}
 
 
 def per_head(hidden: object, heads: object) -> int:
@@ -53,6 +58,11 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported rope scaling {rope_type!r} (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
+        for key in _ROPE_KEYS.get(rope_type, ()):
+            value = self.rope_scaling.get(key)
+            numbers = value if key == "factors" and isinstance(value, list) else [value]
+            if not numbers or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 for v in numbers):
+                raise ModelLoadError(f"rope scaling {rope_type!r} needs a positive {key}, got {value!r}")
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:

@@ -90,6 +90,68 @@ def test_hf_folder_errors(tmp_path):
         open_checkpoint(str(tmp_path))
 
 
+def test_damaged_folders_fail_before_the_load_naming_the_file(tmp_path) -> None:
+    """A truncated shard of a sharded checkpoint, a tokenizer file that is not JSON, a config whose
+    rope scaling lacks a value or whose quantization_config is not an object, an int8 tensor among
+    float ones, a missing fused part: a ModelLoadError naming what is wrong (they were a raw
+    SafetensorError halfway through the load, a JSONDecodeError, a KeyError, an AttributeError,
+    wrong weights in silence, and the missing up_proj named as an inner "gate_up_proj")."""
+    import shutil
+
+    import tiny_models as tm
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fasterllama import LLM
+
+    hf = tm.build_hf_model(tm.SPECS["gqa"])
+    whole = tm.save_hf_checkpoint(hf, str(tmp_path / "whole"))
+    sharded = tmp_path / "sharded"
+    hf.save_pretrained(str(sharded), max_shard_size="20KB")
+    for name in os.listdir(whole):
+        if not name.startswith("model") and not (sharded / name).exists():
+            shutil.copy(os.path.join(whole, name), sharded / name)
+    shards = sorted(n for n in os.listdir(sharded) if n.endswith(".safetensors"))
+    assert len(shards) > 2 and LLM(str(sharded), progress=False).compute_logits([5, 6]).isfinite().all()
+    data = (sharded / shards[1]).read_bytes()
+    (sharded / shards[1]).write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=f"{shards[1]}: (cannot read safetensors|lacks)"):
+        open_checkpoint(str(sharded))
+
+    def edited(name: str, edit) -> str:
+        folder = tmp_path / f"{name}-{len(os.listdir(tmp_path))}"
+        shutil.copytree(whole, folder)
+        edit(folder)
+        return str(folder)
+
+    bad_tokenizer = edited("tok", lambda f: (f / "tokenizer_config.json").write_text("{oops"))
+    with pytest.raises(ModelLoadError, match="tokenizer_config.json: cannot read JSON"):
+        LLM(bad_tokenizer, progress=False)
+
+    def config(f, **changes) -> None:
+        cfg = json.loads((f / "config.json").read_text())
+        (f / "config.json").write_text(json.dumps({**cfg, **changes}))
+
+    for scaling, needs in (({"rope_type": "linear"}, "factor"), ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor")):
+        with pytest.raises(ModelLoadError, match=f"rope scaling '{scaling['rope_type']}' needs a positive {needs}, got None"):
+            open_checkpoint(edited("rope", lambda f, s=scaling: config(f, rope_scaling=s)))
+    with pytest.raises(ModelLoadError, match="quantization_config should be an object, got 'int8'"):
+        open_checkpoint(edited("quant", lambda f: config(f, quantization_config="int8")))
+
+    def weights(f, edit) -> None:
+        tensors = load_file(str(f / "model.safetensors"))
+        edit(tensors)
+        save_file(tensors, str(f / "model.safetensors"), metadata={"format": "pt"})
+
+    def to_int8(t: dict) -> None:
+        t["model.layers.0.mlp.down_proj.weight"] = t["model.layers.0.mlp.down_proj.weight"].to(torch.int8)
+
+    with pytest.raises(ModelLoadError, match="'model.layers.0.mlp.down_proj.weight' is int8: a float checkpoint's tensors are float"):
+        LLM(edited("int8", lambda f: weights(f, to_int8)), progress=False)
+    with pytest.raises(ModelLoadError, match="lacks 1 tensors, e.g. 'model.layers.1.mlp.up_proj.weight'$"):
+        LLM(edited("gap", lambda f: weights(f, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))), progress=False)
+
+
 def test_config_model_type_and_mistral_window() -> None:
     """model_type decides the model as in transformers (a Gemma config without `architectures`
     loaded as LLaMA: other logits, no error); Mistral's sliding window caps the context, where

@@ -24,23 +24,38 @@ class HFCheckpoint:
         return [n for names in self.shards.values() for n in names]
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         for shard, names in self.shards.items():
             try:
                 with safe_open(shard, framework="pt") as f:
                     for name in names:
                         yield name, f.get_tensor(name)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, SafetensorError) as e:
                 raise ModelLoadError(f"{shard}: cannot read safetensors ({e})") from None
+
+
+def _tensor_names(shard: str) -> list[str]:
+    """The tensors a safetensors file holds (its header only): a truncated or corrupt file fails
+    here, before the model is built, not halfway through the load."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(shard, framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:
+        raise ModelLoadError(f"{shard}: cannot read safetensors ({e})") from None
 
 
 def _read_json(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as e:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
         raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def open_hf_folder(path: str) -> HFCheckpoint:
@@ -52,6 +67,8 @@ def open_hf_folder(path: str) -> HFCheckpoint:
     raw_config = _read_json(cfg_path)
     config = ModelConfig.from_hf_dict(raw_config)
     quantization = raw_config.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise ModelLoadError(f"{cfg_path}: quantization_config should be an object, got {quantization!r}")
     if quantization is not None and quantization.get("quant_method") != "fasterllama":
         raise ModelLoadError(f"{path}: unsupported quantization method {quantization.get('quant_method')!r} (quantize with `fasterllama quantize` instead)")
     gen_cfg_path = os.path.join(path, "generation_config.json")
@@ -65,19 +82,19 @@ def open_hf_folder(path: str) -> HFCheckpoint:
     single_path = os.path.join(path, "model.safetensors")
     shards: dict[str, list[str]] = {}
     if os.path.isfile(index_path):
-        for name, shard in _read_json(index_path)["weight_map"].items():
+        weight_map = _read_json(index_path).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index_path}: no weight_map")
+        for name, shard in weight_map.items():
             shards.setdefault(os.path.join(path, shard), []).append(name)
-        for shard in shards:
+        for shard, names in shards.items():
             if not os.path.isfile(shard):
                 raise ModelLoadError(f"{path}: missing shard {os.path.basename(shard)}")
+            absent = set(names) - set(_tensor_names(shard))
+            if absent:
+                raise ModelLoadError(f"{shard}: lacks {len(absent)} tensors the index puts there, e.g. {min(absent)!r}")
     elif os.path.isfile(single_path):
-        from safetensors import safe_open
-
-        try:
-            with safe_open(single_path, framework="pt") as f:
-                shards[single_path] = list(f.keys())
-        except Exception as e:
-            raise ModelLoadError(f"{single_path}: cannot read safetensors ({e})") from None
+        shards[single_path] = _tensor_names(single_path)
     else:
         pickled = any(f.endswith((".bin", ".pt")) for f in os.listdir(path))
         hint = " (its PyTorch .bin weights are not read: save them as safetensors, e.g. with transformers' save_pretrained)" if pickled else ""

@@ -140,6 +140,16 @@ _FUSED = {
 }
 
 
+def _checkpoint_name(key: str) -> str:
+    """A parameter key of load_weights ("layers.1.mlp.gate_up_proj.weight#1") as the checkpoint names
+    its tensor ("model.layers.1.mlp.up_proj.weight")."""
+    name, _, part = key.partition("#")
+    for src, (fused, idx) in _FUSED.items():
+        if part and f".{fused}." in name and int(part) == idx:
+            name = name.replace(f".{fused}.", f".{src}.")
+    return name if name.startswith("lm_head") else f"model.{name}"
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -196,6 +206,9 @@ class LlamaForCausalLM(nn.Module):
                 if "rotary_emb" in target:
                     continue
                 raise ModelLoadError(f"unexpected tensor {name!r} in checkpoint")
+            if not tensor.is_floating_point():  # (an int8 tensor cast to float would load as wrong weights, silently)
+                raise ModelLoadError(f"tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}: a float checkpoint's tensors are float "
+                                     "(quantized ones: GGUF files, or checkpoints saved by `fasterllama quantize`)")
             param = params[target]
             if param.device.type == "meta":
                 param = self._materialize(target, dtype, device)
@@ -226,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
             missing += [k for k in keys if k not in seen]
         if missing:
             untied = " (the config does not tie it to the embedding: tie_word_embeddings is false)" if missing == ["lm_head.weight"] else ""
-            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[0].split('#')[0]!r}{untied}")
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {_checkpoint_name(missing[0])!r}{untied}")
         self.inv_freq = self.inv_freq.to(device)
 
     def _materialize(self, target: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
