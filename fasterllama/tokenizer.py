@@ -221,7 +221,7 @@ class Tokenizer:
                 backend = BackendTokenizer.from_file(json_path)
             except Exception as e:
                 raise ModelLoadError(f"{json_path}: cannot read tokenizer ({e})") from None
-            if cfg.get("add_prefix_space") is False:
+            if cfg.get("add_prefix_space") is False and str(cfg.get("tokenizer_class") or "Llama").startswith("Llama"):  # (the class that reads it)
                 backend = _without_space_prefix(backend)
             add_bos_default = None
         elif os.path.isfile(sp_path):
