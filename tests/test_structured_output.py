@@ -198,6 +198,37 @@ def test_stop_string_cuts_the_text_also_where_the_constraint_ends(tiny: LLM) -> 
         assert re.fullmatch("[0-9]{3}", out.text) and out.finish_reason == "stop", out.text
 
 
+def test_an_ending_token_that_completes_the_constraint_ends_the_output_as_one(tiny: LLM) -> None:
+    """EOS or a stop token id that completes the constraint: its text is not the output's (unless
+    include_stop_str_in_output) and stop_reason names the stop token, as without a constraint
+    (the constraint's own end kept "</s>" in the text and stop_reason None); under ignore_eos, EOS
+    is refused while the constraint allows more (it completed the constraint: the output ended)."""
+    eos, newline = tiny.engine.tokenizer.eos_token_id, tiny.engine.tokenizer.encode("\n", add_special_tokens=False)[-1]
+    pushed = {eos: 50.0, newline: 50.0}
+    for params, text, reason in (
+        (SamplingParams(temperature=0, max_tokens=12, regex="[a-z]+", logit_bias={eos: 50.0}, skip_special_tokens=False), "[a-z]+", None),
+        (SamplingParams(temperature=0, max_tokens=12, regex="[0-9]+\n", stop_token_ids=[newline], logit_bias=pushed), "[0-9]+", newline),
+        (SamplingParams(temperature=0, max_tokens=12, regex="[0-9]+\n", stop_token_ids=[newline], logit_bias=pushed,
+                        include_stop_str_in_output=True), "[0-9]+\n", newline),
+    ):
+        out = tiny.generate([[5, 6, 7]], params)[0]
+        assert re.fullmatch(text, out.text) and out.finish_reason == "stop" and out.stop_reason == reason, (out.text, out.stop_reason)
+        assert out.token_ids[-1] in (eos, newline) and len(out.token_ids) >= 2
+    out = tiny.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, regex="[a-z]+", logit_bias={eos: 50.0}, ignore_eos=True))[0]
+    assert len(out.token_ids) == 12 and eos not in out.token_ids and out.finish_reason == "length" and re.fullmatch("[a-z]+", out.text)
+    out = tiny.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, choice=["ab"], logit_bias={eos: 50.0}, ignore_eos=True))[0]
+    assert out.text == "ab" and out.finish_reason == "stop"  # (nothing but EOS left: the finished constraint ends it)
+
+
+def test_the_true_schema_is_compact_json(tiny: LLM) -> None:
+    """The boolean schema `true` (any JSON) writes compact JSON as {} does (it took llguidance's free whitespace)."""
+    newline, bracket = (tiny.engine.tokenizer.encode(c, add_special_tokens=False)[-1] for c in ("\n", "["))
+    for schema in ("true", "{}"):  # (a raw newline is only ever JSON's free whitespace: in a string it is "\\n")
+        params = SamplingParams(temperature=0, max_tokens=12, json_schema=schema, logit_bias={bracket: 20.0, newline: 40.0})
+        out = tiny.generate([[5, 6, 7]], params)[0]
+        assert "\n" not in out.text and len(out.token_ids) > 1, (schema, out.text)
+
+
 def test_free_requests_in_a_constrained_batch_get_their_own_tokens(tiny: LLM) -> None:
     free = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     alone = [o.token_ids for o in tiny.generate([[5, 6, 7], [40, 41]], free)]

@@ -578,7 +578,7 @@ class LLMEngine:
         need_logprobs = any(s.params.logprobs is not None for s in seqs)
         logprobs = torch.log_softmax(logits, dim=-1) if need_logprobs else None  # the model's, before any constraint (vLLM's raw logprobs)
         if any(s.matcher is not None for s in seqs):  # structured output: only the tokens its constraint allows
-            self.structured.mask(logits, [(s.matcher, extra) for s, extra in row_seqs])
+            self.structured.mask(logits, [(s.matcher, extra, s.params.ignore_eos) for s, extra in row_seqs])
         token_ids = sampler.next_tokens(logits, row_seqs, self.eos_token_ids)
         for i in broken:  # (the plain argmax does not look: a first token's row is checked here, once a sequence)
             token_ids[i] = sampler.NOT_FINITE
@@ -726,7 +726,7 @@ class LLMEngine:
             else:  # no stop string before min_tokens (as vLLM): the text so far is not searched again
                 seq.num_checked = len(seq.text)
         text_final = reason is not None and isinstance(seq.stop_reason, str)  # (cut before a stop string)
-        if reason is None:
+        if not text_final:  # (an ending token that completes a constraint ends the output as one: its text dropped)
             if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
                 reason = "stop"
                 seq.stop_reason = tok if tok in p.stop_token_ids else None  # (vLLM's: the stop token id; None for EOS)
@@ -736,7 +736,7 @@ class LLMEngine:
                         seq.detokenizer.drop_last()
                         seq.text += seq.detokenizer.flush()
                     text_final = True
-            elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
                 reason = "length"
         if reason is not None and seq.detokenizer and not text_final:
             seq.text += seq.detokenizer.flush()  # a last token inside a character: as decode shows it

@@ -47,7 +47,9 @@ def _grammar(kind: str, text: str) -> str:
 
     try:
         if kind == "json":  # compact JSON (no free whitespace: fewer tokens, no runs of blanks), unless the schema's x-guidance says otherwise
-            options = {} if text.strip() in ("true", "false") else {"defaults": {"whitespace_flexible": False}}  # (a boolean schema takes none)
+            if text.strip() == "true":  # (the boolean schema of any value, as {}: a boolean schema takes no options)
+                text = "{}"
+            options = {} if text.strip() == "false" else {"defaults": {"whitespace_flexible": False}}
             return llguidance.LLMatcher.grammar_from_json_schema(text, **options)
         if kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(text)
@@ -165,8 +167,8 @@ class StructuredOutput:
 
     def _compile(self, kind: str, text: str) -> llguidance.LLMatcher:
         """The matcher of a constraint at its start. Its first mask is computed here too: a
-        constraint past llguidance's parser limits (2,000 items a row: a 2,500-way anyOf) fails
-        there, as a compile error of the request rather than in a step."""
+        constraint past llguidance's parser limits fails there, as a compile error of the request
+        rather than in a step."""
         import llguidance
         import llguidance.torch as ll_torch
 
@@ -178,15 +180,16 @@ class StructuredOutput:
         return matcher
 
     @torch.inference_mode()  # the logits are the model runner's inference tensors
-    def mask(self, logits: torch.Tensor, rows: list[tuple[llguidance.LLMatcher | None, list[int]]]) -> None:
+    def mask(self, logits: torch.Tensor, rows: list[tuple[llguidance.LLMatcher | None, list[int], bool]]) -> None:
         """Set the logits of tokens a row's matcher does not allow to -inf, in place. A row is a
-        matcher (None: unconstrained) and the drafts before it in a speculative step: its mask is
-        the matcher's after them (consumed, then rolled back). Rows after a draft the constraint
-        refuses are left alone: verification stops at that draft."""
+        matcher (None: unconstrained), the drafts before it in a speculative step (its mask is the
+        matcher's after them: consumed, then rolled back) and whether EOS is refused where the
+        constraint allows more (ignore_eos: EOS would complete it and end the output). Rows after
+        a draft the constraint refuses are left alone: verification stops at that draft."""
         import llguidance.torch as ll_torch
 
         start = time.perf_counter()
-        masked = [(row, m, extra) for row, (m, extra) in enumerate(rows) if m is not None]
+        masked = [(row, m, extra) for row, (m, extra, _) in enumerate(rows) if m is not None]
         bitmask = ll_torch.allocate_token_bitmask(len(masked), self.vocab_size)
         consumed: dict[int, list] = {}  # id(matcher) -> [matcher, drafts it took, whether it refused one]
         filled = []
@@ -207,6 +210,13 @@ class StructuredOutput:
             words = bitmask[[i for i, _ in filled]].to(logits.device)
             bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32, device=logits.device)) & 1
             refused = bits.view(len(filled), -1)[:, : logits.shape[-1]] == 0
+            eos = [t for t in self.eos_token_ids if 0 <= t < refused.shape[1]]
+            going = [k for k, (_, row) in enumerate(filled) if rows[row][2]]
+            if going and eos:
+                part = refused[going]
+                more = (~part).sum(dim=1) > (~part[:, eos]).sum(dim=1)  # (a token besides EOS is allowed)
+                part[:, eos] |= more[:, None]
+                refused[going] = part
             index = torch.tensor([row for _, row in filled], device=logits.device)
             logits[index] = logits[index].masked_fill(refused, float("-inf"))
         self.mask_seconds += time.perf_counter() - start
