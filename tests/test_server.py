@@ -518,6 +518,25 @@ def test_structured_output_over_http(server: Server, offline: LLM) -> None:
     assert slots_free(server)
 
 
+def test_strict_schemas_close_their_objects() -> None:
+    """response_format's "strict": true closes objects to their listed properties, as OpenAI's strict
+    mode (it was ignored: the model added keys), as does structured_outputs'
+    disable_additional_properties (refused with a 400, though the Python API takes it)."""
+    from fasterllama.server.protocol import CompletionRequest
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    closed = {**schema, "additionalProperties": False}
+
+    def constraint(**fields) -> dict:
+        params = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", **fields}).sampling_params(5, None)
+        return json.loads(params.constraint[1])
+
+    for strict, want in ((True, closed), (False, schema), (None, schema)):
+        assert constraint(response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": strict}}) == want
+    for flags, want in (({"disable_additional_properties": True}, closed), ({"disable_any_whitespace": True}, schema), ({}, schema)):
+        assert constraint(structured_outputs={"json": schema, **flags}) == want
+
+
 def test_64_concurrent_streams_complete_and_16_aborted_free_their_blocks(server: Server) -> None:
     """64 streams of mixed lengths (8x the seats: most wait); 16 clients leave mid-stream. The
     other 48 finish with every token, and no KV block stays used."""

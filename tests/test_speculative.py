@@ -80,6 +80,7 @@ def test_config_parses_vllm_style_dicts_and_json() -> None:
     ({"method": "ngram", "num_speculative_tokens": 2, "speculative_model": "x"}, "unknown speculative_config key"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": "x"}, "takes no model"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "x", "quantization": "bogus"}, "quantization: unknown quantization mode 'bogus'"),
 ])
 def test_config_errors_are_one_line(value: object, message: str) -> None:
     with pytest.raises(FasterLlamaError, match=message):

@@ -81,6 +81,13 @@ class SpeculativeConfig:
             raise FasterLlamaError("speculative_config method 'ngram' drafts from the prompt: it takes no model or quantization")
         if quantization is not None and not isinstance(quantization, str):
             raise FasterLlamaError(f"speculative_config quantization must be a string such as 'w4', got {quantization!r}")
+        if quantization is not None:  # (a bad mode is an error now, not after both models have loaded)
+            from ..quant.config import QuantConfig
+
+            try:
+                QuantConfig.parse(quantization)
+            except FasterLlamaError as e:
+                raise FasterLlamaError(f"speculative_config quantization: {e}") from None
         return cls(method, k, lo, hi, model, quantization)
 
 

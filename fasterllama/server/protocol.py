@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from ..errors import FasterLlamaError
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..tokenizer import Tokenizer
 from .tools import forced_call_schema
 
@@ -81,6 +81,14 @@ class StructuredOutputs(_Strict):
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    disable_any_whitespace: bool = False  # (JSON is compact here already)
+    disable_additional_properties: bool = False
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The SamplingParams fields of its constraint, as the Python API's StructuredOutputsParams gives them."""
+        fields = StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                         json_object=self.json_object, disable_additional_properties=self.disable_additional_properties)
+        return {k: v for k, v in fields.sampling_fields().items() if v not in (None, False)}
 
 
 class GenerationRequest(_Strict):
@@ -223,7 +231,10 @@ class GenerationRequest(_Strict):
         if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise FasterLlamaError("response_format of type json_schema needs a json_schema object")
-            sources["response_format"] = {"json_schema": fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}}
+            schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
+            if fmt.json_schema.strict:  # OpenAI's strict mode: no properties beyond those the schema lists
+                schema = StructuredOutputsParams(json=schema, disable_additional_properties=True).sampling_fields()["json_schema"]
+            sources["response_format"] = {"json_schema": schema}
         elif fmt is not None and fmt.type == "json_object":
             sources["response_format"] = {"json_object": True}
         guided = {k: v for k, v in (("json_schema", self.guided_json), ("regex", self.guided_regex), ("grammar", self.guided_grammar),
@@ -232,8 +243,7 @@ class GenerationRequest(_Strict):
             sources["guided_*"] = guided
         so = self.structured_outputs
         if so is not None:
-            given = {k: v for k, v in (("json_schema", so.json_), ("regex", so.regex), ("choice", so.choice), ("grammar", so.grammar),
-                                       ("json_object", so.json_object or None)) if v is not None}
+            given = so.sampling_fields()
             if given:
                 sources["structured_outputs"] = given
         if len(sources) > 1:
