@@ -519,23 +519,25 @@ def _add_folder_tokens(backend: BackendTokenizer, path: str, cfg: dict[str, Any]
     specials = {_token_str(cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
     specials |= {_token_str(t) for t in cfg.get("additional_special_tokens") or []}
     by_id: dict[int, AddedToken] = {}
-    for content, idx in _json_object(os.path.join(path, "added_tokens.json")).items():
-        by_id[int(idx)] = AddedToken(content, normalized=False, special=content in specials)
-    for idx, entry in (cfg.get("added_tokens_decoder") or {}).items():
-        if isinstance(entry, dict) and isinstance(entry.get("content"), str):
-            by_id[int(idx)] = AddedToken(entry["content"], single_word=bool(entry.get("single_word")), lstrip=bool(entry.get("lstrip")),
-                                         rstrip=bool(entry.get("rstrip")), normalized=bool(entry.get("normalized")),
-                                         special=bool(entry.get("special", entry["content"] in specials)))
+    try:
+        for content, idx in _json_object(os.path.join(path, "added_tokens.json")).items():
+            by_id[int(idx)] = AddedToken(content, normalized=False, special=content in specials)
+        for idx, entry in (cfg.get("added_tokens_decoder") or {}).items():
+            if isinstance(entry, dict) and isinstance(entry.get("content"), str):
+                by_id[int(idx)] = AddedToken(entry["content"], single_word=bool(entry.get("single_word")), lstrip=bool(entry.get("lstrip")),
+                                             rstrip=bool(entry.get("rstrip")), normalized=bool(entry.get("normalized")),
+                                             special=bool(entry.get("special", entry["content"] in specials)))
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{path}: bad added tokens ({e})") from None
     pieces = backend.get_vocab_size(with_added_tokens=False)
     for idx in sorted(by_id):
         token = by_id[idx]
-        have = backend.token_to_id(token.content)
-        if idx < pieces or have is not None:
-            if have != idx:
-                raise ModelLoadError(f"{path}: added token {token.content!r} is at id {idx}, but the vocabulary has it at {have}")
-            if token.special:  # (a piece the model already has: only marked special)
+        if backend.token_to_id(token.content) is not None:  # a piece the model has: only marked special (at its own id)
+            if token.special:
                 backend.add_special_tokens([token])
             continue
+        if idx < pieces:
+            raise ModelLoadError(f"{path}: added token {token.content!r} at id {idx}, which the vocabulary's {backend.id_to_token(idx)!r} holds")
         if idx != backend.get_vocab_size(with_added_tokens=True):
             raise ModelLoadError(f"{path}: added token {token.content!r} at id {idx} leaves a gap after the vocabulary's "
                                  f"{backend.get_vocab_size(with_added_tokens=True)} tokens")
