@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,19 @@ _ROPE_KEYS = {  # what each scaling reads (model.llama.rope_inv_freq)
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "freq_factors": ("factors",),
 }
+
+
+def read_json_object(path: str) -> dict[str, Any]:
+    """A checkpoint folder's JSON settings file (config.json, tokenizer_config.json, ...): a file
+    that cannot be read or is not a JSON object is a ModelLoadError naming it."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def per_head(hidden: object, heads: object) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from .config import read_json_object
 from .errors import FasterLlamaError, ModelLoadError
 
 # GGUF token types (llama.cpp's llama_token_type).
@@ -476,16 +477,7 @@ def _as_tensors(enc: Encoding) -> Encoding:
 
 def _json_object(path: str) -> dict[str, Any]:
     """A folder's JSON settings file ({} where there is none)."""
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot read JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path) if os.path.isfile(path) else {}
 
 
 def _without_space_prefix(backend: BackendTokenizer) -> BackendTokenizer:

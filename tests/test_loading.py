@@ -125,7 +125,7 @@ def test_damaged_folders_fail_before_the_load_naming_the_file(tmp_path) -> None:
         return str(folder)
 
     bad_tokenizer = edited("tok", lambda f: (f / "tokenizer_config.json").write_text("{oops"))
-    with pytest.raises(ModelLoadError, match="tokenizer_config.json: cannot read JSON"):
+    with pytest.raises(ModelLoadError, match="tokenizer_config.json: invalid JSON"):
         LLM(bad_tokenizer, progress=False)
 
     def config(f, **changes) -> None:

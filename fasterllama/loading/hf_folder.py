@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ModelConfig, read_json_object
 from ..errors import ModelLoadError
 
 
@@ -47,24 +46,13 @@ def _tensor_names(shard: str) -> list[str]:
         raise ModelLoadError(f"{shard}: cannot read safetensors ({e})") from None
 
 
-def _read_json(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: invalid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
 def open_hf_folder(path: str) -> HFCheckpoint:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf")) if os.path.isdir(path) else []
         hint = f"; it holds GGUF files: give one as the model, e.g. {os.path.join(path, ggufs[0])}" if ggufs else ""
         raise ModelLoadError(f"{path}: no config.json (expected a HF checkpoint folder or a .gguf file){hint}")
-    raw_config = _read_json(cfg_path)
+    raw_config = read_json_object(cfg_path)
     config = ModelConfig.from_hf_dict(raw_config)
     quantization = raw_config.get("quantization_config")
     if quantization is not None and not isinstance(quantization, dict):
@@ -73,7 +61,7 @@ def open_hf_folder(path: str) -> HFCheckpoint:
         raise ModelLoadError(f"{path}: unsupported quantization method {quantization.get('quant_method')!r} (quantize with `fasterllama quantize` instead)")
     gen_cfg_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_cfg_path):
-        eos = _read_json(gen_cfg_path).get("eos_token_id")
+        eos = read_json_object(gen_cfg_path).get("eos_token_id")
         if eos is not None:
             eos = [eos] if isinstance(eos, int) else list(eos)
             config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + eos))
@@ -82,7 +70,7 @@ def open_hf_folder(path: str) -> HFCheckpoint:
     single_path = os.path.join(path, "model.safetensors")
     shards: dict[str, list[str]] = {}
     if os.path.isfile(index_path):
-        weight_map = _read_json(index_path).get("weight_map")
+        weight_map = read_json_object(index_path).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ModelLoadError(f"{index_path}: no weight_map")
         for name, shard in weight_map.items():
