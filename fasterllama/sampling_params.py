@@ -237,8 +237,8 @@ class SamplingParams:
         self._check_constraint()
         if self.seed == -1 and not isinstance(self.seed, bool):  # (vLLM's: -1 is no seed)
             self.seed = None
-        if self.seed is not None:  # sample k draws with seed + k, packed into int64
-            self.seed = _check_int("seed", self.seed, -(2**63), 2**63 - self.n, " (a 64-bit integer; seed + n - 1 must fit too)")
+        if self.seed is not None:  # sample k draws with seed + k, wrapped into int64
+            self.seed = _check_int("seed", self.seed, -(2**63), _INT64_MAX, " (a 64-bit integer)")
 
     def _take_structured_outputs(self) -> None:
         """vLLM's structured_outputs / guided_decoding, written into the constraint fields."""

@@ -767,6 +767,12 @@ MALFORMED: list[tuple[str, Any, int]] = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "stream": True, "prompt_logprobs": 1}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 2, "min_tokens": 3}, 400),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "echo": True}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user"}]}, 400),  # (an assistant's may be left out)
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"]}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "audio": {"voice": "alloy", "format": "wav"}}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "web_search_options": {"search_context_size": "low"}}, 400),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "best_of": 2}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"abc": 1}}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"5": 101}}, 400),
     ("/v1/completions", {"model": MODEL, "prompt": "Hi", "logit_bias": {"100000": 1}}, 400),

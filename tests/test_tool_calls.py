@@ -94,8 +94,8 @@ def test_named_function_streams_its_arguments() -> None:
 def test_required_reads_the_constrained_array() -> None:
     content, calls, _ = read('[{"name": "add", "parameters": {"a": 1, "b": 2}}]', mode="required")
     assert content is None and calls == [("add", {"a": 1, "b": 2})]
-    content, calls, _ = read('[{"name": "add", "parameters": {"a": 1', mode="required")  # cut off before a call is whole
-    assert content == '[{"name": "add", "parameters": {"a": 1' and calls == []
+    content, calls, deltas = read('[{"name": "add", "parameters": {"a": 1', mode="required")  # cut off before a call is whole:
+    assert (content, calls, deltas) == ("", [], [])  # no content either (the constraint's JSON is no reply; it was sent as one)
 
 
 def test_forced_call_schemas() -> None:
@@ -114,6 +114,9 @@ def test_forced_call_schemas() -> None:
     assert [s["properties"]["parameters"] for s in schema["items"]["anyOf"]] == [{"$ref": "#/$defs/tool_0"}, {"$ref": "#/$defs/tool_1"}]
     assert schema["$defs"]["tool_0"] == {**add, "additionalProperties": False}
     assert "maxItems" not in forced_call_schema(params, "required", True)
+    untyped = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}  # (no "type": an object, as OpenAI reads it; it allowed a number)
+    assert forced_call_schema({"f": untyped}, "named", True, "f") == {"type": "object", **untyped, "additionalProperties": False}
+    assert forced_call_schema({"f": untyped}, "required", True)["$defs"]["tool_0"]["type"] == "object"
     pydantic_tool = {"type": "object", "properties": {"home": {"$ref": "#/$defs/Address"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
                      "required": ["home"], "$defs": {"Address": {"type": "object", "properties": {"street": {"type": "string"}}}}}
     schema = forced_call_schema({"move": pydantic_tool}, "required", True)

@@ -109,6 +109,15 @@ def test_bad_params_and_stream_prompts(llm: LLM) -> None:
             llm.stream("hi", params)
 
 
+def test_seeds_span_int64_and_wrap(llm: LLM) -> None:
+    """Any int64 seed is taken (OpenAI's range: the largest were refused, to leave room for
+    seed + n - 1); sample k draws with seed + k wrapped into int64."""
+    params = lambda seed, n: SamplingParams(temperature=1.0, seed=seed, n=n, max_tokens=6, ignore_eos=True)  # noqa: E731
+    two = [o.token_ids for o in llm.generate([[5, 6, 7]], params(2**63 - 1, 2))[0].outputs]
+    assert two[0] == llm.generate([[5, 6, 7]], params(2**63 - 1, 1))[0].outputs[0].token_ids
+    assert two[1] == llm.generate([[5, 6, 7]], params(-(2**63), 1))[0].outputs[0].token_ids != two[0]
+
+
 def test_stream_never_read_costs_nothing(llm: LLM) -> None:
     """A stream is queued when first read: one made and dropped is not decoded by the next call."""
     engine = llm.engine

@@ -467,7 +467,10 @@ class LLMEngine:
         return ""
 
     def _seed(self, params: SamplingParams, sample_index: int) -> int:
-        return params.seed + sample_index if params.seed is not None else self.rng.getrandbits(62)
+        """Sample k's seed: seed + k, wrapped into int64 (the sampler's seeds are int64s)."""
+        if params.seed is None:
+            return self.rng.getrandbits(62)
+        return (params.seed + sample_index + 2**63) % 2**64 - 2**63
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:

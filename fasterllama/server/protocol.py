@@ -3,8 +3,9 @@
 Strict mode: a string is not a number and 5.0 is not an integer, as in OpenAI's API; NaN and
 infinities are refused; null is as if the field were not sent. Fields we cannot honour (suffix,
 chat's echo, vLLM's use_beam_search, ...: REFUSED) are refused when set to anything but their
-default rather than silently ignored; unknown fields are ignored, as OpenAI does. Tools and
-tool_choice: see tools.py.
+default rather than silently ignored, as are OpenAI's audio output and web search; other unknown
+fields are ignored, as vLLM does (OpenAI's service settings: store, service_tier, metadata,
+prediction, reasoning_effort). Tools and tool_choice: see tools.py.
 Extensions beyond OpenAI (vLLM's names): top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, stop_token_ids, skip_special_tokens, allowed_token_ids, bad_words, include_stop_str_in_output,
 truncate_prompt_tokens, return_tokens_as_token_ids, prompt_logprobs, and structured output: response_format (json_object,
@@ -101,7 +102,7 @@ class GenerationRequest(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), le=_INT64_MAX - MAX_N)
+    seed: int | None = Field(None, ge=-(2**63), le=_INT64_MAX)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
@@ -128,6 +129,7 @@ class GenerationRequest(_Strict):
     structured_outputs: StructuredOutputs | None = None
 
     refused: ClassVar[dict[str, Any]] = REFUSED
+    max_tokens_name: ClassVar[str] = "max_tokens"  # (the field the client gave: chat's may be max_completion_tokens)
 
     @model_validator(mode="before")
     @classmethod
@@ -365,9 +367,13 @@ class ChatMessage(_Strict):
         return [{"type": "text", "text": text} for text in texts]
 
     def template_dict(self) -> dict[str, Any]:
-        """The message for conversation.py (content sent as null or left out is empty, as
-        transformers renders it, not "None")."""
-        return {**self.model_dump(exclude_none=True, exclude={"content"}), "content": self.content or ""}
+        """The message for conversation.py. An assistant's content sent as null or left out is
+        empty (as transformers renders it, not "None": OpenAI makes it optional there); another
+        role's is missing, which conversation.py refuses, as OpenAI does."""
+        message = self.model_dump(exclude_none=True, exclude={"content"})
+        if self.content is not None or self.role == "assistant":
+            message["content"] = self.content or ""
+        return message
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -407,13 +413,20 @@ class ChatCompletionRequest(GenerationRequest):
             raise ValueError(str(e)) from None
         return v
 
-    refused: ClassVar[dict[str, Any]] = {**REFUSED, "add_special_tokens": False, "echo": False}
+    modalities: list[str] | None = None
+    best_of: int | None = None
+
+    # (OpenAI's audio output and web search: answered with plain text they would ask another question)
+    refused: ClassVar[dict[str, Any]] = {**REFUSED, "add_special_tokens": False, "echo": False, "audio": None, "web_search_options": None}
 
     @model_validator(mode="after")
     def _unsupported(self) -> ChatCompletionRequest:
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise _refuse("modalities", f"modalities other than text are not supported, got {self.modalities}")
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refuse("best_of", "best_of other than n is not supported")
         if self.min_tokens and self.requested_max_tokens is not None and self.min_tokens > self.requested_max_tokens:
-            name = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
-            raise _refuse("min_tokens", f"min_tokens ({self.min_tokens}) must be at most {name} ({self.requested_max_tokens})")
+            raise _refuse("min_tokens", f"min_tokens ({self.min_tokens}) must be at most {self.max_tokens_name} ({self.requested_max_tokens})")
         if self.functions is not None or self.function_call is not None:
             raise _refuse("functions" if self.functions is not None else "function_call",
                           "functions and function_call (OpenAI's deprecated form) are not supported: use tools and tool_choice")
@@ -472,6 +485,10 @@ class ChatCompletionRequest(GenerationRequest):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_name(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     @property
     def num_logprobs(self) -> int | None:

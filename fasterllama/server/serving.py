@@ -85,7 +85,7 @@ async def start_requests(state: ServerState, prompts: Seq[list[int]], body: Gene
         elif max_tokens > room:
             raise APIError(400, f"This model's maximum context length is {loop.max_model_len} tokens. However, you requested "
                            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
-                           "Please reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
+                           f"Please reduce the prompt or {body.max_tokens_name}.", param=body.max_tokens_name, code="context_length_exceeded")
         else:
             budget = max(max_tokens, 1)  # (0: echo's prompt alone; the engine draws a token, which is dropped)
         try:

@@ -33,12 +33,20 @@ def forced_call_schema(parameters: Mapping[str, dict[str, Any] | None], mode: st
     do not say otherwise take no properties beyond their own (as OpenAI's strict mode, vLLM's default
     backend and llama.cpp read them: a small model otherwise invents arguments)."""
     if mode == "named":
-        return closed_objects(parameters[function] or NO_ARGUMENTS)
+        return _arguments_schema(parameters[function])
     # each function's schema under $defs, its own "#..." references rebased there
-    defs = {f"tool_{i}": rebased(closed_objects(schema or NO_ARGUMENTS), f"#/$defs/tool_{i}") for i, schema in enumerate(parameters.values())}
+    defs = {f"tool_{i}": rebased(_arguments_schema(schema), f"#/$defs/tool_{i}") for i, schema in enumerate(parameters.values())}
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": {"$ref": f"#/$defs/tool_{i}"}},
               "required": ["name", "parameters"], "additionalProperties": False} for i, name in enumerate(parameters)]
     return {"$defs": defs, "type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": calls}}
+
+
+def _arguments_schema(schema: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's arguments as the constraint takes them: an object always (parameters that
+    leave "type" out mean one, as OpenAI reads them; the schema alone allowed a bare number), closed."""
+    if not schema:
+        return NO_ARGUMENTS
+    return closed_objects(schema if "type" in schema else {"type": "object", **schema})
 
 
 def new_call(name: str, arguments: str) -> dict[str, Any]:
@@ -85,7 +93,9 @@ class ToolCallReader:
         found = _read_calls(held, self.names) if self._in_call or self.mode == "required" else None
         if found is None and self.mode == "required":  # (cut off by max_tokens: the calls written whole)
             found = _array_prefix_calls(held, self.names)
-            self.cut_off = found is not None
+            self.cut_off = True
+            if found is None:  # (not one whole call: no content either, the constraint's JSON is not the reply)
+                return []
         if found is None:
             return self._send(held)
         calls, outside = found
