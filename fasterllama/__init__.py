@@ -5,11 +5,12 @@ The API names load on first use, so `fasterllama --help` answers without importi
 from .errors import FasterLlamaError
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "FasterLlamaError", "StructuredOutputsParams",
-           "GuidedDecodingParams", "BeamSearchParams"]
+           "GuidedDecodingParams", "BeamSearchParams", "TextPrompt", "TokensPrompt"]
 __version__ = "0.1.0"
 
 _LAZY = {"LLM": "llm", "RequestOutput": "llm", "CompletionOutput": "llm", "Logprob": "engine.sequence", "SamplingParams": "sampling_params",
-         "StructuredOutputsParams": "sampling_params", "GuidedDecodingParams": "sampling_params", "BeamSearchParams": "sampling_params"}
+         "StructuredOutputsParams": "sampling_params", "GuidedDecodingParams": "sampling_params", "BeamSearchParams": "sampling_params",
+         "TextPrompt": "vllm_compat", "TokensPrompt": "vllm_compat"}
 
 
 def __getattr__(name: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import uuid
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -372,7 +373,7 @@ class LLM:
         outs = []
         for prompt, prompt_ids, beams in zip(prompts, ids, BeamSearch(self.engine).run(ids, params)):
             outputs = [CompletionOutput(k, b.text, b.token_ids, b.cumulative_logprob, None, b.finish_reason, b.stop_reason) for k, b in enumerate(beams)]
-            outs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outputs))
+            outs.append(RequestOutput(prompt if isinstance(prompt, str) else None, prompt_ids, outputs, request_id=f"beam-{uuid.uuid4().hex[:16]}"))
         return outs
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None, *, sampling_params: SamplingParams | None = None) -> TextStream:

@@ -252,10 +252,9 @@ class SamplingParams:
             for key, value in given.sampling_fields().items():
                 if value is None or value is False:
                     continue
-                if getattr(self, key) not in (None, False):
+                if getattr(self, key) not in (None, False, value):  # (the same value: this check run again, on a copy)
                     raise FasterLlamaError(f"give the constraint once: {name} and {key} both set it")
                 setattr(self, key, value)
-            setattr(self, name, None)
 
     def _check_token_biases(self) -> None:
         if self.logit_bias is not None:

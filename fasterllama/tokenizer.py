@@ -301,6 +301,10 @@ class Tokenizer:
     def __len__(self) -> int:
         return self.vocab_size
 
+    @property
+    def vocab(self) -> dict[str, int]:
+        return self.get_vocab()
+
     def batch_decode(self, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = False) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in sequences]
 
@@ -408,11 +412,16 @@ class Tokenizer:
         tokenize: bool = True,
         chat_template: str | None = None,
         continue_final_message: bool = False,
+        return_dict: bool = False,
+        return_tensors: str | None = None,
         **kwargs: Any,
-    ) -> str | list[int]:
+    ) -> str | list[int] | Encoding:
         """Render messages with the model's template, or `chat_template` (as transformers does,
-        with its defaults); ids if tokenize. continue_final_message: the text ends where the last
-        message's content does, its turn left open for the model to go on (transformers' rule)."""
+        with its defaults); ids if tokenize (as transformers gives them: return_dict, an Encoding;
+        return_tensors="pt", [1, length] tensors). continue_final_message: the text ends where the
+        last message's content does, its turn left open for the model to go on (transformers' rule)."""
+        if return_tensors not in (None, "pt"):
+            raise FasterLlamaError(f"return_tensors must be None or 'pt', got {return_tensors!r}")
         template = self.resolve_template(chat_template, kwargs.get("tools"))
         for m in messages:
             if not isinstance(m, dict) or "role" not in m:
@@ -434,7 +443,14 @@ class Tokenizer:
             if at < 0:
                 raise FasterLlamaError("continue_final_message needs a last message whose text content the template renders")
             text = text[:at] if text.startswith(CONTINUE_TAG, at) else text[:at].rstrip()  # (a template that trims took the space)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return text
+        ids = self.encode(text, add_special_tokens=False)
+        if not return_dict and return_tensors is None:
+            return ids
+        enc = Encoding(input_ids=[ids], attention_mask=[[1] * len(ids)]) if return_tensors else Encoding(input_ids=ids, attention_mask=[1] * len(ids))
+        enc = _as_tensors(enc) if return_tensors else enc
+        return enc if return_dict else enc["input_ids"]
 
 
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "  # (transformers' own)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from .errors import FasterLlamaError
 
@@ -30,7 +30,7 @@ ENGINE_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "disable_custom_all_reduce": (_any, "any"),
     "enable_chunked_prefill": (_any, "any"),  # (prompts are chunked past max_num_batched_tokens: the same tokens)
     "max_seq_len_to_capture": (_any, "any"),
-    "max_logprobs": (_any, "any"),  # (logprobs are capped at 20)
+    "max_logprobs": (lambda v: v is None or (isinstance(v, int) and v <= 20), "at most 20 (logprobs are capped at 20 here)"),
     "kv_cache_dtype": (_one_of("auto", None), "'auto' (the model's dtype)"),
     "tokenizer_mode": (_one_of("auto", "hf", None), "'auto'"),
     "load_format": (_one_of("auto", "gguf", "safetensors", None), "'auto', 'gguf' or 'safetensors'"),
@@ -63,6 +63,18 @@ def check_unused(name: str, value: Any, default: Any = None) -> None:
     """A vLLM call keyword fasterllama has no use for (lora_request...): only its default is taken."""
     if value != default:
         raise FasterLlamaError(f"{name}={value!r} is not supported (only {default!r})")
+
+
+class TextPrompt(TypedDict):
+    """vLLM's prompt dict of text (a plain dict does as well)."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's prompt dict of token ids (a plain dict does as well)."""
+
+    prompt_token_ids: list[int]
 
 
 @dataclass

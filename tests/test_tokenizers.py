@@ -161,6 +161,11 @@ def test_tokenizer_model_folder(sp_model, tmp_path, legacy):
     for text in ("<s>[INST] Hello", "Hi</s>there", "a</s> b<s>c"):
         assert ours.encode(text) == hf(text)["input_ids"], text
     assert ours.encode("x")[0] == 1  # BOS
+    ids = hf.apply_chat_template(CHAT, tokenize=True, return_dict=False)  # transformers' return forms (they went into the template)
+    assert ours.apply_chat_template(CHAT) == ids and ours.vocab == hf.get_vocab()
+    assert ours.apply_chat_template(CHAT, return_dict=True)["input_ids"] == ids
+    assert ours.apply_chat_template(CHAT, return_tensors="pt").tolist() == [ids]
+    assert ours.apply_chat_template(CHAT, return_dict=True, return_tensors="pt")["attention_mask"].shape == (1, len(ids))
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
 

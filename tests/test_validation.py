@@ -228,6 +228,26 @@ def test_sampling_params_valid_values_still_work() -> None:
     assert SamplingParams(top_k=-1).top_k == 0  # (vLLM's "off")
 
 
+def test_params_set_after_they_are_made_apply(llm: LLM) -> None:
+    """vLLM scripts set fields on a SamplingParams after making it: a constraint given as
+    structured_outputs then was dropped (free text), max_tokens = None or stop = None raised a
+    TypeError deep in the engine; each request now checks a copy made anew. Beam-search outputs
+    carry request ids (they were empty) and vLLM's prompt dicts are importable."""
+    from fasterllama import StructuredOutputsParams, TextPrompt, TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    params.structured_outputs = StructuredOutputsParams(choice=["yes", "no"])
+    assert llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), params)[0].text in ("yes", "no")
+    assert params.structured_outputs is not None  # (it reads back as given)
+    free = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    free.max_tokens, free.stop = None, None
+    out = llm.generate([[5, 6, 7] * 160], free)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == llm.engine.max_model_len - 480
+    assert llm.generate(TextPrompt(prompt="hi"), SamplingParams(max_tokens=1))[0].prompt == "hi"
+    beams = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(beam_width=2, n=2, temperature=0, max_tokens=3))
+    assert all(b.request_id for b in beams) and beams[0].request_id != beams[1].request_id
+
+
 # -- 5, 8: LLM arguments -----------------------------------------------------------------------
 def test_llm_arguments(model_path: str) -> None:
     for bad in (123, b"/some/model", ["model"]):
@@ -239,9 +259,12 @@ def test_llm_arguments(model_path: str) -> None:
     assert LLM(model=pathlib.Path(model_path), max_model_len=512, progress=False).engine.max_model_len == 512
     for kwargs, fragment in (({"enable_prefix_caching": "false"}, "enable_prefix_caching must be True or False"),
                              ({"progress": "no"}, "progress must be True or False"), ({"dtype": ["x"]}, "unknown dtype"),
-                             ({"kv_cache_memory": "1000TiB"}, "kv_cache_memory of 1024000.0 GiB exceeds")):
+                             ({"kv_cache_memory": "1000TiB"}, "kv_cache_memory of 1024000.0 GiB exceeds"),
+                             ({"max_logprobs": 50}, "max_logprobs=50 is not supported here")):
         with pytest.raises(FasterLlamaError, match=fragment):
             LLM(model=model_path, **{"progress": False, **kwargs})
+    llm = LLM(model=model_path, dtype="float", enable_prefix_caching=None, max_logprobs=20, progress=False)  # (vLLM's spellings)
+    assert llm.engine.dtype == torch.float32 and llm.engine.blocks.prefix_caching
 
 
 # -- 6: chat messages --------------------------------------------------------------------------

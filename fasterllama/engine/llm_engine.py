@@ -12,7 +12,7 @@ import random
 import weakref
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ NONFINITE_ERROR = "the model's logits are not finite (NaN or infinity): its weig
 FILE_MODES = (None, *GGUF_NATIVE, "none")  # quantization values that load a checkpoint as it is (no quantize step)
 
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
@@ -178,6 +178,7 @@ class LLMEngine:
         enforce_eager: no CUDA graphs (vLLM's flag; the CPU's one-call decode step is no graph and stays).
         tp_group: a spawned worker's group (parallel/workers.py): it loads its part as rank 0 does."""
         _check_limits(max_num_seqs, max_num_batched_tokens, block_size)
+        enable_prefix_caching = True if enable_prefix_caching is None else enable_prefix_caching  # (None: vLLM's default, on)
         for name, flag in (("enable_prefix_caching", enable_prefix_caching), ("progress", progress), ("enforce_eager", enforce_eager)):
             if not isinstance(flag, bool):  # ("false" would be true)
                 raise FasterLlamaError(f"{name} must be True or False, got {flag!r}")
@@ -444,10 +445,12 @@ class LLMEngine:
         return [list(ids) for ids in spellings if ids]
 
     def check_params(self, params: object) -> SamplingParams:
-        """params (None: the defaults) checked against this model (token ids in its vocabulary)."""
+        """params (None: the defaults) checked against this model (token ids in its vocabulary): a
+        copy checked again, as a SamplingParams made anew (fields set after it was made, as vLLM
+        scripts set them: `params.max_tokens = None`, `params.structured_outputs = ...`, apply)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise FasterLlamaError(f"params must be a SamplingParams (or None for the defaults), got {type(params).__name__}")
-        params = params or SamplingParams()
+        params = replace(params) if params is not None else SamplingParams()
         vocab = self.config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if t >= vocab]
