@@ -18,9 +18,10 @@ _OPEN_ALREADY = ("additionalProperties", "patternProperties", "unevaluatedProper
 
 
 def closed_objects(schema: Any) -> Any:
-    """A copy of a JSON schema in which every plain object schema (its properties all its own, no
-    additionalProperties said) has additionalProperties false; definitions that allOf combines with
-    others stay open."""
+    """A copy of a JSON schema in which every plain object schema that lists its properties (all
+    its own, no additionalProperties said) has additionalProperties false; definitions that allOf
+    combines with others stay open, and so do objects that list none (any object) or that require
+    or count more keys than they list (closed, nothing would match)."""
     return _closed(schema, True, _combined_definitions(schema))
 
 
@@ -43,8 +44,10 @@ def _closed(schema: Any, close: bool, open_defs: set[str]) -> Any:
             out[key] = [_closed(sub, True, open_defs) for sub in out[key]]
         elif isinstance(out.get(key), dict):
             out[key] = _closed(out[key], key not in _PARTIAL, open_defs)
-    is_object = out.get("type") == "object" or (isinstance(out.get("type"), list) and "object" in out["type"]) or "properties" in out
-    if close and is_object and not set(_OPEN_ALREADY + _ADDS_PROPERTIES) & set(out):
+    listed, required, least = out.get("properties"), out.get("required"), out.get("minProperties")
+    fits = (isinstance(listed, dict) and all(r in listed for r in (required if isinstance(required, list) else []) if isinstance(r, str))
+            and not (isinstance(least, int) and least > len(listed)))
+    if close and fits and not set(_OPEN_ALREADY + _ADDS_PROPERTIES) & set(out):
         out["additionalProperties"] = False
     return out
 

@@ -90,8 +90,9 @@ GREEDY_BELOW = 1e-5  # temperatures under it are greedy
 class StructuredOutputsParams:
     """vLLM's way to ask for structured output, `SamplingParams(structured_outputs=...)` (and, as
     GuidedDecodingParams, `guided_decoding=...`): one of json (a schema as a dict, its JSON text
-    or a pydantic model class), regex, choice, grammar, json_object. Compact JSON is ours already
-    (disable_any_whitespace); disable_additional_properties closes objects to their properties."""
+    or a pydantic model class), regex, choice, grammar, json_object. Compact JSON and objects
+    closed to their listed properties are ours already (disable_any_whitespace,
+    disable_additional_properties: accepted, as vLLM's default backend behaves)."""
 
     json: dict | str | type | None = None
     regex: str | None = None
@@ -110,12 +111,7 @@ class StructuredOutputsParams:
         for name in ("whitespace_pattern", "structural_tag"):
             if getattr(self, name) is not None:
                 raise FasterLlamaError(f"structured outputs: {name} is not supported (json, regex, choice, grammar or json_object)")
-        schema = _schema_of(self.json)
-        if schema is not None and self.disable_additional_properties:
-            from .json_schemas import closed_objects
-
-            schema = closed_objects(json.loads(schema) if isinstance(schema, str) else schema)
-        return {"json_schema": schema, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+        return {"json_schema": _schema_of(self.json), "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
                 "json_object": bool(self.json_object)}
 
 
@@ -321,10 +317,14 @@ class SamplingParams:
     @property
     def constraint(self) -> tuple[str, str] | None:
         """(kind, text) of the structured-output constraint: ("json", schema text), ("regex", ...),
-        ("lark", grammar), or None."""
+        ("lark", grammar), or None. A schema's objects that list their properties take no others
+        unless it says so (additionalProperties), as vLLM's default backend (xgrammar), llama.cpp
+        and OpenAI's strict mode read them: left open, a small model went on inventing keys."""
         if self.json_schema is not None:
-            text = self.json_schema if isinstance(self.json_schema, str) else json.dumps(self.json_schema)  # its property order is the output's
-            return "json", text
+            from .json_schemas import closed_objects
+
+            schema = json.loads(self.json_schema) if isinstance(self.json_schema, str) else self.json_schema
+            return "json", json.dumps(closed_objects(schema))  # (its property order is the output's)
         if self.regex is not None:
             return "regex", self.regex
         if self.grammar is not None:

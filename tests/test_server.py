@@ -518,10 +518,11 @@ def test_structured_output_over_http(server: Server, offline: LLM) -> None:
     assert slots_free(server)
 
 
-def test_strict_schemas_close_their_objects() -> None:
-    """response_format's "strict": true closes objects to their listed properties, as OpenAI's strict
-    mode (it was ignored: the model added keys), as does structured_outputs'
-    disable_additional_properties (refused with a 400, though the Python API takes it)."""
+def test_schemas_close_their_objects() -> None:
+    """Objects that list their properties take no others, as OpenAI's strict mode and vLLM's default
+    backend read them ("strict": true was ignored and the model added keys; structured_outputs'
+    disable_additional_properties was refused with a 400, though the Python API takes it); an
+    object that lists none stays any object, as does one that requires keys it does not list."""
     from fasterllama.server.protocol import CompletionRequest
 
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
@@ -531,10 +532,13 @@ def test_strict_schemas_close_their_objects() -> None:
         params = CompletionRequest.model_validate({"model": MODEL, "prompt": "x", **fields}).sampling_params(5, None)
         return json.loads(params.constraint[1])
 
-    for strict, want in ((True, closed), (False, schema), (None, schema)):
-        assert constraint(response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": strict}}) == want
-    for flags, want in (({"disable_additional_properties": True}, closed), ({"disable_any_whitespace": True}, schema), ({}, schema)):
-        assert constraint(structured_outputs={"json": schema, **flags}) == want
+    for strict in (True, False, None):
+        assert constraint(response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": strict}}) == closed
+    for flags in ({"disable_additional_properties": True}, {"disable_any_whitespace": True}, {}):
+        assert constraint(structured_outputs={"json": schema, **flags}) == closed
+    for open_object in ({"type": "object"}, {"type": "object", "properties": {"a": {}}, "required": ["b"]},
+                        {"properties": {"a": {}}, "minProperties": 2}, {**schema, "additionalProperties": {"type": "integer"}}):
+        assert constraint(guided_json=open_object) == open_object
 
 
 def test_64_concurrent_streams_complete_and_16_aborted_free_their_blocks(server: Server) -> None:

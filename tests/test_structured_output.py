@@ -31,6 +31,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LLM:
 def test_params_take_one_constraint() -> None:
     assert SamplingParams(json_schema={"type": "integer"}).constraint == ("json", '{"type": "integer"}')
     assert SamplingParams(json_object=True).constraint == ("json", '{"type": "object"}')
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}}}  # (closed: vLLM's default backend's reading; it invented keys)
+    assert SamplingParams(json_schema=listed).constraint == ("json", json.dumps({**listed, "additionalProperties": False}))
     assert SamplingParams(regex="a+").constraint == ("regex", "a+") and SamplingParams().constraint is None
     for kwargs, fragment in (({"regex": "a", "grammar": 'start: "a"'}, "at most one"), ({"json_schema": "{nope"}, "not valid JSON"),
                              ({"json_schema": {"enum": {1, 2}}}, "JSON values only"), ({"json_schema": '{"maximum": NaN}'}, "NaN is not JSON"),

@@ -83,12 +83,11 @@ class StructuredOutputs(_Strict):
     grammar: str | None = None
     json_object: bool | None = None
     disable_any_whitespace: bool = False  # (JSON is compact here already)
-    disable_additional_properties: bool = False
+    disable_additional_properties: bool = False  # (objects take their listed properties only already: SamplingParams.constraint)
 
     def sampling_fields(self) -> dict[str, Any]:
         """The SamplingParams fields of its constraint, as the Python API's StructuredOutputsParams gives them."""
-        fields = StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
-                                         json_object=self.json_object, disable_additional_properties=self.disable_additional_properties)
+        fields = StructuredOutputsParams(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar, json_object=self.json_object)
         return {k: v for k, v in fields.sampling_fields().items() if v not in (None, False)}
 
 
@@ -233,10 +232,7 @@ class GenerationRequest(_Strict):
         if fmt is not None and fmt.type == "json_schema":
             if fmt.json_schema is None:
                 raise FasterLlamaError("response_format of type json_schema needs a json_schema object")
-            schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}
-            if fmt.json_schema.strict:  # OpenAI's strict mode: no properties beyond those the schema lists
-                schema = StructuredOutputsParams(json=schema, disable_additional_properties=True).sampling_fields()["json_schema"]
-            sources["response_format"] = {"json_schema": schema}
+            sources["response_format"] = {"json_schema": fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {}}
         elif fmt is not None and fmt.type == "json_object":
             sources["response_format"] = {"json_object": True}
         guided = {k: v for k, v in (("json_schema", self.guided_json), ("regex", self.guided_regex), ("grammar", self.guided_grammar),
