@@ -56,6 +56,9 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral's window, when it is shorter than max_position_embeddings was
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # the model's recommended sampling (a HF folder's generation_config.json: SamplingParams fields),
+    # the defaults of requests that leave them out, as vLLM applies them
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):

@@ -8,7 +8,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from numbers import Number
 from typing import Any
 
@@ -313,7 +313,7 @@ class LLM:
                   use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         prompts = prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
-            params_list = [params or SamplingParams()] * len(prompts)
+            params_list = [params or self.engine.default_params] * len(prompts)
         elif isinstance(params, (list, tuple)):
             params_list = list(params)
             bad = [_kind(p) for p in params_list if not isinstance(p, SamplingParams)]
@@ -445,6 +445,12 @@ class LLM:
                      for c in out.outputs]
             results.append(BeamSearchOutput(beams))
         return results
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params of a call that gives none: the model's recommended sampling where its folder
+        has a generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens as max_tokens), SamplingParams' defaults otherwise, as vLLM's."""
+        return replace(self.engine.default_params)
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (vLLM's name; also `llm.tokenizer`)."""

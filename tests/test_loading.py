@@ -233,6 +233,32 @@ def test_eos_ids_and_an_untied_head_left_out(tmp_path) -> None:
         LLM(folder, progress=False)
 
 
+def test_generation_config_gives_the_default_sampling(tmp_path, caplog) -> None:
+    """A folder's generation_config.json recommends sampling (temperature, top_k, ...,
+    max_new_tokens): calls and requests that leave them out take them, as vLLM's ("auto"); those
+    that give them keep theirs; a value SamplingParams refuses is left out, with a warning."""
+    import tiny_models as tm
+
+    from fasterllama import LLM, SamplingParams
+    from fasterllama.server.protocol import CompletionRequest
+
+    folder = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "m"))
+    path = os.path.join(folder, "generation_config.json")
+    generation = json.loads(open(path).read()) if os.path.exists(path) else {}
+    with open(path, "w") as fh:
+        json.dump({**generation, "do_sample": True, "temperature": 0.0, "top_k": 5, "top_p": 7.0, "max_new_tokens": 3}, fh)
+    llm = LLM(folder, progress=False)
+    assert "top_p is not used" in caplog.text
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p, defaults.max_tokens) == (0.0, 5, 1.0, 3)
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+    assert llm.generate([[5, 6, 7]])[0].token_ids == greedy and len(greedy) == 3
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids) == 6
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    assert request.sampling_params(3, None, llm.engine.sampling_defaults).temperature == 0.0
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "temperature": 0.5}).sampling_params(3, None, {"temperature": 0.0}).temperature == 0.5
+
+
 def test_damaged_weights_are_an_error_not_token_0(tmp_path) -> None:
     """A NaN in the weights (a damaged file) made every logit NaN, and generation drew token 0
     each step with no error; now the request fails, saying so."""

@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,6 +65,19 @@ def resolve_device(device: str | None) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise FasterLlamaError(f"unsupported device {device!r} (use cpu or cuda)")
     return dev
+
+
+def _usable_defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+    """The model's recommended sampling (ModelConfig.sampling_defaults) that SamplingParams takes;
+    other values are left out, with a warning."""
+    kept = {}
+    for name, value in defaults.items():
+        try:
+            SamplingParams(**{name: value})
+            kept[name] = value
+        except FasterLlamaError as e:
+            log.warning("generation_config.json's %s is not used: %s", name, e)
+    return kept
 
 
 def _check_limits(max_num_seqs: int, max_num_batched_tokens: int, block_size: int | None = None) -> None:
@@ -279,6 +293,8 @@ class LLMEngine:
         self.context_set_by_cache = False  # max_model_len lowered to what the KV cache holds (_build_runtime)
         self.rng = random.Random()  # the seeds of requests without one (LLM(seed=...) fixes it: runs repeat)
         self.eos_token_ids = set(cfg.eos_token_ids)
+        self.sampling_defaults = _usable_defaults(cfg.sampling_defaults)  # (what a request leaves out, in the server too)
+        self.default_params = SamplingParams(**self.sampling_defaults)
         self.structured = StructuredOutput(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.limits = EngineLimits(max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size or backend.kv_block_size, prefix_caching)
         self.tp_group: TPGroup | None = None
@@ -450,7 +466,7 @@ class LLMEngine:
         scripts set them: `params.max_tokens = None`, `params.structured_outputs = ...`, apply)."""
         if params is not None and not isinstance(params, SamplingParams):
             raise FasterLlamaError(f"params must be a SamplingParams (or None for the defaults), got {type(params).__name__}")
-        params = replace(params) if params is not None else SamplingParams()
+        params = replace(params if params is not None else self.default_params)
         vocab = self.config.vocab_size
         for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
             outside = [t for t in ids if t >= vocab]

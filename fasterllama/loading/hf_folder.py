@@ -11,6 +11,10 @@ import torch
 from ..config import ModelConfig, read_json_object
 from ..errors import ModelLoadError
 
+# generation_config.json's keys that vLLM takes as sampling defaults -> SamplingParams' names
+_SAMPLING_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                      "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
 
 @dataclass
 class HFCheckpoint:
@@ -61,10 +65,12 @@ def open_hf_folder(path: str) -> HFCheckpoint:
         raise ModelLoadError(f"{path}: unsupported quantization method {quantization.get('quant_method')!r} (quantize with `fasterllama quantize` instead)")
     gen_cfg_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_cfg_path):
-        eos = read_json_object(gen_cfg_path).get("eos_token_id")
+        generation = read_json_object(gen_cfg_path)
+        eos = generation.get("eos_token_id")
         if eos is not None:
             eos = [eos] if isinstance(eos, int) else list(eos)
             config.eos_token_ids = list(dict.fromkeys(config.eos_token_ids + eos))
+        config.sampling_defaults = {ours: generation[theirs] for theirs, ours in _SAMPLING_DEFAULTS.items() if generation.get(theirs) is not None}
 
     index_path = os.path.join(path, "model.safetensors.index.json")
     single_path = os.path.join(path, "model.safetensors")

@@ -180,15 +180,23 @@ class GenerationRequest(_Strict):
     def continuous_usage(self) -> bool:
         return self.include_usage and self.stream_options.continuous_usage_stats
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for one prompt (FasterLlamaError on a combination it refuses)."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for one prompt (FasterLlamaError on a combination it refuses); the
+        sampling fields it leaves out take the model's `defaults` (its generation_config.json's),
+        else OpenAI's."""
+        defaults = defaults or {}
+
+        def given(name: str, default: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, default) if value is None else value
+
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(0, self.top_k or 0),
-            min_p=self.min_p or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            temperature=given("temperature", 1.0),
+            top_p=given("top_p", 1.0),
+            top_k=max(0, given("top_k", 0)),
+            min_p=given("min_p", 0.0),
+            repetition_penalty=given("repetition_penalty", 1.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed,

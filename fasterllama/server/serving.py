@@ -74,6 +74,8 @@ async def start_requests(state: ServerState, prompts: Seq[list[int]], body: Gene
     prompt (off the event loop: a large constraint takes seconds to compile). max_tokens None:
     default_max_tokens (None: the rest of the context), cut to fit."""
     loop = state.loop
+    defaults = loop.engine.sampling_defaults
+    default_max_tokens = defaults.get("max_tokens", default_max_tokens)  # (the model's max_new_tokens, where it has one)
     params: list[SamplingParams] = []
     for ids in prompts:
         room = loop.max_model_len - len(ids)
@@ -89,7 +91,7 @@ async def start_requests(state: ServerState, prompts: Seq[list[int]], body: Gene
         else:
             budget = max(max_tokens, 1)  # (0: echo's prompt alone; the engine draws a token, which is dropped)
         try:
-            params.append(body.sampling_params(budget, logprobs))
+            params.append(body.sampling_params(budget, logprobs, defaults))
         except FasterLlamaError as e:
             raise APIError(400, str(e), param=body.param_of(str(e)), code="invalid_value") from None
     handles: list[RequestHandle] = []
