@@ -58,6 +58,9 @@ def check_messages(messages: object, content_format: str = "string") -> list[dic
             checked.append({**m, "content": content})  # (a tool's JSON result: templates tojson it)
             continue
         if not isinstance(content, str):
+            other = next((p.get("type") for p in content if isinstance(p, dict) and p.get("type") != "text"), None) if isinstance(content, list) else None
+            if other is not None:  # (an image or audio part: say so, not just "a list")
+                raise FasterLlamaError(f"message {i} ({role}): content parts of type {other!r} are not supported (text only)")
             raise FasterLlamaError(f"message {i} ({role}): content must be a string (or a list of text parts), got {_kind(m['content'])}")
         check_text(content, f"message {i} ({role})")
         if content_format == "openai":

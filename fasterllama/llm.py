@@ -433,9 +433,12 @@ class LLM:
             out.prompt = self.tokenizer.decode(out.prompt_token_ids)
         return outs
 
-    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool | Callable[..., Any] = False) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, lora_request: Any = None, use_tqdm: bool | Callable[..., Any] = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's beam-search call: generate with params.beam_width beams, each prompt's best
-        beams as BeamSearchSequences whose tokens and text include the prompt's, as vLLM's do."""
+        beams as BeamSearchSequences whose tokens and text include the prompt's, as vLLM's do
+        (concurrency_limit: vLLM's bound on prompts searched at once; here they all are)."""
+        check_unused("lora_request", lora_request)
         if not isinstance(params, BeamSearchParams):
             raise FasterLlamaError(f"params must be a BeamSearchParams, got {_kind(params)}")
         results = []
@@ -451,6 +454,12 @@ class LLM:
         has a generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
         max_new_tokens as max_tokens), SamplingParams' defaults otherwise, as vLLM's."""
         return replace(self.engine.default_params)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt blocks (vLLM's call; True: done)."""
+        with self._lock:
+            self.engine.blocks.reset_prefix_cache()
+        return True
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (vLLM's name; also `llm.tokenizer`)."""

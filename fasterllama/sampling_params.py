@@ -182,6 +182,11 @@ class SamplingParams:
     json_object: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # vLLM's spelling of the five above
     guided_decoding: StructuredOutputsParams | None = None  # (vLLM's older name)
+    # vLLM's keywords that ask nothing of their own here: taken at values that change nothing
+    best_of: int | None = None  # (n or None: the n samples are all returned)
+    logits_processors: list | None = None  # (none: a custom processor is refused)
+    output_kind: Any = None  # (LLM.generate returns finished outputs whatever the kind)
+    extra_args: dict[str, Any] | None = None  # (for custom processors, which there are none of)
 
     def __post_init__(self) -> None:
         """Check every field's type and range, normalizing numbers (numpy ints -> int, 0 -> 0.0)."""
@@ -229,6 +234,10 @@ class SamplingParams:
                                                      note=", not 0 (-1: as many as the context holds), or None")
             if self.truncate_prompt_tokens == 0:
                 raise FasterLlamaError("truncate_prompt_tokens must be -1 (as many as the context holds), an integer >= 1 or None, got 0")
+        if self.best_of is not None and self.best_of != self.n:
+            raise FasterLlamaError(f"best_of other than n is not supported (n={self.n}, best_of={_show(self.best_of)})")
+        if self.logits_processors:
+            raise FasterLlamaError("logits_processors are not supported (logit_bias, allowed_token_ids, bad_words and structured output are)")
         self._check_token_biases()
         self._check_constraint()
         if self.seed == -1 and not isinstance(self.seed, bool):  # (vLLM's: -1 is no seed)

@@ -180,6 +180,8 @@ def test_min_tokens_holds_stop_strings_back(llm: LLM) -> None:
         ({"seed": 1.5}, "seed"),
         ({"seed": "7"}, "seed"),
         ({"seed": 2**63}, "seed"),
+        ({"best_of": 2}, "best_of other than n is not supported"),
+        ({"logits_processors": [abs]}, "logits_processors are not supported"),
         ({"min_tokens": 300}, "min_tokens"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"stop": 5}, "stop must be a string, a list of strings or None"),
@@ -246,6 +248,15 @@ def test_params_set_after_they_are_made_apply(llm: LLM) -> None:
     assert llm.generate(TextPrompt(prompt="hi"), SamplingParams(max_tokens=1))[0].prompt == "hi"
     beams = llm.generate([[5, 6, 7], [8, 9]], SamplingParams(beam_width=2, n=2, temperature=0, max_tokens=3))
     assert all(b.request_id for b in beams) and beams[0].request_id != beams[1].request_id
+    # vLLM's keywords that ask nothing different here are taken; stop_token_ids are checked as the other ids are
+    from fasterllama import BeamSearchParams
+
+    quiet = SamplingParams(best_of=2, n=2, logits_processors=[], output_kind=2, extra_args={"x": 1}, max_tokens=2, seed=1)
+    assert len(llm.generate([[5, 6, 7]], quiet)[0].outputs) == 2
+    assert len(llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=None, concurrency_limit=4)[0].sequences) == 2
+    assert llm.reset_prefix_cache() is True
+    with pytest.raises(FasterLlamaError, match="stop_token_ids has token id 100000, outside the vocabulary"):
+        llm.generate([[5, 6, 7]], SamplingParams(stop_token_ids=[100000]))
 
 
 # -- 5, 8: LLM arguments -----------------------------------------------------------------------
@@ -274,7 +285,7 @@ def test_llm_arguments(model_path: str) -> None:
         ([{"role": "user"}], "message 0 (user) has no 'content'"),
         ([{"role": "system", "content": "s"}, {"role": "user", "content": None}], "message 1 (user) has no 'content'"),  # (None: not set, as transformers reads it)
         ([{"role": "user", "content": ["hi"]}], "content must be a string (or a list of text parts), got list"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "got list"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "content parts of type 'image_url' are not supported (text only)"),
         ([{"role": 5, "content": "hi"}], "role must be a non-empty string"),  # (any name: the template decides, as in transformers)
         ([{"content": "hi"}], "role must be a non-empty string"),
         ([{"role": "user", "content": "hi"}, "hi"], "message 1 must be a dict"),

@@ -468,7 +468,8 @@ class LLMEngine:
             raise FasterLlamaError(f"params must be a SamplingParams (or None for the defaults), got {type(params).__name__}")
         params = replace(params if params is not None else self.default_params)
         vocab = self.config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ())):
+        for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                          ("stop_token_ids", params.stop_token_ids)):
             outside = [t for t in ids if t >= vocab]
             if outside:
                 raise FasterLlamaError(f"{name} has token id {outside[0]}, outside the vocabulary (0..{vocab - 1})")
