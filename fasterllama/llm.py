@@ -115,6 +115,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     request_id: str = ""
     finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache instead of being computed
 
     @property
     def text(self) -> str:
@@ -149,6 +150,7 @@ class RequestOutput:
             prompt_logprobs=seqs[0].prompt_logprobs,
             request_id=str(seqs[0].seq_id),
             finished=all(s.is_finished for s in seqs),
+            num_cached_tokens=seqs[0].num_prefix_cached,
         )
 
 

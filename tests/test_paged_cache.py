@@ -276,6 +276,7 @@ def test_prompts_arriving_together_compute_their_shared_prefix_once(tiny_folder)
     engine.runner.execute = counting
     outs = llm.generate(prompts, params)
     engine.runner.execute = real_execute
+    assert [o.num_cached_tokens for o in outs] == [0, 192, 192, 192, 0]  # (vLLM's RequestOutput field)
     # the shared 192 tokens once, then each shared prompt's own 10 (the block after its last full
     # one), the unrelated prompt whole, and 2 decode steps of 5 tokens
     assert sum(computed) == 202 + 3 * 10 + 203 + 2 * 5, computed
