@@ -20,8 +20,9 @@ from .errors import FasterLlamaError, ModelLoadError
 # GGUF token types (llama.cpp's llama_token_type).
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4
 
-# Pre-tokenizer split patterns named by a GGUF's `tokenizer.ggml.pre` (the ones llama.cpp and
-# transformers agree on); any other name uses GPT-2's byte-level split.
+# Pre-tokenizer splits named by a GGUF's `tokenizer.ggml.pre`, as llama.cpp applies them: each
+# pattern splits the pieces the one before it made. Any other name splits as GPT-2 does.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -31,9 +32,12 @@ _TEKKEN_SPLIT = (  # Mistral-Nemo's: CamelCase words apart, one digit a piece
     r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
+_PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"), (_LLAMA3_SPLIT,)),
+    "tekken": (_TEKKEN_SPLIT,),
+    # StarCoder's family (SmolLM's tokenizer.json: Digits(individual) then ByteLevel): every digit
+    # a piece first, so "a  1" is "a", "  ", "1" (GPT-2's split alone: "a", " ", " 1")
+    **dict.fromkeys(("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), (r"\p{N}", _GPT2_SPLIT)),
 }
 
 
@@ -76,13 +80,11 @@ def byte_level_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str | None
     }
     merge_pairs = [tuple(m.split(" ")) for m in merges]
     tok = BackendTokenizer(models.BPE(vocab=vocab, merges=merge_pairs, fuse_unk=False))
-    split = _PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(split), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-        )
+    splits = _PRE_TOKENIZER_SPLITS.get(pre or "", (_GPT2_SPLIT,))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [*(pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     return tok
 

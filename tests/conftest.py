@@ -123,7 +123,15 @@ def hf_tokenizer(tmp_path_factory):
     folder, name = os.path.split(path)
     def from_gguf():
         with _gguf_read_once():
-            return transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # SmolLM2's own tokenizer.json (HuggingFaceTB/SmolLM2-135M-Instruct) splits every digit off
+        # before the byte-level split, as llama.cpp does for the file's `tokenizer.ggml.pre =
+        # smollm`; transformers' GGUF reader leaves that step out ("a  1": "a", " ", " ", "1").
+        from tokenizers import pre_tokenizers
+
+        tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+        return tokenizer
 
     lock_and_path = _shared_by_workers(tmp_path_factory, "hf_tokenizer")
     if lock_and_path is None:

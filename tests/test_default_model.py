@@ -18,6 +18,7 @@ TRICKY_STRINGS = [
     "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
     "café naïve façade Ωμέγα",
     "numbers 1234567 and 3.14159, 1e-9",
+    "indented digits:\n    42 = 6 *  7\n\t 1 2  3",  # (spaces before a digit: one piece, as SmolLM2's tokenizer splits them)
     "\n\n\nnewlines\r\nand tabs\t\there",
     "ünïcödé ⅞ ∑ ∫ √ ≠",
     "<|endoftext|>special in the middle<|im_end|>",

@@ -423,15 +423,19 @@ def test_a_text_cut_inside_a_character_ends_as_decode_ends_it(default_llm):
         assert "".join(default_llm.stream(prompts[0], params)) == out.text  # (the stream's last delta carries it too)
 
 
-@pytest.mark.parametrize("pre", ["tekken", "llama-bpe", "default"])
+@pytest.mark.parametrize("pre", ["tekken", "llama-bpe", "default", "smollm"])
 def test_gguf_byte_level_splits_as_transformers(tmp_path, pre):
     """A byte-level GGUF vocabulary splits text as its `tokenizer.ggml.pre` says, as transformers
     reads the file: Mistral-Nemo's "tekken" one digit a piece and CamelCase apart (it was split
-    as GPT-2 does: 6 of 22 texts gave other ids)."""
+    as GPT-2 does: 6 of 22 texts gave other ids). "smollm" (the default model's) splits every digit
+    off first, as SmolLM's tokenizer.json and llama.cpp do, where transformers' GGUF reader splits
+    as GPT-2 does: the reference is its tokenizer with SmolLM's pre-tokenizer put back."""
     import tiny_models as tm
+    from tokenizers import pre_tokenizers
 
     tokens, merges = tm.tiny_vocab(400)
-    tokens, merges = tokens + ["Ġ2", "20", "lC"], merges + ["Ġ 2", "2 0", "l C"]  # (merges across the splits GPT-2's and tekken's differ on)
+    # (merges across the splits GPT-2's, tekken's and SmolLM's differ on)
+    tokens, merges = tokens + ["Ġ2", "20", "lC", "ĠĠ"], merges + ["Ġ 2", "2 0", "l C", "Ġ Ġ"]
     path = tmp_path / "bpe.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_tokenizer_model("gpt2")
@@ -448,10 +452,15 @@ def test_gguf_byte_level_splits_as_transformers(tmp_path, pre):
     w.write_tensors_to_file()
     w.close()
     hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="bpe.gguf")
+    if pre == "smollm":
+        hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     ours = Tokenizer.from_gguf(dict(gguf.GGUFReader(str(path)).fields))
-    texts = [*STRINGS, "CamelCaseWords and HTTPServer", "x=12345/67;\n\n\ny", "Ünïcödé ÀB", " 2024-11-30 "]
+    texts = [*STRINGS, "CamelCaseWords and HTTPServer", "x=12345/67;\n\n\ny", "Ünïcödé ÀB", " 2024-11-30 ", "a  1\n 2   20"]
     for s in texts:
         assert ours.encode(s) == hf(s)["input_ids"], (pre, s)
         assert ours.decode(ours.encode(s)) == s
     if pre == "tekken":
         assert [ours.decode([i]) for i in ours.encode(" 2024")] == [" ", "2", "0", "2", "4"]
+    if pre == "smollm":
+        assert [ours.decode([i]) for i in ours.encode("a  1 20")] == ["a", "  ", "1", " ", "2", "0"]
