@@ -178,7 +178,12 @@ class Tokenizer:
         tokens = get("tokenizer.ggml.tokens")
         if not tokens:
             raise ModelLoadError("GGUF file has no tokenizer vocabulary")
-        token_types = get("tokenizer.ggml.token_type") or []
+        token_types = list(get("tokenizer.ggml.token_type") or [])
+        if not token_types:  # (a file without them: its bos, eos and unknown tokens are special still, as HF makes them)
+            token_types = [1] * len(tokens)
+            for key in ("bos_token_id", "eos_token_id", "unknown_token_id"):
+                if isinstance(idx := get(f"tokenizer.ggml.{key}"), int) and 0 <= idx < len(tokens):
+                    token_types[idx] = _UNKNOWN if key == "unknown_token_id" else _CONTROL
         merges = get("tokenizer.ggml.merges")
         added = [i for i, ty in enumerate(token_types) if ty in (_UNKNOWN, _CONTROL, _USER_DEFINED)]  # (llama.cpp writes them as text)
         if kind == "gpt2":

@@ -397,6 +397,29 @@ def test_lean_gguf_reader_matches_gguf_py(tmp_path):
         assert a.data.dtype == b.data.dtype and np.array_equal(a.data, b.data)
 
 
+def test_gguf_errors_name_the_tensor(tmp_path):
+    """A tensor type llama.cpp has removed (Q4_0_4_4 and the like, still on the Hub), an unknown
+    type id, and a file cut inside a tensor: one ModelLoadError naming the tensor (the first two
+    said "corrupt or truncated GGUF file (ValueError: 31 is not a valid GGMLQuantizationType)")."""
+    import tiny_models as tm
+
+    path = tmp_path / "m.gguf"
+    data = bytearray(open(tm.write_gguf(tm.build_hf_model(tm.SPECS["gqa"]), str(path)), "rb").read())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8  # (then its dimension count, 2 dimensions and its type id)
+    assert int.from_bytes(data[at : at + 4], "little") == 0  # F32
+    for type_id, message in ((31, "blk.0.attn_q.weight is Q4_0_4_4 .* llama.cpp has removed"),
+                             (99, "blk.0.attn_q.weight has GGUF type id 99")):
+        data[at : at + 4] = type_id.to_bytes(4, "little")
+        path.write_bytes(data)
+        with pytest.raises(ModelLoadError, match=message):
+            open_checkpoint(str(path))
+    data[at : at + 4] = bytes(4)
+    path.write_bytes(data[:-100])
+    with pytest.raises(ModelLoadError, match="truncated GGUF file .tensor output.weight extends past the end"):
+        open_checkpoint(str(path))
+
+
 def _mapped_pages(start: int, nbytes: int) -> int:
     """Pages of [start, start + nbytes) of this process that are in memory (/proc/self/pagemap's
     present bit; readable without privileges)."""
@@ -523,7 +546,8 @@ def test_gguf_metadata_llama_cpp_requires_or_refuses(tmp_path) -> None:
     for metadata, message in (({"split.count": 3, "split.no": 0}, "shard 1 of a GGUF split into 3 files; merge them"),
                               ({"llama.expert_count": 4}, "mixture-of-experts"),
                               ({"llama.rope.dimension_count": head_dim // 2}, f"rotary embedding over {head_dim // 2} of {head_dim}"),
-                              ({"llama.attention.layer_norm_rms_epsilon": None}, "lacks llama.attention.layer_norm_rms_epsilon")):
+                              ({"llama.attention.layer_norm_rms_epsilon": None}, "lacks llama.attention.layer_norm_rms_epsilon"),
+                              ({"llama.block_count": None, "llama.feed_forward_length": None}, "lacks llama.block_count, llama.feed_forward_length$")):
         path = tm.write_gguf(model, str(tmp_path / "odd.gguf"), metadata=metadata)
         with pytest.raises(ModelLoadError, match=message):
             open_checkpoint(path)

@@ -169,7 +169,7 @@ def test_tokenizer_model_folder(sp_model, tmp_path, legacy):
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False) == hf.apply_chat_template(CHAT, tokenize=False)
 
 
-def _sentencepiece_gguf(sp_model: str, path, space_prefix: bool | None = None):
+def _sentencepiece_gguf(sp_model: str, path, space_prefix: bool | None = None, with_types: bool = True):
     """A GGUF file holding a sentencepiece model's vocabulary, as llama.cpp's converter writes it."""
     import sentencepiece as spm
 
@@ -183,7 +183,8 @@ def _sentencepiece_gguf(sp_model: str, path, space_prefix: bool | None = None):
         w.add_add_space_prefix(space_prefix)
     w.add_token_list(tokens)
     w.add_token_scores([sp.get_score(i) for i in range(n)])
-    w.add_token_types(types)
+    if with_types:
+        w.add_token_types(types)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
@@ -205,6 +206,16 @@ def test_sentencepiece_gguf_vocab(sp_model, tmp_path):
     assert ours.encode(text) == hf.encode(text) and 0 in ours.encode(text)
     assert ours.decode(ours.encode(text), skip_special_tokens=True) == hf.decode(hf.encode(text), skip_special_tokens=True)
     assert ours.apply_chat_template(CHAT, add_generation_prompt=False, tokenize=False) == hf.apply_chat_template(CHAT, tokenize=False)
+
+
+def test_gguf_vocab_without_token_types(sp_model, tmp_path):
+    """A vocabulary without `tokenizer.ggml.token_type`: its bos, eos and unknown tokens are special
+    still, as transformers makes them (decode(skip_special_tokens=True) kept "<s>")."""
+    ours = _sentencepiece_gguf(sp_model, tmp_path / "sp.gguf", with_types=False)
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="sp.gguf")
+    text = "a <unk> b</s><s> c"
+    assert ours.encode(text) == hf.encode(text) and ours.encode(text)[:1] == [1]
+    assert ours.decode(ours.encode(text), skip_special_tokens=True) == hf.decode(hf.encode(text), skip_special_tokens=True) == "a  b c"
 
 
 def test_sentencepiece_gguf_without_space_prefix(sp_model, tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import mmap
-import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -151,7 +150,7 @@ SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", 
 
 def open_gguf(path: str) -> GGUFCheckpoint:
     """Open and validate a GGUF file; tensors are read lazily (memory-mapped)."""
-    from .gguf_reader import GGUFFile
+    from .gguf_reader import GGUFFile, GGUFFormatError
 
     with open(path, "rb") as fh:
         head = fh.read(8)
@@ -164,12 +163,11 @@ def open_gguf(path: str) -> GGUFCheckpoint:
                              "llama.cpp's 2023 format: convert the model again)")
     try:
         reader = GGUFFile(path)
+    except GGUFFormatError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
     except Exception as e:  # the gguf package raises ValueError/IndexError/etc. on corrupt files
         raise ModelLoadError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
-    size = os.path.getsize(path)
     for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size or t.data.size * t.data.itemsize < t.n_bytes:
-            raise ModelLoadError(f"{path}: truncated GGUF file (tensor {t.name} extends past the end)")
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             raise ModelLoadError(f"{path}: unsupported GGUF tensor type {t.tensor_type.name} ({t.name})")
 
@@ -197,14 +195,14 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
     def get(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
 
+    required = ("embedding_length", "attention.head_count", "block_count", "feed_forward_length")
+    if missing := [f"{arch}.{key}" for key in required if get(key) is None]:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks {', '.join(missing)}")
     try:
-        hidden = int(get("embedding_length"))
-        heads = int(get("attention.head_count"))
+        hidden, heads, n_layers, ffn = (int(get(key)) for key in required)
         kv_heads = int(get("attention.head_count_kv", heads))
-        n_layers = int(get("block_count"))
-        ffn = int(get("feed_forward_length"))
-    except TypeError:
-        raise ModelLoadError(f"{path}: GGUF metadata lacks the {arch} hyperparameters") from None
+    except (TypeError, ValueError):
+        raise ModelLoadError(f"{path}: GGUF metadata has non-integer {arch} hyperparameters") from None
     tokens = _field(reader, "tokenizer.ggml.tokens")
     vocab = get("vocab_size") or (len(tokens) if tokens is not None else None)
     names = {t.name for t in reader.tensors}

@@ -53,6 +53,27 @@ _NATIVE = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.fl
            GGMLQuantizationType.I64: np.int64}
 
 
+# Type ids llama.cpp wrote once and has since removed: files still on the Hub carry them.
+_REMOVED_TYPES = {4: "Q4_2", 5: "Q4_3", 31: "Q4_0_4_4", 32: "Q4_0_4_8", 33: "Q4_0_8_8", 36: "IQ4_NL_4_4", 37: "IQ4_NL_4_8", 38: "IQ4_NL_8_8"}
+
+
+class GGUFFormatError(ValueError):
+    """What is wrong with a file, said in full (the loader shows it after the file's path)."""
+
+
+def tensor_type(type_id: int, name: str) -> GGMLQuantizationType:
+    """The type of tensor `name`, or a GGUFFormatError naming the tensor and what its id was."""
+    try:
+        return GGMLQuantizationType(type_id)
+    except ValueError:
+        pass
+    if type_id in _REMOVED_TYPES:
+        raise GGUFFormatError(f"tensor {name} is {_REMOVED_TYPES[type_id]} (type id {type_id}), a type llama.cpp has removed "
+                              "(ARM-repacked or early 4-bit): use a file quantized since (e.g. Q4_0 or Q4_K_M)") from None
+    raise GGUFFormatError(f"tensor {name} has GGUF type id {type_id}, unknown to this gguf package: the file is corrupt "
+                          "or newer than it (pip install -U gguf)") from None
+
+
 @dataclass
 class Field:
     name: str
@@ -127,7 +148,7 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = c.string()
             dims = [c.unpack("<Q") for _ in range(c.unpack("<I"))]
-            infos.append((name, dims, GGMLQuantizationType(c.unpack("<I")), c.unpack("<Q")))
+            infos.append((name, dims, tensor_type(c.unpack("<I"), name), c.unpack("<Q")))
         alignment = int(self.fields["general.alignment"].value) if "general.alignment" in self.fields else 32
         start = -(-c.pos // alignment) * alignment
         self.tensors = [self._tensor(name, dims, ttype, start + offset) for name, dims, ttype, offset in infos]
@@ -136,6 +157,8 @@ class GGUFFile:
         n = int(np.prod(dims)) if dims else 1
         block, size = GGML_QUANT_SIZES[ttype]
         n_bytes = n // block * size
+        if offset + n_bytes > len(self._mmap):
+            raise GGUFFormatError(f"truncated GGUF file (tensor {name} extends past the end)")
         shape = list(reversed(dims))
         if ttype in _NATIVE:
             data = np.frombuffer(self._mmap, dtype=_NATIVE[ttype], count=n, offset=offset).reshape(shape)
