@@ -233,6 +233,23 @@ def test_eos_ids_and_an_untied_head_left_out(tmp_path) -> None:
         LLM(folder, progress=False)
 
 
+def test_gguf_end_of_generation_tokens(tmp_path) -> None:
+    """A GGUF file's generations end where llama.cpp's do: at eos, eot, eom (Llama-3.1's end of a
+    tool call: it was not read) and the control tokens spelled <|eot_id|>, <|im_end|>, ... (an
+    early Llama-3-Instruct file names <|end_of_text|> its eos and ends turns with <|eot_id|>: it
+    ran on to max_tokens); a normal token spelled so does not end one, nor an id past the vocabulary."""
+    import tiny_models as tm
+
+    model = tm.build_hf_model(tm.SPECS["gqa"])
+    tokens = tm.tiny_vocab(model.config.vocab_size)[0]
+    tokens[20:23] = ["<|eot_id|>", "<|end|>", "<|eom_id|>"]
+    types = [3 if i in (0, 1, 2, 20, 22) else 1 for i in range(len(tokens))]  # (<|end|> a normal token)
+    metadata = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types, "tokenizer.ggml.eom_token_id": 22}
+    assert open_checkpoint(tm.write_gguf(model, str(tmp_path / "m.gguf"), metadata=metadata)).config.eos_token_ids == [tm.EOS_ID, 22, 20]
+    metadata |= {"tokenizer.ggml.eos_token_id": 10**6}
+    assert open_checkpoint(tm.write_gguf(model, str(tmp_path / "m.gguf"), metadata=metadata)).config.eos_token_ids == [22, 20]
+
+
 def test_generation_config_gives_the_default_sampling(tmp_path, caplog) -> None:
     """A folder's generation_config.json recommends sampling (temperature, top_k, ...,
     max_new_tokens): calls and requests that leave them out take them, as vLLM's ("auto"); those

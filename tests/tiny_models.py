@@ -396,7 +396,7 @@ def quantize_roundtrip_(model: torch.nn.Module, weight_type: str) -> torch.nn.Mo
 
 def write_gguf(model: torch.nn.Module, path: str, weight_type: str = "f32", metadata: dict[str, Any] | None = None) -> str:
     """Export a HF LLaMA/Mistral model to GGUF as llama.cpp's converter does (arch "llama");
-    `metadata`: keys to set (ints as uint32, floats, strings) or, given None, to leave out."""
+    `metadata`: keys to set (ints as uint32, floats, strings, lists of one of those: int32) or, given None, to leave out."""
     import gguf
 
     cfg = model.config
@@ -440,8 +440,11 @@ def write_gguf(model: torch.nn.Module, path: str, weight_type: str = "f32", meta
     for key, value in (metadata or {}).items():
         w.kv_data[0].pop(key, None)
         if value is not None:
-            kind = {int: gguf.GGUFValueType.UINT32, float: gguf.GGUFValueType.FLOAT32, str: gguf.GGUFValueType.STRING}[type(value)]
-            w.add_key_value(key, value, kind)
+            kinds = {int: gguf.GGUFValueType.INT32, float: gguf.GGUFValueType.FLOAT32, str: gguf.GGUFValueType.STRING}
+            if isinstance(value, list):  # (of one kind)
+                w.add_key_value(key, value, gguf.GGUFValueType.ARRAY, sub_type=kinds[type(value[0])])
+            else:
+                w.add_key_value(key, value, gguf.GGUFValueType.UINT32 if isinstance(value, int) else kinds[type(value)])
 
     state = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     if cfg.tie_word_embeddings:

@@ -225,9 +225,6 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
     eps = get("attention.layer_norm_rms_epsilon")
     if eps is None:  # (llama.cpp requires it; HF and we would each guess a different default)
         raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.attention.layer_norm_rms_epsilon")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    eot = _field(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = [int(x) for x in (eos, eot) if x is not None]
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -244,5 +241,21 @@ def _config_from_gguf(reader: Any, arch: str, path: str) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in names,
         mlp_bias="blk.0.ffn_up.bias" in names,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=list(dict.fromkeys(eos_ids)),
+        eos_token_ids=_end_of_generation_ids(reader, int(vocab)),
     )
+
+
+# Control tokens llama.cpp ends a generation at by their text, whatever the file's eos says (an
+# early Llama-3-Instruct file's eos is <|end_of_text|>, its turns end with <|eot_id|>).
+_END_OF_GENERATION_TEXTS = {"<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|end|>", "<end_of_turn>",
+                            "<|endoftext|>", "<EOT>", "_<EOT>", "<｜end▁of▁sentence｜>", "<end_of_utterance>"}
+
+
+def _end_of_generation_ids(reader: Any, vocab: int) -> list[int]:
+    """The tokens that end a generation, as llama.cpp's end-of-generation set: eos, eot and eom
+    (Llama-3.1's tool-call end), then the control tokens spelled as one of the above (ids past
+    the vocabulary left out: the sampler's masks index by them)."""
+    ids = [int(x) for key in ("eos", "eot", "eom") if (x := _field(reader, f"tokenizer.ggml.{key}_token_id")) is not None]
+    tokens, types = _field(reader, "tokenizer.ggml.tokens") or [], _field(reader, "tokenizer.ggml.token_type") or []
+    ids += [i for i, (text, kind) in enumerate(zip(tokens, types)) if kind == 3 and text in _END_OF_GENERATION_TEXTS]
+    return [i for i in dict.fromkeys(ids) if 0 <= i < vocab]
