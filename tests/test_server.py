@@ -998,6 +998,34 @@ def test_openai_client_sees_typed_errors(server: Server) -> None:
     assert info.value.code == "context_length_exceeded"
 
 
+def test_open_requests_end_before_a_long_step_does(loop: EngineLoop) -> None:
+    """On a signal the server ends every open request at once (end_open_requests), not after the
+    step in progress: a prefill step longer than uvicorn's graceful wait (10 s) got its client a
+    bare-text 500 from uvicorn's cancellation. The loop frees their blocks after the step."""
+    engine = loop.engine
+    real_step, started, release = engine.step, threading.Event(), threading.Event()
+
+    def slow_step():
+        started.set()
+        release.wait(TIMEOUT)
+        return real_step()
+
+    engine.step = slow_step
+    try:
+        handles = [loop.add_request("Hello", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=n)) for n in (1, 2)]
+        assert started.wait(TIMEOUT)
+        loop.end_open_requests()
+        finals = [[o for o in h if o.finish_reason] for h in handles]  # (would block until the step ends)
+        assert [sorted(o.index for o in f) for f in finals] == [[0], [0, 1]]
+        assert all(o.finish_reason == "error" and o.error == SHUTDOWN_MESSAGE for f in finals for o in f)
+        assert not release.is_set()
+        loop.shutdown(wait=False)
+    finally:
+        release.set()
+    loop.shutdown(timeout=15)
+    assert not loop.is_running and engine.blocks.num_used == 0
+
+
 # -- the command ----------------------------------------------------------------------------------------
 def test_cli_serve_sigterm_ends_streams_and_exits_0(model_dir: str, tmp_path: Any) -> None:
     """`fasterllama serve` on a free loopback port, keyed from FASTERLLAMA_API_KEY: answers, then

@@ -164,7 +164,7 @@ class EngineLoop:
         self._cond = threading.Condition(threading.RLock())  # reentrant: shutdown() may run in a signal handler
         self._commands: deque[tuple[str, Any]] = deque()
         self._stopping = False
-        self._ids: set[str] = set()  # request ids not finished yet (guarded by _cond)
+        self._handles: dict[str, RequestHandle] = {}  # the requests not finished yet, by id (guarded by _cond)
         self._requests: dict[str, _Request] = {}  # loop thread only
         self._owner: dict[int, tuple[_Request, int]] = {}  # seq_id -> (request, index); loop thread only
         self._steps = 0
@@ -197,9 +197,9 @@ class EngineLoop:
         with self._cond:
             if self._stopping:
                 raise EngineLoopClosed("the engine loop is shut down")
-            if request_id in self._ids:
+            if request_id in self._handles:
                 raise FasterLlamaError(f"request id {request_id!r} is already running")
-            self._ids.add(request_id)
+            self._handles[request_id] = handle
             self._commands.append(("add", handle))
             self._cond.notify()
         return handle
@@ -207,7 +207,7 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         """Finish a request's sequences and free their KV blocks before the next step."""
         with self._cond:
-            if request_id in self._ids:
+            if request_id in self._handles:
                 self._commands.append(("abort", request_id))
                 self._cond.notify()
 
@@ -220,6 +220,18 @@ class EngineLoop:
             self._cond.notify()
         if wait and self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    def end_open_requests(self, message: str = SHUTDOWN_MESSAGE) -> None:
+        """End every open request's outputs with an error now, without waiting for the step in
+        progress (shutdown ends them after it: a server's graceful wait may be shorter than a long
+        prefill step, and then its clients got a bare 500). Any thread but a signal handler (the
+        handles' locks are not reentrant); the loop still frees their blocks after its step."""
+        with self._cond:
+            handles = list(self._handles.values())
+        now = time.monotonic()
+        for handle in handles:
+            for k in range(handle.params.n):  # (the handle drops those already finished)
+                handle._push(SequenceOutput(k, "", [], None, "error", now, error=message))
 
     @property
     def is_running(self) -> bool:
@@ -330,7 +342,7 @@ class EngineLoop:
             self._owner.pop(seq.seq_id, None)
         self._requests.pop(req.handle.request_id, None)
         with self._cond:
-            self._ids.discard(req.handle.request_id)
+            self._handles.pop(req.handle.request_id, None)
 
     def _publish(self) -> None:
         running = sum(1 for r in self._requests.values() if any(s.status == SequenceStatus.RUNNING for s in r.seqs))

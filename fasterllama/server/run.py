@@ -1,12 +1,14 @@
 """serve(): run the app with uvicorn until SIGTERM / Ctrl-C, then end the streams and return.
 
 On the signal uvicorn stops accepting connections and waits for the open ones; we also shut the
-engine loop down at once, which ends every running request with an error event, so streams close
-within a step instead of running on to max_tokens. uvicorn re-raises the signal after its
+engine loop down and end every open request with an error at once (not after the step in
+progress, which may outlast uvicorn's graceful wait), so streams close instead of running on to
+max_tokens. uvicorn re-raises the signal after its
 shutdown; we absorb it, so `fasterllama serve` exits 0."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import os
 import signal
@@ -32,6 +34,10 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         self.engine_loop.shutdown(wait=False)  # only sets a flag: safe in a signal handler
+        try:  # the open requests' errors now, from the event loop (outside this handler), not after the step in progress
+            asyncio.get_running_loop().call_soon_threadsafe(self.engine_loop.end_open_requests)
+        except RuntimeError:  # (no event loop running in this thread)
+            pass
 
 
 def release_openmp_threads() -> bool:
