@@ -287,7 +287,8 @@ def test_prompts_arriving_together_compute_their_shared_prefix_once(tiny_folder)
 
 def test_preemption_gives_every_request_its_tokens(tiny_folder):
     """A cache too small for all running requests: the newest are preempted and recomputed, and
-    each request still gets the tokens it gets alone."""
+    each request still gets the tokens it gets alone. The prefix-cache counters count each
+    prompt once (a preempted sequence's return counted its prompt and output again)."""
     roomy = _llm(tiny_folder)
     per_block = roomy.engine.kv_cache.bytes_per_block(roomy.engine.config, 16, torch.float32)
     tight = _llm(tiny_folder, kv_cache_memory=40 * per_block, enable_prefix_caching=False)  # 640 tokens for 6 x ~170
@@ -295,8 +296,10 @@ def test_preemption_gives_every_request_its_tokens(tiny_folder):
     greedy = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=120, ignore_eos=True)
     for params in (greedy, seeded):
+        queried = tight.engine.scheduler.prefix_queried_tokens
         outs = tight.generate(prompts, params)
         assert tight.engine.scheduler.num_preemptions > 0
+        assert tight.engine.scheduler.prefix_queried_tokens - queried == sum(map(len, prompts))
         for prompt, out in zip(prompts, outs):
             assert out.token_ids == roomy.generate([prompt], params)[0].token_ids
         assert tight.engine.blocks.num_used == 0

@@ -97,8 +97,8 @@ class Scheduler:
             computing.add(self.blocks.next_block_hash(seq, seq.num_tokens))
             if not seq.admitted:  # (not a preempted sequence coming back: what it finds, it computed itself; as vLLM counts)
                 seq.num_prefix_cached, seq.admitted = seq.num_cached, True
-            self.prefix_queried_tokens += seq.num_tokens
-            self.prefix_hit_tokens += seq.num_cached
+                self.prefix_queried_tokens += seq.num_tokens
+                self.prefix_hit_tokens += seq.num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             seats -= 1 + len(seq.forks)
