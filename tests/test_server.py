@@ -275,8 +275,17 @@ def test_models_health_metrics(server: Server) -> None:
     text = server.metrics()
     assert metric(text, "fasterllama_kv_blocks_total") == server.llm.engine.blocks.num_blocks > 0
     for name in ("fasterllama_time_to_first_token_seconds_count", "fasterllama_inter_token_latency_seconds_count",
-                 "fasterllama_prompt_tokens_total", "fasterllama_generation_tokens_total", "fasterllama_requests_waiting"):
+                 "fasterllama_prompt_tokens_total", "fasterllama_generation_tokens_total", "fasterllama_requests_waiting",
+                 "fasterllama_prefix_cache_queried_tokens_total", "fasterllama_preemptions_total"):
         metric(text, name)
+    assert "# TYPE fasterllama_preemptions_total counter" in text  # (they only grow: counters, for rate())
+    # each sequence's end: by its finish reason, and its time from the request's arrival
+    length = 'finish_reason="length"'
+    before = [metric(text, "fasterllama_finished_sequences_total", length), metric(text, "fasterllama_e2e_request_latency_seconds_count")]
+    server.client().completions.create(model=MODEL, prompt="Hello", max_tokens=2, n=2, temperature=0.5, extra_body={"ignore_eos": True})
+    text = server.metrics()
+    after = [metric(text, "fasterllama_finished_sequences_total", length), metric(text, "fasterllama_e2e_request_latency_seconds_count")]
+    assert [b - a for a, b in zip(before, after)] == [2, 2]
 
 
 def test_completion_greedy_matches_offline(server: Server, offline: LLM) -> None:
@@ -309,7 +318,7 @@ def test_completion_greedy_matches_offline(server: Server, offline: LLM) -> None
         assert c.text == offline.generate([prompt], SamplingParams(temperature=0, max_tokens=8))[0].text
     if server.llm.engine.speculator is not None:  # the answers came through verify steps, some drafts accepted
         text = server.metrics()
-        assert 0 < metric(text, "fasterllama_spec_decode_accepted_tokens") < metric(text, "fasterllama_spec_decode_draft_tokens")
+        assert 0 < metric(text, "fasterllama_spec_decode_accepted_tokens_total") < metric(text, "fasterllama_spec_decode_draft_tokens_total")
 
 
 def token_bytes(name: str) -> bytes:
@@ -586,7 +595,7 @@ def test_prefix_cache_over_http(server: Server, model_dir: str) -> None:
     off = LLM(model_dir, progress=False, enable_prefix_caching=False)
     want = off.generate([prefix + [13, 14, 15]], SamplingParams(temperature=0, max_tokens=6))[0]
     assert second.choices[0].text == want.text
-    assert metric(server.metrics(), "fasterllama_prefix_cache_hit_tokens") >= 256
+    assert metric(server.metrics(), "fasterllama_prefix_cache_hit_tokens_total") >= 256
 
 
 def test_client_leaving_mid_stream_frees_its_slots(server: Server) -> None:
