@@ -3,13 +3,14 @@ with ctypes, and registered as the CPU versions of the op layer's matmuls.
 
 Why C: at decode time every linear is a matrix-vector product that must stream its weights at
 memory speed on all cores; MKL's fp32 GEMV uses one core for these shapes and torch has no fast
-AVX2 kernel for 4-bit or int8 weights with float activations. The build takes about a second and
+AVX2 kernel for 4-bit or int8 weights with float activations. The build takes about a minute and
 is cached (FASTERLLAMA_CACHE, default ~/.cache/fasterllama; where that cannot be written, each
 process builds its own copy in a temporary folder). Without a compiler or AVX2, or with
 FASTERLLAMA_NO_COMPILE=1, `load()` returns None and the PyTorch reference ops run instead."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -18,7 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -84,26 +85,49 @@ def compiler() -> tuple[str, list[str]]:
     return cc, CFLAGS + os.environ.get("FASTERLLAMA_CFLAGS", "").split()
 
 
+@contextlib.contextmanager
+def _one_builder(folder: Path) -> Iterator[None]:
+    """Held while building into `folder`: processes starting together (pytest-xdist workers, a
+    tensor-parallel group, two servers) wait for one build instead of each compiling its own."""
+    with open(folder / "build.lock", "a") as fh:
+        try:
+            import fcntl
+
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        except (ImportError, OSError):  # (no flock here: each builds, as before)
+            pass
+        yield
+
+
+def _build(cc: str, flags: list[str], source: Path, out: Path) -> None:
+    """Compile, saying so first: -O3 over every row-count variant of the kernels takes a minute or
+    more (78 s on a 2-core AVX2 VM), once per machine and kernel version."""
+    log.warning("fasterllama: building the C kernels for this CPU (once per machine and version: about a minute)")
+    _compile(cc, flags, source, out)
+
+
 def _build_and_open(source: Path) -> ctypes.CDLL:
     """The library of `source` from the cache, built into it first if missing. Where the cache
     cannot be written (read-only home, permission denied) it is built in a temporary folder,
-    removed once loaded: a second of compiling per process beats the ~5x slower PyTorch ops."""
+    removed once loaded: a minute of compiling per process beats the ~5x slower PyTorch ops."""
     cc, flags = compiler()
     key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-                out = Path(tmp) / target.name
-                _compile(cc, flags, source, out)
-                os.replace(out, target)  # atomic: concurrent builders never load a half-written file
+            with _one_builder(target.parent):
+                if not target.exists():  # (another process may have built it while this one waited)
+                    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                        out = Path(tmp) / target.name
+                        _build(cc, flags, source, out)
+                        os.replace(out, target)  # atomic: a process not waiting on the lock never loads a half-written file
         except OSError as exc:
             log.warning("fasterllama: kernel cache %s is not writable (%s); building the C kernels in a temporary "
                         "folder (set FASTERLLAMA_CACHE to a writable folder to keep them)", target.parent, exc)
             with tempfile.TemporaryDirectory(prefix="fasterllama-") as tmp:
                 out = Path(tmp) / target.name
-                _compile(cc, flags, source, out)
+                _build(cc, flags, source, out)
                 return ctypes.CDLL(str(out))  # mapped now: the file may go with its folder
     return ctypes.CDLL(str(target))
 
