@@ -53,18 +53,22 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens, 0 = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min_p * p(max) (default 0.05)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="divide (multiply, if negative) the logits of tokens already in "
+                   "the prompt or output by this, as HF (default 1.0: off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from the logits of tokens already generated, as "
+                   "OpenAI (-2..2, default 0: off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times each token's count so far, as OpenAI "
+                   "(-2..2, default 0: off)")
+    p.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling (default: a random one)")
+    p.add_argument("--stop", action="append", default=[], type=_escapes,
+                   help="stop string (repeatable; \\n, \\t and \\\\ are a newline, a tab and a backslash)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens before EOS may end it")
     p.add_argument("--stop-token-id", type=int, action="append", default=[], help="token id that ends generation (repeatable)")
-    p.add_argument("--beam-width", type=int, default=1, help="beam search with this many beams (deterministic; no streaming)")
-    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score = logprob / length**penalty")
-    p.add_argument("--early-stopping", choices=["true", "false", "never"], default="false", help="beam search stopping rule (as HF)")
-    p.add_argument("--diversity-rate", type=float, default=0.0, help="beam search: penalize a beam's r-th continuation by rate*r")
+    p.add_argument("--beam-width", type=int, default=1, help="beam search with this many beams (deterministic; no streaming; default 1: off)")
+    p.add_argument("--length-penalty", type=float, default=None, help="beam search: score = logprob / length**penalty (default 1.0)")
+    p.add_argument("--early-stopping", choices=["true", "false", "never"], default=None, help="beam search stopping rule, as HF's (default false)")
+    p.add_argument("--diversity-rate", type=float, default=None, help="beam search: penalize a beam's r-th continuation by rate*r (default 0)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", default=None, help="the output follows this JSON schema (its text, or @FILE)")
     g.add_argument("--json", action="store_true", help="the output is a JSON object")
@@ -119,9 +123,33 @@ def _text_or_file(value: str | None, what: str) -> str | None:
         raise FasterLlamaError(f"the {what} file {value[1:]} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def _escapes(text: str) -> str:
+    """--stop '\\n' as a newline (llama.cpp reads escapes in its reverse prompts): \\n, \\t, \\r and \\\\."""
+    table = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in table:
+            out.append(table[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+_BEAM_ONLY = {"length_penalty": (1.0, "--length-penalty"), "early_stopping": ("false", "--early-stopping"),
+              "diversity_rate": (0.0, "--diversity-rate")}
+
+
 def _sampling_params(args: argparse.Namespace) -> Any:
     from .sampling_params import SamplingParams
 
+    given = [flag for key, (_, flag) in _BEAM_ONLY.items() if getattr(args, key) is not None]
+    if given and args.beam_width <= 1:  # (they were ignored)
+        raise FasterLlamaError(f"{given[0]} is a beam-search option: give --beam-width N (N > 1) too")
+    for key, (default, _) in _BEAM_ONLY.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -163,6 +191,9 @@ def _check_calibrates(spec: str | None) -> None:
 
 
 def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
+    from .loading.registry import resolve_model_path
+
+    resolve_model_path(args.model)  # (a mistyped path said at once, not after torch's import and the load's start)
     from .llm import LLM
 
     calibration_text = None
@@ -191,9 +222,12 @@ def _load(args: argparse.Namespace, max_num_seqs: int | None = None) -> Any:
     )
 
 
-def _print_reply(llm: Any, prompt: Any, params: Any, interruptible: bool = False) -> Any:
+def _print_reply(llm: Any, prompt: Any, params: Any, interruptible: bool = False, verbose: bool = False) -> Any:
     """Stream the reply to stdout (beam search prints it whole); returns its RequestOutput.
-    interruptible: Ctrl-C ends the reply where it is (an interactive chat goes on, as llama-cli's)."""
+    interruptible: Ctrl-C ends the reply where it is (an interactive chat goes on, as llama-cli's).
+    verbose: then its token counts, finish reason and speeds on stderr."""
+    start = time.perf_counter()
+    first: float | None = None
     if params.beam_width > 1:
         output = llm.generate([prompt], params)[0]
         sys.stdout.write(output.text)
@@ -201,6 +235,7 @@ def _print_reply(llm: Any, prompt: Any, params: Any, interruptible: bool = False
         stream = llm.stream(prompt, params)
         try:
             for delta in stream:
+                first = first or time.perf_counter()
                 sys.stdout.write(delta)
                 sys.stdout.flush()
         except KeyboardInterrupt:
@@ -208,9 +243,23 @@ def _print_reply(llm: Any, prompt: Any, params: Any, interruptible: bool = False
                 raise
             print(" (interrupted)", file=sys.stderr, end="")
         output = stream.output
+    end = time.perf_counter()
     sys.stdout.write("\n")
     sys.stdout.flush()
+    if verbose:
+        n, speed = len(output.token_ids), ""
+        if first is not None and n > 1 and end > first:
+            speed = f", first text after {(first - start) * 1000:.0f} ms, then {(n - 1) / (end - first):.1f} tok/s"
+        print(f"[{len(output.prompt_token_ids)} prompt tokens, {n} generated, finish_reason={output.finish_reason}{speed}]", file=sys.stderr)
     return output
+
+
+def _warn_if_cut(llm: Any, prompt_tokens: int, max_tokens: int) -> None:
+    """Say when the context leaves room for fewer tokens than -n asks (they end at "length" early)."""
+    room = llm.engine.max_model_len - prompt_tokens
+    if 0 < room < max_tokens:
+        print(f"warning: the prompt takes {prompt_tokens} of the context's {llm.engine.max_model_len} tokens: "
+              f"room for {room} of the {max_tokens} tokens asked (--max-tokens)", file=sys.stderr)
 
 
 def _tolerant_stdin() -> None:
@@ -247,12 +296,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = _load(args)
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": prompt}]
-        prompt_ids: Any = llm.chat_prompt(messages)
+        prompt_ids = llm.chat_prompt(messages)
     else:
-        prompt_ids = prompt
-    out = _print_reply(llm, prompt_ids, params)
-    if args.verbose:
-        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]", file=sys.stderr)
+        prompt_ids = llm.engine.encode_prompt(prompt)  # (the context error here, before the reply starts)
+    _warn_if_cut(llm, len(prompt_ids), params.max_tokens)
+    _print_reply(llm, prompt_ids, params, verbose=args.verbose)
     return 0
 
 
@@ -276,6 +324,45 @@ def _system_tokens(llm: Any, system: list[dict[str, str]]) -> int:
     return 0
 
 
+_CHAT_COMMANDS = '/reset clears the history, /exit (or Ctrl-D) quits, /help says so; \'"""\' starts and ends a message of several lines'
+
+
+def _line_editing() -> None:
+    """Arrow keys, history and lines longer than the terminal's 4095-byte line buffer in an
+    interactive chat (input() reads through readline once it is imported)."""
+    try:
+        import readline  # noqa: F401
+    except ImportError:  # (not on every platform)
+        pass
+
+
+def _read_message(interactive: bool) -> str | None:
+    """The next message: a line, or the lines between two lines of three double quotes (a pasted text keeps its
+    line breaks and is one message, as ollama's); None at the end of the input. The prompt goes to
+    stderr where stdout is not the terminal (`chat > log`: it went into the log)."""
+
+    def line(prompt: str) -> str | None:
+        if not interactive:
+            raw = sys.stdin.readline()
+            return raw.rstrip("\n") if raw else None
+        try:
+            if sys.stdout.isatty():
+                return input(prompt)
+            print(prompt, end="", file=sys.stderr, flush=True)
+            return input()
+        except EOFError:
+            print(file=sys.stderr)
+            return None
+
+    first = line("> ")
+    if first is None or first.strip() != '"""':
+        return first
+    lines: list[str] = []
+    while (more := line(". ")) is not None and more.strip() != '"""':
+        lines.append(more)
+    return "\n".join(lines)
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     args.system = _argv_text(args.system)
@@ -285,26 +372,15 @@ def cmd_chat(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict[str, str]] = []
     failed = False  # a message was refused (the exit status says so)
-    commands = "/reset clears the history, /exit (or Ctrl-D) quits, /help says so"
     alone = _system_tokens(llm, system)
     if alone >= llm.engine.max_model_len:
         raise ContextLengthError(f"the system message alone takes {alone} tokens with the chat template, "
                                  f"but the context is {llm.engine.max_model_len} tokens")
     if interactive:
-        print(f"Chatting with the model. {commands}.", file=sys.stderr)
-    while True:
-        if interactive:
-            try:
-                line = input("> ")
-            except EOFError:
-                print(file=sys.stderr)
-                break
-        else:
-            raw = sys.stdin.readline()
-            if not raw:
-                break
-            line = raw.rstrip("\n")
-        line = line.strip()
+        _line_editing()
+        print(f"Chatting with the model. {_CHAT_COMMANDS}.", file=sys.stderr)
+    while (message := _read_message(interactive)) is not None:
+        line = message.strip()
         if not line:
             continue
         if line in ("/exit", "/quit"):
@@ -314,7 +390,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print("(history cleared)", file=sys.stderr)
             continue
         if line == "/help" or (line.startswith("/") and " " not in line and line[1:].isalpha()):  # (not a message: "/usr/bin ..." is one)
-            print(f"({commands}{'' if line == '/help' else f'; {line} is not a command'})", file=sys.stderr)
+            print(f"({_CHAT_COMMANDS}{'' if line == '/help' else f'; {line} is not a command'})", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
         try:
@@ -324,7 +400,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             history.pop()
             failed = True
             continue
-        history.append({"role": "assistant", "content": _print_reply(llm, prompt_ids, params, interruptible=interactive).text})
+        reply = _print_reply(llm, prompt_ids, params, interruptible=interactive, verbose=args.verbose)
+        history.append({"role": "assistant", "content": reply.text})
     return 1 if failed else 0
 
 
@@ -368,6 +445,9 @@ def cmd_eval_perplexity(args: argparse.Namespace) -> int:
         raise FasterLlamaError(f"cannot read {args.file}: {e.strerror}") from None
     _json_output(args.json)
     llm = _load(args)
+    if args.context > llm.engine.max_model_len:  # (windows of the context's length: a result for another --context)
+        print(f"warning: --context {args.context} is more than the model's context (--max-model-len): windows of "
+              f"{llm.engine.max_model_len} tokens", file=sys.stderr)
     ids = llm.tokenizer.encode(text)
     if args.max_tokens is not None:
         ids = ids[: args.max_tokens]
@@ -431,6 +511,12 @@ def _quantize_gguf(args: argparse.Namespace) -> int:
         raise FasterLlamaError(f"{args.output} exists (use --force to overwrite a file)")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.output))):
         raise FasterLlamaError(f"{args.output}: no such folder to write it in")
+    from .loading.gguf_reader import GGUFFile
+
+    quantized = sorted({t.tensor_type.name for t in GGUFFile(src).tensors} - {"F32", "F16", "BF16"})
+    if quantized:  # (llama-quantize refuses without --allow-requantize: the result is worse than one made from float weights)
+        print(f"warning: {src} is already quantized ({', '.join(quantized)}): its quantized weights are quantized again, "
+              "which loses more than quantizing the float model would", file=sys.stderr)
     bar = None
     if not args.quiet and sys.stderr.isatty():
         from tqdm import tqdm
@@ -531,15 +617,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap PROMPT as a user message with the chat template")
     g.add_argument("--system", default=None, help="system message (with --chat)")
     g.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    g.add_argument("--verbose", "-v", action="store_true", help="print token count and finish reason to stderr")
+    g.add_argument("--verbose", "-v", action="store_true", help="after the reply: token counts, finish reason and speed on stderr")
     g.add_argument("prompt", nargs="?", default=None, help="the prompt ('-' or omitted: read stdin)")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat (also reads piped input, one message a line)")
+    chat_help = "interactive multi-turn chat (also reads piped input, one message a line)"
+    c = sub.add_parser("chat", help=chat_help, description=f"{chat_help[0].upper()}{chat_help[1:]}. In the chat: {_CHAT_COMMANDS}; "
+                       "Ctrl-C stops a reply. Old turns are dropped when the history outgrows the context.")
     _add_model_args(c)
     _add_sampling_args(c)
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    c.add_argument("--verbose", "-v", action="store_true", help="after each reply: token counts, finish reason and speed on stderr")
     c.set_defaults(func=cmd_chat)
 
     e = sub.add_parser("eval", help="evaluate a model")
@@ -627,7 +716,13 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # (said by the subcommand's parser: its --help is the one to read)
         hint = " (quote a prompt of several words)" if getattr(args, "prompt", None) and not any(e.startswith("-") for e in extra) else ""
+        before = argv[: argv.index(args.command)] if args.command in argv else []
+        if any(e in before for e in extra):  # (`fasterllama -q generate ...`)
+            hint = f" (options go after the command: fasterllama {args.command} {' '.join(extra)} ...)"
         _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+    if sys.stdout is None or sys.stderr is None:  # (`>&-`: print() would fail on None, the error with it)
+        os.write(2, b"error: stdout or stderr is closed\n")
+        return 1
     debug = getattr(args, "debug", False) or os.environ.get("FASTERLLAMA_DEBUG") == "1"
     if isinstance(sys.stdout, io.TextIOWrapper):  # text a terminal's encoding lacks (PYTHONIOENCODING=ascii, a C locale) shows as "?"
         sys.stdout.reconfigure(errors="replace")

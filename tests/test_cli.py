@@ -92,16 +92,19 @@ def test_chat_piped_keeps_history(default_llm):
 
 @needs_model
 def test_chat_piped_multi_turn_history(default_llm):
+    # Turns keep their history; the lines between two lines of three double quotes are one message
+    # (a pasted text was a turn a line); -v says each reply's counts.
     from fasterllama import SamplingParams
 
-    proc = run_cli("chat", "-q", "--temperature", "0", "--max-tokens", "12", stdin="Hi there\nThanks!\n")
+    proc = run_cli("chat", "-q", "-v", "--temperature", "0", "--max-tokens", "12", stdin='Hi there\n"""\nThanks!\n  See you.\n"""\n')
     assert proc.returncode == 0, proc.stderr
     params = SamplingParams(temperature=0, max_tokens=12)
     h = [{"role": "user", "content": "Hi there"}]
-    first = default_llm.chat(h, params)[0].text
-    h += [{"role": "assistant", "content": first}, {"role": "user", "content": "Thanks!"}]
-    second = default_llm.chat(h, params)[0].text
-    assert proc.stdout == first + "\n" + second + "\n"
+    first = default_llm.chat(h, params)[0]
+    h += [{"role": "assistant", "content": first.text}, {"role": "user", "content": "Thanks!\n  See you."}]
+    second = default_llm.chat(h, params)[0]
+    assert proc.stdout == first.text + "\n" + second.text + "\n"
+    assert f"[{len(second.prompt_token_ids)} prompt tokens, {len(second.token_ids)} generated, finish_reason={second.finish_reason}" in proc.stderr
 
 
 @needs_model
@@ -183,6 +186,7 @@ def test_eval_perplexity_window_wider_than_the_context(default_llm, tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["tokens"] == 299 and result["context"] == 128 and result["stride"] == 64
+    assert "warning: --context 100000 is more than the model's context" in proc.stderr
     ids = default_llm.tokenizer.encode(text.read_text())[:300]
     assert abs(result["perplexity"] - perplexity(default_llm, ids, 128, progress=False)["perplexity"]) < 1e-3 * result["perplexity"]
 
@@ -195,6 +199,26 @@ def test_models_lists_default():
 
 def test_error_missing_path(tmp_path):
     assert_clean_error(run_cli("generate", "--model", str(tmp_path / "nope.gguf"), "hi"), "no such model")
+    assert_clean_error(run_cli("generate", "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "hi"), "models are not downloaded")
+
+
+def test_mistakes_said_before_the_load():
+    """Said at once, in words: an option before the command (`fasterllama -q generate`: "-q" was
+    unrecognized while generate's help lists it), a beam-search option without beams (ignored),
+    a closed stdout (an AttributeError)."""
+    assert_clean_error(run_cli("-q", "generate", "hi"), "options go after the command: fasterllama generate -q")
+    assert_clean_error(run_cli("generate", "--diversity-rate", "1", "hi"), "--diversity-rate is a beam-search option")
+    proc = subprocess.run([sys.executable, "-m", "fasterllama", "generate", "-q", "hi"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True, timeout=60, preexec_fn=lambda: os.close(1))
+    assert proc.returncode == 1 and proc.stderr == "error: stdout or stderr is closed\n"
+
+
+def test_stop_strings_read_escapes():
+    """--stop '\\n' is a newline (as llama.cpp reads its reverse prompts); it never matched."""
+    from fasterllama.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--stop", "\\n", "--stop", "a\\tb\\\\n\\q", "hi"])
+    assert args.stop == ["\n", "a\tb\\n\\q"]
 
 
 def test_error_not_a_gguf(tmp_path):
@@ -271,6 +295,8 @@ def test_error_unsupported_tensor_type(tmp_path):
 def test_error_prompt_longer_than_context():
     proc = run_cli("generate", "-q", "--max-model-len", "64", "word " * 100)
     assert_clean_error(proc, "context")
+    cut = run_cli("generate", "-q", "--max-model-len", "64", "-n", "100", "--ignore-eos", "word " * 50)  # (51 tokens: fits, with room for 13)
+    assert cut.returncode == 0 and "warning: the prompt takes 51 of the context's 64 tokens: room for 13 of the 100" in cut.stderr, cut.stderr
 
 
 @pytest.mark.parametrize(

@@ -282,8 +282,11 @@ def test_quantize_command_keeps_the_alignment_and_never_writes_its_source(tmp_pa
     out = str(tmp_path / "out.gguf")
     cmd = [sys.executable, "-m", "fasterllama", "quantize", src, "--mode", "Q8_0", "-q"]
     proc = subprocess.run(cmd + ["-o", out], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0 and "already quantized" not in proc.stderr, proc.stderr
     assert gguf.GGUFReader(out).alignment == 64
+    again = subprocess.run([sys.executable, "-m", "fasterllama", "quantize", out, "--mode", "q4_0", "-o", str(tmp_path / "again.gguf"), "-q"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "is already quantized (Q8_0)" in again.stderr  # (said: llama-quantize refuses it)
     ids = list(range(3, 30))
     assert torch.allclose(LLM(out, progress=False).compute_logits(ids), LLM(src, progress=False).compute_logits(ids), atol=0.1)  # (Q8_0 rounding)
     size = os.path.getsize(src)

@@ -49,7 +49,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
     """A file/folder path, a known short name, or None (the default model) -> a local path."""
     if model is None:
         model = DEFAULT_MODEL
-    model = os.fspath(model)
+    model = os.path.expanduser(os.fspath(model))  # (--model=~/m.gguf: no shell expands a ~ after "=")
     known = KNOWN_MODELS.get(model.lower())
     if known is not None and not os.path.exists(model):
         path = known.path()
@@ -58,5 +58,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
         return path
     if not os.path.exists(model):
         names = ", ".join(KNOWN_MODELS)
-        raise ModelLoadError(f"no such model file or folder: {model!r} (known names: {names})")
+        hub = model.count("/") == 1 and not model.startswith((".", "/")) and not model.endswith(".gguf")
+        hint = " (models are not downloaded: a Hugging Face Hub id needs a local copy, e.g. `hf download ID --local-dir DIR`)" if hub else ""
+        raise ModelLoadError(f"no such model file or folder: {model!r}{hint} (known names: {names})")
     return model

@@ -86,7 +86,8 @@ def serve(loop: EngineLoop, model_name: str, host: str = "127.0.0.1", port: int 
     release_openmp_threads()
     app = create_app(loop, model_name, api_key, trust_request_chat_template=trust_request_chat_template,
                      allowed_origins=allowed_origins)
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="off")
+    colors = sys.stderr.isatty() and not os.environ.get("NO_COLOR")  # (no-color.org)
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, lifespan="off", use_colors=colors)
     server = _Server(config, loop)
     previous = {sig: signal.getsignal(sig) for sig in _SIGNALS}
     try:
