@@ -272,6 +272,11 @@ def test_models_health_metrics(server: Server) -> None:
     assert [m.id for m in models.data] == [MODEL]
     assert httpx.get(server.base + "/health", timeout=TIMEOUT).json() == {"status": "ok"}
     assert httpx.head(server.base + "/health", timeout=TIMEOUT).status_code == 200  # (load balancers probe with HEAD)
+    # an x-request-id on every response: the client's own, else a new one each time
+    ids = [httpx.get(server.base + "/v1/models", timeout=TIMEOUT).headers["x-request-id"] for _ in range(2)]
+    assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids)
+    r = httpx.post(server.base + "/v1/completions", json={"model": "nope", "prompt": "Hi"}, headers={"X-Request-Id": "trace-7"}, timeout=TIMEOUT)
+    assert r.status_code == 404 and r.headers["x-request-id"] == "trace-7"
     text = server.metrics()
     assert metric(text, "fasterllama_kv_blocks_total") == server.llm.engine.blocks.num_blocks > 0
     for name in ("fasterllama_time_to_first_token_seconds_count", "fasterllama_inter_token_latency_seconds_count",

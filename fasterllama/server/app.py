@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import re
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,16 +65,21 @@ def create_app(loop: EngineLoop, model_name: str, api_key: str | None = None, *,
         """A request a browser sends from a page of another origin (it says which: Origin) is
         refused before it runs: CORS only keeps the page from reading the answer, and a simple
         POST (text, a form, an untyped body) needs no preflight, so without this any page the
-        user opens could make the server generate. Clients other than browsers send no Origin."""
+        user opens could make the server generate. Clients other than browsers send no Origin.
+        Every response carries an x-request-id (the request's own, else a new one), as OpenAI's
+        do, to match a client's trace with the server's log."""
         origin = request.headers.get("origin")
         if origin is None or "*" in origins or origin in origins or re.fullmatch(LOCAL_ORIGINS, origin):
-            return await call_next(request)
-        if request.method == "OPTIONS" and "access-control-request-method" in request.headers:
-            return await call_next(request)  # (a preflight: the CORS middleware refuses it)
-        error = APIError(403, f"Requests from pages of {origin[:100]!r} are refused: start the server with --allowed-origins to allow them.",
-                         code="origin_not_allowed")
-        state.metrics.count_http_error(error.status)
-        return error.response()
+            response = await call_next(request)
+        elif request.method == "OPTIONS" and "access-control-request-method" in request.headers:
+            response = await call_next(request)  # (a preflight: the CORS middleware refuses it)
+        else:
+            error = APIError(403, f"Requests from pages of {origin[:100]!r} are refused: start the server with --allowed-origins to allow them.",
+                             code="origin_not_allowed")
+            state.metrics.count_http_error(error.status)
+            response = error.response()
+        response.headers["x-request-id"] = request.headers.get("x-request-id", "")[:200] or uuid.uuid4().hex
+        return response
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # (HEAD: load balancers' probes)
     async def health() -> Response:
