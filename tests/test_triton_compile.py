@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -172,43 +174,75 @@ for _module, _kernel, _sig, _consts, _warps in CASES.values():  # a GEMV's launc
         _consts.setdefault("SPLITS_PAD", 1)
         _consts.setdefault("HAS_BIAS", False)
 CODE = """
-import importlib, json, sys
+import importlib, json, sys, traceback
 sys.path.insert(0, "benchmarks")
 from gpu_sass import compile_sm90
-module, kernel, sig, consts, warps = json.loads(sys.argv[1])
-fn = getattr(importlib.import_module("fasterllama.backends.cuda." + module), kernel)
-try:
+
+
+def findings(module, kernel, sig, consts, warps):
+    fn = getattr(importlib.import_module("fasterllama.backends.cuda." + module), kernel)
     sass, usage, shared = compile_sm90(fn, sig, consts, warps)
-except FileNotFoundError as e:
-    sys.exit(f"SKIP no sm_90 toolchain: {e}")
-words = [line.split("*/")[1].split() for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line]
-ops = [w[1] if w[0].startswith("@") else w[0] for w in words if len(w) > 1]  # (the opcode after any predicate)
-wait = next((i for i, o in enumerate(ops) if o == "ACQBULK"), len(ops))
-memory = [o for o in ops[:wait] if o.split(".")[0] in {"LDG", "STG", "ATOMG", "RED", "LDGSTS", "UTMALDG", "LDL", "STL"}]
-atom = next((i for i, o in enumerate(ops) if o.startswith("ATOMG")), None)  # a global atomic's stores-then-barrier-then-fence
-last = lambda prefix: max((i for i, o in enumerate(ops[:atom]) if o.startswith(prefix)), default=-1)
-fenced = None if atom is None else last("STG") < last("BAR.SYNC") < last("MEMBAR.ALL.GPU")
-first_store = next((i for i, o in enumerate(ops) if o.startswith("STG")), len(ops))
-late_loads = sum(o.startswith("LDG") for o in ops[first_store:])  # (a load after a store waits for it: it may alias)
-print(json.dumps({"spills": "LOCAL:0" not in usage, "shared": shared, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
-                  "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced,
-                  "loads_after_a_store": late_loads, "dp4a": sum(o.startswith("IDP.4A") for o in ops),
-                  "tma": sum(o.startswith("UTMALDG") for o in ops), "wgmma": sum(o.startswith(("HGMMA", "IGMMA")) for o in ops),
-                  "mma": sum(o.startswith("HMMA") for o in ops), "lop3": sum(o.startswith("LOP3") for o in ops)}))
+    words = [line.split("*/")[1].split() for line in sass.splitlines() if line.strip().startswith("/*") and "*/" in line]
+    ops = [w[1] if w[0].startswith("@") else w[0] for w in words if len(w) > 1]  # (the opcode after any predicate)
+    wait = next((i for i, o in enumerate(ops) if o == "ACQBULK"), len(ops))
+    memory = [o for o in ops[:wait] if o.split(".")[0] in {"LDG", "STG", "ATOMG", "RED", "LDGSTS", "UTMALDG", "LDL", "STL"}]
+    atom = next((i for i, o in enumerate(ops) if o.startswith("ATOMG")), None)  # a global atomic's stores-then-barrier-then-fence
+    last = lambda prefix: max((i for i, o in enumerate(ops[:atom]) if o.startswith(prefix)), default=-1)
+    fenced = None if atom is None else last("STG") < last("BAR.SYNC") < last("MEMBAR.ALL.GPU")
+    first_store = next((i for i, o in enumerate(ops) if o.startswith("STG")), len(ops))
+    late_loads = sum(o.startswith("LDG") for o in ops[first_store:])  # (a load after a store waits for it: it may alias)
+    return {"spills": "LOCAL:0" not in usage, "shared": shared, "atomics": "ATOMS" in sass, "instructions": sass.count(";"),
+            "wait": wait < len(ops), "release": "PREEXIT" in ops, "before_wait": memory, "fenced_atomic": fenced,
+            "loads_after_a_store": late_loads, "dp4a": sum(o.startswith("IDP.4A") for o in ops),
+            "tma": sum(o.startswith("UTMALDG") for o in ops), "wgmma": sum(o.startswith(("HGMMA", "IGMMA")) for o in ops),
+            "mma": sum(o.startswith("HMMA") for o in ops), "lop3": sum(o.startswith("LOP3") for o in ops)}
+
+
+for line in sys.stdin:  # a case a line, its findings a line (one process for all: torch and triton imported once)
+    try:
+        out = {"findings": findings(*json.loads(line))}
+    except FileNotFoundError as e:
+        out = {"skip": f"no sm_90 toolchain: {e}"}
+    except Exception:
+        out = {"error": traceback.format_exc()[-3000:]}
+    print("RESULT " + json.dumps(out), flush=True)
 """
 
 
 SHARED_LIMIT = 232_448  # bytes of shared memory a block may have on sm_90 (H100, H200): more fails at launch
+_compiler: subprocess.Popen | None = None  # this pytest process's CODE process, started at its first compile
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_compiler():
+    yield
+    if _compiler is not None:
+        _compiler.stdin.close()
+        _compiler.wait(30)
 
 
 def _compile(case: tuple) -> dict:
-    """The compile's findings (CODE's JSON), in a process without TRITON_INTERPRET."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", CODE, json.dumps(case)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    if "SKIP" in run.stderr:
-        pytest.skip(run.stderr.strip())
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout)
+    """The compile's findings (CODE's JSON), in a process without TRITON_INTERPRET (one for all
+    the cases a pytest process runs: a process a case spent ~3 s of each ~5 importing torch)."""
+    global _compiler
+    if _compiler is None or _compiler.poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        _compiler = subprocess.Popen([sys.executable, "-c", CODE], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    _compiler.stdin.write(json.dumps(case) + "\n")
+    _compiler.stdin.flush()
+    deadline = time.monotonic() + 300
+    while True:
+        ready, _, _ = select.select([_compiler.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, "the compile took over 300 s"
+        line = _compiler.stdout.readline()
+        assert line, "the compile process died"
+        if line.startswith("RESULT "):
+            out = json.loads(line[len("RESULT "):])
+            break
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    assert "error" not in out, out["error"]
+    return out["findings"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
