@@ -240,18 +240,23 @@ def test_free_requests_in_a_constrained_batch_get_their_own_tokens(tiny: LLM) ->
 
 
 def test_cli_flags(tiny: LLM, tmp_path) -> None:
-    """`generate --regex / --json-schema @FILE / --grammar`, and a bad constraint: exit 1, one line."""
+    """`generate --regex / --json-schema @FILE` end to end, `--grammar / --choice` as the params
+    they make (a process each took ~6 s), and a bad constraint: exit 1, one line."""
     import subprocess
     import sys
+
+    from fasterllama.cli import _sampling_params, build_parser
 
     cmd = [sys.executable, "-m", "fasterllama", "generate", "--model", tiny.engine.model_path, "-q", "-t", "0", "-n", "48"]
     (tmp_path / "s.json").write_text(json.dumps(TINY_SCHEMA))
     for flags, check in ((["--regex", "(yes|no)!"], lambda t: t in ("yes!", "no!")),
-                         (["--json-schema", f"@{tmp_path / 's.json'}"], lambda t: _valid(json.loads(t), TINY_SCHEMA)),
-                         (["--grammar", 'start: "a" "b"*'], lambda t: re.fullmatch("ab*", t)),
-                         (["--choice", "up", "--choice", "down"], lambda t: t in ("up", "down"))):
+                         (["--json-schema", f"@{tmp_path / 's.json'}"], lambda t: _valid(json.loads(t), TINY_SCHEMA))):
         out = subprocess.run(cmd + flags + ["hello"], capture_output=True, text=True, timeout=120)
         assert out.returncode == 0 and check(out.stdout.strip()), (flags, out.stdout, out.stderr)
+    for flags, check in ((["--grammar", 'start: "a" "b"*'], lambda t: re.fullmatch("ab*", t)),
+                         (["--choice", "up", "--choice", "down"], lambda t: t in ("up", "down"))):
+        params = _sampling_params(build_parser().parse_args(["generate", "-t", "0", "-n", "48", *flags, "hello"]))
+        assert check(tiny.generate(["hello"], params)[0].text.strip()), flags
     bad = subprocess.run(cmd + ["--json-schema", '{"type": "objectx"}', "hello"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "cannot compile the json constraint" in bad.stderr and "Traceback" not in bad.stderr
 

@@ -24,6 +24,7 @@ from fasterllama.backends.cuda.graphs import CUDAGraphDecode  # noqa: E402
 from fasterllama.engine import llm_engine  # noqa: E402
 from fasterllama.loading.model_loader import load_model  # noqa: E402
 
+KQUANT_2 = dataclasses.replace(tm.K_SPECS["kquant"], name="kquant_2", num_layers=2)  # (the K-quant layouts on 2 layers: the interpreter's time)
 PROMPT = torch.randint(3, 320, (12,), generator=torch.Generator().manual_seed(5)).tolist()
 BATCH = [PROMPT[:3], PROMPT, PROMPT[2:9]]
 
@@ -189,11 +190,11 @@ def test_gguf_off_cpu_layouts_with_mins(interpreted, monkeypatch, tmp_path, weig
 
     real = gguf_native._module
     monkeypatch.setattr(gguf_native, "_module", lambda parts, device: real(parts, torch.device("cuda")))
-    hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.K_SPECS["kquant"]), weight_type)
+    hf = tm.quantize_roundtrip_(tm.build_hf_model(KQUANT_2), weight_type)
     path = tm.write_gguf(hf, str(tmp_path / f"tiny-{weight_type}.gguf"), weight_type=weight_type)
     loaded = load_model(path, torch.float32, torch.device("cpu"), None, True, progress=False)
     with_mins = [m for m in loaded.model.modules() if isinstance(m, Int8Linear) and m.weight_min is not None]
-    assert len(with_mins) >= 4 * tm.K_SPECS["kquant"].num_layers  # every projection kept quantized, none as float
+    assert len(with_mins) >= 4 * KQUANT_2.num_layers  # every projection kept quantized, none as float
     engine = llm_engine.LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=48, max_num_seqs=4)
     assert (engine.compute_logits(PROMPT) - tm.hf_logits(hf, PROMPT)).abs().max().item() < 1e-3
     if decode_steps:
@@ -210,11 +211,11 @@ def test_gguf_q4_k_off_cpu_in_its_factored_form(interpreted, monkeypatch, tmp_pa
 
     real = gguf_native._module
     monkeypatch.setattr(gguf_native, "_module", lambda parts, device: real(parts, torch.device("cuda")))
-    hf = tm.quantize_roundtrip_(tm.build_hf_model(tm.K_SPECS["kquant"]), "q4_k")
+    hf = tm.quantize_roundtrip_(tm.build_hf_model(KQUANT_2), "q4_k")
     path = tm.write_gguf(hf, str(tmp_path / "tiny-q4_k.gguf"), weight_type="q4_k")
     loaded = load_model(path, torch.float32, torch.device("cpu"), None, True, progress=False)
     factored = [m for m in loaded.model.modules() if isinstance(m, Int4Linear) and m.sups is not None]
-    assert len(factored) >= 4 * tm.K_SPECS["kquant"].num_layers and compact_scales(loaded.model) >= len(factored)
+    assert len(factored) >= 4 * KQUANT_2.num_layers and compact_scales(loaded.model) >= len(factored)
     engine = llm_engine.LLMEngine.from_model(loaded.model, loaded.tokenizer, max_model_len=48, max_num_seqs=4)
     assert (engine.compute_logits(PROMPT) - tm.hf_logits(hf, PROMPT)).abs().max().item() < 1e-3
     assert _greedy(engine, [PROMPT], 2) == [tm.hf_greedy(hf, PROMPT, 2)]
