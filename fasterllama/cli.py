@@ -53,8 +53,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens, 0 = off (default 40)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling (default 0.95)")
     p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min_p * p(max) (default 0.05)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0, help="divide (multiply, if negative) the logits of tokens already in "
-                   "the prompt or output by this, as HF (default 1.0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="divide the logits of tokens already in the prompt or output "
+                   "by this (multiply the negative ones), as HF (default 1.0: off)")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="subtract this from the logits of tokens already generated, as "
                    "OpenAI (-2..2, default 0: off)")
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract this times each token's count so far, as OpenAI "
