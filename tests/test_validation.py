@@ -366,3 +366,13 @@ def test_cli_non_utf8_stdin_and_argv(llm: LLM, model_path: str) -> None:
     chat = run_cli("chat", *flags, stdin=b"a\xff b\n")
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout == llm.chat([{"role": "user", "content": "a\ufffd b"}], GREEDY)[0].text + "\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="says what happens without a GPU")
+def test_a_cuda_device_without_a_gpu_is_named() -> None:
+    """`--device cuda:3` without a GPU names the device asked for (it said 'cuda')."""
+    from fasterllama.engine.llm_engine import resolve_device
+
+    for device in ("cuda", "cuda:3"):
+        with pytest.raises(FasterLlamaError, match=f"device '{device}' requested but no CUDA GPU"):
+            resolve_device(device)

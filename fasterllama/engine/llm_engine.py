@@ -61,7 +61,7 @@ def resolve_device(device: str | None) -> torch.device:
     except RuntimeError:
         raise FasterLlamaError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise FasterLlamaError("device 'cuda' requested but no CUDA GPU is available")
+        raise FasterLlamaError(f"device {device!r} requested but no CUDA GPU is available")
     if dev.type not in ("cpu", "cuda"):
         raise FasterLlamaError(f"unsupported device {device!r} (use cpu or cuda)")
     return dev
