@@ -367,9 +367,28 @@ def test_round_activations():
 
 @pytest.mark.parametrize("m", ROWS)
 @pytest.mark.parametrize("k", [128, 1056])  # 1056: long rows, walked in column blocks when m > 4
-def test_f32_linear(m, k):
-    x, w, b = torch.randn(2, m, k), torch.randn(73, k), torch.randn(73)  # odd: a last single row
-    _close(ck.linear(x, w, b), F.linear(x, w, b))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_float_linear(m, k, dtype):
+    """fp32 x times weights in fp32, or fp16 / bf16 as a checkpoint stores them: a 16-bit matrix
+    gives its fp32 copy's result to the bit (exact widening, the same sums)."""
+    x, w, b = torch.randn(2, m, k), torch.randn(73, k).to(dtype), torch.randn(73)  # odd: a last single row
+    y = ck.linear(x, w, b)
+    _close(y, F.linear(x, w.float(), b))
+    assert torch.equal(y, ck.linear(x, w.float(), b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sgemm_widens_16bit_weights_in_blocks(monkeypatch, dtype):
+    """Prefill rows times a 16-bit matrix: widened in one piece where it fits WIDEN_BYTES (the fp32
+    copy's product to the bit), else a block of rows at a time (here 7 rows of 96, so blocks and a
+    last short one; the GEMM may sum a narrower block in another order), the bias cut with them."""
+    x, w, b = torch.randn(40, 96), torch.randn(50, 96).to(dtype), torch.randn(50)
+    expected = ck.sgemm(x, w.float(), b)
+    assert torch.equal(ck.sgemm(x, w, b), expected)
+    assert torch.equal(ck.linear(x, w), ck.sgemm(x, w.float()))  # (40 rows: past the GEMV's)
+    monkeypatch.setattr(ck, "WIDEN_BYTES", 7 * 96 * 4)
+    _close(ck.sgemm(x, w, b), expected)
+    _close(ck.sgemm(x, w), ck.sgemm(x, w.float()))
 
 
 @pytest.mark.parametrize("m", [17, 128])
@@ -636,6 +655,39 @@ def test_model_same_with_and_without_kernels(tmp_path, quantization):
         for sa, sb, sc in zip(a, b, c):
             for tok in sc:
                 assert abs(sa[tok] - sc[tok]) < tol and abs(sb[tok] - sc[tok]) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_checkpoint_kept_as_stored(tmp_path, dtype):
+    """A HF folder of bf16 / fp16 safetensors loads as stored by default (matrices, embedding and
+    tied head 16-bit; norms, biases, activations and the KV cache fp32): half the fp32 copy's
+    bytes, and its exact logits and tokens, in the one-call decode step, op by op and through the
+    reference ops; the tokens are HF's on the same weights. quantization="none" expands to fp32."""
+    import tiny_models as tm
+
+    from fasterllama import LLM, SamplingParams
+
+    spec = tm.TinySpec("bias16", num_heads=4, num_kv_heads=2, intermediate_size=96, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+    hf = tm.build_hf_model(spec).to(dtype)
+    path = tm.save_hf_checkpoint(hf, str(tmp_path / "hf"))
+    hf = hf.float()
+    kept, expanded = LLM(path, progress=False), LLM(path, quantization="none", progress=False)
+    model = kept.engine.model
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == model.embed_tokens.weight.dtype == dtype
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert model.layers[0].self_attn.qkv_proj.bias.dtype == model.norm.weight.dtype == kept.engine.kv_cache.layers[0][0].dtype == torch.float32
+    assert expanded.engine.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    weight_bytes = [sum(p.numel() * p.element_size() for p in llm.engine.model.parameters()) for llm in (kept, expanded)]
+    assert weight_bytes[0] < 0.55 * weight_bytes[1]
+    prompts = [list(range(3, 40)), [5, 9, 11], [7] * 20]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=3)
+    assert torch.equal(kept.compute_logits(prompts[0]), expanded.compute_logits(prompts[0]))
+    (one_call, one_call_lp), (op_by_op, op_by_op_lp), (reference, reference_lp) = _three_ways(kept, prompts, params)
+    assert one_call == op_by_op == reference == [tm.hf_greedy(hf, p, 10) for p in prompts]
+    assert [o.outputs[0].logprobs for o in expanded.generate(prompts, params)] == one_call_lp  # to the bit
+    for a, b in zip(one_call_lp, reference_lp):
+        for sa, sb in zip(a, b):
+            assert all(abs(sa[t] - sb[t]) < 1e-4 for t in sb)
 
 
 def test_decode_inputs_in_the_plans_buffers(tmp_path):

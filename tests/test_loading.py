@@ -516,7 +516,9 @@ def test_loading_leaves_torchs_import_code_out_of_memory(tmp_path):
 def test_weights_that_cannot_fit_fail_before_loading(tmp_path, monkeypatch):
     """A model whose weights need more memory than is free is a clear error before any tensor
     loads (not the OOM killer minutes later): float weights count params x dtype bytes, a GGUF
-    file kept quantized its file's bytes; with the memory there, or where the host does not say, it loads."""
+    file kept quantized its tensors' bytes, a bf16 folder kept 16-bit its files' bytes; with the
+    memory there, or where the host does not say, it loads."""
+    import gguf
     import tiny_models as tm
 
     import fasterllama.loading.model_loader as ml
@@ -535,13 +537,36 @@ def test_weights_that_cannot_fit_fail_before_loading(tmp_path, monkeypatch):
     assert "by default" not in str(e.value) and not loaded
     with pytest.raises(FasterLlamaError, match="a GGUF file's quantized tensors stay quantized"):
         LLM(gguf_path, quantization="none", progress=False)
-    monkeypatch.setattr(ml, "free_memory", lambda device, **kw: os.path.getsize(gguf_path) - 1)
+    tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors)  # kept quantized: the tensors' bytes in the file
+    monkeypatch.setattr(ml, "free_memory", lambda device, **kw: tensor_bytes - 1)
     with pytest.raises(FasterLlamaError, match="the weights need about"):
-        LLM(gguf_path, progress=False)  # kept quantized: the file's bytes
+        LLM(gguf_path, progress=False)
+    monkeypatch.setattr(ml, "free_memory", lambda device, **kw: tensor_bytes)
+    assert LLM(gguf_path, progress=False).generate([[1, 2, 3]])[0].token_ids
     monkeypatch.setattr(ml, "free_memory", lambda device, **kw: 4 * params)
     assert LLM(folder, progress=False).generate([[1, 2, 3]])[0].token_ids and loaded
     monkeypatch.setattr(ml, "free_memory", lambda device, **kw: kw.get("unknown", 0))  # a host that does not say (not Linux)
     assert LLM(folder, progress=False).generate([[1, 2, 3]])[0].token_ids
+    import torch
+
+    half = tm.save_hf_checkpoint(hf.to(torch.bfloat16), str(tmp_path / "bf16"))  # kept 16-bit: the files' bytes, not params x 4
+    files = sum(os.path.getsize(os.path.join(half, f)) for f in os.listdir(half) if f.endswith(".safetensors"))
+    monkeypatch.setattr(ml, "free_memory", lambda device, **kw: files - 1)
+    with pytest.raises(FasterLlamaError, match="the weights need about") as e:
+        LLM(half, progress=False)
+    assert "every weight loads as" not in str(e.value)
+    monkeypatch.setattr(ml, "free_memory", lambda device, **kw: files)
+    assert LLM(half, progress=False).generate([[1, 2, 3]])[0].token_ids
+    with pytest.raises(FasterLlamaError, match="every weight loads as float32"):
+        LLM(half, quantization="none", progress=False)
+    # a GGUF file's F16 tensors: kept 16-bit, their bytes (the norms' expanded to fp32); expanded, params x 4
+    from fasterllama.loading import open_checkpoint
+    from fasterllama.quant.gguf_native import loaded_bytes
+
+    f16 = open_checkpoint(tm.write_gguf(hf.float(), str(tmp_path / "f16.gguf"), weight_type="f16")).source
+    norms = sum(p.numel() for n, p in hf.named_parameters() if n.endswith("norm.weight"))
+    assert loaded_bytes(f16, torch.float32, True) == 2 * (params - norms) + 4 * norms
+    assert loaded_bytes(f16, torch.float32, False) == 4 * params
 
 
 def test_gguf_metadata_llama_cpp_requires_or_refuses(tmp_path) -> None:

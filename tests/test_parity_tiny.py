@@ -246,6 +246,9 @@ def test_quantized_gguf(tmp_path, weight_type: str) -> None:
     assert types["blk.0.attn_q.weight"] == types["token_embd.weight"] == weight_type.upper()
     assert types["blk.1.ffn_norm.weight"] == "F32"
     llm = LLM(model=path, progress=False)
+    if weight_type in ("f16", "bf16"):  # kept as stored (the C kernels widen them exactly), q/k rows un-permuted all the same
+        stored = {"f16": torch.float16, "bf16": torch.bfloat16}[weight_type]
+        assert llm.engine.model.layers[0].self_attn.qkv_proj.weight.dtype == llm.engine.model.embed_tokens.weight.dtype == stored
     assert_logits_close(llm.compute_logits(PROMPT), ref)
     assert greedy(llm, [PROMPT]) == [tm.hf_greedy(model, PROMPT, N_GREEDY)]
 

@@ -59,6 +59,11 @@ class Backend:
         """Whether a GGUF file's quantized tensors load quantized by default at this dtype."""
         return False
 
+    def keeps_16bit_weights(self, dtype: torch.dtype) -> bool:
+        """Whether a checkpoint's fp16 / bf16 matrices load as stored by default in a model of this
+        dtype (its kernels widen them as they compute)."""
+        return False
+
     def prepare_model(self, model: LlamaForCausalLM) -> None:
         """Put the loaded (and quantized) model's weights in the layouts the kernels read."""
 

@@ -231,7 +231,8 @@ class LLMEngine:
             loaded = load_model(model, dtype, backend.device, quantization if quantization in (None, *GGUF_NATIVE) else "none",
                                 backend.keeps_gguf_quantized(dtype), progress,
                                 # in parts as it loads, unless a quantization mode needs the whole model first (calibration)
-                                (group.rank, group.size) if group is not None and quantization in FILE_MODES else None)
+                                (group.rank, group.size) if group is not None and quantization in FILE_MODES else None,
+                                backend.keeps_16bit_weights(dtype))
             self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
                         enable_prefix_caching, tensor_parallel=group is not None, enforce_eager=enforce_eager)
             if quantization not in FILE_MODES:

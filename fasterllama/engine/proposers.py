@@ -186,7 +186,7 @@ def load_draft_model(model: str, quantization: str | None, target: LLMEngine, pr
     from .llm_engine import LLMEngine
 
     loaded = load_model(model, target.dtype, target.device, None if quantization is None else "none",
-                        target.backend.keeps_gguf_quantized(target.dtype), progress)
+                        target.backend.keeps_gguf_quantized(target.dtype), progress, keep_16bit=target.backend.keeps_16bit_weights(target.dtype))
     if loaded.config.vocab_size != target.config.vocab_size:
         raise FasterLlamaError(f"the draft model's vocabulary has {loaded.config.vocab_size} tokens, the model's {target.config.vocab_size}: "
                                "a draft model must share the model's tokenizer")

@@ -137,6 +137,16 @@ def _dequantize(data: np.ndarray, qtype: Any, rows_per_chunk: int = 2048) -> np.
     return out
 
 
+def stored_16bit(data: np.ndarray, qtype: Any) -> torch.Tensor | None:
+    """A copy of an F16 or BF16 tensor in its own type (None for other types): kept as stored it
+    takes half an fp32 copy's memory, and widening it as the kernels compute is exact."""
+    if qtype.name == "F16":
+        return torch.from_numpy(np.array(data, dtype=np.float16))
+    if qtype.name == "BF16":  # (gguf gives its raw bytes: numpy has no bf16)
+        return torch.from_numpy(np.array(data).view(np.int16)).view(torch.bfloat16)
+    return None
+
+
 def _field(reader: Any, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     if f is None:

@@ -16,6 +16,8 @@ from .. import ops
 from ..config import ModelConfig
 from ..errors import ModelLoadError
 
+HALF_TYPES = (torch.float16, torch.bfloat16)
+
 
 class Linear(nn.Module):
     """y = x W^T (+ b). Quantized linears keep this call signature."""
@@ -165,11 +167,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, meta: ops.AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for the packed tokens `input_ids` [T]."""
         cos, sin = self.rope_tables(meta.positions)
-        h, residual = self.embed_tokens(input_ids), None
+        h, residual = self.embed_tokens(input_ids).to(self.dtype), None  # (a 16-bit table's rows, widened)
         with ops.step(meta):
             for layer, kv in zip(self.layers, kv_caches):
                 h, residual = layer(h, residual, cos, sin, kv, meta)
         return self.norm(h, residual)[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype it computes in: its norms' (matrices may be stored narrower, see load_weights)."""
+        return self.norm.weight.dtype
 
     def rope_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, head_dim] of each position's RoPE angles (rotate-half layout), once a step."""
@@ -179,11 +186,13 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     # -- loading ------------------------------------------------------------------------------
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device, skip: Iterable[str] = ()) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: torch.device, skip: Iterable[str] = (),
+                     keep_16bit: bool = False) -> None:
         """Fill parameters from canonical (HF-named) tensors, one at a time, converting dtype.
 
         Fused projections (qkv, gate_up) are allocated once and filled slice by slice, so the
-        load never holds a second full copy of the weights."""
+        load never holds a second full copy of the weights. keep_16bit: matrices stored in fp16 or
+        bf16 stay so in an fp32 model (for kernels that widen them exactly as they compute)."""
         cfg = self.config
         params = dict(self.named_parameters(remove_duplicate=False))
         seen: set[str] = set()
@@ -191,10 +200,6 @@ class LlamaForCausalLM(nn.Module):
             "qkv_proj": [cfg.q_size, cfg.kv_size, cfg.kv_size],
             "gate_up_proj": [cfg.intermediate_size, cfg.intermediate_size],
         }
-        for name in skip:
-            target = name.removeprefix("model.")
-            fused = next((f for f in split_sizes if f".{f}." in target), None)
-            seen.update([f"{target}#{i}" for i in range(len(split_sizes[fused]))] if fused else [target])
         for name, tensor in tensors:
             target = name.removeprefix("model.")
             part = None
@@ -210,8 +215,12 @@ class LlamaForCausalLM(nn.Module):
                 raise ModelLoadError(f"tensor {name!r} is {str(tensor.dtype).removeprefix('torch.')}: a float checkpoint's tensors are float "
                                      "(quantized ones: GGUF files, or checkpoints saved by `fasterllama quantize`)")
             param = params[target]
+            stored = tensor.dtype if keep_16bit and dtype == torch.float32 and tensor.dim() == 2 and tensor.dtype in HALF_TYPES else dtype
             if param.device.type == "meta":
-                param = self._materialize(target, dtype, device)
+                param = self._materialize(target, stored, device)
+                params[target] = param
+            elif param.dtype != stored and param.dtype != dtype:  # a fused matrix's parts stored in different types: all in the model's dtype
+                param = self._materialize(target, dtype, device, param)
                 params[target] = param
             if part is None:
                 expected = tuple(param.shape)
@@ -227,6 +236,10 @@ class LlamaForCausalLM(nn.Module):
                     raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
                 dst.copy_(tensor)
                 seen.add(f"{target}#{part[1]}")
+        for name in skip:  # (after the tensors: their iterator may fill it as it goes)
+            target = name.removeprefix("model.")
+            fused = next((f for f in split_sizes if f".{f}." in target), None)
+            seen.update([f"{target}#{i}" for i in range(len(split_sizes[fused]))] if fused else [target])
         if "embed_tokens.weight" in seen and self.embed_tokens.weight.device.type == "meta":
             seen.add("lm_head.weight")  # the caller provides the embedding (and ties lm_head to it)
         elif cfg.tie_word_embeddings:  # (untied and absent: an error below, as in vLLM; HF would start it at random)
@@ -242,10 +255,11 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {_checkpoint_name(missing[0])!r}{untied}")
         self.inv_freq = self.inv_freq.to(device)
 
-    def _materialize(self, target: str, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    def _materialize(self, target: str, dtype: torch.dtype, device: torch.device, copy: torch.Tensor | None = None) -> nn.Parameter:
+        """A real parameter in place of a meta one (or of `copy`, whose values it takes)."""
         module_name, _, attr = target.rpartition(".")
         module = self.get_submodule(module_name)
         old = getattr(module, attr)
-        new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=device), requires_grad=False)
+        new = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=device) if copy is None else copy.to(dtype), requires_grad=False)
         setattr(module, attr, new)
         return new

@@ -46,7 +46,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
+    """A weight stored narrower than x (a checkpoint's 16-bit matrix in an fp32 model) widens to
+    x's type: the products of the widened copy."""
+    return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), bias)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

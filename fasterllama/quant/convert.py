@@ -145,7 +145,7 @@ def holds_exactly(q: nn.Module, weight: torch.Tensor, rows: int = 4096) -> bool:
 def quantize_head(model: LlamaForCausalLM, cfg: QuantConfig, head: nn.Module | None = None) -> None:
     """Weight-only quantization of the lm_head (or `head`, its quantized form already made) and the
     token embedding (tied: one matrix for both)."""
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     tied = model.lm_head.weight is model.embed_tokens.weight
     model.lm_head = head if head is not None else quantize_linear(model.lm_head, cfg)
     if tied:

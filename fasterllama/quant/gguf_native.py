@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ..host_memory import release_freed_memory
-from ..loading.gguf_file import GGUFCheckpoint, _dequantize, canonical_name, unpermute_rope_rows
+from ..loading.gguf_file import GGUFCheckpoint, _dequantize, canonical_name, stored_16bit, unpermute_rope_rows
 from ..model.llama import LlamaForCausalLM
 from ..parallel.sharding import ShardPlan, cut_module
 from . import gguf_blocks
@@ -84,66 +84,94 @@ def _take_bias(loaded: torch.nn.Module, quantized: torch.nn.Module) -> None:
         part.bias = torch.nn.Parameter(rows.clone(), requires_grad=False)
 
 
-def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch.dtype, device: torch.device, progress=None,
-                     plan: ShardPlan | None = None) -> None:
-    """plan: `model` holds one tensor-parallel rank's part; each tensor is cut to it as it loads,
-    before it goes to the device."""
-    cfg = model.config if plan is None else plan.cfg  # the whole model's heads: the file holds whole tensors
-    floats: list[tuple[str, torch.Tensor]] = []
-    pending: dict[str, dict[str, gguf_blocks.Blocks]] = {}  # fused projections waiting for their other parts
-    quantized: dict[str, torch.nn.Module] = {}
-    untrimmed = 0  # bytes of blocks decoded since the heap was last trimmed
+def _kept_in_blocks(name: str, type_name: str) -> bool:
+    """Whether load_gguf_native keeps this tensor in its file's blocks (a projection, the embedding
+    or the head, in a type with a decoder); the rest load as float."""
+    is_linear = name.endswith(".weight") and ("_proj." in name or name.startswith(("lm_head", "model.embed_tokens")))
+    return is_linear and type_name in NATIVE_TYPES
+
+
+def loaded_bytes(ckpt: GGUFCheckpoint, dtype: torch.dtype, keep_16bit: bool) -> int:
+    """About what load_gguf_native's weights take: tensors kept in blocks or 16-bit, their bytes in
+    the file; the others expanded to `dtype`."""
+    total = 0
     for t in ckpt.reader.tensors:
         name = canonical_name(t.name)
         if name is None:
             continue
-        if progress is not None:
-            progress.update(1)
-        type_name = t.tensor_type.name
-        is_linear = name.endswith(".weight") and ("_proj." in name or name.startswith(("lm_head", "model.embed_tokens")))
-        if type_name not in NATIVE_TYPES or not is_linear:
-            arr = _dequantize(t.data, t.tensor_type).reshape(tuple(int(d) for d in reversed(t.shape)))
-            if name.endswith(("q_proj.weight", "q_proj.bias")):
-                arr = unpermute_rope_rows(arr, cfg.num_heads)
-            elif name.endswith(("k_proj.weight", "k_proj.bias")):
-                arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
-            floats.append((name, torch.from_numpy(arr) if plan is None else plan.cut_tensor(name, torch.from_numpy(arr))))
-            ckpt.release_pages(t.data_offset, t.n_bytes)
-            continue
-        rows = int(t.shape[1])
-        blocks = gguf_blocks.decode(t.data, type_name, rows)
-        if ".q_proj." in name or ".k_proj." in name:  # undo llama.cpp's row permutation, exactly
-            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
-            blocks.map_rows(lambda a, h=heads: unpermute_rope_rows(a, h))
-        ckpt.release_pages(t.data_offset, t.n_bytes)
-        untrimmed += t.n_bytes
-        fused = next((f for f, ps in _PARTS.items() if any(f".{p}." in name for p in ps)), None)
-        target, src = name, ""
-        if fused is not None:
-            src = next(p for p in _PARTS[fused] if f".{p}." in name)
-            target = name.replace(f".{src}.", f".{fused}.")
-        pending.setdefault(target, {})[src] = blocks
-        order = _PARTS[fused] if fused else ("",)
-        if all(p in pending[target] for p in order):  # complete: build it now, free the arrays
-            parts = pending.pop(target)
-            module = _module([parts[p] for p in order], device)
-            if module is not None:
-                if plan is not None:
-                    module = cut_module(plan, target.removeprefix("model.").removesuffix(".weight"), module)
-                quantized[target] = module.to(device)
-            else:
-                pending[target] = parts  # expanded to float below
-            del parts, module
-            if untrimmed >= TRIM_BYTES:  # the decoded-then-repacked temporaries would pile up on top of the weights
+        as_stored = _kept_in_blocks(name, t.tensor_type.name) or (keep_16bit and t.tensor_type.name in ("F16", "BF16") and len(t.shape) == 2)
+        total += int(t.n_bytes) if as_stored else int(t.n_elements) * dtype.itemsize
+    return total
+
+
+def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch.dtype, device: torch.device, progress=None,
+                     plan: ShardPlan | None = None, keep_16bit: bool = False) -> None:
+    """plan: `model` holds one tensor-parallel rank's part; each tensor is cut to it as it loads,
+    before it goes to the device. keep_16bit: F16 / BF16 matrices stay 16-bit (LlamaForCausalLM.load_weights)."""
+    cfg = model.config if plan is None else plan.cfg  # the whole model's heads: the file holds whole tensors
+    quantized: dict[str, torch.nn.Module] = {}
+    float_names: set[str] = set()
+
+    def floats():
+        """The float tensors, one at a time as load_weights takes them (never all at once: an F16
+        file's would be the model twice over), building the quantized modules on the way."""
+        pending: dict[str, dict[str, gguf_blocks.Blocks]] = {}  # fused projections waiting for their other parts
+        untrimmed = 0  # bytes read since the heap was last trimmed
+        for t in ckpt.reader.tensors:
+            name = canonical_name(t.name)
+            if name is None:
+                continue
+            if progress is not None:
+                progress.update(1)
+            if untrimmed >= TRIM_BYTES:  # each tensor's temporaries (decoded blocks, float copies) would pile up on top of the weights
                 release_freed_memory()
                 untrimmed = 0
-    for target, parts in pending.items():  # fused projections with float parts, or no exact module: float
-        fused = next((f for f in _PARTS if f".{f}." in target), None)
-        for p, blocks in parts.items():
-            name = target.replace(f".{fused}.", f".{p}.") if fused else target
-            floats.append((name, torch.from_numpy(blocks.values()) if plan is None else plan.cut_tensor(name, torch.from_numpy(blocks.values()))))
-    ckpt.release_all_pages()
-    model.load_weights(floats, dtype, device, skip=set(quantized))
+            untrimmed += t.n_bytes
+            type_name = t.tensor_type.name
+            if not _kept_in_blocks(name, type_name):
+                shape = tuple(int(d) for d in reversed(t.shape))
+                kept = stored_16bit(t.data, t.tensor_type) if keep_16bit and len(shape) == 2 else None
+                arr = kept.reshape(shape) if kept is not None else torch.from_numpy(_dequantize(t.data, t.tensor_type).reshape(shape))
+                if name.endswith(("q_proj.weight", "q_proj.bias")):
+                    arr = unpermute_rope_rows(arr, cfg.num_heads)
+                elif name.endswith(("k_proj.weight", "k_proj.bias")):
+                    arr = unpermute_rope_rows(arr, cfg.num_kv_heads)
+                ckpt.release_pages(t.data_offset, t.n_bytes)
+                float_names.add(name)
+                yield name, arr if plan is None else plan.cut_tensor(name, arr)
+                continue
+            rows = int(t.shape[1])
+            blocks = gguf_blocks.decode(t.data, type_name, rows)
+            if ".q_proj." in name or ".k_proj." in name:  # undo llama.cpp's row permutation, exactly
+                heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+                blocks.map_rows(lambda a, h=heads: unpermute_rope_rows(a, h))
+            ckpt.release_pages(t.data_offset, t.n_bytes)
+            fused = next((f for f, ps in _PARTS.items() if any(f".{p}." in name for p in ps)), None)
+            target, src = name, ""
+            if fused is not None:
+                src = next(p for p in _PARTS[fused] if f".{p}." in name)
+                target = name.replace(f".{src}.", f".{fused}.")
+            pending.setdefault(target, {})[src] = blocks
+            order = _PARTS[fused] if fused else ("",)
+            if all(p in pending[target] for p in order):  # complete: build it now, free the arrays
+                parts = pending.pop(target)
+                module = _module([parts[p] for p in order], device)
+                if module is not None:
+                    if plan is not None:
+                        module = cut_module(plan, target.removeprefix("model.").removesuffix(".weight"), module)
+                    quantized[target] = module.to(device)
+                else:
+                    pending[target] = parts  # expanded to float below
+                del parts, module
+        for target, parts in pending.items():  # fused projections with float parts, or no exact module: float
+            fused = next((f for f in _PARTS if f".{f}." in target), None)
+            for p, blocks in parts.items():
+                name = target.replace(f".{fused}.", f".{p}.") if fused else target
+                float_names.add(name)
+                yield name, torch.from_numpy(blocks.values()) if plan is None else plan.cut_tensor(name, torch.from_numpy(blocks.values()))
+        ckpt.release_all_pages()
+
+    model.load_weights(floats(), dtype, device, skip=quantized, keep_16bit=keep_16bit)  # (skip: read once the tensors are in)
     for target, module in quantized.items():
         path = target.removeprefix("model.").removesuffix(".weight")
         if path == "embed_tokens":
@@ -153,5 +181,5 @@ def load_gguf_native(model: LlamaForCausalLM, ckpt: GGUFCheckpoint, dtype: torch
             owner = model.get_submodule(parent) if parent else model
             _take_bias(getattr(owner, attr), module)
             setattr(owner, attr, module)
-    if "model.embed_tokens.weight" in quantized and "lm_head.weight" not in quantized and "lm_head.weight" not in {n for n, _ in floats}:
+    if "model.embed_tokens.weight" in quantized and "lm_head.weight" not in quantized and "lm_head.weight" not in float_names:
         model.lm_head = model.embed_tokens.table  # tied: one quantized matrix serves both

@@ -54,6 +54,11 @@ class CPUBackend(Backend):
     def keeps_gguf_quantized(self, dtype: torch.dtype) -> bool:
         return dtype == torch.float32  # the C kernels compute with the file's exact floats
 
+    def keeps_16bit_weights(self, dtype: torch.dtype) -> bool:
+        # the C GEMVs widen them in registers: the fp32 copy's sums from half its bytes (without the
+        # kernels, the reference would widen every matrix at every call)
+        return dtype == torch.float32 and kernels.load() is not None
+
     def prepare_model(self, model) -> None:
         from . import huge_pages
 

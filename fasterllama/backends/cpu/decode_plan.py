@@ -3,7 +3,7 @@
 The CPU analogue of replaying a captured CUDA graph: the weights' and KV caches' addresses are
 collected once into an array of C structs, so a decode step crosses from Python into C once
 instead of ~300 times (embedding, every layer, final norm, lm_head). Runs steps where every sequence decodes one token (batch <= 16) on fp32
-models with plain, int8 or 4-bit linears, and steps with prompts (up to PREFILL_MAX_ROWS rows)
+models with float (fp32, or 16-bit as stored), int8 or 4-bit linears, and steps with prompts (up to PREFILL_MAX_ROWS rows)
 where every layer's linears are panels: the GEMM and the prefill attention kernel as op by op,
 with the model's RoPE tables, so the logits are the op-by-op forward's to the bit (a 128-token
 prompt of a Q4_K_M file 1.08x faster: the ~30 ms of Python around ~135 kernel calls gone).
@@ -31,7 +31,8 @@ PREFILL_MAX_ROWS = 512  # past it a prompt chunk goes op by op: the step's buffe
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", _I), ("n", _I), ("k", _I), ("g", _I), ("bits", _I), ("sbytes", _I), ("w", _P), ("scales", _P), ("mins", _P),
-                ("sup_s", _P), ("sup_m", _P), ("gps", _I), ("parts", _P), ("nparts", _I), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I), ("a8", _I)]
+                ("sup_s", _P), ("sup_m", _P), ("gps", _I), ("parts", _P), ("nparts", _I), ("bias", _P), ("wsum", _P), ("in_scale", _P), ("clip", _I), ("a8", _I),
+                ("wtype", _I)]
 
 
 class _Layer(ctypes.Structure):
@@ -44,8 +45,8 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
     bias = getattr(m, "bias", None)
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
-    if type(m) is Linear and m.weight.dtype == torch.float32 and m.weight.is_contiguous() and m.in_features % 32 == 0:
-        return _Linear(0, m.out_features, m.in_features, m.in_features, 32, 4, m.weight.data_ptr(), bias=cpu_kernels.ptr(bias))
+    if type(m) is Linear:
+        return _floats(m.weight, bias) if m.in_features % 32 == 0 else None
     if isinstance(m, FusedLinear):  # matrices side by side: one kind-4 linear over their kind-1 descriptions
         parts = [_linear(p, None, keep) for p in m.parts]
         if any(p is None or p.kind != 1 or p.bias for p in parts) or len(parts) > 8:
@@ -73,6 +74,14 @@ def _linear(m: torch.nn.Module, quantizer: torch.nn.Module, keep: list[torch.Ten
     return None
 
 
+def _floats(w: torch.Tensor, bias: torch.Tensor | None) -> _Linear | None:
+    """A kind-0 description: float weights [n, k], fp32 or 16-bit as the checkpoint stored them."""
+    if w.dtype not in cpu_kernels.WEIGHT_TYPES or not w.is_contiguous():
+        return None
+    return _Linear(0, w.shape[0], w.shape[1], w.shape[1], 8 * w.element_size(), w.element_size(), w.data_ptr(), bias=cpu_kernels.ptr(bias),
+                   wtype=cpu_kernels.WEIGHT_TYPES[w.dtype])
+
+
 def _panels(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int] | None:
     """(values, scales, mins or None, bits, group size) of a linear whose weights are in panels."""
     if isinstance(m, PackedLinear) and m.group_size % 4 == 0:
@@ -87,10 +96,7 @@ def _panels(m: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def _embedding(m: torch.nn.Module, keep: list[torch.Tensor]) -> _Linear | None:
     """The C description of the token embedding's table (its rows, as a linear's weight rows)."""
     if isinstance(m, torch.nn.Embedding):
-        w = m.weight
-        if w.dtype != torch.float32 or not w.is_contiguous():
-            return None
-        return _Linear(0, w.shape[0], w.shape[1], w.shape[1], 32, 4, w.data_ptr())
+        return _floats(m.weight, None)
     if isinstance(m, QuantizedEmbedding) and m.dtype == torch.float32 and isinstance(m.table, (Int8Linear, Int4Linear, PackedLinear)):
         return _linear(m.table, None, keep)
     return None

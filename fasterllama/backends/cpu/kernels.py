@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
 # -ffp-contract=off: scalar code rounds as written (as torch does), FMAs only where intrinsics ask
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared"]  # + FASTERLLAMA_CFLAGS, e.g. -mno-avx512f
+WEIGHT_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # float weights the GEMVs read (csrc: W_F32, W_F16, W_BF16)
 GEMV_MAX_ROWS = 16  # up to this many activation rows the GEMV kernels (weights streamed once); beyond, the GEMM
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -40,7 +41,7 @@ _SIGNATURES = {
     "fl_panel_gemm": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P],
     "fl_panel_gemm_a8": [_P, _I, _I, _P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P],
     "fl_panel_rows": [_P, _P, _P, _I, _P, _P, _I, _I, _I, _I, _P, _I, _P],
-    "fl_f32_linear": [_P, _I, _I, _P, _I, _P],
+    "fl_float_linear": [_P, _I, _I, _P, _I, _I, _P],
     "fl_rms_norm": [_P, _P, ctypes.c_float, _I, _I, _P],
     "fl_silu_and_mul": [_P, _I, _I, _P],
     "fl_add_rms_norm": [_P, _P, _P, ctypes.c_float, _I, _I, _P, _P],
@@ -181,8 +182,22 @@ def _onednn_linear() -> Callable | None:
 
 
 
+WIDEN_BYTES = 32 << 20  # a 16-bit matrix widens to fp32 for a GEMM this many bytes of rows at a time
+
+
 def sgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b) in fp32 for many rows (prefill); F.linear where oneDNN is missing or autograd is on."""
+    """x W^T (+ b) in fp32 for many rows (prefill); F.linear where oneDNN is missing or autograd is on.
+    A 16-bit W (a checkpoint's fp16/bf16 matrix kept as stored) widens exactly to fp32 a block of
+    rows at a time: the fp32 copy's products, without ever holding that copy."""
+    if weight.dtype in WEIGHT_TYPES and weight.dtype != x.dtype and x.dtype == torch.float32:
+        n, k = weight.shape
+        rows = max(1, WIDEN_BYTES // (4 * k))
+        if rows >= n:
+            return sgemm(x, weight.float(), bias)
+        out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+        for lo in range(0, n, rows):
+            out[..., lo : lo + rows] = sgemm(x, weight[lo : lo + rows].float(), None if bias is None else bias[lo : lo + rows])
+        return out
     if x.dtype == weight.dtype == torch.float32 and not (x.requires_grad or weight.requires_grad) and _onednn_linear() is not None:
         return _onednn_linear()(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -227,12 +242,14 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) for fp32 x and W in fp32, or in fp16 / bf16 as a checkpoint stores it (widened
+    in registers: the fp32 copy's sums from half the bytes): the GEMV up to GEMV_MAX_ROWS rows."""
     n, k = weight.shape
-    if not _usable(x, k) or weight.dtype != torch.float32 or not weight.is_contiguous() or x.numel() // k > GEMV_MAX_ROWS:
+    if not _usable(x, k) or weight.dtype not in WEIGHT_TYPES or not weight.is_contiguous() or x.numel() // k > GEMV_MAX_ROWS:
         return sgemm(x, weight, bias)
     x2 = _rows(x, k)
     y = torch.empty(x2.shape[0], n, dtype=torch.float32)
-    _lib.fl_f32_linear(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), n, y.data_ptr())
+    _lib.fl_float_linear(x2.data_ptr(), x2.shape[0], k, weight.data_ptr(), WEIGHT_TYPES[weight.dtype], n, y.data_ptr())
     y = y.view(*x.shape[:-1], n)
     return y if bias is None else y + bias
 

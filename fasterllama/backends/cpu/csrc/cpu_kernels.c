@@ -1109,18 +1109,57 @@ void fl_panel_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qp, cons
     panel_parts_gemm(x, M, K, &part, 1, y, N);
 }
 
-/* ---- fp32 weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 -------------------
- * MKL runs this shape (GEMV) on one core; here both cores stream the weight rows. */
-static inline __attribute__((always_inline)) void f32_row(const float *x, int64_t K, const float *w, int64_t len, int64_t pf,
-                                                           float *y, int64_t N, const int rows, int accumulate) {
+/* ---- float weights: y [M, N] = x [M, K] @ W^T for small M, K a multiple of 32 ------------------
+ * MKL runs this shape (GEMV) on one core; here both cores stream the weight rows. The weights are
+ * fp32, or fp16 / bf16 as a checkpoint stores them (wt): widened to fp32 in registers, exactly, so
+ * a 16-bit matrix gives the very sums its fp32 copy would while streaming half the bytes. */
+#define W_F32 0
+#define W_F16 1
+#define W_BF16 2
+
+/* 16 weights from element i of a row of type wt, as fp32 (vf halves, as F32X16) */
+static inline __attribute__((always_inline)) void w16_at(const void *w, int64_t i, vf *o, const int wt) {
+    if (wt == W_F32) {
+        F32X16((const float *)w + i, o);
+        return;
+    }
+    const uint16_t *h = (const uint16_t *)w + i;
+#if defined(__AVX512F__)
+    const __m256i v = _mm256_loadu_si256((const __m256i *)h);
+    o[0] = wt == W_F16 ? _mm512_cvtph_ps(v) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+#else
+    const __m128i a = _mm_loadu_si128((const __m128i *)h), b = _mm_loadu_si128((const __m128i *)(h + 8));
+    if (wt == W_F16) {
+        o[0] = _mm256_cvtph_ps(a), o[1] = _mm256_cvtph_ps(b);
+    } else {
+        o[0] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+        o[1] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    }
+#endif
+}
+
+static inline int64_t w_bytes(int wt) { return wt == W_F32 ? 4 : 2; }
+
+static inline float half_to_float(uint16_t h, int wt) {
+    if (wt == W_F16) return _cvtsh_ss(h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof(f));
+    return f;
+}
+
+static inline __attribute__((always_inline)) void float_row(const float *x, int64_t K, const void *w, int64_t len, int64_t pf,
+                                                           float *y, int64_t N, const int rows, int accumulate, const int wt) {
     vf acc[MT], wa[2], wb[2];
     const vf one = VSET1(1.f);
+    const char *wc = (const char *)w;
+    const int64_t es = w_bytes(wt);
     for (int r = 0; r < rows; r++) acc[r] = VZERO();
     for (int64_t k = 0; k < len; k += 32) {
-        _mm_prefetch((const char *)(w + k + pf), WEIGHT_HINT);
-        _mm_prefetch((const char *)(w + k + pf + 16), WEIGHT_HINT);
-        F32X16(w + k, wa);
-        F32X16(w + k + 16, wb);
+        _mm_prefetch(wc + (k + pf) * es, WEIGHT_HINT);
+        if (es == 4) _mm_prefetch(wc + (k + pf + 16) * es, WEIGHT_HINT);
+        w16_at(w, k, wa, wt);
+        w16_at(w, k + 16, wb, wt);
         DOT32(rows, x, K, k, k + 16, wa, wb, one, acc, 0)
     }
     for (int r = 0; r < rows; r++) y[r * N] = (accumulate ? y[r * N] : 0.f) + VHSUM(acc[r]);
@@ -1129,18 +1168,22 @@ static inline __attribute__((always_inline)) void f32_row(const float *x, int64_
 #if defined(__AVX512F__)
 /* Two weight rows at once for 4+ activation rows: each x load feeds two FMAs (32 zmm registers
  * hold the 2 x 8 accumulators). */
-static inline __attribute__((always_inline)) void f32_row2(const float *x, int64_t K, const float *w, int64_t len, int64_t pf,
-                                                            float *y, int64_t N, const int rows, int accumulate) {
+static inline __attribute__((always_inline)) void float_row2(const float *x, int64_t K, const void *w, int64_t len, int64_t pf,
+                                                            float *y, int64_t N, const int rows, int accumulate, const int wt) {
     __m512 a0[MT], a1[MT];
     for (int r = 0; r < rows; r++) a0[r] = a1[r] = _mm512_setzero_ps();
-    const float *w1 = w + K;
+    const int64_t es = w_bytes(wt);
+    const char *wc = (const char *)w, *w1c = wc + K * es;
     for (int64_t k = 0; k < len; k += 32) {
-        _mm_prefetch((const char *)(w + k + pf), WEIGHT_HINT);
-        _mm_prefetch((const char *)(w + k + pf + 16), WEIGHT_HINT);
-        _mm_prefetch((const char *)(w1 + k + pf), WEIGHT_HINT);
-        _mm_prefetch((const char *)(w1 + k + pf + 16), WEIGHT_HINT);
-        const __m512 w0a = _mm512_loadu_ps(w + k), w0b = _mm512_loadu_ps(w + k + 16);
-        const __m512 w1a = _mm512_loadu_ps(w1 + k), w1b = _mm512_loadu_ps(w1 + k + 16);
+        _mm_prefetch(wc + (k + pf) * es, WEIGHT_HINT);
+        _mm_prefetch(w1c + (k + pf) * es, WEIGHT_HINT);
+        if (es == 4) {
+            _mm_prefetch(wc + (k + pf + 16) * es, WEIGHT_HINT);
+            _mm_prefetch(w1c + (k + pf + 16) * es, WEIGHT_HINT);
+        }
+        __m512 w0a, w0b, w1a, w1b;
+        w16_at(wc, k, &w0a, wt), w16_at(wc, k + 16, &w0b, wt);
+        w16_at(w1c, k, &w1a, wt), w16_at(w1c, k + 16, &w1b, wt);
         for (int r = 0; r < rows; r++) {
             const __m512 xa = _mm512_loadu_ps(x + r * K + k), xb = _mm512_loadu_ps(x + r * K + k + 16);
             a0[r] = _mm512_fmadd_ps(w0b, xb, _mm512_fmadd_ps(w0a, xa, a0[r]));
@@ -1153,32 +1196,50 @@ static inline __attribute__((always_inline)) void f32_row2(const float *x, int64
     }
 }
 
-static void f32_rows2(const float *x, int64_t K, const float *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc) {
-#define ROW2_CALL(R) f32_row2(x, K, w, len, pf, y, N, (R) < 4 ? 4 : (R), acc) /* callers pass 4-8 rows */
-    DISPATCH_ROWS(rows, ROW2_CALL)
-#undef ROW2_CALL
+static void float_rows2(const float *x, int64_t K, const void *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc, int wt) {
+#define ROW2_F32(R) float_row2(x, K, w, len, pf, y, N, (R) < 4 ? 4 : (R), acc, W_F32) /* callers pass 4-8 rows */
+#define ROW2_F16(R) float_row2(x, K, w, len, pf, y, N, (R) < 4 ? 4 : (R), acc, W_F16)
+#define ROW2_BF16(R) float_row2(x, K, w, len, pf, y, N, (R) < 4 ? 4 : (R), acc, W_BF16)
+    switch (wt) {
+        case W_F16: DISPATCH_ROWS(rows, ROW2_F16); break;
+        case W_BF16: DISPATCH_ROWS(rows, ROW2_BF16); break;
+        default: DISPATCH_ROWS(rows, ROW2_F32); break;
+    }
+#undef ROW2_F32
+#undef ROW2_F16
+#undef ROW2_BF16
 }
 #define HAVE_ROW2 1
 #else
 #define HAVE_ROW2 0
-static void f32_rows2(const float *x, int64_t K, const float *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc) {
-    (void)x, (void)K, (void)w, (void)len, (void)pf, (void)y, (void)N, (void)rows, (void)acc; /* never called */
+static void float_rows2(const float *x, int64_t K, const void *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc, int wt) {
+    (void)x, (void)K, (void)w, (void)len, (void)pf, (void)y, (void)N, (void)rows, (void)acc, (void)wt; /* never called */
 }
 #endif
 
-static void f32_rows(const float *x, int64_t K, const float *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc) {
-#define ROW_CALL(R) f32_row(x, K, w, len, pf, y, N, R, acc)
-    DISPATCH_ROWS(rows, ROW_CALL)
-#undef ROW_CALL
+static void float_rows(const float *x, int64_t K, const void *w, int64_t len, int64_t pf, float *y, int64_t N, int rows, int acc, int wt) {
+#define ROW_F32(R) float_row(x, K, w, len, pf, y, N, R, acc, W_F32)
+#define ROW_F16(R) float_row(x, K, w, len, pf, y, N, R, acc, W_F16)
+#define ROW_BF16(R) float_row(x, K, w, len, pf, y, N, R, acc, W_BF16)
+    switch (wt) {
+        case W_F16: DISPATCH_ROWS(rows, ROW_F16); break;
+        case W_BF16: DISPATCH_ROWS(rows, ROW_BF16); break;
+        default: DISPATCH_ROWS(rows, ROW_F32); break;
+    }
+#undef ROW_F32
+#undef ROW_F16
+#undef ROW_BF16
 }
 
 /* With many activation rows and long ones, the rows' x no longer fit in L1 beside the weight
  * stream: then each thread walks its weight rows once per K block of KB columns. */
 #define KB 512
 
-void fl_f32_linear(const float *x, int64_t M, int64_t K, const float *weight, int64_t N, float *y) {
+/* weight [N, K] of float type wt (W_F32, W_F16, W_BF16) */
+void fl_float_linear(const float *x, int64_t M, int64_t K, const void *weight, int64_t wt, int64_t N, float *y) {
     const int64_t kb = (M > 4 && K > 2 * KB) ? KB : K;
-    const int64_t pf = kb == K ? PF_BYTES / 4 : 2 * K; /* next in the stream: 8 KB on, or 2 rows down */
+    const int64_t es = w_bytes((int)wt);
+    const int64_t pf = kb == K ? PF_BYTES / es : 2 * K; /* next in the stream: 8 KB on, or 2 rows down */
 #pragma omp parallel
     {
         const int64_t nt = omp_get_num_threads(), t = omp_get_thread_num();
@@ -1187,15 +1248,15 @@ void fl_f32_linear(const float *x, int64_t M, int64_t K, const float *weight, in
             const int64_t len = K - k0 < kb ? K - k0 : kb;
             const int acc = k0 > 0;
             for (int64_t n = n0; n < n1; n++) {
-                const float *w = weight + n * K + k0;
+                const void *w = (const char *)weight + (n * K + k0) * es;
                 /* 4-8 rows on column blocks: weight rows n and n + 1 at once (measured: a gain there only) */
                 if (HAVE_ROW2 && kb < K && M >= 4 && M <= MT && n + 1 < n1) {
-                    f32_rows2(x + k0, K, w, len, pf, y + n, N, (int)M, acc);
+                    float_rows2(x + k0, K, w, len, pf, y + n, N, (int)M, acc, (int)wt);
                     n++;
                     continue;
                 }
                 for (int64_t m0 = 0; m0 < M; m0 += MT)
-                    f32_rows(x + m0 * K + k0, K, w, len, pf, y + m0 * N + n, N, (int)(M - m0 >= MT ? MT : M - m0), acc);
+                    float_rows(x + m0 * K + k0, K, w, len, pf, y + m0 * N + n, N, (int)(M - m0 >= MT ? MT : M - m0), acc, (int)wt);
             }
         }
     }
@@ -2604,6 +2665,7 @@ typedef struct fl_linear {
     const float *in_scale; /* w8a8: the static activation scale, or NULL for per-token scales */
     int64_t clip;          /* w8a8, static: rows beyond the scale's range saturate (else: their own scale) */
     int64_t a8;            /* kinds 1 and 4: x rounded to int8 by chunk (quantization "gguf-a8") */
+    int64_t wtype;         /* kind 0: the weights' float type (W_F32, W_F16, W_BF16) */
 } fl_linear_t;
 
 typedef struct {
@@ -2631,7 +2693,7 @@ static void run_linear(const fl_linear_t *L, const float *x, int64_t M, float *y
         fl_w8a8_linear(xq, xs, M, L->k, (const int8_t *)L->w, (const float *)L->scales, L->wsum, L->n, L->bias, y);
         return;
     }
-    if (L->kind == 0) fl_f32_linear(x, M, L->k, (const float *)L->w, L->n, y);
+    if (L->kind == 0) fl_float_linear(x, M, L->k, L->w, L->wtype, L->n, y);
     else {
         const fl_linear_t *ps = L->kind == 4 ? L->parts : L;
         const int n = L->kind == 4 ? (int)L->nparts : 1;
@@ -2674,9 +2736,10 @@ static void embed_rows(const fl_linear_t *E, const int64_t *tokens, int64_t B, f
     for (int64_t b = 0; b < B; b++) {
         const int64_t t = tokens[b];
         float *o = h + b * K;
-        if (E->kind == 0) {
-            const float *row = (const float *)E->w + t * K;
-            for (int64_t k = 0; k < K; k++) o[k] = row[k];
+        if (E->kind == 0) { /* float rows, widened as the model's embedding does */
+            if (E->wtype == W_F32) memcpy(o, (const float *)E->w + t * K, sizeof(float) * K);
+            else
+                for (int64_t k = 0; k < K; k++) o[k] = half_to_float(((const uint16_t *)E->w)[t * K + k], (int)E->wtype);
             continue;
         }
         const int64_t p = t / PANEL, j = t % PANEL; /* row t is lane t % 32 of its panel's columns */
