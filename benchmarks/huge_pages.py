@@ -13,13 +13,16 @@ import statistics
 import time
 
 from fasterllama import LLM, SamplingParams
+from fasterllama.backends.cpu import huge_pages
 from fasterllama.bench import fixed_prompt_ids
 
 
-def load(quantization: str | None, huge_pages: bool) -> LLM:
-    os.environ["FASTERLLAMA_HUGE_PAGES"] = "1" if huge_pages else "0"
+def load(quantization: str | None, in_huge_pages: bool) -> LLM:
+    os.environ["FASTERLLAMA_HUGE_PAGES"] = "1" if in_huge_pages else "0"
     try:
-        return LLM(None, progress=False, quantization=quantization)
+        llm = LLM(None, progress=False, quantization=quantization)
+        huge_pages.wait()  # (large tensors collapse on a thread: compare the finished layout)
+        return llm
     finally:
         del os.environ["FASTERLLAMA_HUGE_PAGES"]
 

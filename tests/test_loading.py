@@ -360,6 +360,40 @@ def test_weights_move_to_huge_pages(tmp_path, monkeypatch):
     assert [t.data_ptr() for t in model.parameters()] == before
 
 
+def test_huge_page_collapse_does_not_hold_the_load(tmp_path, monkeypatch):
+    """Large tensors collapse into huge pages on a thread (the kernel may compact memory for
+    seconds): the model loads and runs while it works, unmoved, and wait() sees it through."""
+    import threading
+
+    import tiny_models as tm
+    import torch
+
+    from fasterllama import LLM
+    from fasterllama.backends.cpu import huge_pages
+
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 1024)
+    monkeypatch.setattr(huge_pages, "IN_PLACE_BYTES", 60 << 10)
+    release, collapsing = threading.Event(), []
+    madvise = huge_pages._madvise
+
+    def slow(start, end, *advice):
+        if huge_pages.MADV_COLLAPSE in advice:
+            collapsing.append(start)
+            release.wait(30)
+        madvise(start, end, *advice)
+
+    monkeypatch.setattr(huge_pages, "_madvise", slow)
+    path = tm.save_hf_checkpoint(tm.build_hf_model(tm.SPECS["gqa"]), str(tmp_path / "gqa"))
+    llm = LLM(model=path, progress=False)  # returns with the collapse held
+    large = [t for t in huge_pages._large_tensors(llm.engine.model) if t.numel() * t.element_size() >= huge_pages.IN_PLACE_BYTES]
+    assert large and any(t.is_alive() for t in huge_pages._collapsing)
+    before = llm.compute_logits(list(range(3, 20)))
+    release.set()
+    huge_pages.wait()
+    assert not huge_pages._collapsing and len(collapsing) == len(large)
+    assert torch.equal(llm.compute_logits(list(range(3, 20))), before)
+
+
 @pytest.mark.skipif(default_model_path() is None, reason="default model not installed")
 def test_default_model_weights_sit_in_huge_pages(default_llm):
     """Where the kernel grants transparent huge pages on request, the arena really is in 2 MB pages."""
