@@ -84,6 +84,7 @@ def _refuse_constant(name: str) -> float:
 
 
 GREEDY_BELOW = 1e-5  # temperatures under it are greedy
+_FLOAT32_MAX = 3.4028234663852886e38  # (biases are added to fp32 logits: past it, +-inf)
 
 
 @dataclass
@@ -266,7 +267,8 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise FasterLlamaError(f"logit_bias must be a dict of token id -> bias, got {_show(self.logit_bias)}")
             self.logit_bias = {_check_int("each logit_bias token id", int(t) if isinstance(t, str) and t.isdigit() else t, 0, _INT64_MAX):
-                               _check_real(f"logit_bias[{t}]", b, "a finite number") for t, b in self.logit_bias.items()} or None
+                               _check_real(f"logit_bias[{t}]", b, "a finite number (within float32's range)", lambda x: abs(x) <= _FLOAT32_MAX)
+                               for t, b in self.logit_bias.items()} or None
         if self.allowed_token_ids is not None:
             ids = _check_list("allowed_token_ids", self.allowed_token_ids, None, "a non-empty list of token ids or None")
             if not ids:

@@ -372,3 +372,22 @@ def test_vllm_script_spellings(tiny_beam_model, tmp_path):
     chatty = LLM(path, progress=False, tokenizer=str(folder))
     out = chatty.chat([{"role": "user", "content": "abc"}], greedy)[0]
     assert out.prompt == "<user>abc" and out.prompt_token_ids == chatty.chat_prompt([{"role": "user", "content": "abc"}])
+
+
+def test_bad_words_spelled_as_vllm(tiny_beam_model):
+    """vLLM's two spellings of a bad word: without its leading spaces, and after one space only
+    where that has as many tokens and another first token."""
+    _, llm, _, _ = tiny_beam_model
+    tok, engine = llm.tokenizer, llm.engine
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    words = [w for w in ("the", "cat", "sat", "mat", "hello", "ab", "on") if ids(w)]
+    same = next(w for w in words if len(ids(" " + w)) == len(ids(w)) and ids(" " + w)[0] != ids(w)[0])
+    assert engine._bad_words_ids(SamplingParams(bad_words=[same])) == [ids(same), ids(" " + same)]
+    assert engine._bad_words_ids(SamplingParams(bad_words=["  " + same])) == [ids(same), ids(" " + same)]  # (leading spaces dropped)
+    longer = [w for w in words if len(ids(" " + w)) != len(ids(w))]
+    for w in longer:
+        assert engine._bad_words_ids(SamplingParams(bad_words=[w])) == [ids(w)]
+    assert longer, "the tiny vocabulary spells no word with a space in more tokens"

@@ -199,3 +199,34 @@ def test_top_p_without_full_sort_same_nucleus(flat: bool, monkeypatch) -> None:
     if not flat:
         monkeypatch.setattr(torch, "sort", lambda *a, **k: pytest.fail("sorted the whole vocabulary"))
     assert torch.equal(smp.top_p_outside(logits, top_p), expected)
+
+
+def test_huge_bias_or_tiny_penalty_keeps_the_distribution():
+    """A bias near float32's end or a repetition penalty of 1e-40 once took logits / temperature to
+    inf and the draw to NaN noise (uniform over the vocabulary): the row is now shifted to a
+    maximum of 0, so the forced token wins; ordinary rows keep their logits bit for bit."""
+    from dataclasses import replace
+
+    from fasterllama import SamplingParams
+
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    top = int(logits[2].argmax())
+    bias = torch.zeros(4, 50)
+    bias[0, 5], bias[1, 7], bias[3, 9] = 3e38, 1e36, 1.5
+    b = replace(batch(4), temperature=torch.tensor([0.5, 1e-3, 0.7, 0.7]), repetition_penalty=torch.tensor([1.0, 1.0, 1e-40, 1.0]),
+                bias=bias, prompt_tokens=torch.tensor([[top, -1]] * 4))
+    from fasterllama.backends.cpu import kernels as ck
+
+    def c_sample(logits, b):  # the CPU's one-pass sampler, where it builds
+        return ck.sample_rows(sampler.penalized(logits, b), b.temperature, b.top_k, b.top_p, b.min_p, b.seeds, b.steps)
+
+    for sample in (sampler.reference_sample, *([c_sample] if ck.load() is not None else [])):
+        drawn = [sample(logits, replace(b, steps=torch.full((4,), s))).tolist() for s in range(40)]
+        assert {d[0] for d in drawn} == {5} and {d[1] for d in drawn} == {7} and {d[2] for d in drawn} == {top}
+        assert len({d[3] for d in drawn}) > 3  # (an ordinary row still samples)
+    processed = sampler.penalized(logits, b)
+    assert not processed.isnan().any() and processed.amax(dim=-1)[:3].eq(0).all()
+    assert torch.equal(processed[3], logits[3] + bias[3])
+    with pytest.raises(ValueError, match="within float32's range"):
+        SamplingParams(logit_bias={5: 1e39})

@@ -453,13 +453,19 @@ class LLMEngine:
         return seqs
 
     def _bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Each bad word's token ids, as written and after a space (vLLM's two spellings)."""
+        """Each bad word's token ids as vLLM spells it: without its leading spaces, and after one
+        space where that spelling has as many tokens and another first token (a word that starts
+        a text, and one inside it)."""
         if not params.bad_words:
             return []
         if self.tokenizer is None:
             raise FasterLlamaError("bad_words need the model's tokenizer")
-        spellings = {tuple(self.tokenizer.encode(text, add_special_tokens=False)) for w in params.bad_words for text in (w, " " + w.lstrip())}
-        return [list(ids) for ids in spellings if ids]
+        out: list[list[int]] = []
+        for word in params.bad_words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [ids for ids in (bare, spaced if bare and len(spaced) == len(bare) and spaced[0] != bare[0] else []) if ids and ids not in out]
+        return out
 
     def check_params(self, params: object) -> SamplingParams:
         """params (None: the defaults) checked against this model (token ids in its vocabulary): a

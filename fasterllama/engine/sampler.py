@@ -194,14 +194,24 @@ def apply_temperature_and_filters(logits: torch.Tensor, b: SamplingBatch) -> tor
     return logits
 
 
+HUGE_LOGIT = 1e30  # past it a logit / temperature may overflow to inf (and inf - inf to NaN in the softmax)
+
+
 def penalized(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """fp32 logits after the biases, bans and penalties: what greedy rows take the argmax of."""
+    """fp32 logits after the biases, bans and penalties: what greedy rows take the argmax of.
+    A huge bias or a tiny repetition penalty can push a logit toward the float range's end: such a
+    row is shifted to a maximum of 0 (the same distribution), other rows are left as they are."""
     logits = logits.float()
     if b.bias is not None:
         logits = logits + b.bias
     if b.suppress is not None:
         logits = logits.masked_fill(b.suppress, float("-inf"))
-    return apply_penalties(logits, b)
+    logits = apply_penalties(logits, b)
+    if b.bias is not None or b.output_tokens is not None or b.prompt_tokens is not None:
+        logits = logits.clamp(max=torch.finfo(torch.float32).max)  # (-inf: banned, kept)
+        top = logits.amax(dim=-1, keepdim=True)
+        logits = logits - torch.where(top > HUGE_LOGIT, top, torch.zeros_like(top))  # (no sync with the device: chained steps)
+    return logits
 
 
 def probabilities(logits: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
