@@ -148,6 +148,9 @@ def open_library(source: Path) -> ctypes.CDLL:
     return lib
 
 
+_WITHOUT_KERNELS = "the same results 10-20x slower (GGUF and 16-bit weights load as fp32 floats)"
+
+
 def load() -> ctypes.CDLL | None:
     """The kernel library, built on first use; None where it cannot run (then torch ops run)."""
     global _lib, _tried
@@ -155,11 +158,12 @@ def load() -> ctypes.CDLL | None:
         return _lib
     _tried = True
     if os.environ.get("FASTERLLAMA_NO_COMPILE") == "1":
+        log.warning("fasterllama: C kernels off (FASTERLLAMA_NO_COMPILE=1); using PyTorch ops, %s", _WITHOUT_KERNELS)
         return None
     try:
         _lib = open_library(SOURCE)
     except Exception as exc:  # no compiler, no AVX2...: the reference ops are correct
-        log.warning("fasterllama: C kernels unavailable (%s); using PyTorch ops", exc)
+        log.warning("fasterllama: C kernels unavailable (%s); using PyTorch ops, %s", exc, _WITHOUT_KERNELS)
     return _lib
 
 
