@@ -49,6 +49,8 @@ def test_saved_w4_keeps_its_head(folder, tmp_path, spec):
     llm = LLM(folder, quantization=spec, progress=False)
     out = str(tmp_path / "saved")
     save_quantized(llm.engine, out)
+    modes = {f: os.stat(os.path.join(out, f)).st_mode & 0o777 for f in ("model.safetensors", "config.json")}
+    assert modes["model.safetensors"] == modes["config.json"]  # (safetensors wrote the weights 0600: unreadable to others)
     loaded = LLM(out, progress=False)
     assert type(loaded.engine.model.lm_head) is type(llm.engine.model.lm_head)
     assert torch.equal(loaded.compute_logits(PROMPT), llm.compute_logits(PROMPT))

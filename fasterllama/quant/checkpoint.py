@@ -80,7 +80,11 @@ def save_quantized(engine: Any, out_dir: str) -> None:
             continue
         first_name.update((k, name) for k in keys)
         tensors[name] = t.detach().contiguous().cpu()
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    weights = os.path.join(out_dir, "model.safetensors")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)  # (safetensors writes it 0600: others could read config.json but not the weights)
     config = hf_config_dict(engine.config)
     config["quantization_config"] = {"quant_method": QUANT_METHOD, **engine.quant_config.to_dict(), "tied": tied}
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as fh:
