@@ -9,6 +9,7 @@ torch, measured here too) + 1.2x the file's size + the KV cache the 256 tokens u
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -54,8 +55,12 @@ def main() -> None:
     cfg = open_checkpoint(path).config
     kv_mb = 256 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 4 / 2**20
     file_mb = os.path.getsize(path) / 2**20
+    skip = set(filter(None, args.skip.split(",")))
+    if "llamacpp" not in skip and importlib.util.find_spec("llama_cpp") is None:
+        print("llama.cpp skipped: llama-cpp-python is not installed (pip install -e '.[llamacpp]')", file=sys.stderr)
+        skip.add("llamacpp")
     results = {name: peak_mb(prog.format(path=path)) for name, prog in PROGRAMS.items()
-               if not (name == "llama.cpp" and "llamacpp" in args.skip)}
+               if not (name == "llama.cpp" and "llamacpp" in skip)}
     torch_mb = results["import torch alone"]
     budget = torch_mb + 1.2 * file_mb + kv_mb
     print(f"{os.path.basename(path)}: file {file_mb:.0f} MiB, KV cache of 256 tokens {kv_mb:.1f} MiB")

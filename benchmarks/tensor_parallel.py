@@ -133,11 +133,13 @@ def main() -> None:
         if proc.returncode != 0 or line is None:
             sys.exit(f"N={size} failed:\n{proc.stderr[-3000:]}")
         results[size] = json.loads(line[7:])
-    print(f"{'N':>3} {'prefill 128':>12} {'prefill 512':>12} {'decode b1':>10} {'decode b8':>10}  rank 0 weights MiB  peak MiB per rank")
+    prompt_lens, batches = args.prompt_lens.split(","), args.batch_sizes.split(",")  # (the columns measured)
+    print(f"{'N':>3} " + " ".join(f"{'prefill ' + k:>12}" for k in prompt_lens) + " " + " ".join(f"{'decode b' + k:>10}" for k in batches)
+          + "  rank 0 weights MiB  peak MiB per rank")
     for size, r in ((k, v) for k, v in results.items() if k != "latency_us"):
         pre, thr = r["prefill"], r["throughput_tokens_per_s"]
-        cells = [f"{pre[k]['tokens_per_s']:12.1f}" if k in pre else f"{'':>12}" for k in ("128", "512")]
-        cells += [f"{thr[k]:10.1f}" if k in thr else f"{'':>10}" for k in ("1", "8")]
+        cells = [f"{pre[k]['tokens_per_s']:12.1f}" if k in pre else f"{'':>12}" for k in prompt_lens]
+        cells += [f"{thr[k]:10.1f}" if k in thr else f"{'':>10}" for k in batches]
         print(f"{size:>3} {' '.join(cells)}  {r['rank0_weights_mb']:17.1f}  {', '.join(f'{m:.0f}' for m in r['peak_rss_mb_per_rank'])}")
         for name, c in r.get("collectives_per_step", {}).items():
             print(f"      {name}: {c['calls']:.0f} calls, {c['bytes'] / 1024:.1f} KiB per step (rank 0 sends)")

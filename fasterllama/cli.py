@@ -31,7 +31,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 or float16")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's, at most 8192)")
-    p.add_argument("--quantization", default=None, help="default: a GGUF file's Q4_0..Q8_0, Q2_K..Q6_K tensors stay so on the CPU (gguf: exact, the same weights as none); "
+    p.add_argument("--quantization", default=None, help="default: a GGUF file's quantized tensors stay so (gguf: exact, the same weights as none), and on the CPU "
+                   "F16/BF16 ones and bf16/fp16 safetensors stay 16-bit; "
                    "none (float weights), gguf, gguf-a8 (gguf, with int8 activations as llama.cpp's), "
                    "w8, w8-g32, w4[-g32|-g64|-g128][-noimatrix|-sym][-head4], w8a8[-nosq], "
                    "w8a8-static[-percentile[P]|-max|-mse|-entropy][-clip][-sqALPHA|-nosq]")
@@ -588,7 +589,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         from .server.run import bind, serve
     except ImportError as e:
-        raise FasterLlamaError(f"the server needs its extra: pip install 'fasterllama[serve]' ({e.name} is missing)") from None
+        raise FasterLlamaError(f"the server needs its extra ({e.name} is missing): pip install -e '.[serve]' in fasterllama's "
+                               "checkout (an installed package: pip install 'fasterllama[serve]')") from None
     from .engine.async_engine import EngineLoop
     from .loading.registry import DEFAULT_MODEL
 
@@ -669,7 +671,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(sv)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     sv.add_argument("--port", type=_port, default=8000, help="port (default 8000; 0: any free one)")
-    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 (default: $FASTERLLAMA_API_KEY, else none)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and /tokenizer_info "
+                    "(/health, /metrics and /version stay open; default: $FASTERLLAMA_API_KEY, else none)")
     sv.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model, or the default model's name)")
     sv.add_argument("--max-num-seqs", type=int, default=16, help="most sequences decoded together (default 16)")
     sv.add_argument("--max-num-batched-tokens", type=int, default=2048,

@@ -113,7 +113,7 @@ class CUDABackend(Backend):
         self.kernels = table is not None
 
     def keeps_gguf_quantized(self, dtype: torch.dtype) -> bool:
-        return self.kernels  # GEMV/GEMM kernels read Q8_0 / Q5_0 / Q4_0 / Q4_1 blocks (gguf_native: the row layouts)
+        return self.kernels  # GEMV/GEMM kernels read every type the CPU keeps (gguf_native._module: 4-bit or int8 row layouts)
 
     def prepare_model(self, model) -> None:
         """Weights stay in the layouts they load in (less their redundant bytes: compact_scales); the
