@@ -278,6 +278,17 @@ def test_llm_arguments(model_path: str) -> None:
     assert llm.engine.dtype == torch.float32 and llm.engine.blocks.prefix_caching
 
 
+def test_kv_cache_size_checked_before_the_load(model_path: str, monkeypatch) -> None:
+    """A KV cache that cannot fit, or no size at all, fails before the weights load (a 1.1B model
+    took 50-90 s to load before saying so)."""
+    import fasterllama.engine.llm_engine as le
+
+    monkeypatch.setattr(le, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    for size, fragment in (("1000TiB", "exceeds the"), ("lots", "is not a size")):
+        with pytest.raises(FasterLlamaError, match=fragment):
+            LLM(model=model_path, kv_cache_memory=size, progress=False)
+
+
 # -- 6: chat messages --------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "messages,fragment",

@@ -68,6 +68,17 @@ def parse_memory(value: float | str) -> int | float:
     return value
 
 
+def memory_budget(memory: float | str, device: torch.device) -> int:
+    """kv_cache_memory in bytes, refused where it exceeds the free memory (the engine asks once
+    before the model loads, so a size that cannot fit fails in a second, not after the load)."""
+    memory = parse_memory(memory)
+    free = free_memory(device, with_swap=True)
+    budget = int(free_memory(device) * memory) if isinstance(memory, float) else memory
+    if free is not None and budget > free:  # (a host allocation this large may succeed, and fail when the cache fills)
+        raise FasterLlamaError(f"kv_cache_memory of {budget / 2**30:.1f} GiB exceeds the {free / 2**30:.1f} GiB free on {device.type}")
+    return budget
+
+
 def num_blocks_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, memory: float | str | None, block_size: int,
                    max_num_seqs: int, max_model_len: int) -> int:
     """How many blocks the cache gets. By default: on the CPU up to DEFAULT_CPU_MEMORY, on a GPU
@@ -78,11 +89,7 @@ def num_blocks_for(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, m
     if memory is None:
         budget = int(free_memory(device) * DEFAULT_GPU_FRACTION) if device.type == "cuda" else DEFAULT_CPU_MEMORY
         return max(blocks_per_seq, min(budget // per_block, max_num_seqs * blocks_per_seq))
-    memory = parse_memory(memory)
-    free = free_memory(device, with_swap=True)
-    budget = int(free_memory(device) * memory) if isinstance(memory, float) else memory
-    if free is not None and budget > free:  # (a host allocation this large may succeed, and fail when the cache fills)
-        raise FasterLlamaError(f"kv_cache_memory of {budget / 2**30:.1f} GiB exceeds the {free / 2**30:.1f} GiB free on {device.type}")
+    budget = memory_budget(memory, device)
     if budget < per_block:
         raise FasterLlamaError(f"kv_cache_memory of {budget} bytes is less than one KV cache block ({per_block} bytes: "
                                f"{block_size} tokens x {cfg.num_layers} layers)")

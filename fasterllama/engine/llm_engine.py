@@ -34,7 +34,7 @@ from ..sampling_params import SamplingParams, integer_value
 from ..tokenizer import Tokenizer
 from . import sampler, speculative
 from .block_manager import BlockManager
-from .kv_cache import KVCache, num_blocks_for
+from .kv_cache import KVCache, memory_budget, num_blocks_for
 from .model_runner import ModelRunner, decode_inputs
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import Logprob, Sequence
@@ -213,6 +213,8 @@ class LLMEngine:
                 raise FasterLlamaError(f"{e}; or none (float weights), gguf (a GGUF file's quantized tensors as they are) "
                                        "or gguf-a8 (and int8 activations)") from None
         dev = resolve_device(device)
+        if kv_cache_memory is not None:
+            memory_budget(kv_cache_memory, dev)  # a size that cannot fit (or is no size) fails now, not after the load
         group, workers = tp_group, None
         if group is not None:
             dev = group.device
