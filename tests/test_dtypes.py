@@ -41,3 +41,18 @@ def test_bad_dtype_and_device_errors(tiny_folder):
         LLM(folder, dtype="int3", progress=False)
     with pytest.raises(FasterLlamaError, match="device"):
         LLM(folder, device="tpu", progress=False)
+
+
+@pytest.mark.parametrize("mode", ["w8a8", "w8a8-static", "w4-g32"])
+def test_quantizing_a_16bit_model_after_loading(tmp_path, mode):
+    """engine.quantize on a bf16 folder loaded as stored (its matrices 16-bit) quantizes the fp32
+    floats, as loading with quantization=mode does: the same logits (w8a8 crashed: its activations
+    took the weights' bf16)."""
+    hf = tm.build_hf_model(tm.TinySpec("tied16", num_heads=4, num_kv_heads=2, tie_word_embeddings=True)).to(torch.bfloat16)
+    folder = tm.save_hf_checkpoint(hf, str(tmp_path / "bf16"))
+    later = LLM(folder, progress=False)
+    later.engine.quantize(mode)
+    at_load = LLM(folder, quantization=mode, progress=False)
+    ids = list(range(10, 40))
+    assert torch.equal(later.compute_logits(ids), at_load.compute_logits(ids))
+    assert later.generate([ids], SamplingParams(temperature=0, max_tokens=6))[0].token_ids == at_load.generate([ids], SamplingParams(temperature=0, max_tokens=6))[0].token_ids

@@ -367,6 +367,7 @@ class LLMEngine:
             raise FasterLlamaError("a tensor-parallel engine quantizes while it loads: pass quantization= to LLM / LLMEngine")
         if self.quant_config is not None:
             raise FasterLlamaError(f"the model is quantized already ({self.quant_config}); load it with quantization='none' to quantize it another way")
+        self.model.widen_weights()  # (16-bit matrices as loaded: the modes quantize, and smooth, the model dtype's floats)
         chunks = None
         if qcfg.needs_calibration:
             chunks = calibration_chunks(self.tokenizer, calibration_text, calibration_tokens, min(512, self.max_model_len))

@@ -255,6 +255,17 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {_checkpoint_name(missing[0])!r}{untied}")
         self.inv_freq = self.inv_freq.to(device)
 
+    def widen_weights(self) -> None:
+        """Matrices kept 16-bit in an fp32 model (load_weights' keep_16bit) widened to its dtype, ties
+        kept: what quantizing and smoothing work on."""
+        widened: dict[int, nn.Parameter] = {}
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None and p.dtype != self.dtype and p.dtype in HALF_TYPES:
+                    if id(p) not in widened:
+                        widened[id(p)] = nn.Parameter(p.data.to(self.dtype), requires_grad=False)
+                    module._parameters[name] = widened[id(p)]
+
     def _materialize(self, target: str, dtype: torch.dtype, device: torch.device, copy: torch.Tensor | None = None) -> nn.Parameter:
         """A real parameter in place of a meta one (or of `copy`, whose values it takes)."""
         module_name, _, attr = target.rpartition(".")
