@@ -45,15 +45,19 @@ def _madvise(start: int, end: int, *advice: int) -> None:
 
 
 def _collapse_later(tensors: list[torch.Tensor]) -> None:
-    """Ask for huge pages under each tensor now, and collapse its pages into them on a thread (which
-    holds the tensors until it is done: the memory it works on stays theirs)."""
-    for t in tensors:
-        _madvise(t.data_ptr(), t.data_ptr() + _nbytes(t), MADV_HUGEPAGE)
+    """Ask for huge pages under each tensor now, and collapse its pages into them on a thread. The
+    thread keeps addresses, not the tensors: weights a quantize replaces (or a deleted model's) go
+    at once, and a collapse of memory freed meanwhile is harmless (unmapped: ENOMEM; reused: the
+    contents stay as they are)."""
+    ranges = [(t.data_ptr(), t.data_ptr() + _nbytes(t)) for t in tensors]
+    for start, end in ranges:
+        _madvise(start, end, MADV_HUGEPAGE)
 
     def collapse() -> None:
-        for t in tensors:
-            _madvise(t.data_ptr(), t.data_ptr() + _nbytes(t), MADV_COLLAPSE)  # (ctypes lets go of the GIL)
+        for start, end in ranges:
+            _madvise(start, end, MADV_COLLAPSE)  # (ctypes lets go of the GIL)
 
+    _collapsing[:] = [t for t in _collapsing if t.is_alive()]
     thread = threading.Thread(target=collapse, name="fasterllama-huge-pages", daemon=True)
     _collapsing.append(thread)
     thread.start()
