@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -187,6 +188,18 @@ def _onednn_linear() -> Callable | None:
 
 
 WIDEN_BYTES = 32 << 20  # a 16-bit matrix widens to fp32 for a GEMM this many bytes of rows at a time
+_scratch = threading.local()
+
+
+def _widened(weight: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Rows lo:hi of a 16-bit matrix in fp32, in a buffer this thread reuses call after call: a
+    fresh one page-faults on every call (a 46 MB block widened in 15-18 ms, against 2.8 into the
+    warm buffer)."""
+    need = (hi - lo) * weight.shape[1]
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < need:
+        buf = _scratch.buf = torch.empty(need, dtype=torch.float32)
+    return buf[:need].view(hi - lo, weight.shape[1]).copy_(weight[lo:hi])
 
 
 def sgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -197,10 +210,11 @@ def sgemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         n, k = weight.shape
         rows = max(1, WIDEN_BYTES // (4 * k))
         if rows >= n:
-            return sgemm(x, weight.float(), bias)
+            return sgemm(x, _widened(weight, 0, n), bias)
         out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
         for lo in range(0, n, rows):
-            out[..., lo : lo + rows] = sgemm(x, weight[lo : lo + rows].float(), None if bias is None else bias[lo : lo + rows])
+            hi = min(n, lo + rows)
+            out[..., lo:hi] = sgemm(x, _widened(weight, lo, hi), None if bias is None else bias[lo:hi])
         return out
     if x.dtype == weight.dtype == torch.float32 and not (x.requires_grad or weight.requires_grad) and _onednn_linear() is not None:
         return _onednn_linear()(x, weight, bias)
