@@ -59,7 +59,7 @@ class HFTransformers:
         from transformers import AutoModelForCausalLM
 
         self.name = f"HF transformers {str(dtype).removeprefix('torch.')}"
-        self.model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=dtype).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.inference_mode()
