@@ -168,13 +168,17 @@ class LlamaCpp(Engine):
 
 
 class HFTransformers(Engine):
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, dtype: torch.dtype = torch.float32, name: str = "HF transformers fp32") -> None:
+        """path: a GGUF file or a HF folder."""
         from transformers import AutoModelForCausalLM
 
-        self.name = "HF transformers fp32"
-        folder, file = os.path.split(os.path.abspath(path))
-        self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, torch_dtype=torch.float32).eval()
-        self.weight_bytes = sum(p.numel() * 4 for p in self.model.parameters())
+        self.name = name
+        if os.path.isfile(path):
+            folder, file = os.path.split(os.path.abspath(path))
+            self.model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=dtype).eval()
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.inference_mode()
     def prefill(self, ids: list[int]) -> float:
@@ -196,7 +200,7 @@ class HFTransformers(Engine):
         return time.perf_counter() - t, tokens
 
 
-SKIPPABLE = ("llamacpp", "hf", "w8a8")
+SKIPPABLE = ("llamacpp", "hf", "w8a8", "a8")
 
 
 def positive(text: str) -> int:

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 import torch
-from compare_cpu import FasterLlama, MachineLimits, positive
+from compare_cpu import FasterLlama, HFTransformers, MachineLimits, positive
 
 from fasterllama.bench import fixed_prompt_ids
 
@@ -54,32 +54,6 @@ def write_folder(shape: str, dtype: torch.dtype, folder: str) -> None:
     tokenizer.save(f"{folder}/tokenizer.json")
 
 
-class HFTransformers:
-    def __init__(self, folder: str, dtype: torch.dtype) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.name = f"HF transformers {str(dtype).removeprefix('torch.')}"
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-
-    @torch.inference_mode()
-    def prefill(self, ids: list[int]) -> float:
-        t = time.perf_counter()
-        self.model(torch.tensor([ids]), use_cache=True).logits[0, -1].argmax()
-        return time.perf_counter() - t
-
-    @torch.inference_mode()
-    def decode(self, ids: list[int], steps: int) -> tuple[float, list[int]]:
-        out = self.model(torch.tensor([ids]), use_cache=True)
-        tokens, cache = [int(out.logits[0, -1].argmax())], out.past_key_values
-        t = time.perf_counter()
-        for _ in range(steps):
-            out = self.model(torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-            tokens.append(int(out.logits[0, -1].argmax()))
-        return time.perf_counter() - t, tokens
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="default")
@@ -100,7 +74,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as folder:
             write_folder(args.shape, dtype, folder)
             ours = [FasterLlama("fasterllama (default: kept as stored)", folder), FasterLlama("fasterllama fp32 (expanded)", folder, quantization="none")]
-            engines = ours + ([HFTransformers(folder, dtype)] if "hf" not in args.skip else [])
+            engines = ours + ([HFTransformers(folder, dtype, f"HF transformers {str(dtype).removeprefix('torch.')}")] if "hf" not in args.skip else [])
             ids = fixed_prompt_ids(args.prompt_len, ours[0].llm.config.vocab_size)
             runs = {e.name: {"prefill": [], "decode": [], "ceiling": [], "batch": []} for e in engines}
             tokens = {}
