@@ -56,3 +56,20 @@ def test_quantizing_a_16bit_model_after_loading(tmp_path, mode):
     ids = list(range(10, 40))
     assert torch.equal(later.compute_logits(ids), at_load.compute_logits(ids))
     assert later.generate([ids], SamplingParams(temperature=0, max_tokens=6))[0].token_ids == at_load.generate([ids], SamplingParams(temperature=0, max_tokens=6))[0].token_ids
+
+
+@pytest.mark.parametrize("mode", ["w8", "w4-g32", "w8a8"])
+def test_weight_only_modes_quantize_16bit_weights_without_an_fp32_copy(tmp_path, monkeypatch, mode):
+    """quantization=w8 / w4 on a bf16 folder loads it 16-bit and widens one linear at a time as it
+    quantizes (a bf16 7B model then quantizes without its 28 GB fp32 copy); w8a8 loads fp32 as
+    before (SmoothQuant scales whole layers). Either way the result is the fp32 twin folder's, to the bit."""
+    import fasterllama.engine.llm_engine as le
+
+    hf = tm.build_hf_model(tm.TinySpec("untied16", num_heads=4, num_kv_heads=2, intermediate_size=96)).to(torch.bfloat16)
+    half = tm.save_hf_checkpoint(hf, str(tmp_path / "bf16"))
+    twin = tm.save_hf_checkpoint(hf.float(), str(tmp_path / "fp32"))
+    kept, load = [], le.load_model
+    monkeypatch.setattr(le, "load_model", lambda *a, **k: kept.append(a[-1]) or load(*a, **k))
+    ids = list(range(10, 40))
+    got, want = (LLM(path, quantization=mode, progress=False).compute_logits(ids) for path in (half, twin))
+    assert kept == [mode != "w8a8"] * 2 and torch.equal(got, want)

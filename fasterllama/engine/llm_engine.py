@@ -22,7 +22,7 @@ from ..backends import Backend, get_backend
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FasterLlamaError
 from ..loading import read_config
-from ..loading.model_loader import GGUF_NATIVE, LoadedModel, load_model
+from ..loading.model_loader import GGUF_NATIVE, LoadedModel, keeps_16bit_for, load_model
 from ..loading.registry import resolve_model_path
 from ..model import LlamaForCausalLM
 from ..parallel import workers as tp_workers
@@ -234,7 +234,7 @@ class LLMEngine:
                                 backend.keeps_gguf_quantized(dtype), progress,
                                 # in parts as it loads, unless a quantization mode needs the whole model first (calibration)
                                 (group.rank, group.size) if group is not None and quantization in FILE_MODES else None,
-                                backend.keeps_16bit_weights(dtype))
+                                backend.keeps_16bit_weights(dtype) and keeps_16bit_for(quantization))
             self._start(loaded, backend, dtype, max_model_len, max_num_seqs, max_num_batched_tokens, kv_cache_memory, block_size,
                         enable_prefix_caching, tensor_parallel=group is not None, enforce_eager=enforce_eager)
             if quantization not in FILE_MODES:
@@ -367,7 +367,9 @@ class LLMEngine:
             raise FasterLlamaError("a tensor-parallel engine quantizes while it loads: pass quantization= to LLM / LLMEngine")
         if self.quant_config is not None:
             raise FasterLlamaError(f"the model is quantized already ({self.quant_config}); load it with quantization='none' to quantize it another way")
-        self.model.widen_weights()  # (16-bit matrices as loaded: the modes quantize, and smooth, the model dtype's floats)
+        self.runner.decode_plan = None  # (it holds every weight: each float linear goes as it is quantized; refreshed below)
+        if qcfg.mode == "w8a8":  # 16-bit matrices as loaded: it smooths whole layers and keeps floats in the model's dtype
+            self.model.widen_weights()  # (the weight-only modes widen one linear at a time as they quantize it)
         chunks = None
         if qcfg.needs_calibration:
             chunks = calibration_chunks(self.tokenizer, calibration_text, calibration_tokens, min(512, self.max_model_len))

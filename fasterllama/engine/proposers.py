@@ -182,11 +182,11 @@ class DraftModelProposer:
 
 def load_draft_model(model: str, quantization: str | None, target: LLMEngine, progress: bool) -> LLMEngine:
     """The draft model's engine: on the target's device, as many sequences and as long a context."""
-    from ..loading.model_loader import load_model
+    from ..loading.model_loader import keeps_16bit_for, load_model
     from .llm_engine import LLMEngine
 
     loaded = load_model(model, target.dtype, target.device, None if quantization is None else "none",
-                        target.backend.keeps_gguf_quantized(target.dtype), progress, keep_16bit=target.backend.keeps_16bit_weights(target.dtype))
+                        target.backend.keeps_gguf_quantized(target.dtype), progress, keep_16bit=target.backend.keeps_16bit_weights(target.dtype) and keeps_16bit_for(quantization))
     if loaded.config.vocab_size != target.config.vocab_size:
         raise FasterLlamaError(f"the draft model's vocabulary has {loaded.config.vocab_size} tokens, the model's {target.config.vocab_size}: "
                                "a draft model must share the model's tokenizer")

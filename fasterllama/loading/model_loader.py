@@ -30,6 +30,18 @@ class LoadedModel:
 GGUF_NATIVE = ("gguf", "gguf-a8")  # quantization values that keep a GGUF file's blocks
 
 
+def keeps_16bit_for(quantization: object) -> bool:
+    """Whether a load for this quantization value may keep a checkpoint's 16-bit matrices (where
+    the backend can): as the file is (None, gguf, gguf-a8), or for the weight-only modes, which
+    widen one linear at a time as they quantize it (so a bf16 7B model quantizes without its fp32
+    copy); not for "none" (fp32 asked for) or w8a8 (SmoothQuant scales whole layers in fp32)."""
+    from ..quant.config import QuantConfig
+
+    if quantization is None or quantization in GGUF_NATIVE or quantization == "none":
+        return quantization != "none"
+    return QuantConfig.parse(quantization).mode in ("w8", "w4")
+
+
 def _counted(items, bar):
     for item in items:
         if bar is not None:
@@ -40,10 +52,11 @@ def _counted(items, bar):
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quantization: str | None, keep_gguf_quantized: bool,
                progress: bool = True, shard: tuple[int, int] | None = None, keep_16bit: bool = False) -> LoadedModel:
     """quantization None: a GGUF file's quantized tensors stay quantized where
-    `keep_gguf_quantized` (the backend's kernels run them exactly), and fp16 / bf16 matrices stay
-    16-bit in an fp32 model where `keep_16bit` (its kernels widen them exactly); "gguf" asks for
-    that ("gguf-a8": and every product of those tensors takes x rounded to int8, as llama.cpp's
-    do), "none" expands every tensor to `dtype`; any other mode loads floats for the caller to quantize.
+    `keep_gguf_quantized` (the backend's kernels run them exactly); "gguf" asks for that
+    ("gguf-a8": and every product of those tensors takes x rounded to int8, as llama.cpp's do),
+    "none" expands every tensor to `dtype`; any other mode loads floats for the caller to quantize.
+    keep_16bit (the caller's choice: keeps_16bit_for): fp16 / bf16 matrices stay 16-bit in an fp32
+    model (the backend's kernels widen them exactly).
     shard (rank, ranks): build and load only this tensor-parallel rank's part of the model, each
     tensor cut as it loads (parallel.sharding.ShardPlan), so a rank holds about 1/ranks of the
     weights; parallel.sharding.shard_model then puts the collectives between the parts."""
@@ -61,7 +74,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device, quan
     requested = quantization
     if quantization is None:
         quantization = "gguf" if ckpt.format == "gguf" and keep_gguf_quantized and saved_quant is None else "none"
-    keep_16bit = keep_16bit and dtype == torch.float32 and requested in (None, *GGUF_NATIVE)
+    keep_16bit = keep_16bit and dtype == torch.float32
     local_config = ckpt.config if plan is None else plan.local_model_config()
     _check_memory(ckpt, local_config, dtype, device, saved_quant is not None or quantization in GGUF_NATIVE, keep_16bit, 1 if plan is None else plan.size)
     net = LlamaForCausalLM(local_config)
