@@ -579,6 +579,8 @@ def test_weights_that_cannot_fit_fail_before_loading(tmp_path, monkeypatch):
     assert "by default" not in str(e.value) and not loaded
     with pytest.raises(FasterLlamaError, match="a GGUF file's quantized tensors stay quantized"):
         LLM(gguf_path, quantization="none", progress=False)
+    with pytest.raises(FasterLlamaError, match="every weight loads as float32"):  # (w8 expands the file's blocks, then quantizes)
+        LLM(gguf_path, quantization="w8", progress=False)
     tensor_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_path).tensors)  # kept quantized: the tensors' bytes in the file
     monkeypatch.setattr(ml, "free_memory", lambda device, **kw: tensor_bytes - 1)
     with pytest.raises(FasterLlamaError, match="the weights need about"):

@@ -124,7 +124,7 @@ def _check_memory(ckpt, config: ModelConfig, dtype: torch.dtype, device: torch.d
         from ..quant.gguf_native import loaded_bytes
 
         need = loaded_bytes(ckpt.source, dtype, kept_16bit) // ranks
-    elif kept_quantized or kept_16bit:
+    elif kept_quantized or (kept_16bit and ckpt.format != "gguf"):  # (a GGUF file not loaded natively: expanded)
         shards = getattr(ckpt.source, "shards", None)  # (a HF folder's: only the files its index names)
         files = list(shards) if shards else [ckpt.path] if os.path.isfile(ckpt.path) else \
             [os.path.join(ckpt.path, f) for f in os.listdir(ckpt.path) if f.endswith(".safetensors")]
